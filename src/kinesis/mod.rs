@@ -1,0 +1,195 @@
+//! Reading and writing Kinesis: the small [`KinesisApi`] trait the consumer and producer
+//! use, its AWS implementation ([`aws::AwsKinesis`], on `aws-sdk-kinesis`), and the
+//! value types that cross it. The embedded implementation is in [`crate::memory`].
+
+pub mod aws;
+
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::sequence::SequenceNumber;
+
+/// A shard as ListShards describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// The shard's id, e.g. `shardId-000000000003`.
+    pub shard_id: String,
+    /// The shard it was split from, or the first of the two it was merged from.
+    pub parent_shard_id: Option<String>,
+    /// The second parent of a merge.
+    pub adjacent_parent_shard_id: Option<String>,
+    /// The lowest hash key the shard owns.
+    pub starting_hash_key: u128,
+    /// The highest hash key the shard owns.
+    pub ending_hash_key: u128,
+    /// The first sequence number of the shard.
+    pub starting_sequence_number: SequenceNumber,
+    /// Set once the shard is closed (split or merged away).
+    pub ending_sequence_number: Option<SequenceNumber>,
+}
+
+impl ShardInfo {
+    /// The shard's parents (none, one for a split, two for a merge).
+    pub fn parents(&self) -> Vec<String> {
+        self.parent_shard_id
+            .iter()
+            .chain(self.adjacent_parent_shard_id.iter())
+            .cloned()
+            .collect()
+    }
+
+    /// Whether the shard is closed: no record will be added to it.
+    pub fn is_closed(&self) -> bool {
+        self.ending_sequence_number.is_some()
+    }
+}
+
+/// Where a shard iterator starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartingPosition {
+    /// The oldest record still retained.
+    TrimHorizon,
+    /// Just after the newest record: only records written from now on.
+    Latest,
+    /// The first record that arrived at or after this time.
+    AtTimestamp(SystemTime),
+    /// The record with this sequence number.
+    AtSequenceNumber(SequenceNumber),
+    /// The record just after this sequence number.
+    AfterSequenceNumber(SequenceNumber),
+}
+
+/// A record as GetRecords returns it.
+#[derive(Clone, Debug)]
+pub struct Record {
+    /// The record's sequence number.
+    pub sequence_number: SequenceNumber,
+    /// The producer's partition key.
+    pub partition_key: String,
+    /// The payload.
+    pub data: Bytes,
+    /// When Kinesis accepted it (approximate).
+    pub approximate_arrival: Option<SystemTime>,
+}
+
+/// One GetRecords answer.
+#[derive(Clone, Debug, Default)]
+pub struct RecordsPage {
+    /// The records, in sequence order.
+    pub records: Vec<Record>,
+    /// Where to read next; `None` once a closed shard has been read to its end.
+    pub next_iterator: Option<String>,
+    /// How far behind the tip of the shard this read was.
+    pub millis_behind_latest: Option<i64>,
+    /// The shard's children, when the service reports them at the shard's end.
+    pub child_shards: Vec<String>,
+}
+
+/// A record to write with PutRecords.
+#[derive(Clone, Debug)]
+pub struct PutRecord {
+    /// The payload.
+    pub data: Bytes,
+    /// The partition key: decides the shard unless an explicit hash key is given.
+    pub partition_key: String,
+    /// A hash key (decimal, 0..2^128) that decides the shard instead of the partition key.
+    pub explicit_hash_key: Option<String>,
+}
+
+/// What happened to one entry of a PutRecords call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Stored: in this shard, at this sequence number.
+    Stored {
+        /// The shard that took the record.
+        shard_id: String,
+        /// Its sequence number.
+        sequence_number: SequenceNumber,
+    },
+    /// Refused; the entry may be sent again.
+    Failed {
+        /// The service's error code, e.g. `ProvisionedThroughputExceededException`.
+        code: String,
+        /// The service's message.
+        message: String,
+    },
+}
+
+/// Errors of the Kinesis calls, classified by what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum KinesisError {
+    /// Throttled (ProvisionedThroughputExceeded, LimitExceeded, KMS throttling): back off and retry.
+    #[error("throttled by Kinesis: {0}")]
+    Throttled(String),
+    /// The shard iterator expired (or is otherwise no longer valid): get a new one from
+    /// the last delivered position.
+    #[error("shard iterator expired: {0}")]
+    ExpiredIterator(String),
+    /// The stream or shard does not exist.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The request was refused as invalid.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// A network, service or other transient failure: retry with backoff.
+    #[error("kinesis call failed: {0}")]
+    Other(String),
+}
+
+impl KinesisError {
+    /// Whether retrying the same call later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, KinesisError::Throttled(_) | KinesisError::Other(_))
+    }
+}
+
+/// The Kinesis calls shardflow needs. Implemented by [`aws::AwsKinesis`] and
+/// [`crate::memory::MemoryKinesis`].
+#[async_trait]
+pub trait KinesisApi: Send + Sync + 'static {
+    /// Every shard of the stream, open and closed (still retained), with parents.
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError>;
+
+    /// Whether the stream is being resharded (status UPDATING).
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError>;
+
+    /// An iterator into a shard.
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError>;
+
+    /// Up to `limit` records from an iterator.
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError>;
+
+    /// Writes records; the answer has one outcome per record, in order.
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError>;
+
+    /// Creates a stream with `shards` shards and waits until it is active. Used by
+    /// examples and tests; an existing stream is left as it is.
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError>;
+
+    /// Splits a shard at `new_starting_hash_key`.
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError>;
+
+    /// Merges two adjacent shards.
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError>;
+}

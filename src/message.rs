@@ -1,0 +1,193 @@
+//! What handlers receive: [`Message`] (headers + payload) and [`Batch`] (the messages of
+//! one read of one shard, with the handle that acknowledges them).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::AckHandle;
+use crate::sequence::{Position, SequenceNumber};
+
+/// Where a record came from and what Kinesis said about it.
+#[derive(Clone)]
+pub struct Headers {
+    /// The stream's name.
+    pub stream: Arc<str>,
+    /// The shard the record was read from.
+    pub shard_id: Arc<str>,
+    /// The Kinesis sequence number of the record.
+    pub sequence_number: SequenceNumber,
+    /// The user record's index inside a KPL aggregate; 0 for plain records.
+    pub sub_sequence_number: u64,
+    /// The partition key the producer gave.
+    pub partition_key: String,
+    /// The explicit hash key, when the producer set one (KPL user records).
+    pub explicit_hash_key: Option<String>,
+    /// When Kinesis accepted the record (approximate).
+    pub approximate_arrival: Option<SystemTime>,
+    /// Cancelled when this worker loses the shard's lease: in-flight work may finish,
+    /// but can stop early because the checkpoint will no longer move for it.
+    pub lease_lost: CancellationToken,
+}
+
+impl Headers {
+    /// The record's position in its shard: sequence and sub-sequence number.
+    pub fn position(&self) -> Position {
+        Position::new(self.sequence_number.clone(), self.sub_sequence_number)
+    }
+}
+
+impl fmt::Debug for Headers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The partition key can be business data (an account id): keep it out of Debug too.
+        f.debug_struct("Headers")
+            .field("stream", &self.stream)
+            .field("shard_id", &self.shard_id)
+            .field("sequence_number", &self.sequence_number.as_str())
+            .field("sub_sequence_number", &self.sub_sequence_number)
+            .field("partition_key_len", &self.partition_key.len())
+            .field("approximate_arrival", &self.approximate_arrival)
+            .finish()
+    }
+}
+
+/// One record: headers and a payload (raw [`Bytes`] until a decode layer types it).
+#[derive(Clone)]
+pub struct Message<T = Bytes> {
+    /// Where the record came from.
+    pub headers: Headers,
+    /// The record's data.
+    pub payload: T,
+}
+
+impl<T> Message<T> {
+    /// Builds a message from its parts.
+    pub fn new(headers: Headers, payload: T) -> Self {
+        Message { headers, payload }
+    }
+
+    /// Replaces the payload, keeping the headers (what a decode layer does).
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Message<U> {
+        Message {
+            headers: self.headers,
+            payload: f(self.payload),
+        }
+    }
+
+    /// Like [`Message::map`] with a fallible function; on error the headers come back
+    /// with the error so nothing about the record is lost.
+    pub fn try_map<U, E>(self, f: impl FnOnce(T) -> Result<U, E>) -> Result<Message<U>, (Headers, E)> {
+        match f(self.payload) {
+            Ok(payload) => Ok(Message {
+                headers: self.headers,
+                payload,
+            }),
+            Err(e) => Err((self.headers, e)),
+        }
+    }
+
+    /// The record's position in its shard.
+    pub fn position(&self) -> Position {
+        self.headers.position()
+    }
+}
+
+impl<T> fmt::Debug for Message<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the payload: messages end up in logs through `?msg`.
+        f.debug_struct("Message")
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The messages of one read from one shard, in sequence order.
+///
+/// In `consumer.stream()` mode, call [`Batch::ack`] once they are handled: the shard's
+/// checkpoint may then pass them. A batch dropped without `ack` holds the checkpoint
+/// back (its records are delivered again after a restart or hand-off);
+/// [`Batch::nack`] asks for redelivery from the checkpoint right away.
+pub struct Batch<T = Bytes> {
+    /// The stream's name.
+    pub stream: Arc<str>,
+    /// The shard the messages were read from.
+    pub shard_id: Arc<str>,
+    /// The messages, in sequence order. May be empty only on the last batch of a closed shard.
+    pub messages: Vec<Message<T>>,
+    /// How far this read was behind the tip of the shard, when Kinesis said.
+    pub millis_behind_latest: Option<i64>,
+    pub(crate) ack: Option<AckHandle>,
+}
+
+impl<T> Batch<T> {
+    /// Builds a batch without an acknowledgement handle (for tests of users' handlers).
+    pub fn new(stream: Arc<str>, shard_id: Arc<str>, messages: Vec<Message<T>>) -> Self {
+        Batch {
+            stream,
+            shard_id,
+            messages,
+            millis_behind_latest: None,
+            ack: None,
+        }
+    }
+
+    /// The number of messages.
+    pub fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    /// Whether the batch holds no messages.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    /// Marks every message of this batch handled: the checkpoint may pass them once all
+    /// earlier batches of the shard are acknowledged too. Calling it twice is harmless.
+    pub fn ack(&self) {
+        if let Some(ack) = &self.ack {
+            ack.ack();
+        }
+    }
+
+    /// Reports that this batch failed: the shard stops and reads again from its
+    /// checkpoint after a backoff. Later acknowledgements of batches delivered before the
+    /// restart are ignored.
+    pub fn nack(&self) {
+        if let Some(ack) = &self.ack {
+            ack.nack();
+        }
+    }
+
+    /// Takes the acknowledgement handle out, so the messages can be moved elsewhere and
+    /// acknowledged later (what batching middleware does).
+    pub fn take_ack(&mut self) -> Option<AckHandle> {
+        self.ack.take()
+    }
+
+    /// Replaces every payload, keeping headers and the acknowledgement handle.
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Batch<U> {
+        Batch {
+            stream: self.stream,
+            shard_id: self.shard_id,
+            messages: self.messages.into_iter().map(|m| m.map(&mut f)).collect(),
+            millis_behind_latest: self.millis_behind_latest,
+            ack: self.ack,
+        }
+    }
+}
+
+impl<T> fmt::Debug for Batch<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batch")
+            .field("stream", &self.stream)
+            .field("shard_id", &self.shard_id)
+            .field("len", &self.messages.len())
+            .field("first", &self.messages.first().map(|m| m.headers.sequence_number.as_str()))
+            .field("last", &self.messages.last().map(|m| m.headers.sequence_number.as_str()))
+            .field("millis_behind_latest", &self.millis_behind_latest)
+            .finish()
+    }
+}
