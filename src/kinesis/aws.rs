@@ -1,6 +1,54 @@
 //! [`KinesisApi`](super::KinesisApi) over `aws-sdk-kinesis`.
+//!
+//! Every call maps the SDK's answer onto the small value types of [`super`] and
+//! classifies failures into [`KinesisError`] by what the caller should do next:
+//!
+//! | service error code | [`KinesisError`] |
+//! |---|---|
+//! | `ProvisionedThroughputExceededException`, `LimitExceededException`, `KMSThrottlingException`, `ThrottlingException` | [`Throttled`](KinesisError::Throttled) |
+//! | `ExpiredIteratorException`; on GetRecords also `InvalidArgumentException` whose message names the iterator | [`ExpiredIterator`](KinesisError::ExpiredIterator) |
+//! | `ResourceNotFoundException` | [`NotFound`](KinesisError::NotFound) |
+//! | `InvalidArgumentException`, `ValidationException` | [`Invalid`](KinesisError::Invalid) |
+//! | anything else: other service errors, HTTP 5xx, dispatch failures, timeouts | [`Other`](KinesisError::Other) |
+//!
+//! Emulators (kinesalite, ferrokinesis) answer a malformed or expired iterator with
+//! `InvalidArgumentException: Invalid ShardIterator.`; treating that as an expired
+//! iterator makes the reader recover from its last delivered position, which is always
+//! safe (nothing is skipped).
+//!
+//! Errors are formatted with [`DisplayErrorContext`] so the whole cause chain reaches the
+//! log; record payloads are never logged or put into error messages.
+//!
+//! The SDK's own retry policy (standard mode) still applies underneath: a `Throttled` or
+//! `Other` error here means its attempts were used up.
+
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use aws_sdk_kinesis::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_kinesis::primitives::{Blob, DateTime};
+use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
+
+use super::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
+    StartingPosition,
+};
+use crate::sequence::SequenceNumber;
+
+/// The most records one GetRecords call may ask for.
+const MAX_GET_RECORDS_LIMIT: u32 = 10_000;
+
+/// How long [`AwsKinesis::create_stream`], [`AwsKinesis::split_shard`] and
+/// [`AwsKinesis::merge_shards`] wait for the stream to become ACTIVE.
+const ACTIVE_WAIT: Duration = Duration::from_secs(60);
 
 /// Kinesis through the official SDK.
+///
+/// [`create_stream`](KinesisApi::create_stream), [`split_shard`](KinesisApi::split_shard)
+/// and [`merge_shards`](KinesisApi::merge_shards) return once the stream is ACTIVE again
+/// (polling DescribeStreamSummary, at most 60 s), so a following
+/// [`list_shards`](KinesisApi::list_shards) already sees the new shards — the same
+/// behaviour as the embedded backend.
 #[derive(Clone, Debug)]
 pub struct AwsKinesis {
     client: aws_sdk_kinesis::Client,
@@ -10,5 +58,413 @@ impl AwsKinesis {
     /// Wraps a client.
     pub fn new(client: aws_sdk_kinesis::Client) -> Self {
         AwsKinesis { client }
+    }
+
+    /// The stream's status, from DescribeStreamSummary.
+    async fn stream_status(&self, stream: &str) -> Result<StreamStatus, KinesisError> {
+        let out = self
+            .client
+            .describe_stream_summary()
+            .stream_name(stream)
+            .send()
+            .await
+            .map_err(|e| classify("DescribeStreamSummary", e))?;
+        out.stream_description_summary
+            .map(|summary| summary.stream_status)
+            .ok_or_else(|| {
+                KinesisError::Other(format!(
+                    "DescribeStreamSummary of {stream}: the answer has no stream description"
+                ))
+            })
+    }
+
+    /// Polls the stream's status until it is ACTIVE, for at most [`ACTIVE_WAIT`].
+    /// A missing stream (DescribeStreamSummary can lag behind CreateStream) and throttling
+    /// only mean "not yet".
+    async fn wait_until_active(&self, stream: &str) -> Result<(), KinesisError> {
+        let deadline = tokio::time::Instant::now() + ACTIVE_WAIT;
+        let mut pause = Duration::from_millis(25);
+        loop {
+            let last = match self.stream_status(stream).await {
+                Ok(StreamStatus::Active) => return Ok(()),
+                Ok(status) => format!("status {}", status.as_str()),
+                Err(e @ (KinesisError::NotFound(_) | KinesisError::Throttled(_))) => e.to_string(),
+                Err(e) => return Err(e),
+            };
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(KinesisError::Other(format!(
+                    "stream {stream} not ACTIVE after {} s ({last})",
+                    ACTIVE_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+}
+
+/// Classifies an SDK error by its service error code (see the module docs). `op` names the
+/// operation for the message.
+fn classify<E, R>(op: &str, err: SdkError<E, R>) -> KinesisError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    let code = err.code().unwrap_or_default().to_owned();
+    let message = err.message().unwrap_or_default().to_owned();
+    let text = format!("{op}: {}", DisplayErrorContext(&err));
+    classify_code(op, &code, &message, text)
+}
+
+/// The classification itself, on the code and message alone (unit-tested below).
+fn classify_code(op: &str, code: &str, message: &str, text: String) -> KinesisError {
+    match code {
+        "ProvisionedThroughputExceededException"
+        | "LimitExceededException"
+        | "KMSThrottlingException"
+        | "ThrottlingException" => KinesisError::Throttled(text),
+        "ExpiredIteratorException" => KinesisError::ExpiredIterator(text),
+        "InvalidArgumentException"
+            if op == "GetRecords" && message.to_ascii_lowercase().contains("iterator") =>
+        {
+            KinesisError::ExpiredIterator(text)
+        }
+        "ResourceNotFoundException" => KinesisError::NotFound(text),
+        "InvalidArgumentException" | "ValidationException" => KinesisError::Invalid(text),
+        _ => KinesisError::Other(text),
+    }
+}
+
+/// Parses a hash key (a decimal string below 2^128).
+fn parse_hash_key(shard_id: &str, which: &str, value: &str) -> Result<u128, KinesisError> {
+    value.parse::<u128>().map_err(|e| {
+        KinesisError::Other(format!(
+            "ListShards: shard {shard_id} has an invalid {which} hash key {value:?}: {e}"
+        ))
+    })
+}
+
+/// Parses a sequence number the service sent.
+fn parse_sequence(op: &str, value: String) -> Result<SequenceNumber, KinesisError> {
+    SequenceNumber::new(value)
+        .map_err(|e| KinesisError::Other(format!("{op}: invalid sequence number: {e}")))
+}
+
+/// Maps one shard of a ListShards answer.
+fn shard_info(shard: aws_sdk_kinesis::types::Shard) -> Result<ShardInfo, KinesisError> {
+    let aws_sdk_kinesis::types::Shard {
+        shard_id,
+        parent_shard_id,
+        adjacent_parent_shard_id,
+        hash_key_range,
+        sequence_number_range,
+        ..
+    } = shard;
+    let range = hash_key_range.ok_or_else(|| {
+        KinesisError::Other(format!(
+            "ListShards: shard {shard_id} has no hash key range"
+        ))
+    })?;
+    let sequences = sequence_number_range.ok_or_else(|| {
+        KinesisError::Other(format!(
+            "ListShards: shard {shard_id} has no sequence number range"
+        ))
+    })?;
+    Ok(ShardInfo {
+        starting_hash_key: parse_hash_key(&shard_id, "starting", &range.starting_hash_key)?,
+        ending_hash_key: parse_hash_key(&shard_id, "ending", &range.ending_hash_key)?,
+        starting_sequence_number: parse_sequence("ListShards", sequences.starting_sequence_number)?,
+        ending_sequence_number: sequences
+            .ending_sequence_number
+            .map(|s| parse_sequence("ListShards", s))
+            .transpose()?,
+        shard_id,
+        parent_shard_id,
+        adjacent_parent_shard_id,
+    })
+}
+
+#[async_trait]
+impl KinesisApi for AwsKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        let mut shards = Vec::new();
+        let mut next_token: Option<String> = None;
+        loop {
+            // The API refuses StreamName together with NextToken: the first page is asked
+            // for by name, every following one by the token alone.
+            let request = match next_token.take() {
+                None => self.client.list_shards().stream_name(stream),
+                Some(token) => self.client.list_shards().next_token(token),
+            };
+            let out = request
+                .send()
+                .await
+                .map_err(|e| classify("ListShards", e))?;
+            for shard in out.shards.unwrap_or_default() {
+                shards.push(shard_info(shard)?);
+            }
+            match out.next_token {
+                Some(token) if !token.is_empty() => next_token = Some(token),
+                _ => return Ok(shards),
+            }
+        }
+    }
+
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        Ok(self.stream_status(stream).await? == StreamStatus::Updating)
+    }
+
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        let request = self
+            .client
+            .get_shard_iterator()
+            .stream_name(stream)
+            .shard_id(shard_id);
+        let request = match from {
+            StartingPosition::TrimHorizon => {
+                request.shard_iterator_type(ShardIteratorType::TrimHorizon)
+            }
+            StartingPosition::Latest => request.shard_iterator_type(ShardIteratorType::Latest),
+            StartingPosition::AtTimestamp(at) => request
+                .shard_iterator_type(ShardIteratorType::AtTimestamp)
+                .timestamp(DateTime::from(*at)),
+            StartingPosition::AtSequenceNumber(seq) => request
+                .shard_iterator_type(ShardIteratorType::AtSequenceNumber)
+                .starting_sequence_number(seq.as_str()),
+            StartingPosition::AfterSequenceNumber(seq) => request
+                .shard_iterator_type(ShardIteratorType::AfterSequenceNumber)
+                .starting_sequence_number(seq.as_str()),
+        };
+        let out = request
+            .send()
+            .await
+            .map_err(|e| classify("GetShardIterator", e))?;
+        out.shard_iterator.ok_or_else(|| {
+            KinesisError::Other(format!(
+                "GetShardIterator for {stream}/{shard_id}: the answer has no iterator"
+            ))
+        })
+    }
+
+    /// `limit` is clamped to 1..=10,000, the range GetRecords accepts.
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        let limit = limit.clamp(1, MAX_GET_RECORDS_LIMIT);
+        let out = self
+            .client
+            .get_records()
+            .shard_iterator(iterator)
+            // Cannot fail: `limit` is at most 10,000 after the clamp above.
+            .limit(i32::try_from(limit).unwrap_or(i32::MAX))
+            .send()
+            .await
+            .map_err(|e| classify("GetRecords", e))?;
+        let mut records = Vec::with_capacity(out.records.len());
+        for record in out.records {
+            let aws_sdk_kinesis::types::Record {
+                sequence_number,
+                approximate_arrival_timestamp,
+                data,
+                partition_key,
+                ..
+            } = record;
+            records.push(Record {
+                sequence_number: parse_sequence("GetRecords", sequence_number)?,
+                partition_key: partition_key.unwrap_or_default(),
+                // The SDK deserialises into `Bytes`; this hands it over without a copy.
+                data: data.into_bytes(),
+                approximate_arrival: approximate_arrival_timestamp
+                    .and_then(|at| SystemTime::try_from(at).ok()),
+            });
+        }
+        Ok(RecordsPage {
+            records,
+            next_iterator: out.next_shard_iterator.filter(|it| !it.is_empty()),
+            millis_behind_latest: out.millis_behind_latest,
+            child_shards: out
+                .child_shards
+                .unwrap_or_default()
+                .into_iter()
+                .map(|child| child.shard_id)
+                .collect(),
+        })
+    }
+
+    /// An empty `records` is answered with an empty outcome list without a call (the
+    /// service refuses empty batches); more than 500 records are refused by the service
+    /// as [`KinesisError::Invalid`].
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut entries = Vec::with_capacity(records.len());
+        for record in records {
+            let entry = PutRecordsRequestEntry::builder()
+                // `Bytes` is shared, not copied.
+                .data(Blob::from_maybe_shared(record.data.clone()))
+                .partition_key(record.partition_key.clone())
+                .set_explicit_hash_key(record.explicit_hash_key.clone())
+                .build()
+                .map_err(|e| {
+                    KinesisError::Invalid(format!("PutRecords: {}", DisplayErrorContext(&e)))
+                })?;
+            entries.push(entry);
+        }
+        let out = self
+            .client
+            .put_records()
+            .stream_name(stream)
+            .set_records(Some(entries))
+            .send()
+            .await
+            .map_err(|e| classify("PutRecords", e))?;
+        if out.records.len() != records.len() {
+            return Err(KinesisError::Other(format!(
+                "PutRecords to {stream}: sent {} records, the answer has {} results",
+                records.len(),
+                out.records.len()
+            )));
+        }
+        out.records
+            .into_iter()
+            .map(
+                |entry| match (entry.error_code, entry.shard_id, entry.sequence_number) {
+                    (None, Some(shard_id), Some(sequence)) => Ok(PutOutcome::Stored {
+                        shard_id,
+                        sequence_number: parse_sequence("PutRecords", sequence)?,
+                    }),
+                    (code, _, _) => Ok(PutOutcome::Failed {
+                        code: code.unwrap_or_else(|| "MissingResult".to_owned()),
+                        message: entry.error_message.unwrap_or_default(),
+                    }),
+                },
+            )
+            .collect()
+    }
+
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        let shard_count = i32::try_from(shards).map_err(|_| {
+            KinesisError::Invalid(format!(
+                "CreateStream {stream}: {shards} shards is too many"
+            ))
+        })?;
+        match self
+            .client
+            .create_stream()
+            .stream_name(stream)
+            .shard_count(shard_count)
+            .send()
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.code() == Some("ResourceInUseException") => {
+                tracing::debug!(stream, "CreateStream: the stream exists already");
+            }
+            Err(e) => return Err(classify("CreateStream", e)),
+        }
+        self.wait_until_active(stream).await
+    }
+
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        self.client
+            .split_shard()
+            .stream_name(stream)
+            .shard_to_split(shard_id)
+            .new_starting_hash_key(new_starting_hash_key.to_string())
+            .send()
+            .await
+            .map_err(|e| classify("SplitShard", e))?;
+        self.wait_until_active(stream).await
+    }
+
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        self.client
+            .merge_shards()
+            .stream_name(stream)
+            .shard_to_merge(shard_id)
+            .adjacent_shard_to_merge(adjacent_shard_id)
+            .send()
+            .await
+            .map_err(|e| classify("MergeShards", e))?;
+        self.wait_until_active(stream).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(op: &str, code: &str, message: &str) -> KinesisError {
+        classify_code(op, code, message, String::new())
+    }
+
+    #[test]
+    fn classifies_service_errors_by_what_the_caller_should_do() {
+        for code in [
+            "ProvisionedThroughputExceededException",
+            "LimitExceededException",
+            "KMSThrottlingException",
+        ] {
+            assert!(matches!(
+                kind("GetRecords", code, ""),
+                KinesisError::Throttled(_)
+            ));
+        }
+        assert!(matches!(
+            kind(
+                "GetRecords",
+                "ExpiredIteratorException",
+                "Iterator expired."
+            ),
+            KinesisError::ExpiredIterator(_)
+        ));
+        assert!(matches!(
+            kind(
+                "GetRecords",
+                "InvalidArgumentException",
+                "Invalid ShardIterator."
+            ),
+            KinesisError::ExpiredIterator(_)
+        ));
+        // Outside GetRecords an invalid argument is the caller's mistake.
+        assert!(matches!(
+            kind(
+                "GetShardIterator",
+                "InvalidArgumentException",
+                "bad ShardIteratorType"
+            ),
+            KinesisError::Invalid(_)
+        ));
+        assert!(matches!(
+            kind("GetRecords", "InvalidArgumentException", "Limit too large"),
+            KinesisError::Invalid(_)
+        ));
+        assert!(matches!(
+            kind("ListShards", "ResourceNotFoundException", ""),
+            KinesisError::NotFound(_)
+        ));
+        assert!(matches!(kind("GetRecords", "", ""), KinesisError::Other(_)));
+        assert!(matches!(
+            kind("GetRecords", "InternalFailure", ""),
+            KinesisError::Other(_)
+        ));
     }
 }
