@@ -1,6 +1,77 @@
 //! [`LeaseStore`](super::LeaseStore) over `aws-sdk-dynamodb`.
+//!
+//! # Table schema
+//!
+//! One table per consumer group, one item per shard. Attribute names are the Java KCL's
+//! where they mean the same thing, so a KCL application's lease table can be taken over
+//! (and read by KCL tooling) without losing positions:
+//!
+//! | attribute | type | meaning |
+//! |---|---|---|
+//! | `leaseKey` | S, **hash key** | the shard id |
+//! | `leaseOwner` | S, absent when unowned | the worker holding the lease |
+//! | `leaseCounter` | N | bumped by every take, renewal and release: the fencing token |
+//! | `checkpoint` | S | the sequence number's digits, or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
+//! | `checkpointSubSequenceNumber` | N | the user record within a KPL aggregate (0 for plain records) |
+//! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
+//! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
+//!
+//! Sequence numbers are stored as strings: they have up to 129 digits, more than a
+//! DynamoDB Number holds. No condition compares them; fencing is on the counter.
+//!
+//! # Writes
+//!
+//! Every write except [`create`](LeaseStore::create) is a conditional UpdateItem or
+//! DeleteItem whose condition is
+//! `leaseCounter = <expected counter> AND leaseOwner = <expected owner>`
+//! (or `attribute_not_exists(leaseOwner)` when the caller saw the lease unowned). All
+//! attribute names go through `ExpressionAttributeNames` (`owner` and friends are reserved
+//! words). Updates ask for `ReturnValues=ALL_NEW`, so the row handed back is the one now
+//! stored. A failed condition is [`LeaseError::Conflict`]: the caller no longer holds what
+//! it thought it held.
+//!
+//! | call | update |
+//! |---|---|
+//! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1 REMOVE pendingOwner` |
+//! | `renew` | `SET leaseCounter = counter + 1` |
+//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber` (counter kept) |
+//! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner` (a pending hand-off request is kept, so the requester can take it) |
+//! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
+//! | `delete` | DeleteItem under the same condition |
+//!
+//! Reads (`get`, `list`) are strongly consistent.
 
-/// Leases in a DynamoDB table.
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
+    ScalarAttributeType, TableStatus,
+};
+
+use super::{Checkpoint, Lease, LeaseError, LeaseStore};
+
+/// The hash key: the shard id.
+const KEY: &str = "leaseKey";
+/// The owning worker.
+const OWNER: &str = "leaseOwner";
+/// The fencing token.
+const COUNTER: &str = "leaseCounter";
+/// The checkpoint's sequence number or sentinel.
+const CHECKPOINT: &str = "checkpoint";
+/// The checkpoint's sub-sequence number.
+const SUB_SEQUENCE: &str = "checkpointSubSequenceNumber";
+/// The parent shards.
+const PARENTS: &str = "parentShardId";
+/// The worker asking for a hand-off.
+const PENDING_OWNER: &str = "pendingOwner";
+
+/// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
+const ACTIVE_WAIT: Duration = Duration::from_secs(60);
+
+/// Leases in a DynamoDB table; see the [module docs](self) for the schema.
 #[derive(Clone, Debug)]
 pub struct DynamoLeaseStore {
     client: aws_sdk_dynamodb::Client,
@@ -10,6 +81,547 @@ pub struct DynamoLeaseStore {
 impl DynamoLeaseStore {
     /// A store over `table`.
     pub fn new(client: aws_sdk_dynamodb::Client, table: &str) -> Self {
-        DynamoLeaseStore { client, table: table.to_owned() }
+        DynamoLeaseStore {
+            client,
+            table: table.to_owned(),
+        }
+    }
+
+    /// The table's name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The table's status, or `None` when it does not exist. Fails when the table exists
+    /// with another key than `leaseKey` (it is some other table).
+    async fn table_status(&self) -> Result<Option<TableStatus>, LeaseError> {
+        let out = match self
+            .client
+            .describe_table()
+            .table_name(&self.table)
+            .send()
+            .await
+        {
+            Ok(out) => out,
+            Err(e) if e.code() == Some("ResourceNotFoundException") => return Ok(None),
+            Err(e) => return Err(classify("DescribeTable", None, e)),
+        };
+        let Some(table) = out.table else {
+            return Ok(None);
+        };
+        let keys = table.key_schema();
+        let is_lease_table = !keys.is_empty()
+            && keys
+                .iter()
+                .all(|k| k.attribute_name() == KEY && *k.key_type() == KeyType::Hash);
+        if !is_lease_table {
+            return Err(LeaseError::Other(format!(
+                "table {} exists but its key is not the hash key {KEY}: it is not a lease table",
+                self.table
+            )));
+        }
+        Ok(Some(table.table_status.unwrap_or(TableStatus::Creating)))
+    }
+
+    /// Creates the table (on-demand capacity); a concurrent creation is not an error.
+    async fn create_table(&self) -> Result<(), LeaseError> {
+        let build_error = |e: aws_sdk_dynamodb::error::BuildError| {
+            LeaseError::Other(format!("CreateTable: {}", DisplayErrorContext(&e)))
+        };
+        let result = self
+            .client
+            .create_table()
+            .table_name(&self.table)
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name(KEY)
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .map_err(build_error)?,
+            )
+            .key_schema(
+                KeySchemaElement::builder()
+                    .attribute_name(KEY)
+                    .key_type(KeyType::Hash)
+                    .build()
+                    .map_err(build_error)?,
+            )
+            .billing_mode(BillingMode::PayPerRequest)
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(table = %self.table, "created the lease table");
+                Ok(())
+            }
+            Err(e) if e.code() == Some("ResourceInUseException") => Ok(()),
+            Err(e) => Err(classify("CreateTable", None, e)),
+        }
+    }
+
+    /// A conditional UpdateItem of `expected`'s row: `update` (with its own `names` and
+    /// `values`) applies only if the row still has `expected`'s owner and counter.
+    /// `after` is what the row is expected to become; it is returned only if the store
+    /// does not hand back the new row (ALL_NEW), which DynamoDB and dynalite always do.
+    async fn fenced_update(
+        &self,
+        op: &str,
+        expected: &Lease,
+        update: &str,
+        names: &[(&str, &str)],
+        values: Vec<(&str, AttributeValue)>,
+        after: impl FnOnce() -> Lease,
+    ) -> Result<Lease, LeaseError> {
+        let fence = fence(expected);
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(expected.key.clone()))
+            .update_expression(update)
+            .condition_expression(fence.condition)
+            .return_values(ReturnValue::AllNew);
+        for (placeholder, name) in names.iter().chain(fence.names.iter()) {
+            request = request.expression_attribute_names(*placeholder, *name);
+        }
+        for (placeholder, value) in values.into_iter().chain(fence.values) {
+            request = request.expression_attribute_values(placeholder, value);
+        }
+        let out = request
+            .send()
+            .await
+            .map_err(|e| classify(op, Some(&expected.key), e))?;
+        match out.attributes {
+            Some(item) if !item.is_empty() => lease_from_item(&item),
+            _ => Ok(after()),
+        }
+    }
+}
+
+/// The fencing condition of a conditional write, with its placeholders.
+struct Fence {
+    /// The condition expression.
+    condition: &'static str,
+    /// `ExpressionAttributeNames` entries the condition uses.
+    names: [(&'static str, &'static str); 2],
+    /// `ExpressionAttributeValues` entries the condition uses.
+    values: Vec<(&'static str, AttributeValue)>,
+}
+
+/// The condition that the row still has `expected`'s owner and counter.
+fn fence(expected: &Lease) -> Fence {
+    let mut values = vec![(
+        ":expected_counter",
+        AttributeValue::N(expected.counter.to_string()),
+    )];
+    let condition = match &expected.owner {
+        Some(owner) => {
+            values.push((":expected_owner", AttributeValue::S(owner.clone())));
+            "#counter = :expected_counter AND #owner = :expected_owner"
+        }
+        None => "#counter = :expected_counter AND attribute_not_exists(#owner)",
+    };
+    Fence {
+        condition,
+        names: [("#counter", COUNTER), ("#owner", OWNER)],
+        values,
+    }
+}
+
+/// `counter + 1`, refusing to wrap.
+fn next_counter(expected: &Lease) -> Result<u64, LeaseError> {
+    expected.counter.checked_add(1).ok_or_else(|| {
+        LeaseError::Corrupt(format!("lease {}: the counter cannot grow", expected.key))
+    })
+}
+
+/// Classifies an SDK error: a failed condition is a conflict on `key`, throttling is
+/// throttling, everything else is [`LeaseError::Other`] with the whole cause chain.
+fn classify<E, R>(op: &str, key: Option<&str>, err: SdkError<E, R>) -> LeaseError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    match (err.code(), key) {
+        (Some("ConditionalCheckFailedException"), Some(key)) => {
+            LeaseError::Conflict(key.to_owned())
+        }
+        (
+            Some(
+                "ProvisionedThroughputExceededException"
+                | "RequestLimitExceeded"
+                | "ThrottlingException",
+            ),
+            _,
+        ) => LeaseError::Throttled(format!("{op}: {}", DisplayErrorContext(&err))),
+        _ => LeaseError::Other(format!("{op}: {}", DisplayErrorContext(&err))),
+    }
+}
+
+/// The item that stores `lease`.
+fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
+    let (checkpoint, sub_sequence) = lease.checkpoint.as_attribute();
+    let mut item = HashMap::from([
+        (KEY.to_owned(), AttributeValue::S(lease.key.clone())),
+        (
+            COUNTER.to_owned(),
+            AttributeValue::N(lease.counter.to_string()),
+        ),
+        (CHECKPOINT.to_owned(), AttributeValue::S(checkpoint)),
+        (
+            SUB_SEQUENCE.to_owned(),
+            AttributeValue::N(sub_sequence.to_string()),
+        ),
+    ]);
+    if let Some(owner) = &lease.owner {
+        item.insert(OWNER.to_owned(), AttributeValue::S(owner.clone()));
+    }
+    if !lease.parents.is_empty() {
+        item.insert(
+            PARENTS.to_owned(),
+            AttributeValue::Ss(lease.parents.clone()),
+        );
+    }
+    if let Some(pending) = &lease.pending_owner {
+        item.insert(PENDING_OWNER.to_owned(), AttributeValue::S(pending.clone()));
+    }
+    item
+}
+
+/// Parses a stored item.
+fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, LeaseError> {
+    let key = string(item, KEY, "?")?
+        .ok_or_else(|| LeaseError::Corrupt(format!("an item without {KEY}")))?;
+    let required = |value: Option<String>, name: &str| {
+        value.ok_or_else(|| LeaseError::Corrupt(format!("lease {key}: no {name}")))
+    };
+    let counter = parse_number(
+        &key,
+        COUNTER,
+        &required(number(item, COUNTER, &key)?, COUNTER)?,
+    )?;
+    let checkpoint = required(string(item, CHECKPOINT, &key)?, CHECKPOINT)?;
+    let sub_sequence = match number(item, SUB_SEQUENCE, &key)? {
+        Some(n) => parse_number(&key, SUB_SEQUENCE, &n)?,
+        None => 0,
+    };
+    let parents = match item.get(PARENTS) {
+        None => Vec::new(),
+        Some(AttributeValue::Ss(set)) => {
+            let mut parents = set.clone();
+            parents.sort();
+            parents
+        }
+        Some(_) => {
+            return Err(LeaseError::Corrupt(format!(
+                "lease {key}: {PARENTS} is not a string set"
+            )))
+        }
+    };
+    Ok(Lease {
+        owner: string(item, OWNER, &key)?,
+        counter,
+        checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?,
+        parents,
+        pending_owner: string(item, PENDING_OWNER, &key)?,
+        key,
+    })
+}
+
+/// A string attribute, if present.
+fn string(
+    item: &HashMap<String, AttributeValue>,
+    name: &str,
+    key: &str,
+) -> Result<Option<String>, LeaseError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::S(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {name} is not a string"
+        ))),
+    }
+}
+
+/// A number attribute's digits, if present.
+fn number(
+    item: &HashMap<String, AttributeValue>,
+    name: &str,
+    key: &str,
+) -> Result<Option<String>, LeaseError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::N(n)) => Ok(Some(n.clone())),
+        Some(_) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {name} is not a number"
+        ))),
+    }
+}
+
+/// Parses a non-negative integer attribute.
+fn parse_number(key: &str, name: &str, digits: &str) -> Result<u64, LeaseError> {
+    digits
+        .parse::<u64>()
+        .map_err(|e| LeaseError::Corrupt(format!("lease {key}: {name} {digits:?}: {e}")))
+}
+
+#[async_trait]
+impl LeaseStore for DynamoLeaseStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        let deadline = tokio::time::Instant::now() + ACTIVE_WAIT;
+        let mut pause = Duration::from_millis(25);
+        let mut created = false;
+        loop {
+            match self.table_status().await {
+                Ok(Some(TableStatus::Active)) => return Ok(()),
+                Ok(None) if !created => {
+                    self.create_table().await?;
+                    created = true;
+                    continue;
+                }
+                // Being created (by us or a peer), or not visible yet right after creation.
+                Ok(_) | Err(LeaseError::Throttled(_)) => {}
+                Err(e) => return Err(e),
+            }
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(LeaseError::Other(format!(
+                    "lease table {} not ACTIVE after {} s",
+                    self.table,
+                    ACTIVE_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        let mut leases = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        loop {
+            let out = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| classify("Scan", None, e))?;
+            for item in out.items.unwrap_or_default() {
+                leases.push(lease_from_item(&item)?);
+            }
+            match out.last_evaluated_key {
+                Some(key) if !key.is_empty() => start = Some(key),
+                _ => return Ok(leases),
+            }
+        }
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(key.to_owned()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| classify("GetItem", None, e))?;
+        match out.item {
+            Some(item) if !item.is_empty() => lease_from_item(&item).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        let result = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(item_from_lease(lease)))
+            .condition_expression("attribute_not_exists(#key)")
+            .expression_attribute_names("#key", KEY)
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(true),
+            Err(e) if e.code() == Some("ConditionalCheckFailedException") => Ok(false),
+            Err(e) => Err(classify("PutItem", Some(&lease.key), e)),
+        }
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        let next = next_counter(expected)?;
+        self.fenced_update(
+            "take",
+            expected,
+            "SET #owner = :new_owner, #counter = :next REMOVE #pending",
+            &[("#pending", PENDING_OWNER)],
+            vec![
+                (":new_owner", AttributeValue::S(new_owner.to_owned())),
+                (":next", AttributeValue::N(next.to_string())),
+            ],
+            || Lease {
+                owner: Some(new_owner.to_owned()),
+                counter: next,
+                pending_owner: None,
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        let next = next_counter(expected)?;
+        self.fenced_update(
+            "renew",
+            expected,
+            "SET #counter = :next",
+            &[],
+            vec![(":next", AttributeValue::N(next.to_string()))],
+            || Lease {
+                counter: next,
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        let (value, sub_sequence) = checkpoint.as_attribute();
+        self.fenced_update(
+            "checkpoint",
+            expected,
+            "SET #checkpoint = :checkpoint, #sub = :sub",
+            &[("#checkpoint", CHECKPOINT), ("#sub", SUB_SEQUENCE)],
+            vec![
+                (":checkpoint", AttributeValue::S(value)),
+                (":sub", AttributeValue::N(sub_sequence.to_string())),
+            ],
+            || Lease {
+                checkpoint: checkpoint.clone(),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        let next = next_counter(expected)?;
+        self.fenced_update(
+            "release",
+            expected,
+            "SET #counter = :next REMOVE #owner",
+            &[],
+            vec![(":next", AttributeValue::N(next.to_string()))],
+            || Lease {
+                owner: None,
+                counter: next,
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.fenced_update(
+            "request_handoff",
+            expected,
+            "SET #pending = :pending",
+            &[("#pending", PENDING_OWNER)],
+            vec![(":pending", AttributeValue::S(worker.to_owned()))],
+            || Lease {
+                pending_owner: Some(worker.to_owned()),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        let fence = fence(expected);
+        let mut request = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(expected.key.clone()))
+            .condition_expression(fence.condition);
+        for (placeholder, name) in fence.names {
+            request = request.expression_attribute_names(placeholder, name);
+        }
+        for (placeholder, value) in fence.values {
+            request = request.expression_attribute_values(placeholder, value);
+        }
+        request
+            .send()
+            .await
+            .map_err(|e| classify("DeleteItem", Some(&expected.key), e))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sequence::{Position, SequenceNumber};
+
+    #[test]
+    fn a_lease_round_trips_through_an_item() {
+        let mut lease = Lease::new(
+            "shardId-000000000002",
+            vec!["shardId-000000000001".into(), "shardId-000000000000".into()],
+            Checkpoint::TrimHorizon,
+        );
+        lease.parents.sort();
+        lease.owner = Some("w1".into());
+        lease.counter = 7;
+        lease.pending_owner = Some("w2".into());
+        lease.checkpoint = Checkpoint::At(Position::new(
+            SequenceNumber::new("9".repeat(129)).unwrap(),
+            3,
+        ));
+        let item = item_from_lease(&lease);
+        assert_eq!(lease_from_item(&item).unwrap(), lease);
+    }
+
+    #[test]
+    fn an_unowned_lease_without_parents_has_no_owner_or_set_attribute() {
+        let lease = Lease::new("s", Vec::new(), Checkpoint::Latest);
+        let item = item_from_lease(&lease);
+        assert!(!item.contains_key(OWNER));
+        assert!(!item.contains_key(PARENTS));
+        assert!(!item.contains_key(PENDING_OWNER));
+        assert_eq!(lease_from_item(&item).unwrap(), lease);
+    }
+
+    #[test]
+    fn a_malformed_item_is_corrupt_not_a_panic() {
+        let mut item = item_from_lease(&Lease::new("s", Vec::new(), Checkpoint::Latest));
+        item.insert(COUNTER.into(), AttributeValue::S("x".into()));
+        assert!(matches!(
+            lease_from_item(&item),
+            Err(LeaseError::Corrupt(_))
+        ));
+        item.insert(COUNTER.into(), AttributeValue::N("-1".into()));
+        assert!(matches!(
+            lease_from_item(&item),
+            Err(LeaseError::Corrupt(_))
+        ));
+        item.insert(COUNTER.into(), AttributeValue::N("1".into()));
+        item.insert(CHECKPOINT.into(), AttributeValue::S("12a".into()));
+        assert!(matches!(
+            lease_from_item(&item),
+            Err(LeaseError::Corrupt(_))
+        ));
+        item.remove(CHECKPOINT);
+        assert!(matches!(
+            lease_from_item(&item),
+            Err(LeaseError::Corrupt(_))
+        ));
     }
 }
