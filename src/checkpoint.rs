@@ -1,10 +1,373 @@
-//! Per-shard progress.
+//! Per-shard progress: the [`Watermark`] of acknowledged records and the [`AckHandle`]
+//! a batch carries to move it.
+//!
+//! Batches of a shard are registered in delivery order; handlers may acknowledge them in
+//! any order. The watermark is the last position of the longest prefix of acknowledged
+//! batches (plus the acknowledged part of the first unacknowledged batch), never "the
+//! highest acknowledged". The shard task commits it, fenced by the lease (see
+//! [`crate::lease::HeldLease`]).
 
-/// Acknowledges the records of a batch.
-pub struct AckHandle {}
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+
+use crate::lease::Checkpoint;
+use crate::sequence::Position;
+
+/// What a unit of delivery covers: records up to a position, or the end of the shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Mark {
+    At(Position),
+    ShardEnd,
+}
+
+impl Mark {
+    fn checkpoint(&self) -> Checkpoint {
+        match self {
+            Mark::At(p) => Checkpoint::At(p.clone()),
+            Mark::ShardEnd => Checkpoint::ShardEnd,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Unit {
+    last: Mark,
+    done: bool,
+    /// Given up without being (fully) handled: it will be delivered again.
+    abandoned: bool,
+    /// The last acknowledged position inside a partly handled batch.
+    partial: Option<Position>,
+}
+
+/// The contiguous low-watermark of acknowledged records of one shard.
+#[derive(Debug)]
+pub struct Watermark {
+    front_id: u64,
+    pending: VecDeque<Unit>,
+    acked: Checkpoint,
+    generation: u64,
+}
+
+impl Watermark {
+    /// Starts at the shard's stored checkpoint.
+    pub fn new(start: Checkpoint) -> Self {
+        Watermark {
+            front_id: 0,
+            pending: VecDeque::new(),
+            acked: start,
+            generation: 0,
+        }
+    }
+
+    /// Registers the next delivered unit; returns its id. Units must be registered in
+    /// shard order.
+    pub(crate) fn register(&mut self, last: Mark, done: bool) -> u64 {
+        let id = self.front_id + self.pending.len() as u64;
+        self.pending.push_back(Unit {
+            last,
+            done,
+            abandoned: false,
+            partial: None,
+        });
+        self.advance();
+        id
+    }
+
+    fn unit(&mut self, id: u64, generation: u64) -> Option<&mut Unit> {
+        if generation != self.generation || id < self.front_id {
+            return None;
+        }
+        self.pending.get_mut((id - self.front_id) as usize)
+    }
+
+    /// Marks a unit handled. Stale (pre-reset) or repeated acknowledgements are ignored.
+    /// Returns whether the watermark moved.
+    pub(crate) fn ack(&mut self, id: u64, generation: u64) -> bool {
+        match self.unit(id, generation) {
+            Some(unit) => unit.done = true,
+            None => return false,
+        }
+        self.advance()
+    }
+
+    /// Marks a unit handled up to and including `position` (a batch that failed midway).
+    pub(crate) fn ack_through(&mut self, id: u64, generation: u64, position: Position) -> bool {
+        match self.unit(id, generation) {
+            Some(unit) if unit.partial.as_ref().is_none_or(|p| *p < position) => {
+                unit.partial = Some(position)
+            }
+            _ => return false,
+        }
+        self.advance()
+    }
+
+    fn advance(&mut self) -> bool {
+        let before = self.acked.clone();
+        while self.pending.front().is_some_and(|u| u.done) {
+            if let Some(unit) = self.pending.pop_front() {
+                self.acked = unit.last.checkpoint();
+                self.front_id += 1;
+            }
+        }
+        if let Some(p) = self.pending.front().and_then(|u| u.partial.clone()) {
+            if !self.acked.covers(&p) {
+                self.acked = Checkpoint::At(p);
+            }
+        }
+        before != self.acked
+    }
+
+    /// Marks a unit given up: not handled (beyond any `ack_through`), never going to be.
+    pub(crate) fn abandon(&mut self, id: u64, generation: u64) {
+        if let Some(unit) = self.unit(id, generation) {
+            unit.abandoned = true;
+        }
+    }
+
+    /// How many units are delivered and still being worked on (neither acknowledged
+    /// nor given up): what a drain waits for.
+    pub fn open(&self) -> usize {
+        self.pending
+            .iter()
+            .filter(|u| !u.done && !u.abandoned)
+            .count()
+    }
+
+    /// Forgets every unacknowledged unit (they will be delivered again) and starts a new
+    /// generation, so acknowledgements of the forgotten units are ignored.
+    pub(crate) fn reset(&mut self) -> u64 {
+        self.front_id += self.pending.len() as u64;
+        self.pending.clear();
+        self.generation += 1;
+        self.generation
+    }
+
+    /// The current generation (bumped by every reset).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The checkpoint every handled record allows.
+    pub fn acked(&self) -> &Checkpoint {
+        &self.acked
+    }
+
+    /// How many delivered units are not acknowledged yet.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+/// A shard's watermark, shared between the shard task and the acknowledgement handles.
+#[derive(Debug)]
+pub(crate) struct ShardProgress {
+    watermark: Mutex<Watermark>,
+    /// Woken when the watermark moves or a batch fails.
+    pub(crate) changed: Notify,
+    failed: Mutex<Option<u64>>,
+    /// False while the shard drains (shutdown, hand-off, restart after a failure):
+    /// delivered work not yet started is then given up instead of handled.
+    accepting: AtomicBool,
+    /// A lock-free copy of the watermark's generation, checked per record.
+    generation: AtomicU64,
+}
+
+impl ShardProgress {
+    pub(crate) fn new(start: Checkpoint) -> Arc<Self> {
+        Arc::new(ShardProgress {
+            watermark: Mutex::new(Watermark::new(start)),
+            changed: Notify::new(),
+            failed: Mutex::new(None),
+            accepting: AtomicBool::new(true),
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    /// Stops (or resumes) the start of new work on delivered batches.
+    pub(crate) fn set_accepting(&self, accepting: bool) {
+        self.accepting.store(accepting, Ordering::SeqCst);
+    }
+
+    /// Forgets unacknowledged units and starts a new generation (see [`Watermark::reset`]).
+    pub(crate) fn reset(&self) {
+        let generation = self.lock().reset();
+        self.generation.store(generation, Ordering::SeqCst);
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Watermark> {
+        // A poisoned lock only means a thread panicked while holding it; the watermark's
+        // invariants hold between statements, so the data is still usable.
+        self.watermark
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Registers a unit and returns the handle that acknowledges it.
+    pub(crate) fn register(self: &Arc<Self>, last: Mark) -> AckHandle {
+        let mut w = self.lock();
+        let generation = w.generation();
+        let id = w.register(last, false);
+        AckHandle {
+            progress: self.clone(),
+            id,
+            generation,
+        }
+    }
+
+    /// Registers the end of the shard: reached once every earlier unit is acknowledged.
+    pub(crate) fn end_of_shard(&self) {
+        self.lock().register(Mark::ShardEnd, true);
+        self.changed.notify_one();
+    }
+
+    /// Takes the failure flag: `Some(generation)` once a batch of that generation failed.
+    pub(crate) fn take_failure(&self) -> Option<u64> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+}
+
+/// Acknowledges one delivered batch. Cheap to clone; acknowledging twice is harmless.
+#[derive(Clone, Debug)]
+pub struct AckHandle {
+    progress: Arc<ShardProgress>,
+    id: u64,
+    generation: u64,
+}
+
 impl AckHandle {
-    /// Ack.
-    pub fn ack(&self) {}
-    /// Nack.
-    pub fn nack(&self) {}
+    /// Every record of the batch is handled.
+    pub fn ack(&self) {
+        if self.progress.lock().ack(self.id, self.generation) {
+            self.progress.changed.notify_one();
+        }
+    }
+
+    /// The records up to and including `position` are handled (the rest are not).
+    pub fn ack_through(&self, position: Position) {
+        if self
+            .progress
+            .lock()
+            .ack_through(self.id, self.generation, position)
+        {
+            self.progress.changed.notify_one();
+        }
+    }
+
+    /// Whether the batch may still be started: false once the shard drains or restarted
+    /// after a failure. Work not started then must be given up with [`AckHandle::abandon`].
+    pub fn should_start(&self) -> bool {
+        self.progress.accepting.load(Ordering::SeqCst)
+            && self.progress.generation.load(Ordering::SeqCst) == self.generation
+    }
+
+    /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
+    /// stays unhandled and is delivered again later.
+    pub fn abandon(&self) {
+        self.progress.lock().abandon(self.id, self.generation);
+        self.progress.changed.notify_one();
+    }
+
+    /// The batch failed: the shard stops and reads again from its watermark.
+    pub fn nack(&self) {
+        *self
+            .progress
+            .failed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(self.generation);
+        self.progress.changed.notify_one();
+    }
+
+    /// Whether the batch still counts: false once the shard restarted from its
+    /// checkpoint after a failure (the records will come again).
+    pub fn is_current(&self) -> bool {
+        self.progress.generation.load(Ordering::SeqCst) == self.generation
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sequence::SequenceNumber;
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+    fn at(n: u64) -> Position {
+        Position::new(SequenceNumber::new(n.to_string()).unwrap(), 0)
+    }
+
+    #[test]
+    fn out_of_order_acks_move_only_the_contiguous_prefix() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        let a = w.register(Mark::At(at(10)), false);
+        let b = w.register(Mark::At(at(20)), false);
+        let c = w.register(Mark::At(at(30)), false);
+        assert!(!w.ack(b, 0));
+        assert_eq!(w.acked(), &Checkpoint::TrimHorizon);
+        assert!(w.ack(a, 0));
+        assert_eq!(w.acked(), &Checkpoint::At(at(20)));
+        assert!(w.ack(c, 0));
+        assert_eq!(w.acked(), &Checkpoint::At(at(30)));
+        assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn shard_end_is_reached_only_after_every_batch() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        let a = w.register(Mark::At(at(10)), false);
+        w.register(Mark::ShardEnd, true);
+        assert_eq!(w.acked(), &Checkpoint::TrimHorizon);
+        w.ack(a, 0);
+        assert_eq!(w.acked(), &Checkpoint::ShardEnd);
+    }
+
+    #[test]
+    fn partial_ack_and_reset_ignore_stale_handles() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        let a = w.register(Mark::At(at(10)), false);
+        let b = w.register(Mark::At(at(20)), false);
+        assert!(w.ack_through(a, 0, at(5)));
+        assert_eq!(w.acked(), &Checkpoint::At(at(5)));
+        let g = w.reset();
+        assert!(!w.ack(a, 0) && !w.ack(b, 0));
+        assert_eq!(w.acked(), &Checkpoint::At(at(5)));
+        let c = w.register(Mark::At(at(10)), false);
+        assert!(w.ack(c, g));
+        assert_eq!(w.acked(), &Checkpoint::At(at(10)));
+    }
+
+    #[test]
+    fn watermark_is_the_contiguous_low_watermark_for_any_ack_order() {
+        let mut runner = TestRunner::new_with_rng(
+            Config::with_cases(256),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[3; 32]),
+        );
+        let orders = (1usize..40).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle());
+        runner
+            .run(&orders, |order| {
+                let mut w = Watermark::new(Checkpoint::TrimHorizon);
+                let ids: Vec<u64> = (0..order.len())
+                    .map(|i| w.register(Mark::At(at(i as u64 * 10 + 10)), false))
+                    .collect();
+                let mut done = vec![false; order.len()];
+                for &i in &order {
+                    w.ack(ids[i], 0);
+                    done[i] = true;
+                    let prefix = done.iter().take_while(|d| **d).count();
+                    let expected = if prefix == 0 {
+                        Checkpoint::TrimHorizon
+                    } else {
+                        Checkpoint::At(at(prefix as u64 * 10))
+                    };
+                    prop_assert_eq!(w.acked(), &expected);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
 }

@@ -4,7 +4,9 @@
 //! Start with [`Consumer::builder`]; the README has a tour.
 
 pub mod backend;
+mod backoff;
 pub mod checkpoint;
+pub mod consumer;
 pub mod kinesis;
 pub mod lease;
 pub mod memory;
@@ -13,5 +15,10 @@ pub mod message;
 pub mod sequence;
 
 pub use backend::{Aws, Backend};
+pub use consumer::{
+    BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
+    InitialPosition, Run, ShutdownHandle,
+};
+pub use memory::Memory;
 pub use message::{Batch, Headers, Message};
 pub use sequence::{Position, SequenceNumber};

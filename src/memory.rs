@@ -1,1 +1,666 @@
-//! The embedded backend.
+//! The embedded backend: an in-process, Kinesis-like stream service ([`MemoryKinesis`])
+//! and lease store ([`MemoryLeaseStore`]), for local development and for tests of
+//! users' own handlers. It behaves like the real services where shardflow relies on
+//! them: sequence numbers, hash-key routing (MD5 of the partition key), splits and
+//! merges that close shards, iterators that expire, retention, and conditional writes.
+//! Faults can be switched on with a fixed seed ([`KinesisFaults`], [`LeaseFaults`]) so
+//! throttling, expired iterators and failed writes are reproducible.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+
+use crate::backend::Backend;
+use crate::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
+    StartingPosition,
+};
+use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::sequence::SequenceNumber;
+
+/// The embedded backend: one [`MemoryKinesis`] and a [`MemoryLeaseStore`] per table name.
+/// Clones share the same streams and tables, so several consumers (workers of a group)
+/// in one process see each other.
+#[derive(Clone, Default)]
+pub struct Memory {
+    kinesis: Arc<MemoryKinesis>,
+    tables: Arc<Mutex<HashMap<String, Arc<MemoryLeaseStore>>>>,
+}
+
+impl Memory {
+    /// An empty backend: no streams, no tables.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The stream service, to create streams, write records, reshard or inject faults.
+    pub fn streams(&self) -> &Arc<MemoryKinesis> {
+        &self.kinesis
+    }
+
+    /// The lease table `table` (created empty on first use).
+    pub fn table(&self, table: &str) -> Arc<MemoryLeaseStore> {
+        lock(&self.tables)
+            .entry(table.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+impl Backend for Memory {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.kinesis.clone()
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        self.table(table)
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical
+/// section here leaves the state consistent before anything that could panic.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Faults the memory stream injects, drawn from a seeded generator.
+#[derive(Clone, Debug, Default)]
+pub struct KinesisFaults {
+    /// Probability that a GetRecords or PutRecords call is throttled.
+    pub throttle: f64,
+    /// Probability that a GetRecords call finds its iterator expired.
+    pub expire_iterator: f64,
+    /// Probability that a call fails with a transient service error.
+    pub error: f64,
+    /// Probability that one entry of a PutRecords call fails (a partial failure).
+    pub put_entry_failure: f64,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+struct MemShard {
+    info: ShardInfo,
+    records: Vec<Record>,
+}
+
+struct MemStream {
+    shards: Vec<MemShard>,
+}
+
+struct KinesisState {
+    streams: HashMap<String, MemStream>,
+    next_sequence: u128,
+    faults: KinesisFaults,
+    rng: SmallRng,
+    iterator_ttl: Duration,
+    retention: Option<Duration>,
+    epoch: Instant,
+}
+
+/// An in-process Kinesis: streams of shards holding records.
+pub struct MemoryKinesis {
+    state: Mutex<KinesisState>,
+}
+
+impl Default for MemoryKinesis {
+    fn default() -> Self {
+        MemoryKinesis {
+            state: Mutex::new(KinesisState {
+                streams: HashMap::new(),
+                next_sequence: 0,
+                faults: KinesisFaults::default(),
+                rng: SmallRng::seed_from_u64(0),
+                iterator_ttl: Duration::from_secs(300),
+                retention: None,
+                epoch: Instant::now(),
+            }),
+        }
+    }
+}
+
+const MAX_HASH: u128 = u128::MAX;
+
+/// The hash key Kinesis derives from a partition key: MD5 as a 128-bit big-endian number.
+pub fn partition_hash(partition_key: &str) -> u128 {
+    u128::from_be_bytes(md5::compute(partition_key.as_bytes()).0)
+}
+
+impl MemoryKinesis {
+    /// Switches fault injection on (or off, with `KinesisFaults::default()`).
+    pub fn set_faults(&self, faults: KinesisFaults) {
+        let mut s = lock(&self.state);
+        s.rng = SmallRng::seed_from_u64(faults.seed);
+        s.faults = faults;
+    }
+
+    /// How long an iterator stays valid (Kinesis: 5 minutes).
+    pub fn set_iterator_ttl(&self, ttl: Duration) {
+        lock(&self.state).iterator_ttl = ttl;
+    }
+
+    /// Records older than this are no longer returned (Kinesis: 24 hours by default).
+    pub fn set_retention(&self, retention: Option<Duration>) {
+        lock(&self.state).retention = retention;
+    }
+
+    /// Every record of a shard, for assertions in tests.
+    pub fn records(&self, stream: &str, shard_id: &str) -> Vec<Record> {
+        let s = lock(&self.state);
+        s.streams
+            .get(stream)
+            .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
+            .map(|sh| sh.records.clone())
+            .unwrap_or_default()
+    }
+
+    fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
+        let probability = fault(&s.faults);
+        probability > 0.0 && s.rng.gen_bool(probability.min(1.0))
+    }
+
+    fn sequence(s: &mut KinesisState) -> SequenceNumber {
+        s.next_sequence += 1;
+        // 56 digits like real sequence numbers; only digits, so `new` cannot fail.
+        SequenceNumber::new(format!("49{:054}", s.next_sequence))
+            .unwrap_or_else(|_| unreachable!("formatted digits"))
+    }
+
+    fn shard_mut<'a>(
+        s: &'a mut KinesisState,
+        stream: &str,
+        shard_id: &str,
+    ) -> Result<&'a mut MemShard, KinesisError> {
+        s.streams
+            .get_mut(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?
+            .shards
+            .iter_mut()
+            .find(|sh| sh.info.shard_id == shard_id)
+            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id} of {stream}")))
+    }
+
+    fn close(s: &mut KinesisState, stream: &str, shard_id: &str) -> Result<(), KinesisError> {
+        let end = Self::sequence(s);
+        let shard = Self::shard_mut(s, stream, shard_id)?;
+        if shard.info.is_closed() {
+            return Err(KinesisError::Invalid(format!("shard {shard_id} is closed")));
+        }
+        shard.info.ending_sequence_number = Some(end);
+        Ok(())
+    }
+
+    fn add_shard(
+        s: &mut KinesisState,
+        stream: &str,
+        parents: (Option<String>, Option<String>),
+        range: (u128, u128),
+    ) -> Result<(), KinesisError> {
+        let start = Self::sequence(s);
+        let st = s
+            .streams
+            .get_mut(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+        let shard_id = format!("shardId-{:012}", st.shards.len());
+        st.shards.push(MemShard {
+            info: ShardInfo {
+                shard_id,
+                parent_shard_id: parents.0,
+                adjacent_parent_shard_id: parents.1,
+                starting_hash_key: range.0,
+                ending_hash_key: range.1,
+                starting_sequence_number: start,
+                ending_sequence_number: None,
+            },
+            records: Vec::new(),
+        });
+        Ok(())
+    }
+
+    fn iterator(s: &KinesisState, stream: &str, shard: &str, index: usize) -> String {
+        let issued = Instant::now().duration_since(s.epoch).as_millis();
+        format!("{stream}|{shard}|{index}|{issued}")
+    }
+
+    fn parse_iterator(iterator: &str) -> Option<(&str, &str, usize, u128)> {
+        let mut parts = iterator.rsplitn(4, '|');
+        let issued = parts.next()?.parse().ok()?;
+        let index = parts.next()?.parse().ok()?;
+        let shard = parts.next()?;
+        let stream = parts.next()?;
+        Some((stream, shard, index, issued))
+    }
+
+    fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
+        match (s.retention, SystemTime::now().checked_sub(s.retention.unwrap_or_default())) {
+            (Some(_), Some(cutoff)) => records
+                .partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff)),
+            _ => 0,
+        }
+    }
+}
+
+#[async_trait]
+impl KinesisApi for MemoryKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        let s = lock(&self.state);
+        let st = s
+            .streams
+            .get(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+        Ok(st.shards.iter().map(|sh| sh.info.clone()).collect())
+    }
+
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        let s = lock(&self.state);
+        if !s.streams.contains_key(stream) {
+            return Err(KinesisError::NotFound(format!("stream {stream}")));
+        }
+        Ok(false)
+    }
+
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        let mut s = lock(&self.state);
+        if Self::draw(&mut s, |f| f.error) {
+            return Err(KinesisError::Other("injected service error".into()));
+        }
+        let shard = Self::shard_mut(&mut s, stream, shard_id)?;
+        let records = std::mem::take(&mut shard.records);
+        let index = match from {
+            StartingPosition::TrimHorizon => Self::first_retained(&s, &records),
+            StartingPosition::Latest => records.len(),
+            StartingPosition::AtTimestamp(t) => records
+                .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
+                .max(Self::first_retained(&s, &records)),
+            StartingPosition::AtSequenceNumber(seq) => {
+                records.partition_point(|r| r.sequence_number < *seq)
+            }
+            StartingPosition::AfterSequenceNumber(seq) => {
+                records.partition_point(|r| r.sequence_number <= *seq)
+            }
+        };
+        let iterator = Self::iterator(&s, stream, shard_id, index);
+        Self::shard_mut(&mut s, stream, shard_id)?.records = records;
+        Ok(iterator)
+    }
+
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        let mut s = lock(&self.state);
+        let (stream, shard_id, index, issued) = Self::parse_iterator(iterator)
+            .ok_or_else(|| KinesisError::Invalid(format!("bad shard iterator {iterator:?}")))?;
+        let age = Instant::now().duration_since(s.epoch).as_millis().saturating_sub(issued);
+        if age > s.iterator_ttl.as_millis() || Self::draw(&mut s, |f| f.expire_iterator) {
+            return Err(KinesisError::ExpiredIterator(format!(
+                "iterator for {shard_id} is {age} ms old"
+            )));
+        }
+        if Self::draw(&mut s, |f| f.throttle) {
+            return Err(KinesisError::Throttled("injected throttle".into()));
+        }
+        if Self::draw(&mut s, |f| f.error) {
+            return Err(KinesisError::Other("injected service error".into()));
+        }
+        let st = s
+            .streams
+            .get(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+        let shard = st
+            .shards
+            .iter()
+            .find(|sh| sh.info.shard_id == shard_id)
+            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}")))?;
+        let start = index.max(Self::first_retained(&s, &shard.records));
+        let end = (start + limit.max(1) as usize).min(shard.records.len());
+        let records = shard.records[start..end].to_vec();
+        let at_end = end == shard.records.len();
+        let (next_iterator, child_shards) = if at_end && shard.info.is_closed() {
+            let children = st
+                .shards
+                .iter()
+                .filter(|c| c.info.parents().iter().any(|p| p == shard_id))
+                .map(|c| c.info.shard_id.clone())
+                .collect();
+            (None, children)
+        } else {
+            (Some(Self::iterator(&s, stream, shard_id, end)), Vec::new())
+        };
+        let millis_behind_latest = match shard.records.last() {
+            Some(last) if !at_end => last
+                .approximate_arrival
+                .zip(records.last().and_then(|r| r.approximate_arrival))
+                .and_then(|(l, r)| l.duration_since(r).ok())
+                .map(|d| d.as_millis() as i64),
+            _ => Some(0),
+        };
+        Ok(RecordsPage {
+            records,
+            next_iterator,
+            millis_behind_latest,
+            child_shards,
+        })
+    }
+
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        let mut s = lock(&self.state);
+        if Self::draw(&mut s, |f| f.throttle) {
+            return Err(KinesisError::Throttled("injected throttle".into()));
+        }
+        if !s.streams.contains_key(stream) {
+            return Err(KinesisError::NotFound(format!("stream {stream}")));
+        }
+        let mut outcomes = Vec::with_capacity(records.len());
+        for r in records {
+            if Self::draw(&mut s, |f| f.put_entry_failure) {
+                outcomes.push(PutOutcome::Failed {
+                    code: "ProvisionedThroughputExceededException".into(),
+                    message: "injected partial failure".into(),
+                });
+                continue;
+            }
+            let hash = match &r.explicit_hash_key {
+                Some(h) => h.parse::<u128>().map_err(|_| {
+                    KinesisError::Invalid(format!("explicit hash key {h:?} is not a 128-bit number"))
+                })?,
+                None => partition_hash(&r.partition_key),
+            };
+            let sequence_number = Self::sequence(&mut s);
+            let st = s
+                .streams
+                .get_mut(stream)
+                .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+            let shard = st
+                .shards
+                .iter_mut()
+                .find(|sh| {
+                    !sh.info.is_closed()
+                        && sh.info.starting_hash_key <= hash
+                        && hash <= sh.info.ending_hash_key
+                })
+                .ok_or_else(|| KinesisError::Other("no open shard owns the hash key".into()))?;
+            shard.records.push(Record {
+                sequence_number: sequence_number.clone(),
+                partition_key: r.partition_key.clone(),
+                data: r.data.clone(),
+                approximate_arrival: Some(SystemTime::now()),
+            });
+            outcomes.push(PutOutcome::Stored {
+                shard_id: shard.info.shard_id.clone(),
+                sequence_number,
+            });
+        }
+        Ok(outcomes)
+    }
+
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        if shards == 0 {
+            return Err(KinesisError::Invalid("a stream needs at least one shard".into()));
+        }
+        let mut s = lock(&self.state);
+        if s.streams.contains_key(stream) {
+            return Ok(());
+        }
+        s.streams
+            .insert(stream.to_owned(), MemStream { shards: Vec::new() });
+        let width = MAX_HASH / shards as u128;
+        for i in 0..shards as u128 {
+            let end = if i + 1 == shards as u128 {
+                MAX_HASH
+            } else {
+                (i + 1) * width - 1
+            };
+            Self::add_shard(&mut s, stream, (None, None), (i * width, end))?;
+        }
+        Ok(())
+    }
+
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        let mut s = lock(&self.state);
+        let info = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
+        if new_starting_hash_key <= info.starting_hash_key
+            || new_starting_hash_key > info.ending_hash_key
+        {
+            return Err(KinesisError::Invalid(format!(
+                "hash key {new_starting_hash_key} is not inside {shard_id}"
+            )));
+        }
+        Self::close(&mut s, stream, shard_id)?;
+        let parent = Some(shard_id.to_owned());
+        Self::add_shard(
+            &mut s,
+            stream,
+            (parent.clone(), None),
+            (info.starting_hash_key, new_starting_hash_key - 1),
+        )?;
+        Self::add_shard(
+            &mut s,
+            stream,
+            (parent, None),
+            (new_starting_hash_key, info.ending_hash_key),
+        )
+    }
+
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        let mut s = lock(&self.state);
+        let a = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
+        let b = Self::shard_mut(&mut s, stream, adjacent_shard_id)?.info.clone();
+        let adjacent = a.ending_hash_key.checked_add(1) == Some(b.starting_hash_key)
+            || b.ending_hash_key.checked_add(1) == Some(a.starting_hash_key);
+        if !adjacent || a.is_closed() || b.is_closed() {
+            return Err(KinesisError::Invalid(format!(
+                "{shard_id} and {adjacent_shard_id} are not adjacent open shards"
+            )));
+        }
+        Self::close(&mut s, stream, shard_id)?;
+        Self::close(&mut s, stream, adjacent_shard_id)?;
+        Self::add_shard(
+            &mut s,
+            stream,
+            (Some(shard_id.to_owned()), Some(adjacent_shard_id.to_owned())),
+            (
+                a.starting_hash_key.min(b.starting_hash_key),
+                a.ending_hash_key.max(b.ending_hash_key),
+            ),
+        )
+    }
+}
+
+/// Faults the memory lease store injects, drawn from a seeded generator.
+#[derive(Clone, Debug, Default)]
+pub struct LeaseFaults {
+    /// Probability that a write fails before it is applied.
+    pub fail_before_write: f64,
+    /// Probability that a write is applied but the caller sees an error (a timeout
+    /// after the write landed: the ambiguous case).
+    pub fail_after_write: f64,
+    /// Probability that a call is throttled.
+    pub throttle: f64,
+    /// Delay added to every call (simulated round trip; honours tokio's paused clock).
+    pub latency: Duration,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+struct LeaseState {
+    rows: BTreeMap<String, Lease>,
+    faults: LeaseFaults,
+    rng: SmallRng,
+    requests: u64,
+}
+
+/// An in-process lease table with the same conditional-write rules as DynamoDB.
+pub struct MemoryLeaseStore {
+    state: Mutex<LeaseState>,
+}
+
+impl Default for MemoryLeaseStore {
+    fn default() -> Self {
+        MemoryLeaseStore {
+            state: Mutex::new(LeaseState {
+                rows: BTreeMap::new(),
+                faults: LeaseFaults::default(),
+                rng: SmallRng::seed_from_u64(0),
+                requests: 0,
+            }),
+        }
+    }
+}
+
+impl MemoryLeaseStore {
+    /// Switches fault injection on (or off, with `LeaseFaults::default()`).
+    pub fn set_faults(&self, faults: LeaseFaults) {
+        let mut s = lock(&self.state);
+        s.rng = SmallRng::seed_from_u64(faults.seed);
+        s.faults = faults;
+    }
+
+    /// How many calls the store has answered (the DynamoDB request count).
+    pub fn requests(&self) -> u64 {
+        lock(&self.state).requests
+    }
+
+    /// A copy of every row, for assertions.
+    pub fn rows(&self) -> Vec<Lease> {
+        lock(&self.state).rows.values().cloned().collect()
+    }
+
+    async fn call<T>(
+        &self,
+        write: bool,
+        op: impl FnOnce(&mut BTreeMap<String, Lease>) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
+        let latency = lock(&self.state).faults.latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+        let mut s = lock(&self.state);
+        s.requests += 1;
+        let f = s.faults.clone();
+        if f.throttle > 0.0 && s.rng.gen_bool(f.throttle.min(1.0)) {
+            return Err(LeaseError::Throttled("injected throttle".into()));
+        }
+        if write && f.fail_before_write > 0.0 && s.rng.gen_bool(f.fail_before_write.min(1.0)) {
+            return Err(LeaseError::Other("injected failure before the write".into()));
+        }
+        let result = op(&mut s.rows)?;
+        if write && f.fail_after_write > 0.0 && s.rng.gen_bool(f.fail_after_write.min(1.0)) {
+            return Err(LeaseError::Other("injected failure after the write".into()));
+        }
+        Ok(result)
+    }
+}
+
+/// Applies `change` to the row if it still has `expected`'s owner and counter.
+fn conditional(
+    rows: &mut BTreeMap<String, Lease>,
+    expected: &Lease,
+    change: impl FnOnce(&mut Lease),
+) -> Result<Lease, LeaseError> {
+    match rows.get_mut(&expected.key) {
+        Some(row) if row.owner == expected.owner && row.counter == expected.counter => {
+            change(row);
+            Ok(row.clone())
+        }
+        _ => Err(LeaseError::Conflict(expected.key.clone())),
+    }
+}
+
+#[async_trait]
+impl LeaseStore for MemoryLeaseStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.call(false, |_| Ok(())).await
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.call(false, |rows| Ok(rows.values().cloned().collect()))
+            .await
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.call(false, |rows| Ok(rows.get(key).cloned())).await
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.call(true, |rows| {
+            if rows.contains_key(&lease.key) {
+                return Ok(false);
+            }
+            rows.insert(lease.key.clone(), lease.clone());
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.owner = Some(new_owner.to_owned());
+                row.counter += 1;
+                row.pending_owner = None;
+            })
+        })
+        .await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| conditional(rows, expected, |row| row.counter += 1))
+            .await
+    }
+
+    async fn checkpoint(&self, expected: &Lease, checkpoint: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| row.checkpoint = checkpoint.clone())
+        })
+        .await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.owner = None;
+                row.counter += 1;
+            })
+        })
+        .await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.pending_owner = Some(worker.to_owned())
+            })
+        })
+        .await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |_| ())?;
+            rows.remove(&expected.key);
+            Ok(())
+        })
+        .await
+    }
+}

@@ -7,6 +7,9 @@
 //! saw, so a worker that lost a lease can never move its checkpoint.
 
 pub mod dynamo;
+mod held;
+
+pub use held::HeldLease;
 
 use std::fmt;
 use std::str::FromStr;

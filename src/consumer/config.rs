@@ -1,0 +1,421 @@
+//! The consumer's configuration and its builder, which refuses bad values with an error
+//! naming the field.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::backend::Backend;
+use crate::memory::Memory;
+
+/// Where a consumer group starts on a shard that has no checkpoint yet.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum InitialPosition {
+    /// The oldest retained record (the default: nothing already in the stream is missed).
+    #[default]
+    TrimHorizon,
+    /// Only records written after the group first started.
+    Latest,
+    /// Records that arrived at or after this time.
+    AtTimestamp(SystemTime),
+}
+
+/// When a shard's watermark is written to the lease table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckpointPolicy {
+    /// After every acknowledged batch.
+    EveryBatch,
+    /// At most once per interval (and always at shard end, hand-off and shutdown).
+    Interval(Duration),
+}
+
+impl Default for CheckpointPolicy {
+    fn default() -> Self {
+        CheckpointPolicy::Interval(Duration::from_millis(500))
+    }
+}
+
+/// A configuration value the builder refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A required field was not set.
+    #[error("`{field}` is required")]
+    Missing {
+        /// The builder method that sets it.
+        field: &'static str,
+    },
+    /// A field has a value that cannot work.
+    #[error("`{field}` is invalid: {reason}")]
+    Invalid {
+        /// The builder method that sets it.
+        field: &'static str,
+        /// Why the value was refused.
+        reason: String,
+    },
+}
+
+/// A validated consumer configuration (see [`ConsumerBuilder`] for each field).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub(crate) stream: String,
+    pub(crate) group: String,
+    pub(crate) worker_id: String,
+    pub(crate) lease_table: String,
+    pub(crate) initial_position: InitialPosition,
+    pub(crate) max_records_per_read: u32,
+    pub(crate) idle_read_interval: Duration,
+    pub(crate) prefetch_batches: usize,
+    pub(crate) checkpoint: CheckpointPolicy,
+    pub(crate) lease_duration: Duration,
+    pub(crate) renew_interval: Duration,
+    pub(crate) take_interval: Duration,
+    pub(crate) shard_sync_interval: Duration,
+    pub(crate) max_steals_per_round: usize,
+    pub(crate) handoff_timeout: Duration,
+    pub(crate) retry_min: Duration,
+    pub(crate) retry_max: Duration,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) seed: u64,
+}
+
+impl Config {
+    /// The stream's name.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+    /// The consumer group's name.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+    /// This worker's id in the group.
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+    /// The lease table's name.
+    pub fn lease_table(&self) -> &str {
+        &self.lease_table
+    }
+}
+
+/// Builds a [`Consumer`](super::Consumer). Only `stream` and `group` are required; the
+/// backend defaults to a fresh embedded [`Memory`] backend.
+pub struct ConsumerBuilder {
+    stream: Option<String>,
+    group: Option<String>,
+    worker_id: Option<String>,
+    lease_table: Option<String>,
+    initial_position: InitialPosition,
+    max_records_per_read: u32,
+    idle_read_interval: Duration,
+    prefetch_batches: usize,
+    checkpoint: CheckpointPolicy,
+    lease_duration: Duration,
+    renew_interval: Option<Duration>,
+    take_interval: Option<Duration>,
+    shard_sync_interval: Duration,
+    max_steals_per_round: usize,
+    handoff_timeout: Option<Duration>,
+    retry_min: Duration,
+    retry_max: Duration,
+    shutdown_timeout: Duration,
+    seed: Option<u64>,
+    pub(crate) backend: Option<Arc<dyn Backend>>,
+}
+
+impl Default for ConsumerBuilder {
+    fn default() -> Self {
+        ConsumerBuilder {
+            stream: None,
+            group: None,
+            worker_id: None,
+            lease_table: None,
+            initial_position: InitialPosition::default(),
+            max_records_per_read: 10_000,
+            idle_read_interval: Duration::from_millis(250),
+            prefetch_batches: 2,
+            checkpoint: CheckpointPolicy::default(),
+            lease_duration: Duration::from_secs(10),
+            renew_interval: None,
+            take_interval: None,
+            shard_sync_interval: Duration::from_secs(60),
+            max_steals_per_round: 1,
+            handoff_timeout: None,
+            retry_min: Duration::from_millis(100),
+            retry_max: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(30),
+            seed: None,
+            backend: None,
+        }
+    }
+}
+
+impl ConsumerBuilder {
+    /// The Kinesis stream to consume (required).
+    pub fn stream(mut self, name: impl Into<String>) -> Self {
+        self.stream = Some(name.into());
+        self
+    }
+
+    /// The consumer group (required): instances with the same group share the shards.
+    pub fn group(mut self, name: impl Into<String>) -> Self {
+        self.group = Some(name.into());
+        self
+    }
+
+    /// This worker's unique id in the group (default: a random id with the process id).
+    pub fn worker_id(mut self, id: impl Into<String>) -> Self {
+        self.worker_id = Some(id.into());
+        self
+    }
+
+    /// The lease table (default: the group's name, like the KCL's application name).
+    pub fn lease_table(mut self, name: impl Into<String>) -> Self {
+        self.lease_table = Some(name.into());
+        self
+    }
+
+    /// Where to start on shards without a checkpoint (default: trim horizon).
+    pub fn initial_position(mut self, position: InitialPosition) -> Self {
+        self.initial_position = position;
+        self
+    }
+
+    /// Records per GetRecords call, 1..=10000 (default 10000).
+    pub fn max_records_per_read(mut self, n: u32) -> Self {
+        self.max_records_per_read = n;
+        self
+    }
+
+    /// The pause before reading again once a shard is caught up (default 250 ms).
+    pub fn idle_read_interval(mut self, d: Duration) -> Self {
+        self.idle_read_interval = d;
+        self
+    }
+
+    /// Batches read ahead per shard while the handler works (default 2, at least 1).
+    pub fn prefetch_batches(mut self, n: usize) -> Self {
+        self.prefetch_batches = n;
+        self
+    }
+
+    /// When checkpoints are written (default: at most every 500 ms).
+    pub fn checkpoint(mut self, policy: CheckpointPolicy) -> Self {
+        self.checkpoint = policy;
+        self
+    }
+
+    /// How long a lease lives without renewal before others may take it (default 10 s).
+    pub fn lease_duration(mut self, d: Duration) -> Self {
+        self.lease_duration = d;
+        self
+    }
+
+    /// How often held leases are renewed (default: a third of the lease duration; at
+    /// most half of it).
+    pub fn renew_interval(mut self, d: Duration) -> Self {
+        self.renew_interval = Some(d);
+        self
+    }
+
+    /// How often the worker looks for leases to take or steal (default: the lease duration).
+    pub fn take_interval(mut self, d: Duration) -> Self {
+        self.take_interval = Some(d);
+        self
+    }
+
+    /// How often ListShards runs to find new shards (default 60 s; also right after a
+    /// shard ends).
+    pub fn shard_sync_interval(mut self, d: Duration) -> Self {
+        self.shard_sync_interval = d;
+        self
+    }
+
+    /// Leases a worker under its fair share asks others for per round (default 1).
+    pub fn max_steals_per_round(mut self, n: usize) -> Self {
+        self.max_steals_per_round = n;
+        self
+    }
+
+    /// How long a requested hand-off may take before the lease is taken anyway
+    /// (default: the lease duration).
+    pub fn handoff_timeout(mut self, d: Duration) -> Self {
+        self.handoff_timeout = Some(d);
+        self
+    }
+
+    /// Backoff bounds after throttling, service errors and handler failures
+    /// (default 100 ms to 10 s, with jitter).
+    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.retry_min = min;
+        self.retry_max = max;
+        self
+    }
+
+    /// How long shutdown waits for in-flight handlers before releasing anyway (default 30 s).
+    pub fn shutdown_timeout(mut self, d: Duration) -> Self {
+        self.shutdown_timeout = d;
+        self
+    }
+
+    /// Seeds the jitter of backoffs (default: random), for reproducible simulations.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// The backend: [`Aws`](crate::Aws) or [`Memory`] (default: a new, empty `Memory`).
+    pub fn backend(mut self, backend: impl Backend) -> Self {
+        self.backend = Some(Arc::new(backend));
+        self
+    }
+
+    /// Validates the configuration.
+    pub(crate) fn validate(&self) -> Result<Config, ConfigError> {
+        fn name(field: &'static str, value: &Option<String>) -> Result<String, ConfigError> {
+            let v = value.clone().ok_or(ConfigError::Missing { field })?;
+            if v.trim().is_empty() {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: "must not be empty".into(),
+                });
+            }
+            Ok(v)
+        }
+        fn positive(field: &'static str, d: Duration) -> Result<Duration, ConfigError> {
+            if d.is_zero() {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: "must be greater than zero".into(),
+                });
+            }
+            Ok(d)
+        }
+        let stream = name("stream", &self.stream)?;
+        let group = name("group", &self.group)?;
+        if stream.len() > 128 || !stream.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+            return Err(ConfigError::Invalid {
+                field: "stream",
+                reason: format!("{stream:?} is not a Kinesis stream name (1-128 of a-z A-Z 0-9 _ . -)"),
+            });
+        }
+        let lease_table = match &self.lease_table {
+            Some(_) => name("lease_table", &self.lease_table)?,
+            None => group.clone(),
+        };
+        if lease_table.len() < 3 || lease_table.len() > 255 || !lease_table.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+            return Err(ConfigError::Invalid {
+                field: "lease_table",
+                reason: format!("{lease_table:?} is not a DynamoDB table name (3-255 of a-z A-Z 0-9 _ . -); set lease_table explicitly"),
+            });
+        }
+        let worker_id = match &self.worker_id {
+            Some(_) => name("worker_id", &self.worker_id)?,
+            None => format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
+        };
+        if !(1..=10_000).contains(&self.max_records_per_read) {
+            return Err(ConfigError::Invalid {
+                field: "max_records_per_read",
+                reason: format!("{} is outside 1..=10000", self.max_records_per_read),
+            });
+        }
+        if self.prefetch_batches == 0 {
+            return Err(ConfigError::Invalid {
+                field: "prefetch_batches",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if let CheckpointPolicy::Interval(d) = self.checkpoint {
+            positive("checkpoint", d)?;
+        }
+        let lease_duration = positive("lease_duration", self.lease_duration)?;
+        let renew_interval = positive(
+            "renew_interval",
+            self.renew_interval.unwrap_or(lease_duration / 3),
+        )?;
+        if renew_interval * 2 > lease_duration {
+            return Err(ConfigError::Invalid {
+                field: "renew_interval",
+                reason: format!(
+                    "{renew_interval:?} is more than half the lease duration {lease_duration:?}: one late renewal would lose the lease"
+                ),
+            });
+        }
+        let take_interval = positive("take_interval", self.take_interval.unwrap_or(lease_duration))?;
+        let retry_min = positive("retry_backoff", self.retry_min)?;
+        if self.retry_max < retry_min {
+            return Err(ConfigError::Invalid {
+                field: "retry_backoff",
+                reason: "max is smaller than min".into(),
+            });
+        }
+        Ok(Config {
+            stream,
+            group,
+            worker_id,
+            lease_table,
+            initial_position: self.initial_position.clone(),
+            max_records_per_read: self.max_records_per_read,
+            idle_read_interval: positive("idle_read_interval", self.idle_read_interval)?,
+            prefetch_batches: self.prefetch_batches,
+            checkpoint: self.checkpoint.clone(),
+            lease_duration,
+            renew_interval,
+            take_interval,
+            shard_sync_interval: positive("shard_sync_interval", self.shard_sync_interval)?,
+            max_steals_per_round: self.max_steals_per_round,
+            handoff_timeout: positive(
+                "handoff_timeout",
+                self.handoff_timeout.unwrap_or(lease_duration),
+            )?,
+            retry_min,
+            retry_max: self.retry_max,
+            shutdown_timeout: positive("shutdown_timeout", self.shutdown_timeout)?,
+            seed: self.seed.unwrap_or_else(rand::random),
+        })
+    }
+
+    pub(crate) fn take_backend(&mut self) -> Arc<dyn Backend> {
+        self.backend
+            .take()
+            .unwrap_or_else(|| Arc::new(Memory::new()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> ConsumerBuilder {
+        ConsumerBuilder::default().stream("orders").group("billing")
+    }
+
+    #[test]
+    fn refuses_bad_values_naming_the_field() {
+        let field = |b: ConsumerBuilder| match b.validate() {
+            Err(ConfigError::Missing { field }) | Err(ConfigError::Invalid { field, .. }) => field,
+            Ok(_) => "accepted",
+        };
+        assert_eq!(field(ConsumerBuilder::default().group("g1")), "stream");
+        assert_eq!(field(ConsumerBuilder::default().stream("s")), "group");
+        assert_eq!(field(base().stream("has space")), "stream");
+        assert_eq!(field(base().max_records_per_read(0)), "max_records_per_read");
+        assert_eq!(field(base().max_records_per_read(10_001)), "max_records_per_read");
+        assert_eq!(field(base().lease_duration(Duration::ZERO)), "lease_duration");
+        assert_eq!(
+            field(base().lease_duration(Duration::from_secs(10)).renew_interval(Duration::from_secs(6))),
+            "renew_interval"
+        );
+        assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
+        assert_eq!(field(base().checkpoint(CheckpointPolicy::Interval(Duration::ZERO))), "checkpoint");
+        assert_eq!(field(base().group("ab")), "lease_table");
+        assert_eq!(field(base().worker_id(" ")), "worker_id");
+        assert_eq!(field(base()), "accepted");
+    }
+
+    #[test]
+    fn defaults_follow_the_lease_duration() {
+        let c = base().lease_duration(Duration::from_secs(9)).validate().unwrap();
+        assert_eq!(c.renew_interval, Duration::from_secs(3));
+        assert_eq!(c.take_interval, Duration::from_secs(9));
+        assert_eq!(c.lease_table, "billing");
+    }
+}

@@ -1,0 +1,498 @@
+//! The worker's lease manager: discovers shards and creates their leases, takes its fair
+//! share of leases (and steals towards it through graceful hand-offs), renews what it
+//! holds on its own timer, starts a [`ShardTask`] per held lease and winds them down on
+//! shutdown.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use futures_util::future::join_all;
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::kinesis::{KinesisApi, ShardInfo};
+use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
+use crate::message::Batch;
+
+use super::config::{Config, InitialPosition};
+use super::shard::{ShardExit, ShardTask};
+use super::ConsumerError;
+
+/// Starts the task that hands one shard's batches to the user's service.
+pub(crate) type SpawnDispatch = Box<dyn Fn(mpsc::Receiver<Batch>) -> JoinHandle<()> + Send + Sync>;
+
+/// Where shard tasks deliver batches.
+pub(crate) enum Sink {
+    /// `run` mode: a channel and a dispatch task per shard.
+    PerShard(SpawnDispatch),
+    /// `stream` mode: one channel the user's stream reads.
+    Shared(mpsc::Sender<Batch>),
+}
+
+enum Event {
+    Exit(String, ShardExit),
+    HandoffRequested(String, String),
+}
+
+struct Slot {
+    lease: Arc<HeldLease>,
+    stop: CancellationToken,
+    handoff_to: Option<String>,
+}
+
+type HeldSet = Arc<Mutex<HashMap<String, Arc<HeldLease>>>>;
+
+fn lock(held: &HeldSet) -> MutexGuard<'_, HashMap<String, Arc<HeldLease>>> {
+    // Poisoning means a panic elsewhere while holding the lock; the map is still whole.
+    held.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) struct Coordinator {
+    config: Arc<Config>,
+    kinesis: Arc<dyn KinesisApi>,
+    store: Arc<dyn LeaseStore>,
+    stream: Arc<str>,
+    sink: Sink,
+    slots: HashMap<String, Slot>,
+    held: HeldSet,
+    /// Last counter seen per lease and when it last changed: a lease whose counter has
+    /// not moved for the lease duration is expired (no clocks compared across hosts).
+    seen: HashMap<String, (u64, Instant)>,
+    steals: HashMap<String, Instant>,
+    shards: Vec<ShardInfo>,
+    last_sync: Option<Instant>,
+    need_sync: bool,
+    rng: SmallRng,
+    events_tx: mpsc::UnboundedSender<Event>,
+    events_rx: mpsc::UnboundedReceiver<Event>,
+}
+
+impl Coordinator {
+    pub(crate) fn new(
+        config: Arc<Config>,
+        kinesis: Arc<dyn KinesisApi>,
+        store: Arc<dyn LeaseStore>,
+        sink: Sink,
+    ) -> Self {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        Coordinator {
+            stream: config.stream.as_str().into(),
+            rng: SmallRng::seed_from_u64(config.seed),
+            config,
+            kinesis,
+            store,
+            sink,
+            slots: HashMap::new(),
+            held: Arc::default(),
+            seen: HashMap::new(),
+            steals: HashMap::new(),
+            shards: Vec::new(),
+            last_sync: None,
+            need_sync: true,
+            events_tx,
+            events_rx,
+        }
+    }
+
+    pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
+        let worker = self.config.worker_id.clone();
+        let span = tracing::info_span!("worker", %worker, stream = %self.stream);
+        async move {
+            self.store.ensure_table().await?;
+            // Fail fast on a missing stream instead of polling forever.
+            self.sync_shards().await?;
+            let renewer = tokio::spawn(renew_loop(
+                self.config.clone(),
+                self.held.clone(),
+                self.events_tx.clone(),
+                shutdown.clone(),
+            ));
+            let mut take_tick = tokio::time::interval(self.config.take_interval);
+            take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break,
+                    Some(event) = self.events_rx.recv() => {
+                        if self.on_event(event).await {
+                            self.round().await;
+                        }
+                    }
+                    _ = take_tick.tick() => self.round().await,
+                }
+            }
+            self.shutdown().await;
+            renewer.abort();
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Handles a shard task's exit or a hand-off request; returns whether a lease round
+    /// should run right away (a shard ended, so its children may be ready).
+    async fn on_event(&mut self, event: Event) -> bool {
+        match event {
+            Event::HandoffRequested(key, to) => {
+                if let Some(slot) = self.slots.get_mut(&key) {
+                    if slot.handoff_to.is_none() {
+                        tracing::info!(lease = %key, to = %to, "handing the shard over");
+                        slot.handoff_to = Some(to);
+                        slot.stop.cancel();
+                    }
+                }
+                false
+            }
+            Event::Exit(key, exit) => {
+                let Some(slot) = self.slots.remove(&key) else { return false };
+                lock(&self.held).remove(&key);
+                let ended = matches!(exit, ShardExit::Ended);
+                match exit {
+                    ShardExit::Lost => tracing::info!(lease = %key, "lease lost"),
+                    ShardExit::Stopped => match &slot.handoff_to {
+                        Some(to) => match slot.lease.transfer(to).await {
+                            Ok(_) => tracing::info!(lease = %key, to = %to, "handed over after draining"),
+                            Err(e) => tracing::warn!(lease = %key, error = %e, "hand-off failed"),
+                        },
+                        None => release(&slot.lease, &key).await,
+                    },
+                    ShardExit::Ended => {
+                        self.need_sync = true;
+                        release(&slot.lease, &key).await;
+                    }
+                    ShardExit::Failed(why) => {
+                        tracing::warn!(lease = %key, %why, "giving the shard up");
+                        self.need_sync = true;
+                        release(&slot.lease, &key).await;
+                    }
+                }
+                ended
+            }
+        }
+    }
+
+    /// One lease round: discover shards if due, then take, steal and clean up.
+    async fn round(&mut self) {
+        let sync_due = self
+            .last_sync
+            .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
+        if self.need_sync || sync_due {
+            if let Err(e) = self.sync_shards().await {
+                tracing::warn!(error = %e, "shard discovery failed; will retry");
+            }
+        }
+        let rows = match self.store.list().await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing leases failed; will retry");
+                return;
+            }
+        };
+        if let Err(e) = self.balance(rows).await {
+            tracing::warn!(error = %e, "lease round failed; will retry");
+        }
+    }
+
+    async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
+        let now = Instant::now();
+        let me = self.config.worker_id.clone();
+        let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
+        for row in &rows {
+            let entry = self.seen.entry(row.key.clone()).or_insert((row.counter, now));
+            if entry.0 != row.counter {
+                *entry = (row.counter, now);
+            }
+        }
+        self.seen.retain(|k, _| by_key.contains_key(k.as_str()));
+        let lease_duration = self.config.lease_duration;
+        let expired = |row: &Lease, seen: &HashMap<String, (u64, Instant)>| {
+            row.owner.is_some()
+                && seen
+                    .get(&row.key)
+                    .is_some_and(|(_, t)| now.duration_since(*t) >= lease_duration)
+        };
+        let eligible: Vec<&Lease> = rows
+            .iter()
+            .filter(|r| r.checkpoint != Checkpoint::ShardEnd)
+            .filter(|r| {
+                r.parents.iter().all(|p| {
+                    by_key
+                        .get(p.as_str())
+                        .is_none_or(|parent| parent.checkpoint == Checkpoint::ShardEnd)
+                })
+            })
+            .collect();
+
+        // Leases the table says are ours but no task runs: handed over to us, or left
+        // by an earlier run of this worker id. Taking them bumps the counter, which
+        // fences any older incarnation.
+        for row in eligible.iter().filter(|r| r.owner.as_deref() == Some(&me)) {
+            if !self.slots.contains_key(&row.key) {
+                self.steals.remove(&row.key);
+                match self.store.take(row, &me).await {
+                    Ok(taken) => self.start(taken),
+                    Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
+                }
+            }
+        }
+
+        let mut load: HashMap<&str, usize> = HashMap::new();
+        for row in &eligible {
+            if let Some(owner) = row.owner.as_deref() {
+                if owner != me && !expired(row, &self.seen) {
+                    *load.entry(owner).or_default() += 1;
+                }
+            }
+        }
+        let workers = load.len() + 1;
+        let target = eligible.len().div_ceil(workers);
+        let mut mine = self.slots.len();
+
+        let mut available: Vec<&Lease> = eligible
+            .iter()
+            .copied()
+            .filter(|r| r.owner.is_none() || (r.owner.as_deref() != Some(&me) && expired(r, &self.seen)))
+            .collect();
+        available.shuffle(&mut self.rng);
+        available.sort_by_key(|r| r.owner.is_some()); // unowned first
+        for row in available {
+            if mine >= target {
+                break;
+            }
+            match self.store.take(row, &me).await {
+                Ok(taken) => {
+                    if let Some(old) = &row.owner {
+                        tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                    }
+                    self.steals.remove(&row.key);
+                    self.start(taken);
+                    mine += 1;
+                }
+                Err(LeaseError::Conflict(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+
+        // Hand-offs we asked for: taken anyway once the owner let the timeout pass.
+        self.steals.retain(|k, _| by_key.get(k.as_str()).is_some_and(|r| r.pending_owner.as_deref() == Some(&me)));
+        for row in eligible.iter().filter(|r| r.pending_owner.as_deref() == Some(&me) && r.owner.as_deref() != Some(&me)) {
+            let asked = *self.steals.entry(row.key.clone()).or_insert(now);
+            if now.duration_since(asked) >= self.config.handoff_timeout {
+                tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
+                if let Ok(taken) = self.store.take(row, &me).await {
+                    self.steals.remove(&row.key);
+                    self.start(taken);
+                    mine += 1;
+                }
+            }
+        }
+
+        // Still under the fair share: ask the most loaded worker for one of its leases.
+        let mut asked = 0;
+        while mine + self.steals.len() < target && asked < self.config.max_steals_per_round {
+            let Some((victim, count)) = load.iter().max_by_key(|(w, n)| (**n, *w)).map(|(w, n)| (w.to_string(), *n)) else { break };
+            if count <= target {
+                break;
+            }
+            let candidate = eligible.iter().find(|r| {
+                r.owner.as_deref() == Some(victim.as_str()) && r.pending_owner.is_none() && !self.steals.contains_key(&r.key)
+            });
+            let Some(row) = candidate else { break };
+            match self.store.request_handoff(row, &me).await {
+                Ok(_) => {
+                    tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
+                    self.steals.insert(row.key.clone(), now);
+                }
+                Err(LeaseError::Conflict(_)) => {}
+                Err(e) => return Err(e),
+            }
+            if let Some(n) = load.get_mut(victim.as_str()) {
+                *n -= 1;
+            }
+            asked += 1;
+        }
+
+        self.clean_up(&rows).await;
+        Ok(())
+    }
+
+    /// Deletes rows of finished shards once every child has started (its checkpoint
+    /// moved): they can no longer hold a child back, and no sync re-creates them
+    /// because their children have rows.
+    async fn clean_up(&self, rows: &[Lease]) {
+        let by_key: HashMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
+        for row in rows.iter().filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none()) {
+            let children: Vec<&ShardInfo> = self.shards.iter().filter(|s| s.parents().contains(&row.key)).collect();
+            let started = !children.is_empty()
+                && children.iter().all(|c| {
+                    by_key.get(c.shard_id.as_str()).is_some_and(|l| {
+                        matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
+                    })
+                });
+            if started {
+                match self.store.delete(row).await {
+                    Ok(()) => tracing::debug!(lease = %row.key, "removed the finished shard's lease"),
+                    Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease"),
+                }
+            }
+        }
+    }
+
+    /// Lists the shards and creates a lease for each shard that has none, parents
+    /// before children so no worker can see a child without its parent.
+    async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
+        let mut shards = self.kinesis.list_shards(&self.stream).await?;
+        shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
+        let rows = self.store.list().await?;
+        let keys: HashSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+        let ids: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        let first = rows.is_empty();
+        let initial = match &self.config.initial_position {
+            InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
+            InitialPosition::Latest => Checkpoint::Latest,
+            InitialPosition::AtTimestamp(_) => Checkpoint::AtTimestamp,
+        };
+        let mut created = Vec::new();
+        for shard in &shards {
+            if keys.contains(shard.shard_id.as_str()) {
+                continue;
+            }
+            // A shard whose child has a row was finished and cleaned up: never again.
+            let descendant_known = shards.iter().any(|c| {
+                c.parents().contains(&shard.shard_id) && (keys.contains(c.shard_id.as_str()) || created.contains(&c.shard_id))
+            });
+            if descendant_known {
+                continue;
+            }
+            let parents = shard.parents();
+            let checkpoint = if first {
+                if initial != Checkpoint::TrimHorizon && shard.is_closed() {
+                    continue; // starting at the tip: closed shards hold only the past
+                }
+                initial.clone()
+            } else if parents.iter().any(|p| ids.contains(p.as_str()) || keys.contains(p.as_str())) {
+                Checkpoint::TrimHorizon
+            } else {
+                initial.clone()
+            };
+            let lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
+            if self.store.create(&lease).await? {
+                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+            }
+            created.push(shard.shard_id.clone());
+        }
+        self.shards = shards;
+        self.last_sync = Some(Instant::now());
+        self.need_sync = false;
+        Ok(())
+    }
+
+    fn start(&mut self, row: Lease) {
+        let key = row.key.clone();
+        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.worker_id));
+        let out = match &self.sink {
+            Sink::PerShard(spawn) => {
+                let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
+                spawn(rx);
+                tx
+            }
+            Sink::Shared(tx) => tx.clone(),
+        };
+        let stop = CancellationToken::new();
+        let task = ShardTask {
+            config: self.config.clone(),
+            kinesis: self.kinesis.clone(),
+            stream: self.stream.clone(),
+            lease: lease.clone(),
+            out,
+            stop: stop.clone(),
+        };
+        let events = self.events_tx.clone();
+        let span = tracing::info_span!("shard", shard = %key);
+        let exit_key = key.clone();
+        tokio::spawn(
+            async move {
+                let exit = task.run().await;
+                let _ = events.send(Event::Exit(exit_key, exit));
+            }
+            .instrument(span),
+        );
+        tracing::info!(lease = %key, "reading shard");
+        lock(&self.held).insert(key.clone(), lease.clone());
+        self.slots.insert(
+            key,
+            Slot {
+                lease,
+                stop,
+                handoff_to: None,
+            },
+        );
+    }
+
+    /// Stops every shard (drain, commit) and releases its lease.
+    async fn shutdown(&mut self) {
+        for slot in self.slots.values() {
+            slot.stop.cancel();
+        }
+        let deadline = Instant::now() + self.config.shutdown_timeout * 2;
+        while !self.slots.is_empty() {
+            match tokio::time::timeout_at(deadline, self.events_rx.recv()).await {
+                Ok(Some(event @ Event::Exit(..))) => {
+                    self.on_event(event).await;
+                }
+                Ok(Some(Event::HandoffRequested(..))) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        for (key, slot) in self.slots.drain() {
+            tracing::warn!(lease = %key, "shard did not stop in time; releasing its lease");
+            release(&slot.lease, &key).await;
+        }
+        tracing::info!("worker stopped; leases released");
+    }
+}
+
+async fn release(lease: &HeldLease, key: &str) {
+    if let Err(e) = lease.release().await {
+        tracing::warn!(lease = %key, error = %e, "release failed; the lease will expire instead");
+    }
+}
+
+/// Renews every held lease on its own timer, independent of reading and handling, and
+/// passes hand-off requests it finds on the rows to the coordinator.
+async fn renew_loop(
+    config: Arc<Config>,
+    held: HeldSet,
+    events: mpsc::UnboundedSender<Event>,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval_at(Instant::now() + config.renew_interval, config.renew_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let leases: Vec<(String, Arc<HeldLease>)> =
+            lock(&held).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let results = join_all(leases.iter().map(|(_, l)| l.renew())).await;
+        for ((key, _), result) in leases.into_iter().zip(results) {
+            match result {
+                Ok(row) => {
+                    if let Some(to) = row.pending_owner.filter(|w| *w != config.worker_id) {
+                        let _ = events.send(Event::HandoffRequested(key, to));
+                    }
+                }
+                Err(LeaseError::Conflict(_)) => tracing::info!(lease = %key, "lease lost at renewal"),
+                Err(e) => tracing::warn!(lease = %key, error = %e, "renewal failed; will retry"),
+            }
+        }
+    }
+}
+

@@ -1,0 +1,194 @@
+//! One owned shard: runs its reader, commits the watermark (fenced by the lease), restarts
+//! from the watermark after a handler failure, and drains on stop.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::checkpoint::ShardProgress;
+use crate::kinesis::KinesisApi;
+use crate::lease::{Checkpoint, HeldLease, LeaseError};
+use crate::message::Batch;
+
+use super::config::{CheckpointPolicy, Config};
+use super::reader::ShardReader;
+
+/// How a shard task ended.
+#[derive(Debug)]
+pub(crate) enum ShardExit {
+    /// Every record is handled and SHARD_END is committed.
+    Ended,
+    /// Stopped on request: in-flight work drained and its checkpoint committed; the
+    /// lease is still ours to release or hand over.
+    Stopped,
+    /// The lease was lost: nothing more may be committed.
+    Lost,
+    /// The shard cannot be read (deleted stream or shard); the lease is still ours.
+    Failed(String),
+}
+
+pub(crate) struct ShardTask {
+    pub(crate) config: Arc<Config>,
+    pub(crate) kinesis: Arc<dyn KinesisApi>,
+    pub(crate) stream: Arc<str>,
+    pub(crate) lease: Arc<HeldLease>,
+    pub(crate) out: mpsc::Sender<Batch>,
+    /// Cancelled to stop gracefully (shutdown or hand-off).
+    pub(crate) stop: CancellationToken,
+}
+
+enum Interrupt {
+    Stop,
+    Failed,
+}
+
+impl ShardTask {
+    pub(crate) async fn run(self) -> ShardExit {
+        let row = self.lease.row().await;
+        let shard_id: Arc<str> = row.key.as_str().into();
+        if row.checkpoint == Checkpoint::ShardEnd {
+            return ShardExit::Ended;
+        }
+        let progress = ShardProgress::new(row.checkpoint.clone());
+        let mut committed = row.checkpoint;
+        let seed = self.config.seed ^ hash(&shard_id);
+        let reader = ShardReader {
+            config: self.config.clone(),
+            kinesis: self.kinesis.clone(),
+            stream: self.stream.clone(),
+            shard_id: shard_id.clone(),
+            progress: progress.clone(),
+            out: self.out.clone(),
+            lease_lost: self.lease.lost().clone(),
+        };
+        let mut read_backoff = Backoff::new(self.config.retry_min, self.config.retry_max, seed);
+        let mut failure_backoff = Backoff::new(self.config.retry_min, self.config.retry_max, seed.rotate_left(7));
+        let mut commit_tick = tokio::time::interval(match self.config.checkpoint {
+            CheckpointPolicy::Interval(d) => d,
+            CheckpointPolicy::EveryBatch => self.config.lease_duration,
+        });
+        commit_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let every_batch = self.config.checkpoint == CheckpointPolicy::EveryBatch;
+
+        loop {
+            let start = progress.lock().acked().clone();
+            let generation_failed = {
+                let read = reader.read(start, &mut read_backoff);
+                tokio::pin!(read);
+                let mut reading = true;
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = self.lease.lost().cancelled() => return ShardExit::Lost,
+                        _ = self.stop.cancelled() => break Interrupt::Stop,
+                        result = &mut read, if reading => {
+                            reading = false;
+                            if let Err(e) = result {
+                                tracing::error!(shard = %shard_id, error = %e, "the shard cannot be read");
+                                progress.set_accepting(false);
+                                self.drain(&progress).await;
+                                if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
+                                return ShardExit::Failed(e.to_string());
+                            }
+                        }
+                        _ = progress.changed.notified() => {
+                            if progress.take_failure().is_some() {
+                                break Interrupt::Failed;
+                            }
+                            let at_end = *progress.lock().acked() == Checkpoint::ShardEnd;
+                            if every_batch || at_end {
+                                if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
+                            }
+                            if at_end && committed == Checkpoint::ShardEnd {
+                                tracing::info!(shard = %shard_id, "checkpointed at SHARD_END");
+                                return ShardExit::Ended;
+                            }
+                        }
+                        _ = commit_tick.tick() => {
+                            if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
+                            if committed == Checkpoint::ShardEnd {
+                                return ShardExit::Ended;
+                            }
+                        }
+                    }
+                }
+            };
+            // The reader is dropped here: nothing more is read in this generation.
+            progress.set_accepting(false);
+            match generation_failed {
+                Interrupt::Stop => {
+                    self.drain(&progress).await;
+                    if let Err(exit) = self.commit(&progress, &mut committed).await {
+                        return exit;
+                    }
+                    return ShardExit::Stopped;
+                }
+                Interrupt::Failed => {
+                    self.drain(&progress).await;
+                    if let Err(exit) = self.commit(&progress, &mut committed).await {
+                        return exit;
+                    }
+                    let delay = failure_backoff.next_delay();
+                    tracing::warn!(shard = %shard_id, checkpoint = %committed, ?delay, "a handler failed; reading again from the checkpoint after a pause");
+                    tokio::select! {
+                        _ = self.lease.lost().cancelled() => return ShardExit::Lost,
+                        _ = self.stop.cancelled() => return ShardExit::Stopped,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    progress.reset();
+                    progress.set_accepting(true);
+                }
+            }
+        }
+    }
+
+    /// Waits until no delivered work is in progress, at most the shutdown timeout.
+    async fn drain(&self, progress: &ShardProgress) {
+        let deadline = Instant::now() + self.config.shutdown_timeout;
+        loop {
+            let open = progress.lock().open();
+            if open == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = progress.changed.notified() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(open, "in-flight batches did not finish before the timeout; they will be delivered again");
+                    return;
+                }
+                _ = self.lease.lost().cancelled() => return,
+            }
+        }
+    }
+
+    /// Writes the watermark if it moved. Throttling and transient errors keep the
+    /// watermark for the next attempt; a conflict means the lease is lost.
+    async fn commit(&self, progress: &ShardProgress, committed: &mut Checkpoint) -> Result<(), ShardExit> {
+        let acked = progress.lock().acked().clone();
+        if acked == *committed {
+            return Ok(());
+        }
+        match self.lease.checkpoint(&acked).await {
+            Ok(_) => {
+                tracing::debug!(checkpoint = %acked, "checkpoint committed");
+                *committed = acked;
+                Ok(())
+            }
+            Err(LeaseError::Conflict(key)) => {
+                tracing::warn!(lease = %key, "lease lost; the checkpoint is left to the new owner");
+                Err(ShardExit::Lost)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "checkpoint write failed; will retry");
+                Ok(())
+            }
+        }
+    }
+}
+
+fn hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}

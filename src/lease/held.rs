@@ -1,0 +1,127 @@
+//! A lease this worker holds: every write to it goes through here, one at a time, with
+//! the owner and counter last written, so renewals and checkpoints never race each
+//! other into false conflicts and a worker that lost the lease can never write again.
+
+use std::sync::Arc;
+
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use super::{Checkpoint, Lease, LeaseError, LeaseStore};
+
+/// A held lease: the row as last written by us, and the "lease lost" signal.
+pub struct HeldLease {
+    row: Mutex<Lease>,
+    store: Arc<dyn LeaseStore>,
+    worker: String,
+    lost: CancellationToken,
+}
+
+impl HeldLease {
+    /// Wraps a row this worker just took (its owner is `worker`).
+    pub fn new(row: Lease, store: Arc<dyn LeaseStore>, worker: &str) -> Self {
+        HeldLease {
+            row: Mutex::new(row),
+            store,
+            worker: worker.to_owned(),
+            lost: CancellationToken::new(),
+        }
+    }
+
+    /// Cancelled once the lease is known lost (another owner, or released).
+    pub fn lost(&self) -> &CancellationToken {
+        &self.lost
+    }
+
+    /// The row as last written by this worker.
+    pub async fn row(&self) -> Lease {
+        self.row.lock().await.clone()
+    }
+
+    /// Renews (bumps the counter). Returns the new row; it may carry a hand-off request.
+    pub async fn renew(&self) -> Result<Lease, LeaseError> {
+        self.write(|store, row| Box::pin(async move { store.renew(&row).await }))
+            .await
+    }
+
+    /// Commits a checkpoint, fenced by owner and counter.
+    pub async fn checkpoint(&self, checkpoint: &Checkpoint) -> Result<Lease, LeaseError> {
+        let cp = checkpoint.clone();
+        self.write(move |store, row| {
+            let cp = cp.clone();
+            Box::pin(async move { store.checkpoint(&row, &cp).await })
+        })
+            .await
+    }
+
+    /// Gives the lease up (to nobody). Marks it lost for this worker either way.
+    pub async fn release(&self) -> Result<Lease, LeaseError> {
+        let result = self
+            .write(|store, row| Box::pin(async move { store.release(&row).await }))
+            .await;
+        self.lost.cancel();
+        result
+    }
+
+    /// Hands the lease straight to `worker` (the graceful end of a steal).
+    pub async fn transfer(&self, worker: &str) -> Result<Lease, LeaseError> {
+        let to = worker.to_owned();
+        let result = self
+            .write(move |store, row| {
+                let to = to.clone();
+                Box::pin(async move { store.take(&row, &to).await })
+            })
+            .await;
+        self.lost.cancel();
+        result
+    }
+
+    /// Runs one conditional write with the current row. On a conflict the row is read
+    /// back: if we still own it (our own earlier write landed although we saw an error),
+    /// the row is adopted and the write tried once more; otherwise the lease is lost.
+    async fn write<F>(&self, op: F) -> Result<Lease, LeaseError>
+    where
+        F: Fn(
+            Arc<dyn LeaseStore>,
+            Lease,
+        ) -> futures_util::future::BoxFuture<'static, Result<Lease, LeaseError>>,
+    {
+        if self.lost.is_cancelled() {
+            return Err(LeaseError::Conflict(self.row.lock().await.key.clone()));
+        }
+        let mut row = self.row.lock().await;
+        match op(self.store.clone(), row.clone()).await {
+            Ok(new) => {
+                *row = new.clone();
+                Ok(new)
+            }
+            Err(LeaseError::Conflict(key)) => {
+                let current = self.store.get(&key).await?;
+                match current {
+                    Some(cur) if cur.owner.as_deref() == Some(&self.worker) => {
+                        tracing::debug!(lease = %key, "adopting our own write that was reported failed");
+                        *row = cur;
+                        let result = op(self.store.clone(), row.clone()).await;
+                        match result {
+                            Ok(new) => {
+                                *row = new.clone();
+                                Ok(new)
+                            }
+                            Err(e) => {
+                                if matches!(e, LeaseError::Conflict(_)) {
+                                    self.lost.cancel();
+                                }
+                                Err(e)
+                            }
+                        }
+                    }
+                    _ => {
+                        self.lost.cancel();
+                        Err(LeaseError::Conflict(key))
+                    }
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
