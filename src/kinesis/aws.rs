@@ -98,7 +98,7 @@ impl AwsKinesis {
                 )));
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+            pause = (pause * 3 / 2).min(Duration::from_millis(250));
         }
     }
 }

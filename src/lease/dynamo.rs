@@ -391,7 +391,7 @@ impl LeaseStore for DynamoLeaseStore {
                 )));
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+            pause = (pause * 3 / 2).min(Duration::from_millis(250));
         }
     }
 
