@@ -16,6 +16,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, ShardInfo};
 use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
@@ -104,9 +105,27 @@ impl Coordinator {
         let worker = self.config.worker_id.clone();
         let span = tracing::info_span!("worker", %worker, stream = %self.stream);
         async move {
-            self.store.ensure_table().await?;
-            // Fail fast on a missing stream instead of polling forever.
-            self.sync_shards().await?;
+            // Transient failures (throttling, a flaky network) are retried; a missing
+            // stream or a refused request fails fast instead of polling forever.
+            let mut backoff = Backoff::new(self.config.retry_min, self.config.retry_max, self.config.seed);
+            loop {
+                let attempt = match self.store.ensure_table().await {
+                    Ok(()) => self.sync_shards().await,
+                    Err(e) => Err(e.into()),
+                };
+                match attempt {
+                    Ok(()) => break,
+                    Err(e) if e.is_transient() => {
+                        let delay = backoff.next_delay();
+                        tracing::warn!(error = %e, ?delay, "start-up call failed; retrying");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return Ok(()),
+                            _ = tokio::time::sleep(delay) => {}
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
             let renewer = tokio::spawn(renew_loop(
                 self.config.clone(),
                 self.held.clone(),

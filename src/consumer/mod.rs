@@ -49,6 +49,17 @@ pub enum ConsumerError {
     Worker(String),
 }
 
+impl ConsumerError {
+    /// Whether the same call may succeed later (throttling, network, service errors).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ConsumerError::Lease(e) => matches!(e, LeaseError::Throttled(_) | LeaseError::Other(_)),
+            ConsumerError::Kinesis(e) => e.is_retryable(),
+            _ => false,
+        }
+    }
+}
+
 /// A consumer of one stream as one worker of a consumer group.
 pub struct Consumer {
     config: Arc<Config>,

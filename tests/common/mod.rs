@@ -1,0 +1,296 @@
+//! Scenarios shared by the memory-backend and emulator tests: the same assertions run
+//! against the embedded backend and against Kinesis/DynamoDB emulators over HTTP.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutRecord, ShardInfo};
+use shardflow::lease::{Checkpoint, Lease};
+use shardflow::{Backend, CheckpointPolicy, Consumer, ConsumerBuilder, Message};
+use tokio::sync::Notify;
+
+/// One handled record, in the order the handler saw it.
+#[derive(Clone, Debug)]
+pub struct Handled {
+    pub shard: String,
+    pub sequence: shardflow::SequenceNumber,
+    pub partition_key: String,
+    pub value: usize,
+}
+
+/// Collects what a handler saw and wakes waiters when a count is reached.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    pub handled: Arc<Mutex<Vec<Handled>>>,
+    count: Arc<AtomicUsize>,
+    changed: Arc<Notify>,
+}
+
+impl Recorder {
+    pub fn record(&self, msg: &Message) {
+        let value = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
+        self.handled.lock().unwrap().push(Handled {
+            shard: msg.headers.shard_id.to_string(),
+            sequence: msg.headers.sequence_number.clone(),
+            partition_key: msg.headers.partition_key.clone(),
+            value,
+        });
+        self.count.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` records were handled; panics after `limit`.
+    pub async fn wait_for(&self, n: usize, limit: Duration) {
+        let wait = async {
+            loop {
+                let notified = self.changed.notified();
+                if self.count() >= n {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if tokio::time::timeout(limit, wait).await.is_err() {
+            panic!("only {} of {n} records handled within {limit:?}", self.count());
+        }
+    }
+
+    pub fn snapshot(&self) -> Vec<Handled> {
+        self.handled.lock().unwrap().clone()
+    }
+}
+
+/// A handler service that records every message.
+pub fn recording_handler(
+    recorder: Recorder,
+) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send + 'static {
+    tower::service_fn(move |msg: Message| {
+        recorder.record(&msg);
+        async { Ok::<_, Infallible>(()) }
+    })
+}
+
+/// Writes records with values `range`, partition keys `pk-{value % 64}`.
+pub async fn produce(kinesis: &dyn KinesisApi, stream: &str, range: std::ops::Range<usize>) {
+    let values: Vec<usize> = range.collect();
+    for chunk in values.chunks(500) {
+        let mut pending: Vec<PutRecord> = chunk
+            .iter()
+            .map(|v| PutRecord {
+                data: Bytes::from(v.to_string()),
+                partition_key: format!("pk-{}", v % 64),
+                explicit_hash_key: None,
+            })
+            .collect();
+        // Retry only what failed (partial failures), until everything is stored.
+        for _ in 0..100 {
+            if pending.is_empty() {
+                break;
+            }
+            match kinesis.put_records(stream, &pending).await {
+                Ok(outcomes) => {
+                    pending = pending
+                        .into_iter()
+                        .zip(outcomes)
+                        .filter(|(_, o)| matches!(o, shardflow::kinesis::PutOutcome::Failed { .. }))
+                        .map(|(r, _)| r)
+                        .collect();
+                }
+                Err(e) => eprintln!("put_records: {e}; retrying"),
+            }
+            if !pending.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert!(pending.is_empty(), "could not write every record");
+    }
+}
+
+/// A consumer builder with test-friendly timings.
+pub fn test_consumer(backend: impl Backend, stream: &str, group: &str, worker: &str) -> ConsumerBuilder {
+    Consumer::builder()
+        .stream(stream)
+        .group(group)
+        .worker_id(worker)
+        .backend(backend)
+        .idle_read_interval(Duration::from_millis(20))
+        .take_interval(Duration::from_millis(300))
+        .shard_sync_interval(Duration::from_millis(500))
+        .lease_duration(Duration::from_secs(3))
+        .retry_backoff(Duration::from_millis(10), Duration::from_millis(200))
+        .checkpoint(CheckpointPolicy::Interval(Duration::from_millis(100)))
+        .seed(7)
+}
+
+pub async fn open_shards(kinesis: &dyn KinesisApi, stream: &str) -> Vec<ShardInfo> {
+    let mut open: Vec<ShardInfo> = kinesis
+        .list_shards(stream)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| !s.is_closed())
+        .collect();
+    open.sort_by_key(|s| s.starting_hash_key);
+    open
+}
+
+/// Asserts what a single-instance run must show: every value handled exactly once,
+/// sequence order within each shard, and no child record handled before the last
+/// record of each of its parents.
+pub fn assert_exactly_once_in_order(handled: &[Handled], total: usize, shards: &[ShardInfo]) {
+    let mut seen = HashSet::new();
+    let duplicates: Vec<usize> = handled.iter().filter(|h| !seen.insert(h.value)).map(|h| h.value).collect();
+    assert!(duplicates.is_empty(), "{} duplicates, e.g. {:?}", duplicates.len(), &duplicates[..duplicates.len().min(5)]);
+    let missing: Vec<usize> = (0..total).filter(|v| !seen.contains(v)).collect();
+    assert!(missing.is_empty(), "{} lost, e.g. {:?}", missing.len(), &missing[..missing.len().min(5)]);
+    assert_order(handled, shards);
+}
+
+/// Sequence order within each shard, and parents finished before children started.
+pub fn assert_order(handled: &[Handled], shards: &[ShardInfo]) {
+    let mut last: HashMap<&str, &shardflow::SequenceNumber> = HashMap::new();
+    for h in handled {
+        if let Some(prev) = last.insert(&h.shard, &h.sequence) {
+            assert!(prev < &h.sequence, "shard {} went back from {prev} to {}", h.shard, h.sequence);
+        }
+    }
+    let index_range = |shard: &str| {
+        let idx: Vec<usize> = handled.iter().enumerate().filter(|(_, h)| h.shard == shard).map(|(i, _)| i).collect();
+        idx.first().copied().zip(idx.last().copied())
+    };
+    for shard in shards {
+        for parent in shard.parents() {
+            if let (Some((_, parent_last)), Some((child_first, _))) = (index_range(&parent), index_range(&shard.shard_id)) {
+                assert!(
+                    parent_last < child_first,
+                    "child {} started (at #{child_first}) before parent {parent} finished (#{parent_last})",
+                    shard.shard_id
+                );
+            }
+        }
+    }
+}
+
+/// Per partition key, values arrive in the order they were written (values ascend).
+pub fn assert_partition_key_order(handled: &[Handled]) {
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for h in handled {
+        if let Some(prev) = last.insert(&h.partition_key, h.value) {
+            assert!(prev < h.value, "key {} went back from {prev} to {}", h.partition_key, h.value);
+        }
+    }
+}
+
+/// The checkpoint of every lease row, by shard.
+pub fn checkpoints(rows: &[Lease]) -> BTreeMap<String, Checkpoint> {
+    rows.iter().map(|r| (r.key.clone(), r.checkpoint.clone())).collect()
+}
+
+/// The single-instance reshard scenario: 4 shards, `total` records, a split and a merge
+/// while consuming, then a restart from the committed checkpoints.
+pub async fn reshard_while_consuming<B: Backend + Clone>(backend: B, stream: &str, total: usize, limit: Duration) {
+    let kinesis = backend.kinesis();
+    kinesis.create_stream(stream, 4).await.unwrap();
+    let group = format!("{stream}-group");
+    let quarter = total / 4;
+    produce(kinesis.as_ref(), stream, 0..quarter * 2).await;
+
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend.clone(), stream, &group, "w1").build().unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(consumer.run(recording_handler(recorder.clone())).into_future());
+
+    recorder.wait_for(quarter, limit).await;
+    let open = open_shards(kinesis.as_ref(), stream).await;
+    let first = &open[0];
+    let middle = first.starting_hash_key + (first.ending_hash_key - first.starting_hash_key) / 2;
+    kinesis.split_shard(stream, &first.shard_id, middle).await.unwrap();
+    wait_until_active(kinesis.as_ref(), stream).await;
+    produce(kinesis.as_ref(), stream, quarter * 2..quarter * 3).await;
+
+    recorder.wait_for(quarter * 2, limit).await;
+    let open = open_shards(kinesis.as_ref(), stream).await;
+    let (a, b) = (&open[open.len() - 2], &open[open.len() - 1]);
+    kinesis.merge_shards(stream, &a.shard_id, &b.shard_id).await.unwrap();
+    wait_until_active(kinesis.as_ref(), stream).await;
+    produce(kinesis.as_ref(), stream, quarter * 3..total).await;
+
+    recorder.wait_for(total, limit).await;
+    // Let the closed shards reach SHARD_END before stopping (their ends are read after
+    // their last records).
+    let store = backend.lease_store(&group);
+    let shards = kinesis.list_shards(stream).await.unwrap();
+    let closed: Vec<String> = shards.iter().filter(|s| s.is_closed()).map(|s| s.shard_id.clone()).collect();
+    let ended = async {
+        loop {
+            let rows = store.list().await.unwrap();
+            let cps = checkpoints(&rows);
+            if closed.iter().all(|c| cps.get(c).is_none_or(|cp| *cp == Checkpoint::ShardEnd)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(limit, ended).await.expect("closed shards reach SHARD_END");
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+
+    let handled = recorder.snapshot();
+    assert_exactly_once_in_order(&handled, total, &shards);
+    assert_partition_key_order(&handled);
+
+    // Final checkpoints: each open shard at its last handled record, leases released.
+    let rows = store.list().await.unwrap();
+    for row in &rows {
+        assert_eq!(row.owner, None, "lease {} released at shutdown", row.key);
+        let last = handled.iter().filter(|h| h.shard == row.key).map(|h| h.sequence.clone()).max();
+        match (&row.checkpoint, last) {
+            (Checkpoint::ShardEnd, _) => assert!(closed.contains(&row.key)),
+            (Checkpoint::At(p), Some(last)) => assert_eq!(p.sequence, last, "checkpoint of {}", row.key),
+            (cp, last) => assert!(last.is_none(), "{}: checkpoint {cp} but records handled", row.key),
+        }
+    }
+
+    // A restart from the committed checkpoints redelivers nothing.
+    let again = Recorder::default();
+    let consumer = test_consumer(backend.clone(), stream, &group, "w2").build().unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(consumer.run(recording_handler(again.clone())).into_future());
+    let open_count = open_shards(kinesis.as_ref(), stream).await.len();
+    let taken = async {
+        loop {
+            let rows = store.list().await.unwrap();
+            if rows.iter().filter(|r| r.owner.as_deref() == Some("w2")).count() >= open_count {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(limit, taken).await.expect("the restarted worker takes every open shard");
+    // Absence of redelivery needs a window: several read rounds (20 ms idle interval).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+    assert_eq!(again.count(), 0, "records redelivered after a restart: {:?}", &again.snapshot()[..again.count().min(3)]);
+}
+
+pub async fn wait_until_active(kinesis: &dyn KinesisApi, stream: &str) {
+    for _ in 0..200 {
+        if !kinesis.is_updating(stream).await.unwrap() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("stream {stream} stayed UPDATING");
+}
+
+use std::future::IntoFuture;

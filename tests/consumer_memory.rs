@@ -1,0 +1,169 @@
+//! The single-instance consumer on the embedded backend: reshards, seeded faults,
+//! handler failures, the stream mode and shutdown.
+
+mod common;
+
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use futures_util::StreamExt;
+use shardflow::kinesis::KinesisApi;
+use shardflow::lease::Checkpoint;
+use shardflow::memory::{KinesisFaults, LeaseFaults};
+use shardflow::{Memory, Message};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reshard_while_consuming_on_memory() {
+    reshard_while_consuming(Memory::new(), "orders", 10_000, LIMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_faults_lose_nothing() {
+    for seed in 0..8u64 {
+        let memory = Memory::new();
+        memory.streams().set_faults(KinesisFaults {
+            throttle: 0.2,
+            expire_iterator: 0.1,
+            error: 0.05,
+            put_entry_failure: 0.05,
+            seed,
+        });
+        let group = format!("faults-{seed}");
+        memory.table(&group).set_faults(LeaseFaults {
+            fail_before_write: 0.1,
+            fail_after_write: 0.1,
+            throttle: 0.05,
+            latency: Duration::from_millis(1),
+            seed,
+        });
+        let kinesis = memory.streams().clone();
+        kinesis.create_stream("faulty", 3).await.unwrap();
+        produce(kinesis.as_ref(), "faulty", 0..3_000).await;
+        let recorder = Recorder::default();
+        let consumer = test_consumer(memory.clone(), "faulty", &group, "w1").max_records_per_read(100).build().unwrap();
+        let shutdown = consumer.shutdown_handle();
+        let run = tokio::spawn(consumer.run(recording_handler(recorder.clone())).into_future());
+        recorder.wait_for(3_000, LIMIT).await;
+        shutdown.shutdown();
+        run.await.unwrap().unwrap();
+        let handled = recorder.snapshot();
+        let shards = kinesis.list_shards("faulty").await.unwrap();
+        // Faults may cause re-reads; the per-record filter must keep them from reaching
+        // the handler twice in a single-instance run.
+        assert_exactly_once_in_order(&handled, 3_000, &shards);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("flaky", 2).await.unwrap();
+    produce(kinesis.as_ref(), "flaky", 0..1_000).await;
+    let recorder = Recorder::default();
+    let failures = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let recorder = recorder.clone();
+        let failures = failures.clone();
+        tower::service_fn(move |msg: Message| {
+            let value: usize = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
+            // Every 97th value fails on its first attempt.
+            let fail = value % 97 == 0 && !recorder.snapshot().iter().any(|h| h.value == value + 1_000_000);
+            if fail {
+                failures.fetch_add(1, Ordering::SeqCst);
+                recorder.handled.lock().unwrap().push(Handled {
+                    shard: String::new(),
+                    sequence: msg.headers.sequence_number.clone(),
+                    partition_key: String::new(),
+                    value: value + 1_000_000,
+                });
+            } else {
+                recorder.record(&msg);
+            }
+            async move {
+                if fail {
+                    Err("injected failure")
+                } else {
+                    Ok(())
+                }
+            }
+        })
+    };
+    let consumer = test_consumer(memory.clone(), "flaky", "flaky-group", "w1").build().unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(consumer.run(handler).into_future());
+    recorder.wait_for(1_000 + failures.load(Ordering::SeqCst), LIMIT).await;
+    let wait_all = async {
+        loop {
+            let ok = recorder.snapshot().iter().filter(|h| h.value < 1_000_000).count();
+            if ok >= 1_000 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, wait_all).await.unwrap();
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+    let handled: Vec<Handled> = recorder.snapshot().into_iter().filter(|h| h.value < 1_000_000).collect();
+    assert!(failures.load(Ordering::SeqCst) >= 10);
+    let shards = kinesis.list_shards("flaky").await.unwrap();
+    assert_exactly_once_in_order(&handled, 1_000, &shards);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("acks", 1).await.unwrap();
+    produce(kinesis.as_ref(), "acks", 0..300).await;
+    let consumer = test_consumer(memory.clone(), "acks", "acks-group", "w1")
+        .max_records_per_read(100)
+        .prefetch_batches(3)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let shutdown = batches.shutdown_handle();
+    let mut held = Vec::new();
+    while held.len() < 3 {
+        held.push(batches.next().await.unwrap().unwrap());
+    }
+    // Acknowledge the 2nd and 3rd batch, not the 1st: the checkpoint may not move.
+    held[1].ack();
+    held[2].ack();
+    let table = memory.table("acks-group");
+    tokio::time::sleep(Duration::from_millis(300)).await; // several checkpoint intervals
+    assert_eq!(table.rows()[0].checkpoint, Checkpoint::TrimHorizon);
+    held[0].ack();
+    let last = held[2].messages.last().unwrap().position();
+    let moved = async {
+        loop {
+            if table.rows()[0].checkpoint == Checkpoint::At(last.clone()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, moved).await.expect("checkpoint reaches the end of the 3rd batch");
+    shutdown.shutdown();
+    while let Some(batch) = batches.next().await {
+        batch.unwrap().ack();
+    }
+    assert_eq!(table.rows()[0].owner, None, "released at shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_missing_stream_with_a_typed_error() {
+    let consumer = test_consumer(Memory::new(), "missing", "g-missing", "w1").build().unwrap();
+    let err = consumer
+        .run(tower::service_fn(|_m: Message| async { Ok::<_, Infallible>(()) }))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, shardflow::ConsumerError::Kinesis(shardflow::kinesis::KinesisError::NotFound(_))), "{err}");
+}
