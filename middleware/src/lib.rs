@@ -1,1 +1,101 @@
-//! m
+//! Tower layers over shardflow's [`Message`](shardflow::Message) and
+//! [`Batch`](shardflow::Batch): decode, dedup, retry, dead-letter and batch.
+//!
+//! The consumer calls a `tower::Service<Message>` once per record (or a
+//! `Service<Batch>` once per read) and reads the result as a verdict:
+//!
+//! * `Ok` — the record is handled; the shard's checkpoint may pass it.
+//! * `Err` — stop the shard and deliver again from the checkpoint. Nothing is lost.
+//!
+//! Every layer here keeps that rule. A layer returns `Ok` only when the record really
+//! is finished (handled, found already handled by [`dedup`], or accepted by the
+//! [`dead_letter`] sink) and returns `Err` for everything else.
+//!
+//! # A stack
+//!
+//! ```no_run
+//! # use std::convert::Infallible;
+//! use shardflow::Message;
+//! use shardflow_middleware::{Backoff, MemoryDedupStore, ServiceBuilderExt};
+//! use shardflow_middleware::dead_letter::DeadLetterRecord;
+//! use tower::ServiceBuilder;
+//!
+//! #[derive(Clone, serde::Deserialize)]
+//! struct Order { id: u64 }
+//!
+//! # async fn charge(_: &Order) -> Result<(), std::io::Error> { Ok(()) }
+//! # fn demo() {
+//! let dlq = tower::service_fn(|record: DeadLetterRecord| async move {
+//!     // send `record` to another stream, a queue or a table
+//!     Ok::<_, Infallible>(())
+//! });
+//! let handler = ServiceBuilder::new() // outermost first: order is meaning
+//!     .dead_letter(dlq) // what still fails below lands here, with its error
+//!     .decode::<Order>() // Message<Bytes> -> Message<Order>; bad JSON is an error
+//!     .dedup(MemoryDedupStore::new(100_000))
+//!     .retry(Backoff::exponential().max_attempts(5))
+//!     .service_fn(|msg: Message<Order>| async move { charge(&msg.payload).await });
+//! # let _ = handler;
+//! # }
+//! ```
+//!
+//! Put [`dead_letter`] outermost: it keeps the raw bytes of each record, so a payload
+//! that [`decode`] rejects still reaches the dead-letter sink as it was read. Put
+//! [`retry`] innermost, next to the handler: a retry then never re-reserves a
+//! [`dedup`] key nor decodes twice.
+//!
+//! # Errors
+//!
+//! Like tower's own middleware, layers that add failures of their own return
+//! [`BoxError`]; the concrete errors are small enums and structs you can
+//! [`downcast_ref`](std::error::Error) to: [`DecodeError`],
+//! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError),
+//! [`BatchError`](batch::BatchError). [`Retry`](retry::Retry) passes the handler's own
+//! error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
+//! definition (the store is down or another consumer holds the record), so the default
+//! dead-letter policy never dead-letters it: the shard stops and the record comes back.
+//!
+//! # Observability
+//!
+//! Layers that do asynchronous work per record run it inside a `debug` span named
+//! `shardflow_middleware` with the fields `layer`, `shard`, `sequence` and
+//! `sub_sequence`. Payloads and partition keys are never logged; decode errors describe
+//! where the input broke, not what it held.
+//!
+//! Counters are `debug` events with a `monotonic_counter.*` field of value 1 (the
+//! convention of `tracing-opentelemetry`'s metrics layer); each is emitted by exactly one
+//! layer:
+//!
+//! | counter | emitted by | when |
+//! |---|---|---|
+//! | `shardflow.handled` | [`retry`] | the handler returned `Ok` (field `attempts`) |
+//! | `shardflow.retried` | [`retry`] | a failed attempt is scheduled again |
+//! | `shardflow.retries_exhausted` | [`retry`] | attempts or time ran out; the error goes up |
+//! | `shardflow.deduplicated` | [`dedup`] | the key was already done; the handler was skipped |
+//! | `shardflow.dead_lettered` | [`dead_letter`] | the sink accepted a failed record |
+//! | `shardflow.decode_failed` | [`decode`] | a payload did not decode |
+//! | `shardflow.batches` | [`batch`] | a batch was handed to the bulk handler (field `size`) |
+
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod dead_letter;
+pub mod decode;
+pub mod dedup;
+pub mod retry;
+
+mod builder;
+mod observe;
+
+pub use batch::{BatchConfig, BatchLayer, Batching};
+pub use builder::ServiceBuilderExt;
+pub use dead_letter::{DeadLetter, DeadLetterLayer, DeadLetterRecord};
+pub use decode::{Decode, DecodeError, DecodeLayer, Format, Json};
+pub use dedup::{Dedup, DedupLayer, DedupStore, DynamoDbDedupStore, MemoryDedupStore};
+pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};
+
+/// The boxed error that layers adding failures of their own return (as tower does).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[cfg(test)]
+pub(crate) mod test_support;

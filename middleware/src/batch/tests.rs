@@ -1,0 +1,231 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tower::service_fn;
+
+use super::*;
+use crate::test_support::message;
+
+type Calls = Arc<Mutex<Vec<Vec<String>>>>;
+
+/// A bulk handler recording the sequence numbers of each call; fails the calls whose
+/// first sequence number `fail` picks.
+fn bulk(
+    fail: fn(&str) -> bool,
+) -> (
+    Calls,
+    impl Service<Vec<Message<Bytes>>, Response = usize, Error = BoxError, Future: Send> + Clone,
+) {
+    let calls: Calls = Arc::default();
+    let seen = calls.clone();
+    let svc = service_fn(move |messages: Vec<Message<Bytes>>| {
+        let sequences: Vec<String> = messages
+            .iter()
+            .map(|m| m.headers.sequence_number.to_string())
+            .collect();
+        let failed = sequences.first().is_some_and(|s| fail(s));
+        seen.lock().unwrap().push(sequences);
+        async move {
+            if failed {
+                Err::<usize, BoxError>("bulk write failed".into())
+            } else {
+                Ok(messages.len())
+            }
+        }
+    });
+    (calls, svc)
+}
+
+fn sequences(calls: &Calls) -> Vec<Vec<String>> {
+    calls.lock().unwrap().clone()
+}
+
+fn strings(groups: &[&[u64]]) -> Vec<Vec<String>> {
+    groups
+        .iter()
+        .map(|g| g.iter().map(|n| n.to_string()).collect())
+        .collect()
+}
+
+/// Sends each message through its own clone (as a pipelining consumer would).
+fn send_all<S>(
+    svc: &Batching<S, Bytes>,
+    range: std::ops::RangeInclusive<u64>,
+    payload: &'static [u8],
+) -> Vec<tokio::task::JoinHandle<Result<(), BoxError>>>
+where
+    S: Service<Vec<Message<Bytes>>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    range
+        .map(|n| {
+            let svc = svc.clone();
+            tokio::spawn(ServiceExt::<Message<Bytes>>::oneshot(
+                svc,
+                message(n, payload),
+            ))
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn record_mode_flushes_a_full_batch_at_once() {
+    let (calls, handler) = bulk(|_| false);
+    let svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(3)
+            .linger(Duration::from_secs(60)),
+    );
+    let start = Instant::now();
+    for call in send_all(&svc, 1..=3, b"x") {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(sequences(&calls), strings(&[&[1, 2, 3]]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn record_mode_flushes_after_the_linger() {
+    let (calls, handler) = bulk(|_| false);
+    let svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(10)
+            .linger(Duration::from_millis(100)),
+    );
+    let start = Instant::now();
+    for call in send_all(&svc, 1..=2, b"x") {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(sequences(&calls), strings(&[&[1, 2]]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn record_mode_respects_the_byte_limit() {
+    let (calls, handler) = bulk(|_| false);
+    let config = BatchConfig::new()
+        .max_count(10)
+        .max_bytes(10)
+        .linger(Duration::from_millis(100));
+    let svc = Batching::new(handler, config);
+    let calls_done = send_all(&svc, 1..=3, b"four");
+    for call in calls_done {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3]]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_message_of_a_failed_batch_gets_the_error() {
+    let (_, handler) = bulk(|_| true);
+    let svc = Batching::new(handler, BatchConfig::new().max_count(2));
+    for call in send_all(&svc, 1..=2, b"x") {
+        let err = call.await.unwrap().unwrap_err();
+        match err.downcast_ref::<BatchError>() {
+            Some(e @ BatchError::Failed { size: 2, .. }) => {
+                assert!(!e.is_transient());
+                assert_eq!(
+                    e.source().map(|s| s.to_string()).as_deref(),
+                    Some("bulk write failed")
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_service_flushes_what_is_queued() {
+    let (calls, handler) = bulk(|_| false);
+    let mut svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(10)
+            .linger(Duration::from_secs(3600)),
+    );
+    // Queue two messages through the service itself, then drop every handle.
+    let mut pending = Vec::new();
+    for n in 1..=2 {
+        ServiceExt::<Message<Bytes>>::ready(&mut svc).await.unwrap();
+        pending.push(Service::<Message<Bytes>>::call(&mut svc, message(n, b"x")));
+    }
+    drop(svc);
+    let start = Instant::now();
+    for response in pending {
+        response.await.unwrap();
+    }
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "flushed on drop, not after the linger"
+    );
+    assert_eq!(sequences(&calls), strings(&[&[1, 2]]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_bulk_handler_fails_its_calls_transiently_and_a_new_worker_starts() {
+    let panicked = Arc::new(AtomicBool::new(false));
+    let once = panicked.clone();
+    let handler = service_fn(move |messages: Vec<Message<Bytes>>| {
+        let first_time = !once.swap(true, Ordering::SeqCst);
+        async move {
+            if first_time {
+                panic!("bulk handler bug");
+            }
+            Ok::<_, BoxError>(messages.len())
+        }
+    });
+    let svc = Batching::new(handler, BatchConfig::new().max_count(1));
+    let err = ServiceExt::<Message<Bytes>>::oneshot(svc.clone(), message(1, b"x"))
+        .await
+        .unwrap_err();
+    let err = err.downcast_ref::<BatchError>().expect("a BatchError");
+    assert!(err.is_transient(), "{err:?}");
+    ServiceExt::<Message<Bytes>>::oneshot(svc, message(1, b"x"))
+        .await
+        .unwrap();
+}
+
+fn read(range: std::ops::RangeInclusive<u64>, payload: &[u8]) -> Batch<Bytes> {
+    Batch::new(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        range.map(|n| message(n, payload)).collect(),
+    )
+}
+
+#[tokio::test]
+async fn batch_mode_rechunks_a_read_in_order() {
+    let (calls, handler) = bulk(|_| false);
+    let svc = Batching::new(handler, BatchConfig::new().max_count(3));
+    ServiceExt::<Batch<Bytes>>::oneshot(svc, read(1..=7, b"x"))
+        .await
+        .unwrap();
+    assert_eq!(sequences(&calls), strings(&[&[1, 2, 3], &[4, 5, 6], &[7]]));
+}
+
+#[tokio::test]
+async fn batch_mode_respects_bytes_and_accepts_empty_reads() {
+    let (calls, handler) = bulk(|_| false);
+    let svc = Batching::new(handler, BatchConfig::new().max_count(100).max_bytes(9));
+    ServiceExt::<Batch<Bytes>>::oneshot(svc.clone(), read(1..=5, b"four"))
+        .await
+        .unwrap();
+    ServiceExt::<Batch<Bytes>>::oneshot(svc, read(1..=0, b""))
+        .await
+        .unwrap();
+    assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4], &[5]]));
+}
+
+#[tokio::test]
+async fn batch_mode_stops_at_the_first_failing_chunk() {
+    let (calls, handler) = bulk(|first| first == "3");
+    let svc = Batching::new(handler, BatchConfig::new().max_count(2));
+    let err = ServiceExt::<Batch<Bytes>>::oneshot(svc, read(1..=6, b"x"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.to_string(), "bulk write failed");
+    assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4]]));
+}

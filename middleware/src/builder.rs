@@ -1,0 +1,84 @@
+//! [`ServiceBuilderExt`]: the layers of this crate as `ServiceBuilder` methods.
+
+use tower::layer::util::Stack;
+use tower::ServiceBuilder;
+
+use crate::batch::{BatchConfig, BatchLayer};
+use crate::dead_letter::DeadLetterLayer;
+use crate::decode::{DecodeLayer, Json};
+use crate::dedup::DedupLayer;
+use crate::retry::{Backoff, RetryLayer};
+
+mod sealed {
+    pub trait Sealed {}
+    impl<L> Sealed for tower::ServiceBuilder<L> {}
+}
+
+/// Adds this crate's layers to [`tower::ServiceBuilder`]. Layers apply outermost first,
+/// so the order of the calls is the order a record passes through them:
+///
+/// ```no_run
+/// # use std::convert::Infallible;
+/// # use shardflow::Message;
+/// # use shardflow_middleware::{Backoff, MemoryDedupStore, ServiceBuilderExt};
+/// # use shardflow_middleware::dead_letter::DeadLetterRecord;
+/// # use tower::ServiceBuilder;
+/// # #[derive(Clone, serde::Deserialize)] struct Order { id: u64 }
+/// # let sink = tower::service_fn(|_r: DeadLetterRecord| async { Ok::<_, Infallible>(()) });
+/// let handler = ServiceBuilder::new()
+///     .dead_letter(sink)
+///     .decode::<Order>()
+///     .dedup(MemoryDedupStore::new(100_000))
+///     .retry(Backoff::exponential().max_attempts(5))
+///     .service_fn(|msg: Message<Order>| async move { Ok::<_, Infallible>(msg.payload.id) });
+/// # let _ = handler;
+/// ```
+///
+/// The trait is sealed: only `ServiceBuilder` implements it.
+pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
+    /// Decodes JSON payloads into `T` ([`decode`](crate::decode)).
+    fn decode<T>(self) -> ServiceBuilder<Stack<DecodeLayer<T, Json>, L>>;
+
+    /// Decodes payloads into `T` with another [`Format`](crate::decode::Format).
+    fn decode_with<T, F>(self, format: F) -> ServiceBuilder<Stack<DecodeLayer<T, F>, L>>;
+
+    /// Skips records already handled, keyed by position, in `store`
+    /// ([`dedup`](crate::dedup)). For another key or other timings, use
+    /// `.layer(DedupLayer::new(store).key(...))`.
+    fn dedup<St>(self, store: St) -> ServiceBuilder<Stack<DedupLayer<St>, L>>;
+
+    /// Retries failed records per `policy` ([`retry`](crate::retry)).
+    fn retry<C>(self, policy: Backoff<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>>;
+
+    /// Sends records that still fail to `sink` ([`dead_letter`](crate::dead_letter)).
+    fn dead_letter<K>(self, sink: K) -> ServiceBuilder<Stack<DeadLetterLayer<K>, L>>;
+
+    /// Groups messages for a bulk handler ([`batch`](crate::batch)).
+    fn batch<T>(self, config: BatchConfig) -> ServiceBuilder<Stack<BatchLayer<T>, L>>;
+}
+
+impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
+    fn decode<T>(self) -> ServiceBuilder<Stack<DecodeLayer<T, Json>, L>> {
+        self.layer(DecodeLayer::json())
+    }
+
+    fn decode_with<T, F>(self, format: F) -> ServiceBuilder<Stack<DecodeLayer<T, F>, L>> {
+        self.layer(DecodeLayer::with_format(format))
+    }
+
+    fn dedup<St>(self, store: St) -> ServiceBuilder<Stack<DedupLayer<St>, L>> {
+        self.layer(DedupLayer::new(store))
+    }
+
+    fn retry<C>(self, policy: Backoff<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>> {
+        self.layer(RetryLayer::new(policy))
+    }
+
+    fn dead_letter<K>(self, sink: K) -> ServiceBuilder<Stack<DeadLetterLayer<K>, L>> {
+        self.layer(DeadLetterLayer::new(sink))
+    }
+
+    fn batch<T>(self, config: BatchConfig) -> ServiceBuilder<Stack<BatchLayer<T>, L>> {
+        self.layer(BatchLayer::new(config))
+    }
+}

@@ -1,0 +1,482 @@
+//! Routes records that finally failed to a sink (another stream, a queue, a table), so
+//! one bad record does not hold its shard back forever.
+//!
+//! When the inner service fails with an error the [`DeadLetterPolicy`] accepts, the
+//! layer sends a [`DeadLetterRecord`] — the headers, the payload exactly as it was read
+//! and the error's text — to the sink service. The record counts as handled (`Ok`) only
+//! once the sink accepted it; if the sink fails, the call fails with
+//! [`DeadLetterError`] and the consumer delivers the record again. Nothing is lost.
+//!
+//! Put this layer outermost, above [`decode`](crate::decode): it keeps a copy of the
+//! `Message<Bytes>` (cloning `Bytes` is cheap), so even a payload that did not decode
+//! reaches the sink intact.
+//!
+//! The default policy, [`PermanentFailures`], dead-letters every error except transient
+//! ones: the [`dedup`](crate::dedup) layer's errors (store down, record in progress
+//! elsewhere), a [`batch`](crate::batch) worker that stopped, and any error of a record
+//! whose lease was lost (its new owner handles it). Those go up so the consumer
+//! delivers the record again.
+
+use std::error::Error;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use pin_project_lite::pin_project;
+use shardflow::{Headers, Message};
+use tower::util::Oneshot;
+use tower::{Layer, Service, ServiceExt};
+
+use crate::observe::{chain_any, error_chain, message_span};
+use crate::BoxError;
+
+/// What the sink receives for a record that failed.
+#[derive(Clone)]
+pub struct DeadLetterRecord {
+    /// The record's headers.
+    pub headers: Headers,
+    /// The payload as it was read from the stream.
+    pub payload: Bytes,
+    /// The error and its causes, joined with `": "`.
+    pub error: String,
+}
+
+impl fmt::Debug for DeadLetterRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the payload.
+        f.debug_struct("DeadLetterRecord")
+            .field("headers", &self.headers)
+            .field("payload_len", &self.payload.len())
+            .field("error", &self.error)
+            .finish()
+    }
+}
+
+/// What a dead-lettering call returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome<R> {
+    /// The inner service succeeded.
+    Handled(R),
+    /// The inner service failed and the sink accepted the record.
+    DeadLettered,
+}
+
+impl<R> Outcome<R> {
+    /// Whether the record went to the sink.
+    pub fn is_dead_lettered(&self) -> bool {
+        matches!(self, Outcome::DeadLettered)
+    }
+}
+
+/// The sink refused a record: the call fails so that the record is delivered again.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the dead-letter sink failed for record {position} (the record had failed with: {original})"
+)]
+pub struct DeadLetterError {
+    position: shardflow::Position,
+    original: String,
+    #[source]
+    source: BoxError,
+}
+
+impl DeadLetterError {
+    /// The text of the error that sent the record to the sink.
+    pub fn original(&self) -> &str {
+        &self.original
+    }
+
+    /// The record's position.
+    pub fn position(&self) -> &shardflow::Position {
+        &self.position
+    }
+}
+
+/// Decides which errors are dead-lettered; the others go up (the consumer redelivers).
+pub trait DeadLetterPolicy {
+    /// Whether the record with `headers`, which failed with `error`, goes to the sink.
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        headers: &Headers,
+    ) -> bool;
+}
+
+/// The default policy: every error except the transient ones named in the
+/// [module docs](self).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PermanentFailures;
+
+impl DeadLetterPolicy for PermanentFailures {
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        headers: &Headers,
+    ) -> bool {
+        !headers.lease_lost.is_cancelled()
+            && !chain_any::<crate::dedup::DedupError>(error, |_| true)
+            && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
+    }
+}
+
+impl<F> DeadLetterPolicy for F
+where
+    F: Fn(&(dyn Error + Send + Sync + 'static), &Headers) -> bool,
+{
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        headers: &Headers,
+    ) -> bool {
+        self(error, headers)
+    }
+}
+
+/// Sends what the inner service failed on to a sink service.
+#[derive(Clone, Debug)]
+pub struct DeadLetter<S, K, P = PermanentFailures> {
+    inner: S,
+    sink: K,
+    policy: P,
+}
+
+impl<S, K, P> DeadLetter<S, K, P> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The sink.
+    pub fn sink(&self) -> &K {
+        &self.sink
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, K, P> Service<Message<Bytes>> for DeadLetter<S, K, P>
+where
+    S: Service<Message<Bytes>>,
+    S::Error: Into<BoxError>,
+    K: Service<DeadLetterRecord> + Clone,
+    K::Error: Into<BoxError>,
+    P: DeadLetterPolicy + Clone,
+{
+    type Response = Outcome<S::Response>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, K, P>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The sink is made ready only when a record fails, inside the future.
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, message: Message<Bytes>) -> Self::Future {
+        let span = message_span("dead_letter", &message.headers);
+        let copy = Some((message.headers.clone(), message.payload.clone()));
+        let future = {
+            let _entered = span.enter();
+            self.inner.call(message)
+        };
+        ResponseFuture {
+            state: State::Handling { future },
+            copy,
+            sink: self.sink.clone(),
+            policy: self.policy.clone(),
+            span,
+        }
+    }
+}
+
+/// Applies [`DeadLetter`] to services.
+#[derive(Clone, Debug)]
+pub struct DeadLetterLayer<K, P = PermanentFailures> {
+    sink: K,
+    policy: P,
+}
+
+impl<K> DeadLetterLayer<K, PermanentFailures> {
+    /// Dead-letters permanent failures to `sink`.
+    pub fn new(sink: K) -> Self {
+        DeadLetterLayer {
+            sink,
+            policy: PermanentFailures,
+        }
+    }
+}
+
+impl<K, P> DeadLetterLayer<K, P> {
+    /// Uses another policy, e.g. the default one plus your own transient errors:
+    ///
+    /// ```
+    /// # use shardflow_middleware::dead_letter::{DeadLetterLayer, DeadLetterPolicy, PermanentFailures};
+    /// # #[derive(Debug)] struct Throttled;
+    /// # impl std::fmt::Display for Throttled { fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str("throttled") } }
+    /// # impl std::error::Error for Throttled {}
+    /// # let sink = ();
+    /// let layer = DeadLetterLayer::new(sink).policy(|e: &(dyn std::error::Error + Send + Sync + 'static), h: &_| {
+    ///     PermanentFailures.should_dead_letter(e, h) && !e.is::<Throttled>()
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn policy<P2>(self, policy: P2) -> DeadLetterLayer<K, P2> {
+        DeadLetterLayer {
+            sink: self.sink,
+            policy,
+        }
+    }
+}
+
+impl<S, K: Clone, P: Clone> Layer<S> for DeadLetterLayer<K, P> {
+    type Service = DeadLetter<S, K, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        DeadLetter {
+            inner,
+            sink: self.sink.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`DeadLetter`].
+    pub struct ResponseFuture<F, K, P>
+    where
+        K: Service<DeadLetterRecord>,
+    {
+        #[pin]
+        state: State<F, K>,
+        copy: Option<(Headers, Bytes)>,
+        sink: K,
+        policy: P,
+        span: tracing::Span,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, K>
+    where
+        K: Service<DeadLetterRecord>,
+    {
+        Handling { #[pin] future: F },
+        Sinking {
+            #[pin]
+            future: Oneshot<K, DeadLetterRecord>,
+            position: shardflow::Position,
+            original: String,
+        },
+    }
+}
+
+impl<F, R, E, K, P> Future for ResponseFuture<F, K, P>
+where
+    F: Future<Output = Result<R, E>>,
+    E: Into<BoxError>,
+    K: Service<DeadLetterRecord> + Clone,
+    K::Error: Into<BoxError>,
+    P: DeadLetterPolicy,
+{
+    type Output = Result<Outcome<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let _entered = this.span.enter();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Handling { future } => {
+                    let error: BoxError = match ready!(future.poll(cx)) {
+                        Ok(response) => return Poll::Ready(Ok(Outcome::Handled(response))),
+                        Err(e) => e.into(),
+                    };
+                    let Some((headers, payload)) = this.copy.take() else {
+                        // Only reachable if polled after completion.
+                        return Poll::Ready(Err(error));
+                    };
+                    if !this.policy.should_dead_letter(&*error, &headers) {
+                        return Poll::Ready(Err(error));
+                    }
+                    let text = error_chain(&*error);
+                    let position = headers.position();
+                    let record = DeadLetterRecord {
+                        headers,
+                        payload,
+                        error: text.clone(),
+                    };
+                    this.state.set(State::Sinking {
+                        future: this.sink.clone().oneshot(record),
+                        position,
+                        original: text,
+                    });
+                }
+                StateProj::Sinking {
+                    future,
+                    position,
+                    original,
+                } => {
+                    return Poll::Ready(match ready!(future.poll(cx)) {
+                        Ok(_) => {
+                            tracing::warn!(error = %original, "record dead-lettered");
+                            tracing::debug!(
+                                monotonic_counter.shardflow.dead_lettered = 1u64,
+                                "dead-lettered",
+                            );
+                            Ok(Outcome::DeadLettered)
+                        }
+                        Err(e) => Err(Box::new(DeadLetterError {
+                            position: position.clone(),
+                            original: std::mem::take(original),
+                            source: e.into(),
+                        })),
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tower::service_fn;
+
+    use super::*;
+    use crate::decode::DecodeLayer;
+    use crate::dedup::DedupError;
+    use crate::test_support::message;
+
+    type Sunk = Arc<Mutex<Vec<DeadLetterRecord>>>;
+
+    fn recording_sink(
+        fail: bool,
+    ) -> (
+        Sunk,
+        impl Service<DeadLetterRecord, Response = (), Error = BoxError, Future: Send> + Clone,
+    ) {
+        let sunk: Sunk = Arc::default();
+        let into = sunk.clone();
+        let sink = service_fn(move |record: DeadLetterRecord| {
+            let into = into.clone();
+            async move {
+                if fail {
+                    return Err::<(), BoxError>("sink down".into());
+                }
+                into.lock().unwrap().push(record);
+                Ok(())
+            }
+        });
+        (sunk, sink)
+    }
+
+    fn failing_with(
+        error: fn() -> BoxError,
+    ) -> impl Service<Message<Bytes>, Response = u8, Error = BoxError, Future: Send> + Clone {
+        service_fn(move |_m: Message<Bytes>| async move { Err::<u8, _>(error()) })
+    }
+
+    #[tokio::test]
+    async fn success_passes_through_and_the_sink_is_untouched() {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink).layer(service_fn(|_m: Message<Bytes>| async {
+            Ok::<_, BoxError>(5u8)
+        }));
+        assert_eq!(
+            svc.oneshot(message(1, b"x")).await.unwrap(),
+            Outcome::Handled(5)
+        );
+        assert!(sunk.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failure_reaches_the_sink_with_headers_payload_and_error() {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
+        let out = svc.oneshot(message(9, b"raw bytes")).await.unwrap();
+        assert_eq!(out, Outcome::DeadLettered);
+        let sunk = sunk.lock().unwrap();
+        assert_eq!(sunk.len(), 1);
+        assert_eq!(sunk[0].headers.sequence_number.as_str(), "9");
+        assert_eq!(&sunk[0].payload[..], b"raw bytes");
+        assert_eq!(sunk[0].error, "boom");
+        assert!(!format!("{:?}", sunk[0]).contains("raw bytes"));
+    }
+
+    #[tokio::test]
+    async fn a_failing_sink_fails_the_call_so_the_record_comes_back() {
+        let (_, sink) = recording_sink(true);
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
+        let err = svc.oneshot(message(3, b"x")).await.unwrap_err();
+        let err = err
+            .downcast_ref::<DeadLetterError>()
+            .expect("a DeadLetterError");
+        assert_eq!(err.original(), "boom");
+        assert_eq!(err.position().sequence.as_str(), "3");
+        assert_eq!(
+            err.source().map(|s| s.to_string()).as_deref(),
+            Some("sink down")
+        );
+    }
+
+    #[tokio::test]
+    async fn transient_errors_and_lost_leases_are_not_dead_lettered() {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink.clone()).layer(failing_with(|| {
+            Box::new(DedupError::InProgress {
+                waited: Duration::from_secs(1),
+            })
+        }));
+        let err = svc.oneshot(message(1, b"x")).await.unwrap_err();
+        assert!(err.is::<DedupError>());
+
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
+        let msg = message(2, b"x");
+        msg.headers.lease_lost.cancel();
+        assert_eq!(svc.oneshot(msg).await.unwrap_err().to_string(), "boom");
+        assert!(sunk.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_custom_policy_decides() {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink)
+            .policy(|e: &(dyn Error + Send + Sync + 'static), _: &Headers| {
+                e.to_string() != "retry me"
+            })
+            .layer(failing_with(|| "retry me".into()));
+        assert!(svc.oneshot(message(1, b"x")).await.is_err());
+        assert!(sunk.lock().unwrap().is_empty());
+    }
+
+    #[derive(serde::Deserialize, Clone)]
+    struct Order {
+        #[allow(dead_code)]
+        id: u64,
+    }
+
+    #[tokio::test]
+    async fn an_undecodable_payload_reaches_the_sink_raw() {
+        let (sunk, sink) = recording_sink(false);
+        let decode = DecodeLayer::<Order>::json().layer(service_fn(|_m: Message<Order>| async {
+            Ok::<_, BoxError>(())
+        }));
+        let svc = DeadLetterLayer::new(sink).layer(decode);
+        let out = svc.oneshot(message(4, b"{not json")).await.unwrap();
+        assert!(out.is_dead_lettered());
+        let sunk = sunk.lock().unwrap();
+        assert_eq!(&sunk[0].payload[..], b"{not json");
+        assert!(
+            sunk[0].error.starts_with("payload of record 4"),
+            "{}",
+            sunk[0].error
+        );
+        assert!(sunk[0].error.contains("line 1 column"), "{}", sunk[0].error);
+    }
+}

@@ -1,0 +1,385 @@
+//! Typed payloads: `Message<Bytes>` in, `Message<T>` to the inner service, through a
+//! pluggable [`Format`] (JSON via `serde_json` by default).
+//!
+//! A payload that does not decode never reaches the inner service and never panics: the
+//! call fails with a [`DecodeError`] that carries the record's headers and its raw bytes,
+//! so a [`dead_letter`](crate::dead_letter) layer above can send the record on as it was.
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use pin_project_lite::pin_project;
+use serde::de::DeserializeOwned;
+use shardflow::{Headers, Message};
+use tower::{Layer, Service};
+
+use crate::BoxError;
+
+/// How raw payload bytes become a `T`.
+///
+/// Implement it for other encodings (Avro, protobuf, CSV...). The error's `Display` ends
+/// up in logs and dead-letter records: it should say where and why the input broke, not
+/// repeat the input.
+pub trait Format<T> {
+    /// Why a payload could not be decoded.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// A short name for errors and logs, e.g. `"JSON"`.
+    fn name(&self) -> &'static str;
+
+    /// Decodes one payload.
+    fn decode(&self, payload: &Bytes) -> Result<T, Self::Error>;
+}
+
+/// JSON through `serde_json`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Json;
+
+impl<T: DeserializeOwned> Format<T> for Json {
+    type Error = JsonError;
+
+    fn name(&self) -> &'static str {
+        "JSON"
+    }
+
+    fn decode(&self, payload: &Bytes) -> Result<T, JsonError> {
+        serde_json::from_slice(payload).map_err(JsonError)
+    }
+}
+
+/// Why a payload is not the expected JSON.
+///
+/// Its `Display` names the kind of problem and where it is (line, column), but not the
+/// offending value: `serde_json`'s own messages can quote payload data
+/// (`invalid type: string "..."`), which must stay out of logs. The full message is
+/// still available through [`JsonError::inner`] for code that may see the payload.
+pub struct JsonError(serde_json::Error);
+
+impl JsonError {
+    /// The `serde_json` error. Its `Display` may quote parts of the payload.
+    pub fn inner(&self) -> &serde_json::Error {
+        &self.0
+    }
+}
+
+impl fmt::Display for JsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use serde_json::error::Category;
+        let kind = match self.0.classify() {
+            Category::Syntax => "syntax error",
+            Category::Data => "data does not match the expected type",
+            Category::Eof => "unexpected end of input",
+            Category::Io => "I/O error",
+        };
+        write!(
+            f,
+            "{kind} at line {} column {}",
+            self.0.line(),
+            self.0.column()
+        )
+    }
+}
+
+impl fmt::Debug for JsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Debug ends up in logs as easily as Display: same redaction.
+        write!(f, "JsonError({self})")
+    }
+}
+
+impl std::error::Error for JsonError {}
+
+/// A payload that did not decode: the record's headers, its raw bytes and the reason.
+#[derive(thiserror::Error)]
+#[error(
+    "payload of record {} in shard {} is not valid {format}",
+    .headers.position(),
+    .headers.shard_id
+)]
+pub struct DecodeError {
+    headers: Headers,
+    raw: Bytes,
+    format: &'static str,
+    #[source]
+    source: BoxError,
+}
+
+impl DecodeError {
+    /// The record's headers.
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
+    /// The payload exactly as it was read.
+    pub fn raw(&self) -> &Bytes {
+        &self.raw
+    }
+
+    /// The format's name, e.g. `"JSON"`.
+    pub fn format(&self) -> &'static str {
+        self.format
+    }
+
+    /// Headers and raw payload, to rebuild the `Message<Bytes>`.
+    pub fn into_parts(self) -> (Headers, Bytes) {
+        (self.headers, self.raw)
+    }
+}
+
+impl fmt::Debug for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the bytes.
+        f.debug_struct("DecodeError")
+            .field("headers", &self.headers)
+            .field("raw_len", &self.raw.len())
+            .field("format", &self.format)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+/// Decodes each `Message<Bytes>` into a `Message<T>` before the inner service sees it.
+pub struct Decode<S, T, F = Json> {
+    inner: S,
+    format: F,
+    _payload: PhantomData<fn() -> T>,
+}
+
+impl<S, T, F> Decode<S, T, F> {
+    /// Wraps `inner`, decoding with `format`.
+    pub fn new(inner: S, format: F) -> Self {
+        Decode {
+            inner,
+            format,
+            _payload: PhantomData,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, T, F: Clone> Clone for Decode<S, T, F> {
+    fn clone(&self) -> Self {
+        Decode::new(self.inner.clone(), self.format.clone())
+    }
+}
+
+impl<S: fmt::Debug, T, F: fmt::Debug> fmt::Debug for Decode<S, T, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Decode")
+            .field("inner", &self.inner)
+            .field("format", &self.format)
+            .field("payload", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<S, T, F> Service<Message<Bytes>> for Decode<S, T, F>
+where
+    S: Service<Message<T>>,
+    S::Error: Into<BoxError>,
+    F: Format<T>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, message: Message<Bytes>) -> Self::Future {
+        let format = &self.format;
+        let decoded = message.try_map(|raw| match format.decode(&raw) {
+            Ok(payload) => Ok(payload),
+            Err(error) => Err((raw, error)),
+        });
+        match decoded {
+            Ok(message) => ResponseFuture::called(self.inner.call(message)),
+            Err((headers, (raw, error))) => {
+                tracing::debug!(
+                    monotonic_counter.shardflow.decode_failed = 1u64,
+                    shard = %headers.shard_id,
+                    sequence = %headers.sequence_number,
+                    sub_sequence = headers.sub_sequence_number,
+                    format = format.name(),
+                    %error,
+                    "payload did not decode",
+                );
+                ResponseFuture::failed(DecodeError {
+                    headers,
+                    raw,
+                    format: format.name(),
+                    source: Box::new(error),
+                })
+            }
+        }
+    }
+}
+
+/// Applies [`Decode`] to services.
+pub struct DecodeLayer<T, F = Json> {
+    format: F,
+    _payload: PhantomData<fn() -> T>,
+}
+
+impl<T> DecodeLayer<T, Json> {
+    /// Decodes JSON into `T`.
+    pub fn json() -> Self {
+        DecodeLayer::with_format(Json)
+    }
+}
+
+impl<T, F> DecodeLayer<T, F> {
+    /// Decodes with any [`Format`].
+    pub fn with_format(format: F) -> Self {
+        DecodeLayer {
+            format,
+            _payload: PhantomData,
+        }
+    }
+}
+
+impl<T, F: Clone> Clone for DecodeLayer<T, F> {
+    fn clone(&self) -> Self {
+        DecodeLayer::with_format(self.format.clone())
+    }
+}
+
+impl<T, F: fmt::Debug> fmt::Debug for DecodeLayer<T, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DecodeLayer")
+            .field("format", &self.format)
+            .field("payload", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<S, T, F: Clone> Layer<S> for DecodeLayer<T, F> {
+    type Service = Decode<S, T, F>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Decode::new(inner, self.format.clone())
+    }
+}
+
+pin_project! {
+    /// The response future of [`Decode`].
+    pub struct ResponseFuture<Fut> {
+        #[pin]
+        kind: Kind<Fut>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<Fut> {
+        Called { #[pin] future: Fut },
+        Failed { error: Option<DecodeError> },
+    }
+}
+
+impl<Fut> ResponseFuture<Fut> {
+    fn called(future: Fut) -> Self {
+        ResponseFuture {
+            kind: Kind::Called { future },
+        }
+    }
+
+    fn failed(error: DecodeError) -> Self {
+        ResponseFuture {
+            kind: Kind::Failed { error: Some(error) },
+        }
+    }
+}
+
+impl<Fut, R, E> Future for ResponseFuture<Fut>
+where
+    Fut: Future<Output = Result<R, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<R, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Called { future } => future.poll(cx).map_err(Into::into),
+            KindProj::Failed { error } => match error.take() {
+                Some(error) => Poll::Ready(Err(Box::new(error))),
+                // Polled again after it completed: tower futures may say so with an error.
+                None => Poll::Ready(Err("decode::ResponseFuture polled after completion".into())),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::message;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tower::{service_fn, ServiceExt};
+
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    struct Order {
+        id: u64,
+    }
+
+    #[tokio::test]
+    async fn decodes_json_for_the_inner_service() {
+        let svc = DecodeLayer::<Order>::json().layer(service_fn(|m: Message<Order>| async move {
+            Ok::<_, std::convert::Infallible>(m.payload.id)
+        }));
+        let id = svc.oneshot(message(1, br#"{"id":42}"#)).await.unwrap();
+        assert_eq!(id, 42);
+    }
+
+    #[tokio::test]
+    async fn bad_payload_is_a_typed_error_with_headers_and_raw_bytes() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let svc = DecodeLayer::<Order>::json().layer(service_fn(move |_m: Message<Order>| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, std::convert::Infallible>(()) }
+        }));
+        let raw: &[u8] = br#"{"id":"secret-value"}"#;
+        let err = svc.oneshot(message(7, raw)).await.unwrap_err();
+        let err = err.downcast_ref::<DecodeError>().expect("a DecodeError");
+        assert_eq!(err.raw().as_ref(), raw);
+        assert_eq!(err.headers().sequence_number.as_str(), "7");
+        assert_eq!(err.format(), "JSON");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never sees it");
+        // Neither Display, the error chain nor Debug repeats the payload.
+        let shown = format!("{} / {:?}", crate::observe::error_chain(err), err);
+        assert!(!shown.contains("secret-value"), "{shown}");
+        assert!(shown.contains("line 1 column"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn garbage_and_empty_payloads_do_not_panic() {
+        for raw in [&b""[..], b"\xff\xfe", b"{", b"null", b"[1,2]"] {
+            let svc = DecodeLayer::<Order>::json().layer(service_fn(|_m: Message<Order>| async {
+                Ok::<_, std::convert::Infallible>(())
+            }));
+            let err = svc.oneshot(message(1, raw)).await.unwrap_err();
+            assert!(err.is::<DecodeError>());
+        }
+    }
+}

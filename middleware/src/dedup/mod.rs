@@ -1,0 +1,398 @@
+//! The idempotent receiver: turns at-least-once delivery into effectively-once handling
+//! for handlers whose side effects must not repeat.
+//!
+//! Per record:
+//!
+//! 1. Compute the record's key ([`ByPosition`] by default: stream, shard, sequence and
+//!    sub-sequence number; or any [`KeyFn`], e.g. a business id from the payload).
+//! 2. [`reserve`](DedupStore::reserve) it: in progress, expiring after
+//!    [`in_progress_ttl`](DedupLayer::in_progress_ttl).
+//!    * Already **done** → return [`Outcome::Duplicate`] without calling the handler
+//!      (counted as `shardflow.deduplicated`). The checkpoint may pass the record: it was
+//!      handled.
+//!    * **In progress** elsewhere (another consumer during a lease hand-off, a second
+//!      delivery) → wait [`wait_interval`](DedupLayer::wait_interval) and look again,
+//!      up to [`max_wait`](DedupLayer::max_wait); still in progress → fail with
+//!      [`DedupError::InProgress`], a transient error: the shard stops and the record
+//!      is delivered again. It is never skipped.
+//! 3. Call the handler.
+//! 4. Success → [`commit`](DedupStore::commit): done, kept for
+//!    [`done_ttl`](DedupLayer::done_ttl). Failure → [`release`](DedupStore::release)
+//!    the key so the next delivery can handle it, and return the handler's error.
+//!
+//! Limits, stated plainly:
+//!
+//! * A handler that runs longer than `in_progress_ttl` loses its reservation, and a
+//!   second delivery may run it again (logged as a warning when the commit notices).
+//!   Set the TTL above your slowest handler including its retries.
+//! * A consumer that crashes mid-handler leaves the key in progress until the TTL
+//!   expires; deliveries of that key fail (and are retried by the consumer) until then.
+//! * When the commit itself fails after the handler succeeded, the record is reported
+//!   handled (the side effect happened; failing would invite a second run) and the
+//!   reservation simply expires. A redelivery after that expiry runs the handler again.
+//! * Done keys are forgotten after `done_ttl` (and, in [`MemoryDedupStore`], when the
+//!   capacity is reached). Keep `done_ttl` at least as long as the stream's retention.
+
+mod dynamodb;
+mod memory;
+mod store;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use shardflow::Message;
+use tokio::time::Instant;
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+pub use dynamodb::DynamoDbDedupStore;
+pub use memory::MemoryDedupStore;
+pub use store::{Commit, DedupStore, Reservation, StoreError};
+
+use crate::observe::message_span;
+use crate::BoxError;
+
+/// What a deduplicated call returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome<R> {
+    /// The handler ran and succeeded; its response.
+    Handled(R),
+    /// The key was already done: the handler was not called.
+    Duplicate,
+}
+
+impl<R> Outcome<R> {
+    /// The handler's response, if it ran.
+    pub fn handled(self) -> Option<R> {
+        match self {
+            Outcome::Handled(r) => Some(r),
+            Outcome::Duplicate => None,
+        }
+    }
+
+    /// Whether the record was skipped as a duplicate.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Outcome::Duplicate)
+    }
+}
+
+/// Why the dedup layer could not decide whether to run the handler. Always transient:
+/// the record must be delivered again, never dead-lettered.
+#[derive(Debug, thiserror::Error)]
+pub enum DedupError {
+    /// The store failed before the handler ran.
+    #[error("the dedup store is unavailable")]
+    Store(#[source] StoreError),
+    /// Another caller still held the key after waiting.
+    #[error("the record is being handled elsewhere (still in progress after {waited:?})")]
+    InProgress {
+        /// How long this call waited.
+        waited: Duration,
+    },
+}
+
+/// How a record becomes its dedup key.
+///
+/// Implemented by [`ByPosition`] and by every `Fn(&Message<T>) -> String`.
+pub trait KeyFn<T> {
+    /// The key of `message`.
+    fn key(&self, message: &Message<T>) -> String;
+}
+
+/// The default key: `stream/shard/sequence/sub-sequence`, unique per Kinesis record.
+/// It removes duplicates caused by re-delivery; duplicates the producer wrote (two
+/// records with the same business id) need a key from the payload instead.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByPosition;
+
+impl<T> KeyFn<T> for ByPosition {
+    fn key(&self, message: &Message<T>) -> String {
+        let h = &message.headers;
+        format!(
+            "{}/{}/{}/{}",
+            h.stream, h.shard_id, h.sequence_number, h.sub_sequence_number
+        )
+    }
+}
+
+impl<T, F> KeyFn<T> for F
+where
+    F: Fn(&Message<T>) -> String,
+{
+    fn key(&self, message: &Message<T>) -> String {
+        self(message)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    in_progress_ttl: Duration,
+    done_ttl: Duration,
+    wait_interval: Duration,
+    max_wait: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            in_progress_ttl: Duration::from_secs(120),
+            done_ttl: Duration::from_secs(7 * 24 * 3600),
+            wait_interval: Duration::from_millis(200),
+            max_wait: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Skips records whose key is already done; see the [module docs](self).
+pub struct Dedup<S, St, K = ByPosition> {
+    inner: S,
+    store: St,
+    key: Arc<K>,
+    timing: Timing,
+}
+
+impl<S: Clone, St: Clone, K> Clone for Dedup<S, St, K> {
+    fn clone(&self) -> Self {
+        Dedup {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            key: self.key.clone(),
+            timing: self.timing,
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug, K> fmt::Debug for Dedup<S, St, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dedup")
+            .field("inner", &self.inner)
+            .field("store", &self.store)
+            .field("timing", &self.timing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, K> Dedup<S, St, K> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, St, K, T> Service<Message<T>> for Dedup<S, St, K>
+where
+    S: Service<Message<T>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    S::Response: Send,
+    St: DedupStore + Clone,
+    K: KeyFn<T>,
+    T: Send + 'static,
+{
+    type Response = Outcome<S::Response>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Response>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, message: Message<T>) -> Self::Future {
+        let span = message_span("dedup", &message.headers);
+        let key = self.key.key(&message);
+        let store = self.store.clone();
+        let timing = self.timing;
+        // The instance driven to readiness goes into the future; `self` keeps a clone.
+        let fresh = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, fresh);
+        ResponseFuture {
+            future: Box::pin(handle_once(inner, store, key, timing, message).instrument(span)),
+        }
+    }
+}
+
+async fn handle_once<S, St, T>(
+    mut inner: S,
+    store: St,
+    key: String,
+    timing: Timing,
+    message: Message<T>,
+) -> Result<Outcome<S::Response>, BoxError>
+where
+    S: Service<Message<T>>,
+    S::Error: Into<BoxError>,
+    St: DedupStore,
+{
+    let token = store::new_token();
+    let mut waited_since: Option<Instant> = None;
+    loop {
+        match store.reserve(&key, &token, timing.in_progress_ttl).await {
+            Err(e) => return Err(Box::new(DedupError::Store(e))),
+            Ok(Reservation::Reserved) => break,
+            Ok(Reservation::Done) => {
+                tracing::debug!(
+                    monotonic_counter.shardflow.deduplicated = 1u64,
+                    "already handled; skipped",
+                );
+                return Ok(Outcome::Duplicate);
+            }
+            Ok(Reservation::InProgress) => {
+                let since = *waited_since.get_or_insert_with(Instant::now);
+                let waited = since.elapsed();
+                if waited >= timing.max_wait {
+                    tracing::debug!(?waited, "still in progress elsewhere; giving up for now");
+                    return Err(Box::new(DedupError::InProgress { waited }));
+                }
+                tokio::time::sleep(timing.wait_interval.min(timing.max_wait - waited)).await;
+            }
+        }
+    }
+
+    // The handler's error becomes a BoxError (Send) before the next await.
+    match inner.call(message).await.map_err(Into::into) {
+        Ok(response) => {
+            match store.commit(&key, &token, timing.done_ttl).await {
+                Ok(Commit::Committed) => {}
+                Ok(Commit::Overtaken) => tracing::warn!(
+                    "the reservation expired before the handler finished; another delivery \
+                     may have run it too (raise in_progress_ttl)",
+                ),
+                Err(error) => tracing::warn!(
+                    error = %crate::observe::error_chain(&error),
+                    "handled, but marking it done failed; a redelivery after the \
+                     reservation expires would run it again",
+                ),
+            }
+            Ok(Outcome::Handled(response))
+        }
+        Err(error) => {
+            if let Err(release) = store.release(&key, &token).await {
+                tracing::warn!(
+                    error = %crate::observe::error_chain(&release),
+                    "could not release the key after a failure; it frees itself when the \
+                     reservation expires",
+                );
+            }
+            Err(error)
+        }
+    }
+}
+
+/// Applies [`Dedup`] to services, with a store, a key and timings.
+pub struct DedupLayer<St, K = ByPosition> {
+    store: St,
+    key: Arc<K>,
+    timing: Timing,
+}
+
+impl<St: Clone, K> Clone for DedupLayer<St, K> {
+    fn clone(&self) -> Self {
+        DedupLayer {
+            store: self.store.clone(),
+            key: self.key.clone(),
+            timing: self.timing,
+        }
+    }
+}
+
+impl<St: fmt::Debug, K> fmt::Debug for DedupLayer<St, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DedupLayer")
+            .field("store", &self.store)
+            .field("timing", &self.timing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St> DedupLayer<St, ByPosition> {
+    /// Dedups on the record's position, in `store`, with the default timings:
+    /// in progress for 2 min, done for 7 days, waiting up to 5 s (every 200 ms) for a
+    /// key in progress elsewhere.
+    pub fn new(store: St) -> Self {
+        DedupLayer {
+            store,
+            key: Arc::new(ByPosition),
+            timing: Timing::default(),
+        }
+    }
+}
+
+impl<St, K> DedupLayer<St, K> {
+    /// Uses another key, e.g. `|m: &Message<Order>| m.payload.order_id.clone()`.
+    pub fn key<K2>(self, key: K2) -> DedupLayer<St, K2> {
+        DedupLayer {
+            store: self.store,
+            key: Arc::new(key),
+            timing: self.timing,
+        }
+    }
+
+    /// How long a reservation holds a key: longer than the slowest handler, retries
+    /// included.
+    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
+        self.timing.in_progress_ttl = ttl;
+        self
+    }
+
+    /// How long a done key is remembered: at least the stream's retention.
+    pub fn done_ttl(mut self, ttl: Duration) -> Self {
+        self.timing.done_ttl = ttl;
+        self
+    }
+
+    /// How often a key in progress elsewhere is looked at again.
+    pub fn wait_interval(mut self, interval: Duration) -> Self {
+        self.timing.wait_interval = interval;
+        self
+    }
+
+    /// How long to wait for a key in progress elsewhere before failing (transiently).
+    pub fn max_wait(mut self, wait: Duration) -> Self {
+        self.timing.max_wait = wait;
+        self
+    }
+}
+
+impl<S, St: Clone, K> Layer<S> for DedupLayer<St, K> {
+    type Service = Dedup<S, St, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Dedup {
+            inner,
+            store: self.store.clone(),
+            key: self.key.clone(),
+            timing: self.timing,
+        }
+    }
+}
+
+/// The response future of [`Dedup`].
+pub struct ResponseFuture<R> {
+    future: Pin<Box<dyn Future<Output = Result<Outcome<R>, BoxError>> + Send>>,
+}
+
+impl<R> Future for ResponseFuture<R> {
+    type Output = Result<Outcome<R>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.future.as_mut().poll(cx)
+    }
+}
+
+impl<R> fmt::Debug for ResponseFuture<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,143 @@
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use shardflow::Message;
+use tokio::time::Instant;
+use tower::{service_fn, Layer, ServiceExt};
+
+use super::*;
+use crate::test_support::message;
+
+#[derive(Debug, PartialEq)]
+enum Failure {
+    Flaky,
+    Invalid,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+/// A handler failing its first `failures` calls with `kind`, counting calls.
+fn flaky(
+    failures: u32,
+    kind: fn() -> Failure,
+) -> (
+    Arc<AtomicU32>,
+    impl Service<Message<Bytes>, Response = u32, Error = Failure, Future: Send> + Clone,
+) {
+    let calls = Arc::new(AtomicU32::new(0));
+    let counter = calls.clone();
+    let svc = service_fn(move |_m: Message<Bytes>| {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            if n <= failures {
+                Err(kind())
+            } else {
+                Ok(n)
+            }
+        }
+    });
+    (calls, svc)
+}
+
+/// Tokio's timer rounds each sleep up to the next millisecond: allow that much per sleep.
+fn assert_waited(start: Instant, expected: Duration) {
+    let waited = start.elapsed();
+    assert!(
+        waited >= expected && waited <= expected + Duration::from_millis(5),
+        "waited {waited:?}, expected {expected:?}"
+    );
+}
+
+fn exact() -> Backoff {
+    Backoff::exponential()
+        .jitter(false)
+        .initial_delay(Duration::from_millis(100))
+}
+
+#[tokio::test(start_paused = true)]
+async fn succeeds_after_transient_failures_with_the_exact_delays() {
+    let (calls, handler) = flaky(2, || Failure::Flaky);
+    let svc = RetryLayer::new(exact().max_attempts(3)).layer(handler);
+    let start = Instant::now();
+    let attempt = svc.oneshot(message(1, b"x")).await.unwrap();
+    assert_eq!(attempt, 3);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_waited(start, Duration::from_millis(100 + 200));
+}
+
+#[tokio::test(start_paused = true)]
+async fn gives_up_after_max_attempts_with_the_last_error() {
+    let (calls, handler) = flaky(u32::MAX, || Failure::Flaky);
+    let svc = RetryLayer::new(exact().max_attempts(4)).layer(handler);
+    let err = svc.oneshot(message(1, b"x")).await.unwrap_err();
+    assert_eq!(err, Failure::Flaky);
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn permanent_errors_are_not_retried() {
+    let (calls, handler) = flaky(u32::MAX, || Failure::Invalid);
+    let policy = exact().max_attempts(5).classify(|e: &Failure| match e {
+        Failure::Invalid => ErrorClass::Permanent,
+        Failure::Flaky => ErrorClass::Retryable,
+    });
+    let svc = RetryLayer::new(policy).layer(handler);
+    let start = Instant::now();
+    assert_eq!(
+        svc.oneshot(message(1, b"x")).await.unwrap_err(),
+        Failure::Invalid
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_elapsed_stops_before_max_attempts() {
+    let (calls, handler) = flaky(u32::MAX, || Failure::Flaky);
+    // Delays 100, 200, 400, 800...: within 750 ms of the first failure only 100 + 200
+    // (+ 400 would start at 700) fit; the next one would start at 1500.
+    let policy = exact()
+        .max_attempts(100)
+        .max_elapsed(Duration::from_millis(750));
+    let svc = RetryLayer::new(policy).layer(handler);
+    let start = Instant::now();
+    svc.oneshot(message(1, b"x")).await.unwrap_err();
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_waited(start, Duration::from_millis(700));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_lease_stops_retrying() {
+    let (calls, handler) = flaky(u32::MAX, || Failure::Flaky);
+    let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
+    let msg = message(1, b"x");
+    msg.headers.lease_lost.cancel();
+    svc.oneshot(msg).await.unwrap_err();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn jittered_delays_stay_within_bounds() {
+    let (calls, handler) = flaky(2, || Failure::Flaky);
+    let svc = RetryLayer::new(
+        Backoff::exponential()
+            .initial_delay(Duration::from_millis(100))
+            .max_attempts(3)
+            .jitter_seed(7),
+    )
+    .layer(handler);
+    let start = Instant::now();
+    svc.oneshot(message(1, b"x")).await.unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_millis(600),
+        "{waited:?}"
+    );
+}
