@@ -981,3 +981,25 @@ async fn wire_errors_are_classified() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn wire_errors_never_carry_record_payloads() {
+    within(async {
+        // A GetRecords answer that does not parse (Data is not base64), with a payload in
+        // it: the error must say what failed without repeating the body.
+        let fake = fake::Fake::start(vec![(200, serde_json::json!({
+            "Records": [{"SequenceNumber": "1", "Data": "@@ secret-payload @@", "PartitionKey": "pk"}],
+        }))]);
+        let error = kinesis_at(&fake).get_records("iterator", 10).await.expect_err("an unreadable answer");
+        let message = error.to_string();
+        assert!(matches!(error, KinesisError::Other(_)), "{message}");
+        assert!(message.contains("GetRecords") && message.contains("HTTP 200"), "{message}");
+        assert!(!message.contains("secret-payload"), "a payload leaked into an error: {message}");
+
+        // A plain HTTP 500: the status is in the message.
+        let fake = fake::Fake::start(Vec::new());
+        let message = kinesis_at(&fake).get_records("iterator", 10).await.expect_err("HTTP 500").to_string();
+        assert!(message.contains("HTTP 500"), "{message}");
+    })
+    .await;
+}

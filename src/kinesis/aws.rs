@@ -17,7 +17,8 @@
 //! safe (nothing is skipped).
 //!
 //! Errors are formatted with [`DisplayErrorContext`] so the whole cause chain reaches the
-//! log; record payloads are never logged or put into error messages.
+//! log, but without the raw HTTP response: record payloads are never logged or put into
+//! error messages (see `describe_sdk_error`).
 //!
 //! The SDK's own retry policy (standard mode) still applies underneath: a `Throttled` or
 //! `Other` error here means its attempts were used up.
@@ -105,15 +106,42 @@ impl AwsKinesis {
 
 /// Classifies an SDK error by its service error code (see the module docs). `op` names the
 /// operation for the message.
-fn classify<E, R>(op: &str, err: SdkError<E, R>) -> KinesisError
+fn classify<E>(op: &str, err: SdkError<E>) -> KinesisError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
-    R: std::fmt::Debug,
 {
     let code = err.code().unwrap_or_default().to_owned();
     let message = err.message().unwrap_or_default().to_owned();
-    let text = format!("{op}: {}", DisplayErrorContext(&err));
-    classify_code(op, &code, &message, text)
+    classify_code(op, &code, &message, describe_sdk_error(op, &err))
+}
+
+/// A one-line description of an SDK error for errors and logs: the operation, what failed,
+/// the HTTP status if a response came, and the cause chain through [`DisplayErrorContext`].
+///
+/// It formats the error's *source*, never the `SdkError` itself: the latter's `Debug`
+/// includes the raw HTTP response with its body, and the body of a GetRecords answer that
+/// failed to parse holds record payloads, which must never reach a log. Shared with the
+/// DynamoDB lease store.
+pub(crate) fn describe_sdk_error<E>(op: &str, err: &SdkError<E>) -> String
+where
+    E: std::error::Error + 'static,
+{
+    let what = match err {
+        SdkError::ConstructionFailure(_) => "the request could not be built",
+        SdkError::TimeoutError(_) => "timed out",
+        SdkError::DispatchFailure(_) => "the request could not be sent or got no answer",
+        SdkError::ResponseError(_) => "the answer could not be read",
+        SdkError::ServiceError(_) => "service error",
+        _ => "failed",
+    };
+    let status = err
+        .raw_response()
+        .map(|response| format!(" (HTTP {})", response.status().as_u16()))
+        .unwrap_or_default();
+    match std::error::Error::source(err) {
+        Some(source) => format!("{op}: {what}{status}: {}", DisplayErrorContext(source)),
+        None => format!("{op}: {what}{status}"),
+    }
 }
 
 /// The classification itself, on the code and message alone (unit-tested below).

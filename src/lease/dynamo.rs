@@ -52,6 +52,7 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::kinesis::aws::describe_sdk_error;
 
 /// The hash key: the shard id.
 const KEY: &str = "leaseKey";
@@ -237,10 +238,9 @@ fn next_counter(expected: &Lease) -> Result<u64, LeaseError> {
 
 /// Classifies an SDK error: a failed condition is a conflict on `key`, throttling is
 /// throttling, everything else is [`LeaseError::Other`] with the whole cause chain.
-fn classify<E, R>(op: &str, key: Option<&str>, err: SdkError<E, R>) -> LeaseError
+fn classify<E>(op: &str, key: Option<&str>, err: SdkError<E>) -> LeaseError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
-    R: std::fmt::Debug,
 {
     match (err.code(), key) {
         (Some("ConditionalCheckFailedException"), Some(key)) => {
@@ -253,8 +253,8 @@ where
                 | "ThrottlingException",
             ),
             _,
-        ) => LeaseError::Throttled(format!("{op}: {}", DisplayErrorContext(&err))),
-        _ => LeaseError::Other(format!("{op}: {}", DisplayErrorContext(&err))),
+        ) => LeaseError::Throttled(describe_sdk_error(op, &err)),
+        _ => LeaseError::Other(describe_sdk_error(op, &err)),
     }
 }
 
