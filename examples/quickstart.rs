@@ -26,7 +26,9 @@ const RECORDS: usize = 4_000;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .init();
     let use_aws = std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some()
         || std::env::var("SHARDFLOW_BACKEND").as_deref() == Ok("aws");
@@ -60,9 +62,14 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
     let handler = ServiceBuilder::new()
         .timeout(Duration::from_secs(5))
         .service_fn({
-            let (per_shard, handled, progress) = (per_shard.clone(), handled.clone(), progress.clone());
+            let (per_shard, handled, progress) =
+                (per_shard.clone(), handled.clone(), progress.clone());
             move |msg: Message| {
-                *per_shard.lock().unwrap_or_else(|p| p.into_inner()).entry(msg.headers.shard_id.to_string()).or_default() += 1;
+                *per_shard
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(msg.headers.shard_id.to_string())
+                    .or_default() += 1;
                 handled.fetch_add(1, Ordering::SeqCst);
                 progress.notify_one();
                 async { Ok::<_, Infallible>(()) }
@@ -74,8 +81,14 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
     let shards = kinesis.list_shards(&stream).await?;
     let first = &shards[0];
     let middle = first.starting_hash_key + (first.ending_hash_key - first.starting_hash_key) / 2;
-    println!("splitting {} after {} records", first.shard_id, handled.load(Ordering::SeqCst));
-    kinesis.split_shard(&stream, &first.shard_id, middle).await?;
+    println!(
+        "splitting {} after {} records",
+        first.shard_id,
+        handled.load(Ordering::SeqCst)
+    );
+    kinesis
+        .split_shard(&stream, &first.shard_id, middle)
+        .await?;
     while kinesis.is_updating(&stream).await? {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -107,7 +120,11 @@ async fn wait_for(handled: &AtomicUsize, progress: &Notify, n: usize) {
     }
 }
 
-async fn produce(backend: &impl Backend, stream: &str, values: std::ops::Range<usize>) -> Result<(), Box<dyn std::error::Error>> {
+async fn produce(
+    backend: &impl Backend,
+    stream: &str,
+    values: std::ops::Range<usize>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let kinesis = backend.kinesis();
     let values: Vec<usize> = values.collect();
     for chunk in values.chunks(500) {
@@ -120,7 +137,10 @@ async fn produce(backend: &impl Backend, stream: &str, values: std::ops::Range<u
             })
             .collect();
         let outcomes = kinesis.put_records(stream, &records).await?;
-        if outcomes.iter().any(|o| matches!(o, PutOutcome::Failed { .. })) {
+        if outcomes
+            .iter()
+            .any(|o| matches!(o, PutOutcome::Failed { .. }))
+        {
             return Err("some records were refused; the producer (issue 5) retries them".into());
         }
     }

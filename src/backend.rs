@@ -39,7 +39,10 @@ impl Aws {
     }
 
     /// Uses clients the caller built (custom retry, timeouts, interceptors).
-    pub fn from_clients(kinesis: aws_sdk_kinesis::Client, dynamodb: aws_sdk_dynamodb::Client) -> Self {
+    pub fn from_clients(
+        kinesis: aws_sdk_kinesis::Client,
+        dynamodb: aws_sdk_dynamodb::Client,
+    ) -> Self {
         Aws { kinesis, dynamodb }
     }
 

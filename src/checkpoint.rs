@@ -347,7 +347,8 @@ mod tests {
             Config::with_cases(256),
             TestRng::from_seed(RngAlgorithm::ChaCha, &[3; 32]),
         );
-        let orders = (1usize..40).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle());
+        let orders =
+            (1usize..40).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle());
         runner
             .run(&orders, |order| {
                 let mut w = Watermark::new(Checkpoint::TrimHorizon);

@@ -236,9 +236,13 @@ impl MemoryKinesis {
     }
 
     fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
-        match (s.retention, SystemTime::now().checked_sub(s.retention.unwrap_or_default())) {
-            (Some(_), Some(cutoff)) => records
-                .partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff)),
+        match (
+            s.retention,
+            SystemTime::now().checked_sub(s.retention.unwrap_or_default()),
+        ) {
+            (Some(_), Some(cutoff)) => {
+                records.partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff))
+            }
             _ => 0,
         }
     }
@@ -297,7 +301,10 @@ impl KinesisApi for MemoryKinesis {
         let mut s = lock(&self.state);
         let (stream, shard_id, index, issued) = Self::parse_iterator(iterator)
             .ok_or_else(|| KinesisError::Invalid(format!("bad shard iterator {iterator:?}")))?;
-        let age = Instant::now().duration_since(s.epoch).as_millis().saturating_sub(issued);
+        let age = Instant::now()
+            .duration_since(s.epoch)
+            .as_millis()
+            .saturating_sub(issued);
         if age > s.iterator_ttl.as_millis() || Self::draw(&mut s, |f| f.expire_iterator) {
             return Err(KinesisError::ExpiredIterator(format!(
                 "iterator for {shard_id} is {age} ms old"
@@ -372,7 +379,9 @@ impl KinesisApi for MemoryKinesis {
             }
             let hash = match &r.explicit_hash_key {
                 Some(h) => h.parse::<u128>().map_err(|_| {
-                    KinesisError::Invalid(format!("explicit hash key {h:?} is not a 128-bit number"))
+                    KinesisError::Invalid(format!(
+                        "explicit hash key {h:?} is not a 128-bit number"
+                    ))
                 })?,
                 None => partition_hash(&r.partition_key),
             };
@@ -406,7 +415,9 @@ impl KinesisApi for MemoryKinesis {
 
     async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
         if shards == 0 {
-            return Err(KinesisError::Invalid("a stream needs at least one shard".into()));
+            return Err(KinesisError::Invalid(
+                "a stream needs at least one shard".into(),
+            ));
         }
         let mut s = lock(&self.state);
         if s.streams.contains_key(stream) {
@@ -465,7 +476,9 @@ impl KinesisApi for MemoryKinesis {
     ) -> Result<(), KinesisError> {
         let mut s = lock(&self.state);
         let a = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
-        let b = Self::shard_mut(&mut s, stream, adjacent_shard_id)?.info.clone();
+        let b = Self::shard_mut(&mut s, stream, adjacent_shard_id)?
+            .info
+            .clone();
         let adjacent = a.ending_hash_key.checked_add(1) == Some(b.starting_hash_key)
             || b.ending_hash_key.checked_add(1) == Some(a.starting_hash_key);
         if !adjacent || a.is_closed() || b.is_closed() {
@@ -478,7 +491,10 @@ impl KinesisApi for MemoryKinesis {
         Self::add_shard(
             &mut s,
             stream,
-            (Some(shard_id.to_owned()), Some(adjacent_shard_id.to_owned())),
+            (
+                Some(shard_id.to_owned()),
+                Some(adjacent_shard_id.to_owned()),
+            ),
             (
                 a.starting_hash_key.min(b.starting_hash_key),
                 a.ending_hash_key.max(b.ending_hash_key),
@@ -562,7 +578,9 @@ impl MemoryLeaseStore {
             return Err(LeaseError::Throttled("injected throttle".into()));
         }
         if write && f.fail_before_write > 0.0 && s.rng.gen_bool(f.fail_before_write.min(1.0)) {
-            return Err(LeaseError::Other("injected failure before the write".into()));
+            return Err(LeaseError::Other(
+                "injected failure before the write".into(),
+            ));
         }
         let result = op(&mut s.rows)?;
         if write && f.fail_after_write > 0.0 && s.rng.gen_bool(f.fail_after_write.min(1.0)) {
@@ -625,11 +643,17 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.call(true, |rows| conditional(rows, expected, |row| row.counter += 1))
-            .await
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| row.counter += 1)
+        })
+        .await
     }
 
-    async fn checkpoint(&self, expected: &Lease, checkpoint: &Checkpoint) -> Result<Lease, LeaseError> {
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |row| row.checkpoint = checkpoint.clone())
         })

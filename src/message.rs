@@ -79,7 +79,13 @@ impl<T> Message<T> {
 
     /// Like [`Message::map`] with a fallible function; on error the headers come back
     /// with the error so nothing about the record is lost.
-    pub fn try_map<U, E>(self, f: impl FnOnce(T) -> Result<U, E>) -> Result<Message<U>, (Headers, E)> {
+    // The error carries the headers by value on purpose: it is the rare path, and the
+    // caller (a decode layer) moves them straight into its own error.
+    #[allow(clippy::result_large_err)]
+    pub fn try_map<U, E>(
+        self,
+        f: impl FnOnce(T) -> Result<U, E>,
+    ) -> Result<Message<U>, (Headers, E)> {
         match f(self.payload) {
             Ok(payload) => Ok(Message {
                 headers: self.headers,
@@ -185,8 +191,20 @@ impl<T> fmt::Debug for Batch<T> {
             .field("stream", &self.stream)
             .field("shard_id", &self.shard_id)
             .field("len", &self.messages.len())
-            .field("first", &self.messages.first().map(|m| m.headers.sequence_number.as_str()))
-            .field("last", &self.messages.last().map(|m| m.headers.sequence_number.as_str()))
+            .field(
+                "first",
+                &self
+                    .messages
+                    .first()
+                    .map(|m| m.headers.sequence_number.as_str()),
+            )
+            .field(
+                "last",
+                &self
+                    .messages
+                    .last()
+                    .map(|m| m.headers.sequence_number.as_str()),
+            )
             .field("millis_behind_latest", &self.millis_behind_latest)
             .finish()
     }

@@ -16,7 +16,10 @@ fn enabled() -> bool {
 }
 
 fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
     format!("{prefix}-{}-{nanos}", std::process::id())
 }
 

@@ -46,9 +46,16 @@ async fn seeded_faults_lose_nothing() {
         kinesis.create_stream("faulty", 3).await.unwrap();
         produce(kinesis.as_ref(), "faulty", 0..3_000).await;
         let recorder = Recorder::default();
-        let consumer = test_consumer(memory.clone(), "faulty", &group, "w1").max_records_per_read(100).build().unwrap();
+        let consumer = test_consumer(memory.clone(), "faulty", &group, "w1")
+            .max_records_per_read(100)
+            .build()
+            .unwrap();
         let shutdown = consumer.shutdown_handle();
-        let run = tokio::spawn(consumer.run(recording_handler(recorder.clone())).into_future());
+        let run = tokio::spawn(
+            consumer
+                .run(recording_handler(recorder.clone()))
+                .into_future(),
+        );
         recorder.wait_for(3_000, LIMIT).await;
         shutdown.shutdown();
         run.await.unwrap().unwrap();
@@ -74,7 +81,11 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
         tower::service_fn(move |msg: Message| {
             let value: usize = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
             // Every 97th value fails on its first attempt.
-            let fail = value % 97 == 0 && !recorder.snapshot().iter().any(|h| h.value == value + 1_000_000);
+            let fail = value % 97 == 0
+                && !recorder
+                    .snapshot()
+                    .iter()
+                    .any(|h| h.value == value + 1_000_000);
             if fail {
                 failures.fetch_add(1, Ordering::SeqCst);
                 recorder.handled.lock().unwrap().push(Handled {
@@ -95,13 +106,21 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
             }
         })
     };
-    let consumer = test_consumer(memory.clone(), "flaky", "flaky-group", "w1").build().unwrap();
+    let consumer = test_consumer(memory.clone(), "flaky", "flaky-group", "w1")
+        .build()
+        .unwrap();
     let shutdown = consumer.shutdown_handle();
     let run = tokio::spawn(consumer.run(handler).into_future());
-    recorder.wait_for(1_000 + failures.load(Ordering::SeqCst), LIMIT).await;
+    recorder
+        .wait_for(1_000 + failures.load(Ordering::SeqCst), LIMIT)
+        .await;
     let wait_all = async {
         loop {
-            let ok = recorder.snapshot().iter().filter(|h| h.value < 1_000_000).count();
+            let ok = recorder
+                .snapshot()
+                .iter()
+                .filter(|h| h.value < 1_000_000)
+                .count();
             if ok >= 1_000 {
                 return;
             }
@@ -111,7 +130,11 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
     tokio::time::timeout(LIMIT, wait_all).await.unwrap();
     shutdown.shutdown();
     run.await.unwrap().unwrap();
-    let handled: Vec<Handled> = recorder.snapshot().into_iter().filter(|h| h.value < 1_000_000).collect();
+    let handled: Vec<Handled> = recorder
+        .snapshot()
+        .into_iter()
+        .filter(|h| h.value < 1_000_000)
+        .collect();
     assert!(failures.load(Ordering::SeqCst) >= 10);
     let shards = kinesis.list_shards("flaky").await.unwrap();
     assert_exactly_once_in_order(&handled, 1_000, &shards);
@@ -150,7 +173,9 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(LIMIT, moved).await.expect("checkpoint reaches the end of the 3rd batch");
+    tokio::time::timeout(LIMIT, moved)
+        .await
+        .expect("checkpoint reaches the end of the 3rd batch");
     shutdown.shutdown();
     while let Some(batch) = batches.next().await {
         batch.unwrap().ack();
@@ -160,10 +185,20 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_a_missing_stream_with_a_typed_error() {
-    let consumer = test_consumer(Memory::new(), "missing", "g-missing", "w1").build().unwrap();
+    let consumer = test_consumer(Memory::new(), "missing", "g-missing", "w1")
+        .build()
+        .unwrap();
     let err = consumer
-        .run(tower::service_fn(|_m: Message| async { Ok::<_, Infallible>(()) }))
+        .run(tower::service_fn(|_m: Message| async {
+            Ok::<_, Infallible>(())
+        }))
         .await
         .unwrap_err();
-    assert!(matches!(err, shardflow::ConsumerError::Kinesis(shardflow::kinesis::KinesisError::NotFound(_))), "{err}");
+    assert!(
+        matches!(
+            err,
+            shardflow::ConsumerError::Kinesis(shardflow::kinesis::KinesisError::NotFound(_))
+        ),
+        "{err}"
+    );
 }

@@ -291,17 +291,28 @@ impl ConsumerBuilder {
         }
         let stream = name("stream", &self.stream)?;
         let group = name("group", &self.group)?;
-        if stream.len() > 128 || !stream.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+        if stream.len() > 128
+            || !stream
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+        {
             return Err(ConfigError::Invalid {
                 field: "stream",
-                reason: format!("{stream:?} is not a Kinesis stream name (1-128 of a-z A-Z 0-9 _ . -)"),
+                reason: format!(
+                    "{stream:?} is not a Kinesis stream name (1-128 of a-z A-Z 0-9 _ . -)"
+                ),
             });
         }
         let lease_table = match &self.lease_table {
             Some(_) => name("lease_table", &self.lease_table)?,
             None => group.clone(),
         };
-        if lease_table.len() < 3 || lease_table.len() > 255 || !lease_table.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c)) {
+        if lease_table.len() < 3
+            || lease_table.len() > 255
+            || !lease_table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+        {
             return Err(ConfigError::Invalid {
                 field: "lease_table",
                 reason: format!("{lease_table:?} is not a DynamoDB table name (3-255 of a-z A-Z 0-9 _ . -); set lease_table explicitly"),
@@ -339,7 +350,10 @@ impl ConsumerBuilder {
                 ),
             });
         }
-        let take_interval = positive("take_interval", self.take_interval.unwrap_or(lease_duration))?;
+        let take_interval = positive(
+            "take_interval",
+            self.take_interval.unwrap_or(lease_duration),
+        )?;
         let retry_min = positive("retry_backoff", self.retry_min)?;
         if self.retry_max < retry_min {
             return Err(ConfigError::Invalid {
@@ -397,15 +411,31 @@ mod tests {
         assert_eq!(field(ConsumerBuilder::default().group("g1")), "stream");
         assert_eq!(field(ConsumerBuilder::default().stream("s")), "group");
         assert_eq!(field(base().stream("has space")), "stream");
-        assert_eq!(field(base().max_records_per_read(0)), "max_records_per_read");
-        assert_eq!(field(base().max_records_per_read(10_001)), "max_records_per_read");
-        assert_eq!(field(base().lease_duration(Duration::ZERO)), "lease_duration");
         assert_eq!(
-            field(base().lease_duration(Duration::from_secs(10)).renew_interval(Duration::from_secs(6))),
+            field(base().max_records_per_read(0)),
+            "max_records_per_read"
+        );
+        assert_eq!(
+            field(base().max_records_per_read(10_001)),
+            "max_records_per_read"
+        );
+        assert_eq!(
+            field(base().lease_duration(Duration::ZERO)),
+            "lease_duration"
+        );
+        assert_eq!(
+            field(
+                base()
+                    .lease_duration(Duration::from_secs(10))
+                    .renew_interval(Duration::from_secs(6))
+            ),
             "renew_interval"
         );
         assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
-        assert_eq!(field(base().checkpoint(CheckpointPolicy::Interval(Duration::ZERO))), "checkpoint");
+        assert_eq!(
+            field(base().checkpoint(CheckpointPolicy::Interval(Duration::ZERO))),
+            "checkpoint"
+        );
         assert_eq!(field(base().group("ab")), "lease_table");
         assert_eq!(field(base().worker_id(" ")), "worker_id");
         assert_eq!(field(base()), "accepted");
@@ -413,7 +443,10 @@ mod tests {
 
     #[test]
     fn defaults_follow_the_lease_duration() {
-        let c = base().lease_duration(Duration::from_secs(9)).validate().unwrap();
+        let c = base()
+            .lease_duration(Duration::from_secs(9))
+            .validate()
+            .unwrap();
         assert_eq!(c.renew_interval, Duration::from_secs(3));
         assert_eq!(c.take_interval, Duration::from_secs(9));
         assert_eq!(c.lease_table, "billing");

@@ -107,7 +107,11 @@ impl Coordinator {
         async move {
             // Transient failures (throttling, a flaky network) are retried; a missing
             // stream or a refused request fails fast instead of polling forever.
-            let mut backoff = Backoff::new(self.config.retry_min, self.config.retry_max, self.config.seed);
+            let mut backoff = Backoff::new(
+                self.config.retry_min,
+                self.config.retry_max,
+                self.config.seed,
+            );
             loop {
                 let attempt = match self.store.ensure_table().await {
                     Ok(()) => self.sync_shards().await,
@@ -169,14 +173,18 @@ impl Coordinator {
                 false
             }
             Event::Exit(key, exit) => {
-                let Some(slot) = self.slots.remove(&key) else { return false };
+                let Some(slot) = self.slots.remove(&key) else {
+                    return false;
+                };
                 lock(&self.held).remove(&key);
                 let ended = matches!(exit, ShardExit::Ended);
                 match exit {
                     ShardExit::Lost => tracing::info!(lease = %key, "lease lost"),
                     ShardExit::Stopped => match &slot.handoff_to {
                         Some(to) => match slot.lease.transfer(to).await {
-                            Ok(_) => tracing::info!(lease = %key, to = %to, "handed over after draining"),
+                            Ok(_) => {
+                                tracing::info!(lease = %key, to = %to, "handed over after draining")
+                            }
                             Err(e) => tracing::warn!(lease = %key, error = %e, "hand-off failed"),
                         },
                         None => release(&slot.lease, &key).await,
@@ -223,7 +231,10 @@ impl Coordinator {
         let me = self.config.worker_id.clone();
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
         for row in &rows {
-            let entry = self.seen.entry(row.key.clone()).or_insert((row.counter, now));
+            let entry = self
+                .seen
+                .entry(row.key.clone())
+                .or_insert((row.counter, now));
             if entry.0 != row.counter {
                 *entry = (row.counter, now);
             }
@@ -276,7 +287,9 @@ impl Coordinator {
         let mut available: Vec<&Lease> = eligible
             .iter()
             .copied()
-            .filter(|r| r.owner.is_none() || (r.owner.as_deref() != Some(&me) && expired(r, &self.seen)))
+            .filter(|r| {
+                r.owner.is_none() || (r.owner.as_deref() != Some(&me) && expired(r, &self.seen))
+            })
             .collect();
         available.shuffle(&mut self.rng);
         available.sort_by_key(|r| r.owner.is_some()); // unowned first
@@ -299,8 +312,15 @@ impl Coordinator {
         }
 
         // Hand-offs we asked for: taken anyway once the owner let the timeout pass.
-        self.steals.retain(|k, _| by_key.get(k.as_str()).is_some_and(|r| r.pending_owner.as_deref() == Some(&me)));
-        for row in eligible.iter().filter(|r| r.pending_owner.as_deref() == Some(&me) && r.owner.as_deref() != Some(&me)) {
+        self.steals.retain(|k, _| {
+            by_key
+                .get(k.as_str())
+                .is_some_and(|r| r.pending_owner.as_deref() == Some(&me))
+        });
+        for row in eligible
+            .iter()
+            .filter(|r| r.pending_owner.as_deref() == Some(&me) && r.owner.as_deref() != Some(&me))
+        {
             let asked = *self.steals.entry(row.key.clone()).or_insert(now);
             if now.duration_since(asked) >= self.config.handoff_timeout {
                 tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
@@ -315,12 +335,20 @@ impl Coordinator {
         // Still under the fair share: ask the most loaded worker for one of its leases.
         let mut asked = 0;
         while mine + self.steals.len() < target && asked < self.config.max_steals_per_round {
-            let Some((victim, count)) = load.iter().max_by_key(|(w, n)| (**n, *w)).map(|(w, n)| (w.to_string(), *n)) else { break };
+            let Some((victim, count)) = load
+                .iter()
+                .max_by_key(|(w, n)| (**n, *w))
+                .map(|(w, n)| (w.to_string(), *n))
+            else {
+                break;
+            };
             if count <= target {
                 break;
             }
             let candidate = eligible.iter().find(|r| {
-                r.owner.as_deref() == Some(victim.as_str()) && r.pending_owner.is_none() && !self.steals.contains_key(&r.key)
+                r.owner.as_deref() == Some(victim.as_str())
+                    && r.pending_owner.is_none()
+                    && !self.steals.contains_key(&r.key)
             });
             let Some(row) = candidate else { break };
             match self.store.request_handoff(row, &me).await {
@@ -346,8 +374,15 @@ impl Coordinator {
     /// because their children have rows.
     async fn clean_up(&self, rows: &[Lease]) {
         let by_key: HashMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        for row in rows.iter().filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none()) {
-            let children: Vec<&ShardInfo> = self.shards.iter().filter(|s| s.parents().contains(&row.key)).collect();
+        for row in rows
+            .iter()
+            .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
+        {
+            let children: Vec<&ShardInfo> = self
+                .shards
+                .iter()
+                .filter(|s| s.parents().contains(&row.key))
+                .collect();
             let started = !children.is_empty()
                 && children.iter().all(|c| {
                     by_key.get(c.shard_id.as_str()).is_some_and(|l| {
@@ -356,8 +391,12 @@ impl Coordinator {
                 });
             if started {
                 match self.store.delete(row).await {
-                    Ok(()) => tracing::debug!(lease = %row.key, "removed the finished shard's lease"),
-                    Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease"),
+                    Ok(()) => {
+                        tracing::debug!(lease = %row.key, "removed the finished shard's lease")
+                    }
+                    Err(e) => {
+                        tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease")
+                    }
                 }
             }
         }
@@ -384,7 +423,8 @@ impl Coordinator {
             }
             // A shard whose child has a row was finished and cleaned up: never again.
             let descendant_known = shards.iter().any(|c| {
-                c.parents().contains(&shard.shard_id) && (keys.contains(c.shard_id.as_str()) || created.contains(&c.shard_id))
+                c.parents().contains(&shard.shard_id)
+                    && (keys.contains(c.shard_id.as_str()) || created.contains(&c.shard_id))
             });
             if descendant_known {
                 continue;
@@ -395,7 +435,10 @@ impl Coordinator {
                     continue; // starting at the tip: closed shards hold only the past
                 }
                 initial.clone()
-            } else if parents.iter().any(|p| ids.contains(p.as_str()) || keys.contains(p.as_str())) {
+            } else if parents
+                .iter()
+                .any(|p| ids.contains(p.as_str()) || keys.contains(p.as_str()))
+            {
                 Checkpoint::TrimHorizon
             } else {
                 initial.clone()
@@ -414,7 +457,11 @@ impl Coordinator {
 
     fn start(&mut self, row: Lease) {
         let key = row.key.clone();
-        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.worker_id));
+        let lease = Arc::new(HeldLease::new(
+            row,
+            self.store.clone(),
+            &self.config.worker_id,
+        ));
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
@@ -491,15 +538,20 @@ async fn renew_loop(
     events: mpsc::UnboundedSender<Event>,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval_at(Instant::now() + config.renew_interval, config.renew_interval);
+    let mut tick = tokio::time::interval_at(
+        Instant::now() + config.renew_interval,
+        config.renew_interval,
+    );
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let leases: Vec<(String, Arc<HeldLease>)> =
-            lock(&held).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let results = join_all(leases.iter().map(|(_, l)| l.renew())).await;
         for ((key, _), result) in leases.into_iter().zip(results) {
             match result {
@@ -508,10 +560,11 @@ async fn renew_loop(
                         let _ = events.send(Event::HandoffRequested(key, to));
                     }
                 }
-                Err(LeaseError::Conflict(_)) => tracing::info!(lease = %key, "lease lost at renewal"),
+                Err(LeaseError::Conflict(_)) => {
+                    tracing::info!(lease = %key, "lease lost at renewal")
+                }
                 Err(e) => tracing::warn!(lease = %key, error = %e, "renewal failed; will retry"),
             }
         }
     }
 }
-

@@ -18,7 +18,9 @@ where
     S::Error: Display + Send,
 {
     while let Some(mut batch) = batches.recv().await {
-        let Some(ack) = batch.take_ack() else { continue };
+        let Some(ack) = batch.take_ack() else {
+            continue;
+        };
         let mut handled = None;
         let mut outcome = Ok(());
         for message in batch.messages {
@@ -62,7 +64,9 @@ where
     S::Error: Display + Send,
 {
     while let Some(mut batch) = batches.recv().await {
-        let Some(ack) = batch.take_ack() else { continue };
+        let Some(ack) = batch.take_ack() else {
+            continue;
+        };
         if !ack.should_start() {
             ack.abandon();
             continue;

@@ -121,7 +121,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let spawn = spawn_with(service, |rx, service| tokio::spawn(dispatch::records(rx, service)));
+        let spawn = spawn_with(service, |rx, service| {
+            tokio::spawn(dispatch::records(rx, service))
+        });
         Run {
             consumer: self,
             spawn,
@@ -137,7 +139,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let spawn = spawn_with(service, |rx, service| tokio::spawn(dispatch::batches(rx, service)));
+        let spawn = spawn_with(service, |rx, service| {
+            tokio::spawn(dispatch::batches(rx, service))
+        });
         Run {
             consumer: self,
             spawn,
@@ -151,7 +155,12 @@ impl Consumer {
     /// can be acknowledged.
     pub fn stream(self) -> BatchStream {
         let (tx, rx) = mpsc::channel(self.config.prefetch_batches.max(1) * 4);
-        let coordinator = Coordinator::new(self.config.clone(), self.kinesis.clone(), self.store.clone(), Sink::Shared(tx));
+        let coordinator = Coordinator::new(
+            self.config.clone(),
+            self.kinesis.clone(),
+            self.store.clone(),
+            Sink::Shared(tx),
+        );
         let worker = tokio::spawn(coordinator.run(self.shutdown.clone()));
         BatchStream {
             rx,
@@ -197,9 +206,18 @@ impl IntoFuture for Run {
     type IntoFuture = BoxFuture<'static, Result<(), ConsumerError>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        let Run { consumer, spawn, until } = self;
+        let Run {
+            consumer,
+            spawn,
+            until,
+        } = self;
         let shutdown = consumer.shutdown.clone();
-        let coordinator = Coordinator::new(consumer.config, consumer.kinesis, consumer.store, Sink::PerShard(spawn));
+        let coordinator = Coordinator::new(
+            consumer.config,
+            consumer.kinesis,
+            consumer.store,
+            Sink::PerShard(spawn),
+        );
         async move {
             let run = coordinator.run(shutdown.clone());
             tokio::pin!(run);
@@ -250,7 +268,9 @@ impl Stream for BatchStream {
                     return Poll::Ready(Some(Ok(batch)));
                 }
                 Poll::Ready(None) => {
-                    let Some(worker) = self.worker.as_mut() else { return Poll::Ready(None) };
+                    let Some(worker) = self.worker.as_mut() else {
+                        return Poll::Ready(None);
+                    };
                     let result = std::task::ready!(worker.poll_unpin(cx));
                     self.worker = None;
                     return Poll::Ready(match result {
@@ -267,7 +287,11 @@ impl Stream for BatchStream {
                             match result {
                                 Ok(Ok(())) => {}
                                 Ok(Err(e)) => return Poll::Ready(Some(Err(e))),
-                                Err(e) => return Poll::Ready(Some(Err(ConsumerError::Worker(e.to_string())))),
+                                Err(e) => {
+                                    return Poll::Ready(Some(Err(ConsumerError::Worker(
+                                        e.to_string(),
+                                    ))))
+                                }
                             }
                         }
                     }

@@ -29,7 +29,11 @@ pub(crate) struct ShardReader {
 impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with
     /// the watermark and returns `Ok`) or a fatal error. Runs until dropped otherwise.
-    pub(crate) async fn read(&self, start: Checkpoint, backoff: &mut Backoff) -> Result<(), KinesisError> {
+    pub(crate) async fn read(
+        &self,
+        start: Checkpoint,
+        backoff: &mut Backoff,
+    ) -> Result<(), KinesisError> {
         // Everything at or before `handled` is dropped record by record: it is either
         // covered by the checkpoint or was already delivered by this reader.
         let mut handled = start;
@@ -46,7 +50,11 @@ impl ShardReader {
                     Err(e) => return Err(e),
                 },
             };
-            let page = match self.kinesis.get_records(&it, self.config.max_records_per_read).await {
+            let page = match self
+                .kinesis
+                .get_records(&it, self.config.max_records_per_read)
+                .await
+            {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
                     tracing::info!(shard = %self.shard_id, %why, "iterator expired; reading again from the last delivered record");
@@ -138,7 +146,9 @@ impl ShardReader {
             // aggregated record handled only in part is read again whole.
             Checkpoint::At(p) => StartingPosition::AtSequenceNumber(p.sequence.clone()),
             Checkpoint::ShardEnd => {
-                return Err(KinesisError::Invalid("the shard is already finished".into()))
+                return Err(KinesisError::Invalid(
+                    "the shard is already finished".into(),
+                ))
             }
         };
         self.kinesis

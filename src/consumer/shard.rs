@@ -65,7 +65,11 @@ impl ShardTask {
             lease_lost: self.lease.lost().clone(),
         };
         let mut read_backoff = Backoff::new(self.config.retry_min, self.config.retry_max, seed);
-        let mut failure_backoff = Backoff::new(self.config.retry_min, self.config.retry_max, seed.rotate_left(7));
+        let mut failure_backoff = Backoff::new(
+            self.config.retry_min,
+            self.config.retry_max,
+            seed.rotate_left(7),
+        );
         let mut commit_tick = tokio::time::interval(match self.config.checkpoint {
             CheckpointPolicy::Interval(d) => d,
             CheckpointPolicy::EveryBatch => self.config.lease_duration,
@@ -166,7 +170,11 @@ impl ShardTask {
 
     /// Writes the watermark if it moved. Throttling and transient errors keep the
     /// watermark for the next attempt; a conflict means the lease is lost.
-    async fn commit(&self, progress: &ShardProgress, committed: &mut Checkpoint) -> Result<(), ShardExit> {
+    async fn commit(
+        &self,
+        progress: &ShardProgress,
+        committed: &mut Checkpoint,
+    ) -> Result<(), ShardExit> {
         let acked = progress.lock().acked().clone();
         if acked == *committed {
             return Ok(());
@@ -190,5 +198,7 @@ impl ShardTask {
 }
 
 fn hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }

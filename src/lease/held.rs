@@ -51,7 +51,7 @@ impl HeldLease {
             let cp = cp.clone();
             Box::pin(async move { store.checkpoint(&row, &cp).await })
         })
-            .await
+        .await
     }
 
     /// Gives the lease up (to nobody). Marks it lost for this worker either way.

@@ -154,7 +154,11 @@ pub trait LeaseStore: Send + Sync + 'static {
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError>;
 
     /// Stores a checkpoint if the row still matches `expected` (the counter is kept).
-    async fn checkpoint(&self, expected: &Lease, checkpoint: &Checkpoint) -> Result<Lease, LeaseError>;
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError>;
 
     /// Clears the owner (bumping the counter) if the row still matches `expected`.
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError>;

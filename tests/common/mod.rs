@@ -60,7 +60,10 @@ impl Recorder {
             }
         };
         if tokio::time::timeout(limit, wait).await.is_err() {
-            panic!("only {} of {n} records handled within {limit:?}", self.count());
+            panic!(
+                "only {} of {n} records handled within {limit:?}",
+                self.count()
+            );
         }
     }
 
@@ -72,7 +75,10 @@ impl Recorder {
 /// A handler service that records every message.
 pub fn recording_handler(
     recorder: Recorder,
-) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send + 'static {
+) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send>
+       + Clone
+       + Send
+       + 'static {
     tower::service_fn(move |msg: Message| {
         recorder.record(&msg);
         async { Ok::<_, Infallible>(()) }
@@ -116,7 +122,12 @@ pub async fn produce(kinesis: &dyn KinesisApi, stream: &str, range: std::ops::Ra
 }
 
 /// A consumer builder with test-friendly timings.
-pub fn test_consumer(backend: impl Backend, stream: &str, group: &str, worker: &str) -> ConsumerBuilder {
+pub fn test_consumer(
+    backend: impl Backend,
+    stream: &str,
+    group: &str,
+    worker: &str,
+) -> ConsumerBuilder {
     Consumer::builder()
         .stream(stream)
         .group(group)
@@ -148,10 +159,24 @@ pub async fn open_shards(kinesis: &dyn KinesisApi, stream: &str) -> Vec<ShardInf
 /// record of each of its parents.
 pub fn assert_exactly_once_in_order(handled: &[Handled], total: usize, shards: &[ShardInfo]) {
     let mut seen = HashSet::new();
-    let duplicates: Vec<usize> = handled.iter().filter(|h| !seen.insert(h.value)).map(|h| h.value).collect();
-    assert!(duplicates.is_empty(), "{} duplicates, e.g. {:?}", duplicates.len(), &duplicates[..duplicates.len().min(5)]);
+    let duplicates: Vec<usize> = handled
+        .iter()
+        .filter(|h| !seen.insert(h.value))
+        .map(|h| h.value)
+        .collect();
+    assert!(
+        duplicates.is_empty(),
+        "{} duplicates, e.g. {:?}",
+        duplicates.len(),
+        &duplicates[..duplicates.len().min(5)]
+    );
     let missing: Vec<usize> = (0..total).filter(|v| !seen.contains(v)).collect();
-    assert!(missing.is_empty(), "{} lost, e.g. {:?}", missing.len(), &missing[..missing.len().min(5)]);
+    assert!(
+        missing.is_empty(),
+        "{} lost, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
     assert_order(handled, shards);
 }
 
@@ -160,16 +185,28 @@ pub fn assert_order(handled: &[Handled], shards: &[ShardInfo]) {
     let mut last: HashMap<&str, &shardflow::SequenceNumber> = HashMap::new();
     for h in handled {
         if let Some(prev) = last.insert(&h.shard, &h.sequence) {
-            assert!(prev < &h.sequence, "shard {} went back from {prev} to {}", h.shard, h.sequence);
+            assert!(
+                prev < &h.sequence,
+                "shard {} went back from {prev} to {}",
+                h.shard,
+                h.sequence
+            );
         }
     }
     let index_range = |shard: &str| {
-        let idx: Vec<usize> = handled.iter().enumerate().filter(|(_, h)| h.shard == shard).map(|(i, _)| i).collect();
+        let idx: Vec<usize> = handled
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| h.shard == shard)
+            .map(|(i, _)| i)
+            .collect();
         idx.first().copied().zip(idx.last().copied())
     };
     for shard in shards {
         for parent in shard.parents() {
-            if let (Some((_, parent_last)), Some((child_first, _))) = (index_range(&parent), index_range(&shard.shard_id)) {
+            if let (Some((_, parent_last)), Some((child_first, _))) =
+                (index_range(&parent), index_range(&shard.shard_id))
+            {
                 assert!(
                     parent_last < child_first,
                     "child {} started (at #{child_first}) before parent {parent} finished (#{parent_last})",
@@ -185,19 +222,31 @@ pub fn assert_partition_key_order(handled: &[Handled]) {
     let mut last: HashMap<&str, usize> = HashMap::new();
     for h in handled {
         if let Some(prev) = last.insert(&h.partition_key, h.value) {
-            assert!(prev < h.value, "key {} went back from {prev} to {}", h.partition_key, h.value);
+            assert!(
+                prev < h.value,
+                "key {} went back from {prev} to {}",
+                h.partition_key,
+                h.value
+            );
         }
     }
 }
 
 /// The checkpoint of every lease row, by shard.
 pub fn checkpoints(rows: &[Lease]) -> BTreeMap<String, Checkpoint> {
-    rows.iter().map(|r| (r.key.clone(), r.checkpoint.clone())).collect()
+    rows.iter()
+        .map(|r| (r.key.clone(), r.checkpoint.clone()))
+        .collect()
 }
 
 /// The single-instance reshard scenario: 4 shards, `total` records, a split and a merge
 /// while consuming, then a restart from the committed checkpoints.
-pub async fn reshard_while_consuming<B: Backend + Clone>(backend: B, stream: &str, total: usize, limit: Duration) {
+pub async fn reshard_while_consuming<B: Backend + Clone>(
+    backend: B,
+    stream: &str,
+    total: usize,
+    limit: Duration,
+) {
     let kinesis = backend.kinesis();
     kinesis.create_stream(stream, 4).await.unwrap();
     let group = format!("{stream}-group");
@@ -205,22 +254,34 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(backend: B, stream: &st
     produce(kinesis.as_ref(), stream, 0..quarter * 2).await;
 
     let recorder = Recorder::default();
-    let consumer = test_consumer(backend.clone(), stream, &group, "w1").build().unwrap();
+    let consumer = test_consumer(backend.clone(), stream, &group, "w1")
+        .build()
+        .unwrap();
     let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(consumer.run(recording_handler(recorder.clone())).into_future());
+    let run = tokio::spawn(
+        consumer
+            .run(recording_handler(recorder.clone()))
+            .into_future(),
+    );
 
     recorder.wait_for(quarter, limit).await;
     let open = open_shards(kinesis.as_ref(), stream).await;
     let first = &open[0];
     let middle = first.starting_hash_key + (first.ending_hash_key - first.starting_hash_key) / 2;
-    kinesis.split_shard(stream, &first.shard_id, middle).await.unwrap();
+    kinesis
+        .split_shard(stream, &first.shard_id, middle)
+        .await
+        .unwrap();
     wait_until_active(kinesis.as_ref(), stream).await;
     produce(kinesis.as_ref(), stream, quarter * 2..quarter * 3).await;
 
     recorder.wait_for(quarter * 2, limit).await;
     let open = open_shards(kinesis.as_ref(), stream).await;
     let (a, b) = (&open[open.len() - 2], &open[open.len() - 1]);
-    kinesis.merge_shards(stream, &a.shard_id, &b.shard_id).await.unwrap();
+    kinesis
+        .merge_shards(stream, &a.shard_id, &b.shard_id)
+        .await
+        .unwrap();
     wait_until_active(kinesis.as_ref(), stream).await;
     produce(kinesis.as_ref(), stream, quarter * 3..total).await;
 
@@ -229,18 +290,27 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(backend: B, stream: &st
     // their last records).
     let store = backend.lease_store(&group);
     let shards = kinesis.list_shards(stream).await.unwrap();
-    let closed: Vec<String> = shards.iter().filter(|s| s.is_closed()).map(|s| s.shard_id.clone()).collect();
+    let closed: Vec<String> = shards
+        .iter()
+        .filter(|s| s.is_closed())
+        .map(|s| s.shard_id.clone())
+        .collect();
     let ended = async {
         loop {
             let rows = store.list().await.unwrap();
             let cps = checkpoints(&rows);
-            if closed.iter().all(|c| cps.get(c).is_none_or(|cp| *cp == Checkpoint::ShardEnd)) {
+            if closed
+                .iter()
+                .all(|c| cps.get(c).is_none_or(|cp| *cp == Checkpoint::ShardEnd))
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    tokio::time::timeout(limit, ended).await.expect("closed shards reach SHARD_END");
+    tokio::time::timeout(limit, ended)
+        .await
+        .expect("closed shards reach SHARD_END");
     shutdown.shutdown();
     run.await.unwrap().unwrap();
 
@@ -252,35 +322,59 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(backend: B, stream: &st
     let rows = store.list().await.unwrap();
     for row in &rows {
         assert_eq!(row.owner, None, "lease {} released at shutdown", row.key);
-        let last = handled.iter().filter(|h| h.shard == row.key).map(|h| h.sequence.clone()).max();
+        let last = handled
+            .iter()
+            .filter(|h| h.shard == row.key)
+            .map(|h| h.sequence.clone())
+            .max();
         match (&row.checkpoint, last) {
             (Checkpoint::ShardEnd, _) => assert!(closed.contains(&row.key)),
-            (Checkpoint::At(p), Some(last)) => assert_eq!(p.sequence, last, "checkpoint of {}", row.key),
-            (cp, last) => assert!(last.is_none(), "{}: checkpoint {cp} but records handled", row.key),
+            (Checkpoint::At(p), Some(last)) => {
+                assert_eq!(p.sequence, last, "checkpoint of {}", row.key)
+            }
+            (cp, last) => assert!(
+                last.is_none(),
+                "{}: checkpoint {cp} but records handled",
+                row.key
+            ),
         }
     }
 
     // A restart from the committed checkpoints redelivers nothing.
     let again = Recorder::default();
-    let consumer = test_consumer(backend.clone(), stream, &group, "w2").build().unwrap();
+    let consumer = test_consumer(backend.clone(), stream, &group, "w2")
+        .build()
+        .unwrap();
     let shutdown = consumer.shutdown_handle();
     let run = tokio::spawn(consumer.run(recording_handler(again.clone())).into_future());
     let open_count = open_shards(kinesis.as_ref(), stream).await.len();
     let taken = async {
         loop {
             let rows = store.list().await.unwrap();
-            if rows.iter().filter(|r| r.owner.as_deref() == Some("w2")).count() >= open_count {
+            if rows
+                .iter()
+                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .count()
+                >= open_count
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    tokio::time::timeout(limit, taken).await.expect("the restarted worker takes every open shard");
+    tokio::time::timeout(limit, taken)
+        .await
+        .expect("the restarted worker takes every open shard");
     // Absence of redelivery needs a window: several read rounds (20 ms idle interval).
     tokio::time::sleep(Duration::from_millis(500)).await;
     shutdown.shutdown();
     run.await.unwrap().unwrap();
-    assert_eq!(again.count(), 0, "records redelivered after a restart: {:?}", &again.snapshot()[..again.count().min(3)]);
+    assert_eq!(
+        again.count(),
+        0,
+        "records redelivered after a restart: {:?}",
+        &again.snapshot()[..again.count().min(3)]
+    );
 }
 
 pub async fn wait_until_active(kinesis: &dyn KinesisApi, stream: &str) {
