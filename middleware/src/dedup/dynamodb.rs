@@ -68,8 +68,8 @@ impl DynamoDbDedupStore {
     /// Creates the table if it does not exist (on-demand capacity), waits until it is
     /// active, and turns on TTL for `expiresAt`.
     ///
-    /// A backend that does not implement `UpdateTimeToLive` (some emulators answer
-    /// `UnknownOperation`) gets a warning, not an error: expired items are still
+    /// A backend that does not implement `UpdateTimeToLive` (dynalite answers
+    /// `UnknownOperationException`) gets a warning, not an error: expired items are still
     /// treated as absent, they are just not deleted.
     pub async fn ensure_table(&self) -> Result<(), StoreError> {
         let created = self
@@ -140,7 +140,11 @@ impl DynamoDbDedupStore {
             .await;
         match result {
             Ok(_) => Ok(()),
-            Err(e) if e.code() == Some("UnknownOperation") => {
+            Err(e)
+                if e.code().is_some_and(|c| {
+                    c == "UnknownOperation" || c == "UnknownOperationException"
+                }) =>
+            {
                 tracing::warn!(
                     table = %self.table,
                     "the backend does not support UpdateTimeToLive: expired dedup keys are \
