@@ -1,1 +1,177 @@
-fn main() {}
+//! Per-record cost of each layer against a bare `service_fn`.
+//!
+//! `cargo bench -p shardflow-middleware --bench layers` (add `-- <records>` to change the
+//! count, 200,000 by default). Each figure is the best of five runs over the same
+//! records, driven one at a time on a current-thread runtime (as the consumer drives a
+//! shard): ready, call, await.
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use shardflow::{Batch, Headers, Message, SequenceNumber};
+use shardflow_middleware::dead_letter::{DeadLetterLayer, DeadLetterRecord};
+use shardflow_middleware::dedup::DedupLayer;
+use shardflow_middleware::{
+    Backoff, BatchConfig, Batching, DecodeLayer, MemoryDedupStore, RetryLayer, ServiceBuilderExt,
+};
+use tokio_util::sync::CancellationToken;
+use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
+
+#[derive(Clone, serde::Deserialize)]
+#[allow(dead_code)] // decoded, then only looked at through black_box
+struct Order {
+    id: u64,
+    amount: u64,
+    currency: String,
+}
+
+const RUNS: usize = 5;
+
+fn records(count: u64) -> Vec<Message<Bytes>> {
+    let stream: Arc<str> = Arc::from("orders");
+    let shard: Arc<str> = Arc::from("shardId-000000000000");
+    let lease_lost = CancellationToken::new();
+    (0..count)
+        .map(|i| {
+            let headers = Headers {
+                stream: stream.clone(),
+                shard_id: shard.clone(),
+                sequence_number: SequenceNumber::new(format!(
+                    "49590338271490256608559692538361571095921575989136588898{i:010}"
+                ))
+                .expect("digits"),
+                sub_sequence_number: 0,
+                partition_key: format!("customer-{}", i % 1000),
+                explicit_hash_key: None,
+                approximate_arrival: None,
+                lease_lost: lease_lost.clone(),
+            };
+            let payload = format!(r#"{{"id":{i},"amount":4200,"currency":"EUR"}}"#);
+            Message::new(headers, Bytes::from(payload))
+        })
+        .collect()
+}
+
+/// Best-of-`RUNS` time per record of driving `make()`'s service over `messages`.
+async fn measure<S, F>(messages: &[Message<Bytes>], make: F) -> f64
+where
+    F: Fn() -> S,
+    S: Service<Message<Bytes>>,
+    S::Error: std::fmt::Debug,
+{
+    let mut best = Duration::MAX;
+    for _ in 0..RUNS {
+        let batch = messages.to_vec();
+        let mut svc = make();
+        let start = Instant::now();
+        for message in batch {
+            let ready = svc.ready().await.expect("ready");
+            black_box(ready.call(message).await.expect("handled"));
+        }
+        best = best.min(start.elapsed());
+    }
+    best.as_nanos() as f64 / messages.len() as f64
+}
+
+fn bare() -> impl Service<Message<Bytes>, Response = (), Error = Infallible, Future: Send> + Clone {
+    service_fn(|m: Message<Bytes>| async move {
+        black_box(&m);
+        Ok::<_, Infallible>(())
+    })
+}
+
+fn typed() -> impl Service<Message<Order>, Response = (), Error = Infallible, Future: Send> + Clone {
+    service_fn(|m: Message<Order>| async move {
+        black_box(&m.payload);
+        Ok::<_, Infallible>(())
+    })
+}
+
+fn sink() -> impl Service<DeadLetterRecord, Response = (), Error = Infallible, Future: Send> + Clone {
+    service_fn(|r: DeadLetterRecord| async move {
+        black_box(&r);
+        Ok::<_, Infallible>(())
+    })
+}
+
+fn main() {
+    let count: u64 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(200_000);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime");
+    let messages = records(count);
+
+    runtime.block_on(async {
+        let base = measure(&messages, bare).await;
+        let rows = [
+            (
+                "decode (JSON, 3 fields)",
+                measure(&messages, || DecodeLayer::<Order>::json().layer(typed())).await,
+            ),
+            (
+                "dedup (memory store)",
+                measure(&messages, || {
+                    DedupLayer::new(MemoryDedupStore::new(count as usize * 2)).layer(bare())
+                })
+                .await,
+            ),
+            (
+                "retry (no failures)",
+                measure(&messages, || RetryLayer::new(Backoff::exponential()).layer(bare())).await,
+            ),
+            (
+                "dead_letter (no failures)",
+                measure(&messages, || DeadLetterLayer::new(sink()).layer(bare())).await,
+            ),
+            (
+                "full stack (all four)",
+                measure(&messages, || {
+                    ServiceBuilder::new()
+                        .dead_letter(sink())
+                        .decode::<Order>()
+                        .dedup(MemoryDedupStore::new(count as usize * 2))
+                        .retry(Backoff::exponential())
+                        .service(typed())
+                })
+                .await,
+            ),
+        ];
+
+        // Batch mode: reads of 500 records re-chunked into bulk calls of 100.
+        let reads: Vec<Vec<Message<Bytes>>> = messages.chunks(500).map(<[_]>::to_vec).collect();
+        let mut best = Duration::MAX;
+        for _ in 0..RUNS {
+            let reads = reads.clone();
+            let mut svc = Batching::new(
+                service_fn(|ms: Vec<Message<Bytes>>| async move {
+                    black_box(&ms);
+                    Ok::<_, Infallible>(())
+                }),
+                BatchConfig::new().max_count(100),
+            );
+            let start = Instant::now();
+            for read in reads {
+                let batch = Batch::new(Arc::from("orders"), Arc::from("shardId-000000000000"), read);
+                ServiceExt::<Batch<Bytes>>::ready(&mut svc).await.expect("ready");
+                Service::<Batch<Bytes>>::call(&mut svc, batch).await.expect("handled");
+            }
+            best = best.min(start.elapsed());
+        }
+        let batch_ns = best.as_nanos() as f64 / messages.len() as f64;
+
+        println!("per-record cost over {count} records (best of {RUNS} runs)");
+        println!("{:<28} {:>10} {:>12}", "layer", "ns/record", "vs bare");
+        println!("{:<28} {:>10.0} {:>12}", "bare service_fn", base, "-");
+        for (name, ns) in rows {
+            println!("{:<28} {:>10.0} {:>+12.0}", name, ns, ns - base);
+        }
+        println!("{:<28} {:>10.0} {:>12}", "batch (read 500 -> 5 x 100)", batch_ns, "per record");
+    });
+}

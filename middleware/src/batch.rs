@@ -300,12 +300,12 @@ where
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
         Box::pin(async move {
-            let mut chunks = Chunks {
+            let chunks = Chunks {
                 messages: batch.messages.into_iter().peekable(),
                 config: &config,
             };
             let mut first = true;
-            while let Some(chunk) = chunks.next() {
+            for chunk in chunks {
                 if !first {
                     inner.ready().await.map_err(Into::into)?;
                 }

@@ -50,7 +50,7 @@
 //! [`BoxError`]; the concrete errors are small enums and structs you can
 //! [`downcast_ref`](std::error::Error) to: [`DecodeError`],
 //! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError),
-//! [`BatchError`](batch::BatchError). [`Retry`](retry::Retry) passes the handler's own
+//! [`BatchError`](batch::BatchError). [`Retry`] passes the handler's own
 //! error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
 //! definition (the store is down or another consumer holds the record), so the default
 //! dead-letter policy never dead-letters it: the shard stops and the record comes back.
