@@ -3,7 +3,7 @@
 //! holds on its own timer, starts a [`ShardTask`] per held lease and winds them down on
 //! shutdown.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures_util::future::join_all;
@@ -47,9 +47,9 @@ struct Slot {
     handoff_to: Option<String>,
 }
 
-type HeldSet = Arc<Mutex<HashMap<String, Arc<HeldLease>>>>;
+type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
-fn lock(held: &HeldSet) -> MutexGuard<'_, HashMap<String, Arc<HeldLease>>> {
+fn lock(held: &HeldSet) -> MutexGuard<'_, BTreeMap<String, Arc<HeldLease>>> {
     // Poisoning means a panic elsewhere while holding the lock; the map is still whole.
     held.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -60,12 +60,12 @@ pub(crate) struct Coordinator {
     store: Arc<dyn LeaseStore>,
     stream: Arc<str>,
     sink: Sink,
-    slots: HashMap<String, Slot>,
+    slots: BTreeMap<String, Slot>,
     held: HeldSet,
     /// Last counter seen per lease and when it last changed: a lease whose counter has
     /// not moved for the lease duration is expired (no clocks compared across hosts).
-    seen: HashMap<String, (u64, Instant)>,
-    steals: HashMap<String, Instant>,
+    seen: BTreeMap<String, (u64, Instant)>,
+    steals: BTreeMap<String, Instant>,
     shards: Vec<ShardInfo>,
     last_sync: Option<Instant>,
     need_sync: bool,
@@ -89,10 +89,10 @@ impl Coordinator {
             kinesis,
             store,
             sink,
-            slots: HashMap::new(),
+            slots: BTreeMap::new(),
             held: Arc::default(),
-            seen: HashMap::new(),
-            steals: HashMap::new(),
+            seen: BTreeMap::new(),
+            steals: BTreeMap::new(),
             shards: Vec::new(),
             last_sync: None,
             need_sync: true,
@@ -241,7 +241,7 @@ impl Coordinator {
         }
         self.seen.retain(|k, _| by_key.contains_key(k.as_str()));
         let lease_duration = self.config.lease_duration;
-        let expired = |row: &Lease, seen: &HashMap<String, (u64, Instant)>| {
+        let expired = |row: &Lease, seen: &BTreeMap<String, (u64, Instant)>| {
             row.owner.is_some()
                 && seen
                     .get(&row.key)
@@ -272,7 +272,7 @@ impl Coordinator {
             }
         }
 
-        let mut load: HashMap<&str, usize> = HashMap::new();
+        let mut load: BTreeMap<&str, usize> = BTreeMap::new();
         for row in &eligible {
             if let Some(owner) = row.owner.as_deref() {
                 if owner != me && !expired(row, &self.seen) {
@@ -373,7 +373,7 @@ impl Coordinator {
     /// moved): they can no longer hold a child back, and no sync re-creates them
     /// because their children have rows.
     async fn clean_up(&self, rows: &[Lease]) {
-        let by_key: HashMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
+        let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
         for row in rows
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
@@ -408,8 +408,8 @@ impl Coordinator {
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
-        let keys: HashSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
-        let ids: HashSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+        let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         let first = rows.is_empty();
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
@@ -516,7 +516,7 @@ impl Coordinator {
                 Ok(None) | Err(_) => break,
             }
         }
-        for (key, slot) in self.slots.drain() {
+        for (key, slot) in std::mem::take(&mut self.slots) {
             tracing::warn!(lease = %key, "shard did not stop in time; releasing its lease");
             release(&slot.lease, &key).await;
         }

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::checkpoint::{Mark, ShardProgress};
 use crate::kinesis::{KinesisApi, KinesisError, StartingPosition};
-use crate::lease::Checkpoint;
+use crate::lease::{Checkpoint, HeldLease};
 use crate::message::{Batch, Headers, Message};
 use crate::sequence::Position;
 
@@ -23,6 +23,7 @@ pub(crate) struct ShardReader {
     pub(crate) shard_id: Arc<str>,
     pub(crate) progress: Arc<ShardProgress>,
     pub(crate) out: mpsc::Sender<Batch>,
+    pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
 }
 
@@ -93,6 +94,16 @@ impl ShardReader {
                 tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
             }
             if let Some(last) = messages.last() {
+                // After a pause longer than the renewal margin the lease may already be
+                // someone else's: hand nothing out until a renewal proves it is ours.
+                let max_age = self.config.lease_duration - self.config.renew_interval;
+                if !self.lease.is_fresh(max_age) {
+                    tracing::info!(shard = %self.shard_id, "lease not renewed recently; holding records until it is");
+                    self.lease.wait_fresh(max_age).await;
+                    if self.lease_lost.is_cancelled() {
+                        return Ok(());
+                    }
+                }
                 let last = last.position();
                 let ack = self.progress.register(Mark::At(last.clone()));
                 handled = Checkpoint::At(last);

@@ -62,6 +62,7 @@ impl ShardTask {
             shard_id: shard_id.clone(),
             progress: progress.clone(),
             out: self.out.clone(),
+            lease: self.lease.clone(),
             lease_lost: self.lease.lost().clone(),
         };
         let mut read_backoff = Backoff::new(self.config.retry_min, self.config.retry_max, seed);
@@ -86,7 +87,11 @@ impl ShardTask {
                 loop {
                     tokio::select! {
                         biased;
-                        _ = self.lease.lost().cancelled() => return ShardExit::Lost,
+                        _ = self.lease.lost().cancelled() => {
+                            // Queued batches must not start: the checkpoint is no longer ours.
+                            progress.set_accepting(false);
+                            return ShardExit::Lost;
+                        }
                         _ = self.stop.cancelled() => break Interrupt::Stop,
                         result = &mut read, if reading => {
                             reading = false;
@@ -186,6 +191,7 @@ impl ShardTask {
                 Ok(())
             }
             Err(LeaseError::Conflict(key)) => {
+                progress.set_accepting(false);
                 tracing::warn!(lease = %key, "lease lost; the checkpoint is left to the new owner");
                 Err(ShardExit::Lost)
             }

@@ -3,8 +3,10 @@
 //! other into false conflicts and a worker that lost the lease can never write again.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
@@ -15,6 +17,10 @@ pub struct HeldLease {
     store: Arc<dyn LeaseStore>,
     worker: String,
     lost: CancellationToken,
+    /// When the last successful renewal (or the take) was sent: what other workers'
+    /// expiry timers are at least as late as.
+    renewed_at: std::sync::Mutex<Instant>,
+    renewed: Notify,
 }
 
 impl HeldLease {
@@ -25,6 +31,33 @@ impl HeldLease {
             store,
             worker: worker.to_owned(),
             lost: CancellationToken::new(),
+            renewed_at: std::sync::Mutex::new(Instant::now()),
+            renewed: Notify::new(),
+        }
+    }
+
+    /// Whether the last successful renewal is younger than `max_age`. A worker that was
+    /// paused (GC, a stopped VM) longer than that may have lost the lease without
+    /// knowing yet, so it should not hand out more records until a renewal succeeds.
+    pub fn is_fresh(&self, max_age: Duration) -> bool {
+        self.renewed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+            < max_age
+    }
+
+    /// Waits until the lease is fresh again (a renewal succeeded) or lost.
+    pub async fn wait_fresh(&self, max_age: Duration) {
+        loop {
+            let renewed = self.renewed.notified();
+            if self.is_fresh(max_age) || self.lost.is_cancelled() {
+                return;
+            }
+            tokio::select! {
+                _ = renewed => {}
+                _ = self.lost.cancelled() => return,
+            }
         }
     }
 
@@ -40,8 +73,13 @@ impl HeldLease {
 
     /// Renews (bumps the counter). Returns the new row; it may carry a hand-off request.
     pub async fn renew(&self) -> Result<Lease, LeaseError> {
-        self.write(|store, row| Box::pin(async move { store.renew(&row).await }))
-            .await
+        let sent = Instant::now();
+        let row = self
+            .write(|store, row| Box::pin(async move { store.renew(&row).await }))
+            .await?;
+        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = sent;
+        self.renewed.notify_waiters();
+        Ok(row)
     }
 
     /// Commits a checkpoint, fenced by owner and counter.
