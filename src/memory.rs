@@ -90,6 +90,7 @@ struct MemShard {
 
 struct MemStream {
     shards: Vec<MemShard>,
+    updating: bool,
 }
 
 struct KinesisState {
@@ -146,6 +147,14 @@ impl MemoryKinesis {
     /// Records older than this are no longer returned (Kinesis: 24 hours by default).
     pub fn set_retention(&self, retention: Option<Duration>) {
         lock(&self.state).retention = retention;
+    }
+
+    /// Reports the stream as UPDATING (a reshard in progress) until set back. Splits and
+    /// merges here are instant; this lets tests hold the in-between state open.
+    pub fn set_updating(&self, stream: &str, updating: bool) {
+        if let Some(st) = lock(&self.state).streams.get_mut(stream) {
+            st.updating = updating;
+        }
     }
 
     /// Every record of a shard, for assertions in tests.
@@ -261,10 +270,10 @@ impl KinesisApi for MemoryKinesis {
 
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
         let s = lock(&self.state);
-        if !s.streams.contains_key(stream) {
-            return Err(KinesisError::NotFound(format!("stream {stream}")));
-        }
-        Ok(false)
+        s.streams
+            .get(stream)
+            .map(|st| st.updating)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))
     }
 
     async fn shard_iterator(
@@ -423,8 +432,13 @@ impl KinesisApi for MemoryKinesis {
         if s.streams.contains_key(stream) {
             return Ok(());
         }
-        s.streams
-            .insert(stream.to_owned(), MemStream { shards: Vec::new() });
+        s.streams.insert(
+            stream.to_owned(),
+            MemStream {
+                shards: Vec::new(),
+                updating: false,
+            },
+        );
         let width = MAX_HASH / shards as u128;
         for i in 0..shards as u128 {
             let end = if i + 1 == shards as u128 {

@@ -202,3 +202,67 @@ async fn refuses_a_missing_stream_with_a_typed_error() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_stream_is_updating_held_shards_continue_and_no_leases_churn() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("updating", 2).await.unwrap();
+    produce(kinesis.as_ref(), "updating", 0..200).await;
+    let recorder = Recorder::default();
+    let consumer = test_consumer(memory.clone(), "updating", "updating-group", "w1")
+        .build()
+        .unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(
+        consumer
+            .run(recording_handler(recorder.clone()))
+            .into_future(),
+    );
+    recorder.wait_for(200, LIMIT).await;
+
+    memory.streams().set_updating("updating", true);
+    let open = open_shards(kinesis.as_ref(), "updating").await;
+    let s = &open[0];
+    kinesis
+        .split_shard(
+            "updating",
+            &s.shard_id,
+            s.starting_hash_key + (s.ending_hash_key - s.starting_hash_key) / 2,
+        )
+        .await
+        .unwrap();
+    produce(kinesis.as_ref(), "updating", 200..400).await;
+    // The open shard keeps being read while the stream is UPDATING...
+    let unsplit = open[1].shard_id.clone();
+    let expected_on_unsplit = kinesis.records("updating", &unsplit).len();
+    let wait = async {
+        while recorder
+            .snapshot()
+            .iter()
+            .filter(|h| h.shard == unsplit)
+            .count()
+            < expected_on_unsplit
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, wait)
+        .await
+        .expect("held shards keep going while UPDATING");
+    // ...but no lease is created for the children (absence needs a window: several
+    // 300 ms lease rounds).
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(
+        memory.table("updating-group").rows().len(),
+        2,
+        "no new leases while UPDATING"
+    );
+
+    memory.streams().set_updating("updating", false);
+    recorder.wait_for(400, LIMIT).await;
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+    let shards = kinesis.list_shards("updating").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 400, &shards);
+}

@@ -69,6 +69,8 @@ pub(crate) struct Coordinator {
     shards: Vec<ShardInfo>,
     last_sync: Option<Instant>,
     need_sync: bool,
+    /// The stream was UPDATING at the last check: no discovery, no steals.
+    updating: bool,
     rng: SmallRng,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
@@ -96,6 +98,7 @@ impl Coordinator {
             shards: Vec::new(),
             last_sync: None,
             need_sync: true,
+            updating: false,
             events_tx,
             events_rx,
         }
@@ -210,7 +213,12 @@ impl Coordinator {
             .last_sync
             .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
         if self.need_sync || sync_due {
-            if let Err(e) = self.sync_shards().await {
+            // While a reshard is in progress, keep reading what we hold and leave the
+            // shard map and other workers' leases alone until the stream is ACTIVE.
+            self.updating = matches!(self.kinesis.is_updating(&self.stream).await, Ok(true));
+            if self.updating {
+                tracing::debug!("stream is UPDATING; postponing shard discovery and steals");
+            } else if let Err(e) = self.sync_shards().await {
                 tracing::warn!(error = %e, "shard discovery failed; will retry");
             }
         }
@@ -334,7 +342,10 @@ impl Coordinator {
 
         // Still under the fair share: ask the most loaded worker for one of its leases.
         let mut asked = 0;
-        while mine + self.steals.len() < target && asked < self.config.max_steals_per_round {
+        while !self.updating
+            && mine + self.steals.len() < target
+            && asked < self.config.max_steals_per_round
+        {
             let Some((victim, count)) = load
                 .iter()
                 .max_by_key(|(w, n)| (**n, *w))
