@@ -4,10 +4,12 @@
 
 pub mod aws;
 
+use std::pin::Pin;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures_util::Stream;
 
 use crate::sequence::SequenceNumber;
 
@@ -87,6 +89,24 @@ pub struct RecordsPage {
     pub child_shards: Vec<String>,
 }
 
+/// One event of an enhanced fan-out subscription (SubscribeToShard).
+#[derive(Clone, Debug, Default)]
+pub struct SubscriptionEvent {
+    /// The records, in sequence order (may be empty: a heartbeat).
+    pub records: Vec<Record>,
+    /// Where to subscribe again (AFTER this sequence number) once the subscription ends;
+    /// `None` once a closed shard has been delivered to its end.
+    pub continuation: Option<SequenceNumber>,
+    /// How far behind the tip of the shard this event was.
+    pub millis_behind_latest: Option<i64>,
+    /// The shard's children, reported at its end.
+    pub child_shards: Vec<String>,
+}
+
+/// The events of one SubscribeToShard call. It ends (after about five minutes on AWS)
+/// and is then renewed from the last continuation sequence number.
+pub type Subscription = Pin<Box<dyn Stream<Item = Result<SubscriptionEvent, KinesisError>> + Send>>;
+
 /// A record to write with PutRecords.
 #[derive(Clone, Debug)]
 pub struct PutRecord {
@@ -133,6 +153,9 @@ pub enum KinesisError {
     /// The request was refused as invalid.
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The backend does not offer this call (for example enhanced fan-out on an emulator).
+    #[error("not supported: {0}")]
+    Unsupported(String),
     /// A network, service or other transient failure: retry with backoff.
     #[error("kinesis call failed: {0}")]
     Other(String),
@@ -192,4 +215,22 @@ pub trait KinesisApi: Send + Sync + 'static {
         shard_id: &str,
         adjacent_shard_id: &str,
     ) -> Result<(), KinesisError>;
+
+    /// Registers (or finds) the enhanced fan-out consumer `name` on the stream, waits
+    /// until it is ACTIVE and returns its ARN.
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        let _ = (stream, name);
+        Err(KinesisError::Unsupported("enhanced fan-out".into()))
+    }
+
+    /// Subscribes to a shard through an enhanced fan-out consumer.
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        let _ = (consumer_arn, shard_id, from);
+        Err(KinesisError::Unsupported("enhanced fan-out".into()))
+    }
 }
