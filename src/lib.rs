@@ -12,6 +12,7 @@ pub mod lease;
 pub mod memory;
 
 pub mod message;
+pub mod producer;
 pub mod sequence;
 
 pub use backend::{Aws, Backend};
@@ -21,4 +22,5 @@ pub use consumer::{
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, Message};
+pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -1,0 +1,81 @@
+//! The future a [`Producer`](super::Producer) call returns.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::sync::oneshot;
+
+use super::record::{ProduceError, Stored};
+
+type Answer = Result<Stored, ProduceError>;
+
+/// Resolves to where Kinesis stored the record, or why it did not.
+pub struct ResponseFuture {
+    state: State,
+}
+
+enum State {
+    /// The record is with the background task; its answer comes here.
+    Waiting(oneshot::Receiver<Answer>),
+    /// `call` without a reserved slot: the record still has to enter the channel.
+    Sending(Pin<Box<dyn Future<Output = Answer> + Send>>),
+    /// Refused up front (or already answered).
+    Done(Option<ProduceError>),
+}
+
+impl ResponseFuture {
+    pub(crate) fn waiting(answer: oneshot::Receiver<Answer>) -> Self {
+        ResponseFuture {
+            state: State::Waiting(answer),
+        }
+    }
+
+    pub(crate) fn sending(send: impl Future<Output = Answer> + Send + 'static) -> Self {
+        ResponseFuture {
+            state: State::Sending(Box::pin(send)),
+        }
+    }
+
+    pub(crate) fn failed(error: ProduceError) -> Self {
+        ResponseFuture {
+            state: State::Done(Some(error)),
+        }
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Answer;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
+        let answer = match &mut self.state {
+            // The task dropped the sender without answering: it stopped (runtime
+            // shutting down, or the producer closed before the record was taken).
+            State::Waiting(rx) => match Pin::new(rx).poll(cx) {
+                Poll::Ready(answer) => answer.unwrap_or(Err(ProduceError::Closed)),
+                Poll::Pending => return Poll::Pending,
+            },
+            State::Sending(send) => match send.as_mut().poll(cx) {
+                Poll::Ready(answer) => answer,
+                Poll::Pending => return Poll::Pending,
+            },
+            State::Done(error) => Err(error.take().unwrap_or(ProduceError::Closed)),
+        };
+        self.state = State::Done(None);
+        Poll::Ready(answer)
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Waiting(_) => "waiting",
+            State::Sending(_) => "sending",
+            State::Done(_) => "done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish()
+    }
+}

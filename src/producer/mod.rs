@@ -1,0 +1,278 @@
+//! The outbound adapter: a [`tower::Service`] that writes records to a Kinesis stream
+//! with batched PutRecords calls.
+//!
+//! ```
+//! use shardflow::kinesis::KinesisApi;
+//! use shardflow::producer::{Producer, ProducerRecord};
+//! use shardflow::Memory;
+//! use tower::{Service, ServiceExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let memory = Memory::new();
+//! memory.streams().create_stream("orders", 4).await?;
+//!
+//! let mut producer = Producer::builder()
+//!     .stream("orders")
+//!     .backend(memory.clone())      // or Aws::from_env().await
+//!     .ordered_per_key(true)        // keep each customer's records in order
+//!     .build()?;
+//!
+//! // As a tower Service (poll_ready waits while the buffer is full) ...
+//! let stored = producer
+//!     .ready()
+//!     .await?
+//!     .call(ProducerRecord::new("{\"total\":42}", "customer-7"))
+//!     .await?;
+//! println!("stored in {} at {}", stored.shard_id, stored.sequence_number);
+//!
+//! // ... or directly.
+//! producer.send(ProducerRecord::new("{\"total\":7}", "customer-7")).await?;
+//!
+//! producer.close().await; // writes everything still buffered, then stops
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # How records travel
+//!
+//! Every handle (the `Producer` is `Clone`) feeds one background task through a bounded
+//! channel. `poll_ready` reserves a slot in that channel, so a caller that goes faster
+//! than Kinesis is held back instead of growing a queue without bound. `call` checks
+//! the record first — at most 1 MiB of payload plus partition key
+//! ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters, an explicit
+//! hash key that is a decimal number below 2^128 ([`ProduceError::InvalidRecord`]) — so
+//! a record Kinesis would refuse is never sent.
+//!
+//! The task groups records into PutRecords calls of at most 500 records and 5 MiB
+//! (both configurable downwards). A call goes as soon as a batch is full, or when its
+//! oldest record has waited the *linger* (50 ms by default), and up to `max_in_flight`
+//! calls run at once.
+//!
+//! # Failures and retries
+//!
+//! PutRecords can store some entries and refuse others (a *partial failure*, typically
+//! `ProvisionedThroughputExceededException` on a hot shard). Only the refused entries
+//! are sent again, after an exponential backoff with jitter, each up to `max_attempts`
+//! times; a record that never gets in resolves to [`ProduceError::Failed`] with the
+//! last error code. When the whole call fails with a transient error (throttling, a
+//! network or service error) every record of the batch is resent, and all sending
+//! pauses for a backoff that grows while calls keep failing. Permanent errors (the
+//! stream does not exist, the request is invalid, KMS access is denied) fail the
+//! records at once.
+//!
+//! A resend happens when an earlier attempt was not acknowledged; if that attempt did
+//! land (an answer lost on the network), the record is stored twice. As with every
+//! Kinesis producer, delivery is at least once; consumers that need exactly-once use
+//! the dedup layer.
+//!
+//! # Order
+//!
+//! By default records are sent in the order they arrive, but a resent record lands
+//! after records that arrived later, and concurrent calls may land in any order. With
+//! [`ordered_per_key(true)`](ProducerBuilder::ordered_per_key) the records of one
+//! partition key are stored in the order they entered the producer, retries included:
+//! at most one record per key is in flight (or waiting for a resend) at a time, and the
+//! next record of that key goes only after the previous one was answered. Different
+//! keys still share batches, so many keys lose nothing; one hot key gets one record per
+//! round trip. If a record finally fails, later records of its key do go on (the failed
+//! one is reported to its caller, never stored out of order).
+//!
+//! # Shutting down
+//!
+//! [`Producer::flush`] waits until every record handed over before it was answered.
+//! [`Producer::close`] stops accepting records (on every handle), writes what is
+//! buffered and returns once all of it was answered. Dropping every handle does the
+//! same in the background; but the task lives on the tokio runtime, so `close().await`
+//! before the runtime ends (e.g. before `main` returns).
+//!
+//! # As a dead-letter sink
+//!
+//! A producer for another stream ([`Producer::for_stream`]) is a `Service` like any
+//! other, so it can be the sink of the middleware's dead-letter layer, with
+//! `ServiceExt::map_request` turning the dead-letter record into a [`ProducerRecord`].
+
+mod builder;
+mod future;
+mod record;
+mod worker;
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::PollSender;
+
+use crate::consumer::ConfigError;
+
+pub use builder::{ProducerBuilder, MAX_BATCH_BYTES, MAX_BATCH_RECORDS};
+pub use future::ResponseFuture;
+pub use record::{
+    InvalidRecord, ProduceError, ProducerRecord, Stored, MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES,
+};
+
+use builder::Settings;
+use worker::{Command, Worker};
+
+/// Writes records to one Kinesis stream in batches; a `tower::Service` whose calls
+/// resolve to the shard and sequence number each record got. Cheap to clone: clones
+/// share the buffer and the background task. See the [module docs](self).
+#[derive(Clone)]
+pub struct Producer {
+    /// Reserves a channel slot in `poll_ready` (each clone reserves its own).
+    slot: PollSender<Command>,
+    sender: mpsc::Sender<Command>,
+    /// Becomes true (or its sender is dropped) when the background task has stopped.
+    done: watch::Receiver<bool>,
+    settings: Arc<Settings>,
+}
+
+impl Producer {
+    /// Starts building a producer.
+    pub fn builder() -> ProducerBuilder {
+        ProducerBuilder::default()
+    }
+
+    pub(crate) fn spawn(settings: Settings, runtime: &tokio::runtime::Handle) -> Self {
+        let (sender, rx) = mpsc::channel(settings.buffer);
+        let (done_tx, done) = watch::channel(false);
+        let settings = Arc::new(settings);
+        runtime.spawn(Worker::new(Settings::clone(&settings), rx).run(done_tx));
+        Producer {
+            slot: PollSender::new(sender.clone()),
+            sender,
+            done,
+            settings,
+        }
+    }
+
+    /// The stream this producer writes to.
+    pub fn stream(&self) -> &str {
+        &self.settings.stream
+    }
+
+    /// A producer with the same backend and settings for another stream (e.g. a
+    /// dead-letter stream), with its own buffer and background task. Must be called
+    /// inside a tokio runtime.
+    pub fn for_stream(&self, stream: impl Into<String>) -> Result<Producer, ConfigError> {
+        let stream = stream.into();
+        builder::validate_stream_name(&stream)?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| ConfigError::Invalid {
+            field: "build",
+            reason: "must be called inside a tokio runtime".into(),
+        })?;
+        let mut settings = Settings::clone(&self.settings);
+        settings.stream = stream.into();
+        settings.seed = rand::random();
+        Ok(Producer::spawn(settings, &runtime))
+    }
+
+    /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
+    /// same as `ready().await?.call(record).await`, without needing `&mut self`.
+    pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
+        let size = record.validate()?;
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Record {
+            record: record.into_put_record(),
+            size,
+            reply,
+        };
+        self.sender
+            .send(command)
+            .await
+            .map_err(|_| ProduceError::Closed)?;
+        answer.await.unwrap_or(Err(ProduceError::Closed))
+    }
+
+    /// Sends everything buffered now (without waiting for the linger) and returns once
+    /// every record handed over before this call has been answered, stored or failed.
+    pub async fn flush(&self) {
+        let (waiter, flushed) = oneshot::channel();
+        if self.sender.send(Command::Flush(waiter)).await.is_ok() && flushed.await.is_ok() {
+            return;
+        }
+        // Closed: the task answers everything it took before it stops.
+        self.stopped().await;
+    }
+
+    /// Stops accepting records on every handle (they fail with
+    /// [`ProduceError::Closed`]), writes everything buffered and returns once all of
+    /// it was answered and the background task stopped.
+    pub async fn close(&self) {
+        // An error means the channel is closed already: just wait for the end.
+        let _ = self.sender.send(Command::Close).await;
+        self.stopped().await;
+    }
+
+    /// Whether the producer no longer accepts records.
+    pub fn is_closed(&self) -> bool {
+        self.sender.is_closed()
+    }
+
+    async fn stopped(&self) {
+        let mut done = self.done.clone();
+        // An error means the task is gone (its sender dropped): stopped as well.
+        let _ = done.wait_for(|stopped| *stopped).await;
+    }
+}
+
+impl fmt::Debug for Producer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Producer")
+            .field("stream", &self.settings.stream)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl tower::Service<ProducerRecord> for Producer {
+    type Response = Stored;
+    type Error = ProduceError;
+    type Future = ResponseFuture;
+
+    /// Ready when a slot in the buffer is reserved for the next call; pending while the
+    /// buffer is full; [`ProduceError::Closed`] once the producer is closed.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
+        self.slot.poll_reserve(cx).map_err(|_| ProduceError::Closed)
+    }
+
+    fn call(&mut self, record: ProducerRecord) -> ResponseFuture {
+        let size = match record.validate() {
+            Ok(size) => size,
+            Err(refused) => {
+                // Give the reserved slot back: nothing will be sent.
+                self.slot.abort_send();
+                return ResponseFuture::failed(refused);
+            }
+        };
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Record {
+            record: record.into_put_record(),
+            size,
+            reply,
+        };
+        // Normally `poll_ready` reserved a slot and this returns at once. A `call`
+        // without it (against the tower contract, but it should not panic) takes a
+        // slot if one is free, or else waits for one inside the response future.
+        let mut no_wait = Context::from_waker(Waker::noop());
+        match self.slot.poll_reserve(&mut no_wait) {
+            Poll::Ready(Ok(())) => match self.slot.send_item(command) {
+                Ok(()) => ResponseFuture::waiting(answer),
+                Err(_) => ResponseFuture::failed(ProduceError::Closed),
+            },
+            Poll::Ready(Err(_)) => ResponseFuture::failed(ProduceError::Closed),
+            Poll::Pending => {
+                self.slot.abort_send();
+                let sender = self.sender.clone();
+                ResponseFuture::sending(async move {
+                    sender
+                        .send(command)
+                        .await
+                        .map_err(|_| ProduceError::Closed)?;
+                    answer.await.unwrap_or(Err(ProduceError::Closed))
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! What goes into the producer ([`ProducerRecord`]), what comes out ([`Stored`]) and how a
+//! call can fail ([`ProduceError`]), with the checks every record passes before it is
+//! buffered.
+
+use std::fmt;
+
+use bytes::Bytes;
+
+use crate::kinesis::PutRecord;
+use crate::sequence::SequenceNumber;
+
+/// The largest record Kinesis accepts: payload plus partition key, 1 MiB.
+pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// The longest partition key Kinesis accepts, in Unicode characters.
+pub const MAX_PARTITION_KEY_CHARS: usize = 256;
+
+/// A record to write: a payload, the partition key that picks its shard, and optionally
+/// an explicit hash key that picks the shard instead.
+#[derive(Clone)]
+pub struct ProducerRecord {
+    /// The payload (never logged, never part of an error).
+    pub data: Bytes,
+    /// The partition key: 1 to 256 Unicode characters.
+    pub partition_key: String,
+    /// A decimal number in `0..2^128` that decides the shard instead of the MD5 of the
+    /// partition key.
+    pub explicit_hash_key: Option<String>,
+}
+
+impl ProducerRecord {
+    /// A record routed by its partition key.
+    pub fn new(data: impl Into<Bytes>, partition_key: impl Into<String>) -> Self {
+        ProducerRecord {
+            data: data.into(),
+            partition_key: partition_key.into(),
+            explicit_hash_key: None,
+        }
+    }
+
+    /// Routes the record by this hash key (decimal, `0..2^128`) instead.
+    pub fn with_explicit_hash_key(mut self, hash_key: impl Into<String>) -> Self {
+        self.explicit_hash_key = Some(hash_key.into());
+        self
+    }
+
+    /// The size Kinesis counts against its limits: payload bytes plus the partition
+    /// key's UTF-8 bytes.
+    pub fn size(&self) -> usize {
+        self.data.len().saturating_add(self.partition_key.len())
+    }
+
+    /// Checks the record against Kinesis' limits; returns its size.
+    pub(crate) fn validate(&self) -> Result<usize, ProduceError> {
+        let chars = self.partition_key.chars().count();
+        if chars == 0 {
+            return Err(ProduceError::InvalidRecord(
+                InvalidRecord::EmptyPartitionKey,
+            ));
+        }
+        if chars > MAX_PARTITION_KEY_CHARS {
+            return Err(ProduceError::InvalidRecord(
+                InvalidRecord::PartitionKeyTooLong { chars },
+            ));
+        }
+        if let Some(hash_key) = &self.explicit_hash_key {
+            if !is_hash_key(hash_key) {
+                return Err(ProduceError::InvalidRecord(InvalidRecord::ExplicitHashKey(
+                    hash_key.clone(),
+                )));
+            }
+        }
+        let size = self.size();
+        if size > MAX_RECORD_BYTES {
+            return Err(ProduceError::TooLarge {
+                size,
+                limit: MAX_RECORD_BYTES,
+            });
+        }
+        Ok(size)
+    }
+
+    pub(crate) fn into_put_record(self) -> PutRecord {
+        PutRecord {
+            data: self.data,
+            partition_key: self.partition_key,
+            explicit_hash_key: self.explicit_hash_key,
+        }
+    }
+}
+
+impl fmt::Debug for ProducerRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the payload.
+        f.debug_struct("ProducerRecord")
+            .field("data_len", &self.data.len())
+            .field("partition_key", &self.partition_key)
+            .field("explicit_hash_key", &self.explicit_hash_key)
+            .finish()
+    }
+}
+
+/// Kinesis' pattern for an explicit hash key, `0|([1-9]\d{0,38})`, and at most 2^128-1.
+fn is_hash_key(s: &str) -> bool {
+    let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let canonical = s == "0" || !s.starts_with('0');
+    digits && canonical && s.parse::<u128>().is_ok()
+}
+
+/// Where Kinesis stored a record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The shard that took the record.
+    pub shard_id: String,
+    /// The record's sequence number in that shard.
+    pub sequence_number: SequenceNumber,
+}
+
+/// Why a record was refused before it was buffered.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidRecord {
+    /// The partition key is empty.
+    #[error("the partition key is empty")]
+    EmptyPartitionKey,
+    /// The partition key has more than 256 Unicode characters.
+    #[error(
+        "the partition key has {chars} characters, at most {MAX_PARTITION_KEY_CHARS} are allowed"
+    )]
+    PartitionKeyTooLong {
+        /// Its length in characters.
+        chars: usize,
+    },
+    /// The explicit hash key is not a decimal number in `0..2^128` (without leading zeros).
+    #[error("the explicit hash key {0:?} is not a decimal number in 0..2^128")]
+    ExplicitHashKey(String),
+}
+
+/// How a produce call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProduceError {
+    /// The record (payload plus partition key) is larger than Kinesis accepts. Refused
+    /// before anything was sent.
+    #[error("the record is {size} bytes (payload and partition key), the limit is {limit}")]
+    TooLarge {
+        /// The record's size in bytes.
+        size: usize,
+        /// The limit, [`MAX_RECORD_BYTES`].
+        limit: usize,
+    },
+    /// The record breaks another Kinesis rule. Refused before anything was sent.
+    #[error("invalid record: {0}")]
+    InvalidRecord(InvalidRecord),
+    /// Kinesis did not store the record: the last entry error (e.g.
+    /// `ProvisionedThroughputExceededException`, `KMSAccessDeniedException`) after
+    /// `attempts` sends, or, when the whole call failed, the kind of failure (`Throttled`,
+    /// `NotFound`, `Invalid`, `ServiceError`) and its message.
+    #[error("Kinesis did not store the record after {attempts} attempt(s): {code}: {message}")]
+    Failed {
+        /// The error code.
+        code: String,
+        /// The error message.
+        message: String,
+        /// How many times the record was sent.
+        attempts: u32,
+    },
+    /// The producer was closed (or its background task stopped) before the record was
+    /// accepted or answered.
+    #[error("the producer is closed")]
+    Closed,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_keys_follow_the_kinesis_pattern() {
+        for ok in ["0", "1", "340282366920938463463374607431768211455"] {
+            assert!(is_hash_key(ok), "{ok}");
+        }
+        let too_big = "340282366920938463463374607431768211456";
+        for bad in ["", "01", "+1", "-1", "1.0", "abc", " 1", too_big] {
+            assert!(!is_hash_key(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn size_counts_payload_and_key_bytes() {
+        let r = ProducerRecord::new(vec![0u8; 10], "ключ");
+        assert_eq!(r.size(), 10 + "ключ".len());
+        let exact = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES - 1], "k");
+        assert_eq!(exact.validate(), Ok(MAX_RECORD_BYTES));
+        let over = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES], "k");
+        assert_eq!(
+            over.validate(),
+            Err(ProduceError::TooLarge {
+                size: MAX_RECORD_BYTES + 1,
+                limit: MAX_RECORD_BYTES
+            })
+        );
+    }
+
+    #[test]
+    fn partition_keys_are_counted_in_characters() {
+        assert!(ProducerRecord::new("x", "é".repeat(256)).validate().is_ok());
+        assert_eq!(
+            ProducerRecord::new("x", "é".repeat(257)).validate(),
+            Err(ProduceError::InvalidRecord(
+                InvalidRecord::PartitionKeyTooLong { chars: 257 }
+            ))
+        );
+        assert_eq!(
+            ProducerRecord::new("x", "").validate(),
+            Err(ProduceError::InvalidRecord(
+                InvalidRecord::EmptyPartitionKey
+            ))
+        );
+    }
+}
