@@ -3,6 +3,7 @@
 //!
 //! Start with [`Consumer::builder`]; the README has a tour.
 
+pub mod aggregation;
 pub mod backend;
 mod backoff;
 pub mod checkpoint;
