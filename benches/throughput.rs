@@ -1,1 +1,323 @@
-fn main(){}
+//! Throughput of the consumer on the embedded (memory) backend, against a hand-written
+//! read loop over the same records: what does the framework cost per record?
+//!
+//! ```text
+//! cargo bench --bench throughput
+//! ```
+//!
+//! Setup: a 4-shard stream holding 400,000 records of 100 bytes (PutRecords in chunks of
+//! 500). Then, several times each:
+//!
+//! * `run`: `Consumer::run(service_fn(..))`, a no-op handler per record that counts it;
+//!   timed from `build()` until the handler has seen every record (shutdown timed apart).
+//! * `run_batches`: the same with `Consumer::run_batches`, the handler called per batch.
+//! * `loop`: GetShardIterator(TRIM_HORIZON) + GetRecords on every shard at once (one
+//!   tokio task per shard, like the framework's readers), calling the same no-op
+//!   function per record. No leases, no watermark, no messages, no channels.
+//!
+//! Every mode reads through the same `KinesisApi` of the same `Memory` (so each pays the
+//! memory backend's copy of the records), on the same 2-worker multi-thread runtime.
+//! The medians are printed, with the per-record framework overhead
+//! `(t_framework - t_loop) / records` and the ratio `t_framework / t_loop`.
+//!
+//! Environment knobs: `BENCH_ITERS` (default 7), `BENCH_RECORDS` (default 400000),
+//! `BENCH_MODE` (`all`, `run`, `batches`, `loop`: run one mode only, e.g. under `perf`).
+
+use std::future::ready;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StartingPosition};
+use shardflow::{Backend, Batch, Consumer, Memory, Message};
+use tokio::sync::Notify;
+
+const STREAM: &str = "bench";
+const SHARDS: u32 = 4;
+const RECORD_BYTES: usize = 100;
+const PUT_CHUNK: usize = 500;
+const READ_LIMIT: u32 = 10_000;
+
+/// The "work" every mode does per record: count it (and touch the payload so the
+/// compiler cannot drop the access). The same function is called by every mode.
+#[inline(never)]
+fn handle(data: &Bytes, counter: &AtomicU64) -> u64 {
+    std::hint::black_box(data.len());
+    counter.fetch_add(1, Ordering::Relaxed) + 1
+}
+
+/// Counts handled records and remembers when the last one was handled.
+struct Done {
+    expected: u64,
+    count: AtomicU64,
+    at: Mutex<Option<Instant>>,
+    notify: Notify,
+}
+
+impl Done {
+    fn new(expected: u64) -> Arc<Self> {
+        Arc::new(Done {
+            expected,
+            count: AtomicU64::new(0),
+            at: Mutex::new(None),
+            notify: Notify::new(),
+        })
+    }
+
+    fn handled(&self, data: &Bytes) {
+        if handle(data, &self.count) == self.expected {
+            self.finish();
+        }
+    }
+
+    #[cold]
+    fn finish(&self) {
+        *self.at.lock().unwrap() = Some(Instant::now());
+        // notify_one stores a permit if nobody waits yet.
+        self.notify.notify_one();
+    }
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn fill(memory: &Memory, records: usize) {
+    let kinesis = memory.streams();
+    kinesis
+        .create_stream(STREAM, SHARDS)
+        .await
+        .expect("create stream");
+    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
+    let mut i = 0usize;
+    while i < records {
+        let n = PUT_CHUNK.min(records - i);
+        let chunk: Vec<PutRecord> = (i..i + n)
+            .map(|k| PutRecord {
+                data: data.clone(),
+                partition_key: format!("pk-{k}"),
+                explicit_hash_key: None,
+            })
+            .collect();
+        let out = kinesis
+            .put_records(STREAM, &chunk)
+            .await
+            .expect("put records");
+        assert!(out.iter().all(|o| matches!(o, PutOutcome::Stored { .. })));
+        i += n;
+    }
+}
+
+struct Timing {
+    handled: Duration,
+    shutdown: Duration,
+}
+
+/// `Consumer::run` with a per-record service.
+async fn framework_records(memory: &Memory, group: &str, records: u64) -> Timing {
+    let done = Done::new(records);
+    let start = Instant::now();
+    let consumer = Consumer::builder()
+        .stream(STREAM)
+        .group(group)
+        .backend(memory.clone())
+        .idle_read_interval(Duration::from_millis(1))
+        .build()
+        .expect("config");
+    let d = done.clone();
+    let service = tower::service_fn(move |msg: Message| {
+        d.handled(&msg.payload);
+        ready(Ok::<_, std::convert::Infallible>(()))
+    });
+    let signal = {
+        let done = done.clone();
+        async move { done.notify.notified().await }
+    };
+    consumer.run(service).until(signal).await.expect("consumer");
+    let end = Instant::now();
+    let handled_at = done.at.lock().unwrap().expect("every record handled");
+    Timing {
+        handled: handled_at - start,
+        shutdown: end - handled_at,
+    }
+}
+
+/// `Consumer::run_batches` with a per-batch service.
+async fn framework_batches(memory: &Memory, group: &str, records: u64) -> Timing {
+    let done = Done::new(records);
+    let start = Instant::now();
+    let consumer = Consumer::builder()
+        .stream(STREAM)
+        .group(group)
+        .backend(memory.clone())
+        .idle_read_interval(Duration::from_millis(1))
+        .build()
+        .expect("config");
+    let d = done.clone();
+    let service = tower::service_fn(move |batch: Batch| {
+        for msg in &batch.messages {
+            d.handled(&msg.payload);
+        }
+        ready(Ok::<_, std::convert::Infallible>(()))
+    });
+    let signal = {
+        let done = done.clone();
+        async move { done.notify.notified().await }
+    };
+    consumer
+        .run_batches(service)
+        .until(signal)
+        .await
+        .expect("consumer");
+    let end = Instant::now();
+    let handled_at = done.at.lock().unwrap().expect("every record handled");
+    Timing {
+        handled: handled_at - start,
+        shutdown: end - handled_at,
+    }
+}
+
+/// The baseline: read every shard directly, one task per shard.
+async fn hand_loop(kinesis: Arc<dyn KinesisApi>, records: u64) -> Duration {
+    let done = Done::new(records);
+    let start = Instant::now();
+    let shards = kinesis.list_shards(STREAM).await.expect("list shards");
+    let tasks: Vec<_> = shards
+        .into_iter()
+        .map(|shard| {
+            let kinesis = kinesis.clone();
+            let done = done.clone();
+            tokio::spawn(async move {
+                let mut it = kinesis
+                    .shard_iterator(STREAM, &shard.shard_id, &StartingPosition::TrimHorizon)
+                    .await
+                    .expect("iterator");
+                loop {
+                    let page = kinesis
+                        .get_records(&it, READ_LIMIT)
+                        .await
+                        .expect("get records");
+                    if page.records.is_empty() {
+                        break; // an open shard read to its tip
+                    }
+                    for record in &page.records {
+                        done.handled(&record.data);
+                    }
+                    match page.next_iterator {
+                        Some(next) => it = next,
+                        None => break,
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("join");
+    }
+    assert_eq!(
+        done.count.load(Ordering::Relaxed),
+        records,
+        "the loop saw every record"
+    );
+    start.elapsed()
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn rate(records: u64, d: Duration) -> f64 {
+    records as f64 / d.as_secs_f64()
+}
+
+fn overhead_ns(records: u64, framework: Duration, baseline: Duration) -> f64 {
+    (framework.as_secs_f64() - baseline.as_secs_f64()) * 1e9 / records as f64
+}
+
+fn main() {
+    let iters: usize = env_or("BENCH_ITERS", 7);
+    let records: u64 = env_or("BENCH_RECORDS", 400_000);
+    let mode: String = env_or("BENCH_MODE", "all".to_string());
+    let want = |m: &str| mode == "all" || mode == m;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+
+    runtime.block_on(async {
+        let memory = Memory::new();
+        let t = Instant::now();
+        fill(&memory, records as usize).await;
+        println!(
+            "throughput: {records} records x {RECORD_BYTES} B on {SHARDS} shards (memory backend), \
+             put in {:.2?}; {threads} CPUs, tokio multi-thread runtime; {iters} iterations, medians",
+            t.elapsed()
+        );
+        let kinesis = Backend::kinesis(&memory);
+
+        // One untimed warm-up of each mode (allocator, page faults, lazy statics).
+        if want("loop") {
+            hand_loop(kinesis.clone(), records).await;
+        }
+        if want("run") {
+            framework_records(&memory, "warmup-run", records).await;
+        }
+        if want("batches") {
+            framework_batches(&memory, "warmup-batches", records).await;
+        }
+
+        let (mut lp, mut run, mut run_sd, mut bat, mut bat_sd) = (vec![], vec![], vec![], vec![], vec![]);
+        for i in 0..iters {
+            // Interleaved so that drift on the shared machine hits every mode alike.
+            if want("loop") {
+                lp.push(hand_loop(kinesis.clone(), records).await);
+            }
+            if want("run") {
+                let t = framework_records(&memory, &format!("run-{i}"), records).await;
+                run.push(t.handled);
+                run_sd.push(t.shutdown);
+            }
+            if want("batches") {
+                let t = framework_batches(&memory, &format!("batches-{i}"), records).await;
+                bat.push(t.handled);
+                bat_sd.push(t.shutdown);
+            }
+        }
+        let show = |name: &str, all: &mut Vec<Duration>| {
+            let all_ms: Vec<String> = all.iter().map(|d| format!("{:.0}", d.as_secs_f64() * 1e3)).collect();
+            let m = median(all);
+            println!(
+                "  {name:<12} median {:>8.1} ms  {:>10.0} records/s   (runs, ms: {})",
+                m.as_secs_f64() * 1e3,
+                rate(records, m),
+                all_ms.join(" ")
+            );
+            m
+        };
+        let base = (!lp.is_empty()).then(|| show("loop", &mut lp));
+        for (name, times, shutdowns) in [("run", &mut run, &mut run_sd), ("run_batches", &mut bat, &mut bat_sd)] {
+            if times.is_empty() {
+                continue;
+            }
+            let m = show(name, times);
+            let sd = median(shutdowns);
+            print!("               graceful shutdown after the last record: {:.1} ms", sd.as_secs_f64() * 1e3);
+            match base {
+                Some(b) => println!(
+                    "\n               overhead vs loop: {:+.0} ns/record, ratio {:.2}x  (target: < 1000 ns/record)",
+                    overhead_ns(records, m, b),
+                    m.as_secs_f64() / b.as_secs_f64()
+                ),
+                None => println!(),
+            }
+        }
+    });
+}

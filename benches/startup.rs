@@ -1,0 +1,615 @@
+//! Start-up cost of a consumer, the workload of DESIGN.md's "Targets" table: 4 shards,
+//! 40,000 records of 100 bytes already in the stream, one worker of a new consumer group
+//! with the default configuration.
+//!
+//! ```text
+//! cargo bench --bench startup
+//! ```
+//!
+//! Measured per iteration (a fresh consumer group, so a fresh lease table), from
+//! `Consumer::builder()` (the backend already constructed):
+//! * time until the first record is handled, and until all 40,000 are;
+//! * the process's CPU time (user + system, from `/proc/self/stat`, 10 ms resolution)
+//!   over that span — the consumer's CPU, the emulators run in other processes;
+//! * lease-store requests until all records are handled, and after the graceful shutdown
+//!   (which commits the final checkpoints and releases the leases).
+//!
+//! Always runs on the memory backend (requests from `memory.table(name).requests()`).
+//! When `AWS_ENDPOINT_URL_KINESIS` is set, also runs against those endpoints through
+//! `Aws::from_env()` (meant for kinesalite + dynalite; see BENCHMARKS.md), twice:
+//! * `cold`: the consumer creates its lease table (dynalite keeps a new table CREATING
+//!   for `--createTableMs`, 500 ms by default);
+//! * `warm`: the lease table exists, without rows (as for a group deployed before).
+//!
+//! There, requests are counted twice: by a counting `Backend` wrapper around the lease
+//! store (one per `LeaseStore` call) and by an interceptor on the DynamoDB client (one per
+//! HTTP attempt: this includes DescribeTable polls, Scan pages and SDK retries).
+//!
+//! On the emulators it also times the floor: all shards read straight through `KinesisApi`
+//! without any lease work, which is as fast as any consumer can get there.
+//!
+//! Environment knobs: `BENCH_ITERS` (default 5), `BENCH_RECORDS` (default 40000),
+//! `BENCH_READ_LIMIT` (sets `max_records_per_read`, default: the consumer's default),
+//! `BENCH_IDLE_MS` (sets `idle_read_interval`, default: the consumer's default),
+//! `BENCH_LOG` (a tracing filter such as `shardflow=debug`: prints the consumer's timeline).
+
+use std::collections::BTreeMap;
+use std::future::ready;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::{Aws, Backend, Consumer, Memory, Message};
+use tokio::sync::Notify;
+
+const SHARDS: u32 = 4;
+const RECORD_BYTES: usize = 100;
+const PUT_CHUNK: usize = 500;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// User + system CPU time of this process so far. `/proc` reports it in USER_HZ ticks,
+/// which Linux fixes at 100 per second for user space.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("read /proc/self/stat");
+    // Fields after the command name (which may contain spaces) start at field 3 (state).
+    let rest = &stat[stat.rfind(')').expect("stat format") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+// ---------------------------------------------------------------------------------------
+// Counting lease-store calls: a Backend wrapper.
+
+const OPS: [&str; 10] = [
+    "ensure_table",
+    "list",
+    "get",
+    "create",
+    "take",
+    "renew",
+    "checkpoint",
+    "release",
+    "request_handoff",
+    "delete",
+];
+
+/// Lease-store calls per operation (indexes into `OPS`).
+#[derive(Default)]
+struct CallCounts([AtomicU64; OPS.len()]);
+
+impl CallCounts {
+    fn bump(&self, op: usize) {
+        self.0[op].fetch_add(1, Ordering::Relaxed);
+    }
+    fn total(&self) -> u64 {
+        self.0.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+    fn reset(&self) {
+        self.0.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+    }
+    fn breakdown(&self) -> String {
+        OPS.iter()
+            .zip(&self.0)
+            .map(|(op, c)| (op, c.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .map(|(op, n)| format!("{op} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A backend whose lease stores count every call; Kinesis passes through.
+struct CountingBackend {
+    inner: Arc<dyn Backend>,
+    calls: Arc<CallCounts>,
+}
+
+impl Backend for CountingBackend {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.inner.kinesis()
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(CountingStore {
+            inner: self.inner.lease_store(table),
+            calls: self.calls.clone(),
+        })
+    }
+}
+
+struct CountingStore {
+    inner: Arc<dyn LeaseStore>,
+    calls: Arc<CallCounts>,
+}
+
+#[async_trait]
+impl LeaseStore for CountingStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.calls.bump(0);
+        self.inner.ensure_table().await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.calls.bump(1);
+        self.inner.list().await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.calls.bump(2);
+        self.inner.get(key).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.calls.bump(3);
+        self.inner.create(lease).await
+    }
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.calls.bump(4);
+        self.inner.take(expected, new_owner).await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.calls.bump(5);
+        self.inner.renew(expected).await
+    }
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        self.calls.bump(6);
+        self.inner.checkpoint(expected, checkpoint).await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.calls.bump(7);
+        self.inner.release(expected).await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.calls.bump(8);
+        self.inner.request_handoff(expected, worker).await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.calls.bump(9);
+        self.inner.delete(expected).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Counting DynamoDB HTTP requests: an SDK interceptor (one count per attempt).
+
+mod http_count {
+    use super::*;
+    use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+    use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
+    use aws_sdk_dynamodb::error::BoxError;
+
+    /// DynamoDB requests per operation (`X-Amz-Target`, e.g. `UpdateItem`).
+    #[derive(Debug, Default, Clone)]
+    pub struct HttpCounts(pub Arc<Mutex<BTreeMap<String, u64>>>);
+
+    impl HttpCounts {
+        pub fn total(&self) -> u64 {
+            self.0.lock().unwrap().values().sum()
+        }
+        pub fn reset(&self) {
+            self.0.lock().unwrap().clear();
+        }
+        pub fn breakdown(&self) -> String {
+            self.0
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(op, n)| format!("{op} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    }
+
+    impl Intercept for HttpCounts {
+        fn name(&self) -> &'static str {
+            "HttpCounts"
+        }
+
+        fn read_before_transmit(
+            &self,
+            context: &BeforeTransmitInterceptorContextRef<'_>,
+            _: &RuntimeComponents,
+            _: &mut ConfigBag,
+        ) -> Result<(), BoxError> {
+            let op = context
+                .request()
+                .headers()
+                .get("x-amz-target")
+                .and_then(|t| t.rsplit('.').next())
+                .unwrap_or("?")
+                .to_owned();
+            *self.0.lock().unwrap().entry(op).or_default() += 1;
+            Ok(())
+        }
+    }
+}
+use http_count::HttpCounts;
+
+// ---------------------------------------------------------------------------------------
+
+struct Progress {
+    expected: u64,
+    count: AtomicU64,
+    first: Mutex<Option<Instant>>,
+    all: Mutex<Option<Instant>>,
+    cpu_at_all: Mutex<Option<Duration>>,
+    done: Notify,
+}
+
+impl Progress {
+    fn handled(&self) {
+        let n = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        if n == 1 {
+            *self.first.lock().unwrap() = Some(Instant::now());
+        }
+        if n == self.expected {
+            *self.all.lock().unwrap() = Some(Instant::now());
+            *self.cpu_at_all.lock().unwrap() = Some(cpu_time());
+            self.done.notify_one();
+        }
+    }
+}
+
+struct Sample {
+    first: Duration,
+    all: Duration,
+    cpu: Duration,
+    shutdown: Duration,
+    requests_at_all: u64,
+    requests_after_shutdown: u64,
+}
+
+/// One consumer of a new group over `backend`; `requests` reads the lease-store count.
+async fn consume(
+    stream: &str,
+    group: &str,
+    backend: impl Backend,
+    records: u64,
+    requests: impl Fn() -> u64,
+) -> Sample {
+    let progress = Arc::new(Progress {
+        expected: records,
+        count: AtomicU64::new(0),
+        first: Mutex::new(None),
+        all: Mutex::new(None),
+        cpu_at_all: Mutex::new(None),
+        done: Notify::new(),
+    });
+    let p = progress.clone();
+    let service = tower::service_fn(move |_msg: Message| {
+        p.handled();
+        ready(Ok::<_, std::convert::Infallible>(()))
+    });
+    let requests_before = requests();
+    let cpu_start = cpu_time();
+    let start = Instant::now();
+    let mut builder = Consumer::builder()
+        .stream(stream)
+        .group(group)
+        .backend(backend);
+    if let Ok(n) = std::env::var("BENCH_READ_LIMIT") {
+        builder = builder.max_records_per_read(n.parse().expect("BENCH_READ_LIMIT"));
+    }
+    if let Ok(ms) = std::env::var("BENCH_IDLE_MS") {
+        builder =
+            builder.idle_read_interval(Duration::from_millis(ms.parse().expect("BENCH_IDLE_MS")));
+    }
+    let consumer = builder.build().expect("config");
+    let handle = consumer.shutdown_handle();
+    let run = tokio::spawn(async move { consumer.run(service).await });
+    let limit = Duration::from_secs(300);
+    if tokio::time::timeout(limit, progress.done.notified())
+        .await
+        .is_err()
+    {
+        panic!(
+            "only {} of {records} records handled after {limit:?}",
+            progress.count.load(Ordering::Relaxed)
+        );
+    }
+    let requests_at_all = requests() - requests_before;
+    let handled_all = progress.all.lock().unwrap().unwrap();
+    handle.shutdown();
+    run.await.expect("join").expect("consumer");
+    let shutdown = handled_all.elapsed();
+    let first = progress.first.lock().unwrap().unwrap();
+    let cpu_at_all = progress.cpu_at_all.lock().unwrap().unwrap();
+    Sample {
+        first: first - start,
+        all: handled_all - start,
+        cpu: cpu_at_all - cpu_start,
+        shutdown,
+        requests_at_all,
+        requests_after_shutdown: requests() - requests_before,
+    }
+}
+
+async fn fill(kinesis: &dyn KinesisApi, stream: &str, records: usize) {
+    kinesis
+        .create_stream(stream, SHARDS)
+        .await
+        .expect("create stream");
+    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
+    let mut i = 0usize;
+    while i < records {
+        let n = PUT_CHUNK.min(records - i);
+        let mut chunk: Vec<PutRecord> = (i..i + n)
+            .map(|k| PutRecord {
+                data: data.clone(),
+                partition_key: format!("pk-{k}"),
+                explicit_hash_key: None,
+            })
+            .collect();
+        // Retry the entries an emulator refused (kinesalite can throttle).
+        for _ in 0..20 {
+            let out = kinesis
+                .put_records(stream, &chunk)
+                .await
+                .expect("put records");
+            chunk = chunk
+                .into_iter()
+                .zip(out)
+                .filter(|(_, o)| !matches!(o, PutOutcome::Stored { .. }))
+                .map(|(r, _)| r)
+                .collect();
+            if chunk.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(chunk.is_empty(), "could not put every record");
+        i += n;
+    }
+}
+
+/// The floor under any consumer: every shard read at once straight through `KinesisApi`
+/// (GetShardIterator at TRIM_HORIZON, then GetRecords until an empty page), no leases.
+/// Returns (time to the first record, time to all records).
+async fn direct_reads(
+    kinesis: Arc<dyn KinesisApi>,
+    stream: &str,
+    records: u64,
+    limit: u32,
+) -> (Duration, Duration) {
+    let count = Arc::new(AtomicU64::new(0));
+    let first = Arc::new(Mutex::new(None::<Instant>));
+    let start = Instant::now();
+    let shards = kinesis.list_shards(stream).await.expect("list shards");
+    let tasks: Vec<_> = shards
+        .into_iter()
+        .map(|shard| {
+            let (kinesis, count, first, stream) = (
+                kinesis.clone(),
+                count.clone(),
+                first.clone(),
+                stream.to_owned(),
+            );
+            tokio::spawn(async move {
+                let from = shardflow::kinesis::StartingPosition::TrimHorizon;
+                let mut it = kinesis
+                    .shard_iterator(&stream, &shard.shard_id, &from)
+                    .await
+                    .expect("iterator");
+                loop {
+                    let page = kinesis.get_records(&it, limit).await.expect("get records");
+                    if page.records.is_empty() {
+                        return;
+                    }
+                    first.lock().unwrap().get_or_insert_with(Instant::now);
+                    count.fetch_add(page.records.len() as u64, Ordering::Relaxed);
+                    match page.next_iterator {
+                        Some(next) => it = next,
+                        None => return,
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("join");
+    }
+    assert_eq!(count.load(Ordering::Relaxed), records);
+    let first = first.lock().unwrap().unwrap();
+    (first - start, start.elapsed())
+}
+
+/// GetRecords limit: the consumer's default (10,000) unless `BENCH_READ_LIMIT` is set.
+fn read_limit() -> u32 {
+    env_or("BENCH_READ_LIMIT", 10_000)
+}
+
+fn median_by<T: Copy + PartialOrd>(samples: &[Sample], f: impl Fn(&Sample) -> T) -> T {
+    let mut v: Vec<T> = samples.iter().map(f).collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn report(label: &str, samples: &[Sample]) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "  {label}: {} iterations (medians; per-run values in brackets)",
+        samples.len()
+    );
+    let runs = |f: &dyn Fn(&Sample) -> String| samples.iter().map(f).collect::<Vec<_>>().join(" ");
+    println!(
+        "    first record      {:>8.1} ms   target <= 500 ms    [{}]",
+        ms(median_by(samples, |s| s.first)),
+        runs(&|s| format!("{:.0}", ms(s.first)))
+    );
+    println!(
+        "    all records       {:>8.1} ms   target <= 1500 ms   [{}]",
+        ms(median_by(samples, |s| s.all)),
+        runs(&|s| format!("{:.0}", ms(s.all)))
+    );
+    println!(
+        "    consumer CPU      {:>8.0} ms   target <= 250 ms    [{}]",
+        ms(median_by(samples, |s| s.cpu)),
+        runs(&|s| format!("{:.0}", ms(s.cpu)))
+    );
+    println!(
+        "    lease requests    {:>8}      target <= 40        [{}] until all handled; {} incl. shutdown",
+        median_by(samples, |s| s.requests_at_all),
+        runs(&|s| s.requests_at_all.to_string()),
+        median_by(samples, |s| s.requests_after_shutdown),
+    );
+    println!(
+        "    graceful shutdown {:>8.1} ms",
+        ms(median_by(samples, |s| s.shutdown))
+    );
+}
+
+async fn memory_backend(iters: usize, records: u64) {
+    let memory = Memory::new();
+    fill(memory.streams().as_ref(), "startup", records as usize).await;
+    let mut samples = Vec::new();
+    for i in 0..=iters {
+        let group = format!("startup-memory-{i}");
+        let table = memory.table(&group);
+        let s = consume("startup", &group, memory.clone(), records, || {
+            table.requests()
+        })
+        .await;
+        if i > 0 {
+            samples.push(s); // iteration 0 warms up
+        }
+    }
+    report("memory backend (default config)", &samples);
+}
+
+async fn emulators(iters: usize, records: u64) {
+    let endpoint = std::env::var("AWS_ENDPOINT_URL_KINESIS").unwrap_or_default();
+    let t = Instant::now();
+    let aws = Aws::from_env().await;
+    let from_env = t.elapsed();
+    let http = HttpCounts::default();
+    let dynamodb = aws_sdk_dynamodb::Client::from_conf(
+        aws.dynamodb_client()
+            .config()
+            .to_builder()
+            .interceptor(http.clone())
+            .build(),
+    );
+    let aws = Aws::from_clients(aws.kinesis_client().clone(), dynamodb);
+    let calls = Arc::new(CallCounts::default());
+    let inner: Arc<dyn Backend> = Arc::new(aws.clone());
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let stream = format!("startup-{run_id}");
+    let t = Instant::now();
+    fill(aws.kinesis().as_ref(), &stream, records as usize).await;
+    println!(
+        "emulators ({endpoint}, DynamoDB {}): Aws::from_env {:.1} ms; stream {stream} filled in {:.1} s",
+        std::env::var("AWS_ENDPOINT_URL_DYNAMODB").unwrap_or_default(),
+        from_env.as_secs_f64() * 1e3,
+        t.elapsed().as_secs_f64()
+    );
+    let mut floor = Vec::new();
+    for _ in 0..iters {
+        floor.push(direct_reads(aws.kinesis(), &stream, records, read_limit()).await);
+    }
+    floor.sort();
+    let (f, a) = floor[floor.len() / 2];
+    println!(
+        "  floor, direct GetShardIterator + GetRecords on all shards at once (no leases): \
+         first record {:.1} ms, all records {:.1} ms (median of {iters}, sorted by first record)",
+        f.as_secs_f64() * 1e3,
+        a.as_secs_f64() * 1e3
+    );
+    for warm in [false, true] {
+        let mut samples = Vec::new();
+        let mut last = (String::new(), String::new());
+        for i in 0..=iters {
+            let group = format!(
+                "startup-{run_id}-{}-{i}",
+                if warm { "warm" } else { "cold" }
+            );
+            if warm {
+                aws.lease_store(&group)
+                    .ensure_table()
+                    .await
+                    .expect("create the lease table");
+            }
+            calls.reset();
+            http.reset();
+            let c = calls.clone();
+            let s = consume(
+                &stream,
+                &group,
+                CountingBackend {
+                    inner: inner.clone(),
+                    calls: calls.clone(),
+                },
+                records,
+                move || c.total(),
+            )
+            .await;
+            last = (
+                calls.breakdown(),
+                format!("{} requests: {}", http.total(), http.breakdown()),
+            );
+            if i > 0 {
+                samples.push(s);
+            }
+        }
+        report(
+            if warm {
+                "emulators, lease table exists (warm)"
+            } else {
+                "emulators, consumer creates the lease table (cold)"
+            },
+            &samples,
+        );
+        println!("    last run, lease-store calls incl. shutdown: {}", last.0);
+        println!("    last run, DynamoDB HTTP incl. shutdown:     {}", last.1);
+    }
+}
+
+fn main() {
+    let iters: usize = env_or("BENCH_ITERS", 5);
+    let records: u64 = env_or("BENCH_RECORDS", 40_000);
+    if let Ok(filter) = std::env::var("BENCH_LOG") {
+        // A timeline of the consumer's own logs, e.g. BENCH_LOG=shardflow=debug.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_timer(tracing_subscriber::fmt::time::uptime())
+            .with_ansi(false)
+            .init();
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    println!(
+        "startup: {records} records x {RECORD_BYTES} B on {SHARDS} shards already in the stream; \
+         one worker, new group, default config; {threads} CPUs; 1 warm-up + {iters} iterations{}",
+        ["BENCH_READ_LIMIT", "BENCH_IDLE_MS"]
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| format!("; {k}={v}")))
+            .collect::<String>()
+    );
+    runtime.block_on(async {
+        memory_backend(iters, records).await;
+        if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some() {
+            emulators(iters, records).await;
+        } else {
+            println!("emulators: skipped (set AWS_ENDPOINT_URL_KINESIS, see BENCHMARKS.md)");
+        }
+    });
+}
