@@ -266,9 +266,9 @@ pin_project! {
         K: Service<DeadLetterRecord>,
     {
         Handling { #[pin] future: F },
+        // Boxed: the rare path should not make every record's future larger.
         Sinking {
-            #[pin]
-            future: Oneshot<K, DeadLetterRecord>,
+            future: Pin<Box<Oneshot<K, DeadLetterRecord>>>,
             position: shardflow::Position,
             original: String,
         },
@@ -310,7 +310,7 @@ where
                         error: text.clone(),
                     };
                     this.state.set(State::Sinking {
-                        future: this.sink.clone().oneshot(record),
+                        future: Box::pin(this.sink.clone().oneshot(record)),
                         position,
                         original: text,
                     });
@@ -320,7 +320,7 @@ where
                     position,
                     original,
                 } => {
-                    return Poll::Ready(match ready!(future.poll(cx)) {
+                    return Poll::Ready(match ready!(future.as_mut().poll(cx)) {
                         Ok(_) => {
                             tracing::warn!(error = %original, "record dead-lettered");
                             tracing::debug!(

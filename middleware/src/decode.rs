@@ -292,7 +292,8 @@ pin_project! {
     #[project = KindProj]
     enum Kind<Fut> {
         Called { #[pin] future: Fut },
-        Failed { error: Option<DecodeError> },
+        // Boxed already: keeps the common path's future small.
+        Failed { error: Option<BoxError> },
     }
 }
 
@@ -305,7 +306,9 @@ impl<Fut> ResponseFuture<Fut> {
 
     fn failed(error: DecodeError) -> Self {
         ResponseFuture {
-            kind: Kind::Failed { error: Some(error) },
+            kind: Kind::Failed {
+                error: Some(Box::new(error)),
+            },
         }
     }
 }
@@ -321,7 +324,7 @@ where
         match self.project().kind.project() {
             KindProj::Called { future } => future.poll(cx).map_err(Into::into),
             KindProj::Failed { error } => match error.take() {
-                Some(error) => Poll::Ready(Err(Box::new(error))),
+                Some(error) => Poll::Ready(Err(error)),
                 // Polled again after it completed: tower futures may say so with an error.
                 None => Poll::Ready(Err("decode::ResponseFuture polled after completion".into())),
             },

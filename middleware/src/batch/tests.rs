@@ -213,8 +213,14 @@ async fn batch_mode_respects_bytes_and_accepts_empty_reads() {
     ServiceExt::<Batch<Bytes>>::oneshot(svc.clone(), read(1..=5, b"four"))
         .await
         .unwrap();
-    let empty = Batch::new(Arc::from("orders"), Arc::from("shardId-000000000000"), Vec::new());
-    ServiceExt::<Batch<Bytes>>::oneshot(svc, empty).await.unwrap();
+    let empty = Batch::new(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        Vec::new(),
+    );
+    ServiceExt::<Batch<Bytes>>::oneshot(svc, empty)
+        .await
+        .unwrap();
     assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4], &[5]]));
 }
 

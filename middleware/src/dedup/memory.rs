@@ -34,6 +34,8 @@ struct Table {
 }
 
 struct Entry {
+    /// The map's own key, kept here so a commit needs a single lookup.
+    key: Arc<str>,
     state: State,
     expires: Instant,
     stamp: u64,
@@ -85,10 +87,6 @@ impl std::fmt::Debug for MemoryDedupStore {
 }
 
 impl Table {
-    fn live(&self, key: &str, now: Instant) -> Option<&Entry> {
-        self.entries.get(key).filter(|e| e.expires > now)
-    }
-
     fn stamp(&mut self) -> u64 {
         self.next_stamp += 1;
         self.next_stamp
@@ -132,7 +130,8 @@ impl Table {
 fn deadline(now: Instant, ttl: Duration) -> Instant {
     // A TTL too large for the clock means "for as long as the process lives".
     now.checked_add(ttl)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 #[async_trait]
@@ -145,25 +144,36 @@ impl DedupStore for MemoryDedupStore {
     ) -> Result<Reservation, StoreError> {
         let now = Instant::now();
         let mut table = self.table();
-        if let Some(entry) = table.live(key, now) {
-            return Ok(match entry.state {
-                State::Done => Reservation::Done,
-                State::InProgress { .. } => Reservation::InProgress,
-            });
+        let stamp = table.stamp();
+        let state = State::InProgress {
+            token: Box::from(token),
+        };
+        let expires = deadline(now, ttl);
+        if let Some(entry) = table.entries.get_mut(key) {
+            if entry.expires > now {
+                return Ok(match entry.state {
+                    State::Done => Reservation::Done,
+                    State::InProgress { .. } => Reservation::InProgress,
+                });
+            }
+            // Expired: the slot is free, and already ours to overwrite.
+            entry.state = state;
+            entry.expires = expires;
+            entry.stamp = stamp;
+            return Ok(Reservation::Reserved);
         }
-        if !table.entries.contains_key(key) && !table.make_room(self.capacity, now) {
+        if !table.make_room(self.capacity, now) {
             return Err(StoreError::Full {
                 capacity: self.capacity,
             });
         }
-        let stamp = table.stamp();
+        let key: Arc<str> = Arc::from(key);
         table.entries.insert(
-            Arc::from(key),
+            key.clone(),
             Entry {
-                state: State::InProgress {
-                    token: Box::from(token),
-                },
-                expires: deadline(now, ttl),
+                key,
+                state,
+                expires,
                 stamp,
             },
         );
@@ -173,24 +183,34 @@ impl DedupStore for MemoryDedupStore {
     async fn commit(&self, key: &str, token: &str, ttl: Duration) -> Result<Commit, StoreError> {
         let now = Instant::now();
         let mut table = self.table();
-        let ours = table
-            .live(key, now)
-            .is_some_and(|e| matches!(&e.state, State::InProgress { token: t } if &**t == token));
-        if !table.entries.contains_key(key) {
-            // The entry was evicted or expired and swept: it still becomes done, so
-            // make room for it; if none can be made the handler's work is still done.
-            let _ = table.make_room(self.capacity, now);
-        }
         let stamp = table.stamp();
-        let key: Arc<str> = Arc::from(key);
-        table.entries.insert(
-            key.clone(),
-            Entry {
-                state: State::Done,
-                expires: deadline(now, ttl),
-                stamp,
-            },
-        );
+        let expires = deadline(now, ttl);
+        let (key, ours) = match table.entries.get_mut(key) {
+            Some(entry) => {
+                let ours = entry.expires > now
+                    && matches!(&entry.state, State::InProgress { token: t } if &**t == token);
+                entry.state = State::Done;
+                entry.expires = expires;
+                entry.stamp = stamp;
+                (entry.key.clone(), ours)
+            }
+            None => {
+                // The entry was evicted or expired and swept: it still becomes done, so
+                // make room for it; if none can be made the handler's work is still done.
+                let _ = table.make_room(self.capacity, now);
+                let key: Arc<str> = Arc::from(key);
+                table.entries.insert(
+                    key.clone(),
+                    Entry {
+                        key: key.clone(),
+                        state: State::Done,
+                        expires,
+                        stamp,
+                    },
+                );
+                (key, false)
+            }
+        };
         table.done_order.push_back((key, stamp));
         table.compact(self.capacity);
         Ok(if ours {

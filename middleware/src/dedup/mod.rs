@@ -111,11 +111,18 @@ pub struct ByPosition;
 
 impl<T> KeyFn<T> for ByPosition {
     fn key(&self, message: &Message<T>) -> String {
+        use std::fmt::Write;
         let h = &message.headers;
-        format!(
-            "{}/{}/{}/{}",
-            h.stream, h.shard_id, h.sequence_number, h.sub_sequence_number
-        )
+        let sequence = h.sequence_number.as_str();
+        let mut key = String::with_capacity(h.stream.len() + h.shard_id.len() + sequence.len() + 8);
+        key.push_str(&h.stream);
+        key.push('/');
+        key.push_str(&h.shard_id);
+        key.push('/');
+        key.push_str(sequence);
+        // Writing to a String cannot fail.
+        let _ = write!(key, "/{}", h.sub_sequence_number);
+        key
     }
 }
 

@@ -100,16 +100,21 @@ impl<S: DedupStore + ?Sized> DedupStore for Arc<S> {
 
 /// A reservation token unique across processes: a random per-process prefix and a counter.
 pub(crate) fn new_token() -> String {
-    static PREFIX: OnceLock<u64> = OnceLock::new();
+    use std::fmt::Write;
+    static PREFIX: OnceLock<String> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let prefix = *PREFIX.get_or_init(|| {
+    let prefix = PREFIX.get_or_init(|| {
         use std::hash::{BuildHasher, Hasher};
         // RandomState is seeded from the OS once per process: enough to tell processes
         // apart without a random-number crate.
         let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
         hasher.write_u32(std::process::id());
-        hasher.finish()
+        format!("{:016x}-", hasher.finish())
     });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix:016x}-{n:x}")
+    let mut token = String::with_capacity(prefix.len() + 16);
+    token.push_str(prefix);
+    // Writing to a String cannot fail.
+    let _ = write!(token, "{n:x}");
+    token
 }
