@@ -47,10 +47,11 @@
 //! |---|---|---|
 //! | 16 bytes or fewer after the magic | `TooShort` | delivered as plain, not counted |
 //! | MD5 trailer does not match (includes truncation) | `DigestMismatch` | delivered as plain, not counted |
-//! | body is not a protobuf `AggregatedRecord` (incl. non-UTF-8 keys) | `Malformed` | delivered as plain, not counted |
+//! | body is not a protobuf `AggregatedRecord` | `Malformed` | delivered as plain, not counted |
+//! | a key is not UTF-8 | `Malformed` | accepted, bad bytes replaced (Java's proto2 strings) |
 //! | a required field (`partition_key_index`, `data`, tag `key`) is missing | `MissingField` | delivered as plain (proto2 parse error) |
 //! | a key index points past its table | `…IndexOutOfRange` | user records before the bad one delivered, the rest dropped; an error logged *with the payload* |
-//! | an explicit hash key is not a decimal in `0..2^128` | `InvalidExplicitHashKey` | as above when the shard range is checked, else passed through |
+//! | an explicit hash key is not a decimal in `0..2^128` | `InvalidExplicitHashKey` | with a shard range: not a number, as above; a number out of range, the whole aggregate discarded (below); without one: passed through |
 //! | no user records at all | `NoRecords` | nothing delivered: the record vanishes |
 //!
 //! The KCL and the awslabs deaggregators deliver a record that fails the magic, length,
@@ -89,13 +90,14 @@
 //! or [`Aggregator`] here) lose every discarded record.
 //!
 //! **What shardflow does:** [`deaggregate`] never drops a user record; it returns all of
-//! them with their sub-sequence numbers. [`belongs_to_shard`] tells whether one belongs
-//! to a shard's range, for the consumer to count misplaced user records (and, where a
-//! deployment opts in, to skip them). The consumer delivers user records outside the
-//! range by default: with the KPL that may deliver a record twice (here and, after the
-//! KPL's retry, in the right shard), which at-least-once delivery and the dedup layer
-//! already cover, while dropping loses data with every other producer and with current
-//! KPL versions.
+//! them with their sub-sequence numbers, and [`belongs_to_shard`] tells the consumer
+//! which ones are outside the shard's range. shardflow's rule is to deliver those too,
+//! and count them: with the KPL that can deliver a user record twice (here, and again
+//! from the right shard after the KPL's retry), which at-least-once delivery and the
+//! dedup layer already cover, whereas discarding loses data with every other producer
+//! and with current KPL versions. A deployment whose producers are all the KPL may
+//! choose to skip the misplaced user records, and only those (never the whole
+//! aggregate): every KPL version sends exactly those again, so nothing is lost.
 //!
 //! # Aggregating
 //!
