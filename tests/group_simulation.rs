@@ -31,11 +31,14 @@ use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{Backend, CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
 use tokio::sync::watch;
 
+/// One handled record: (event tick, worker, shard, sequence number, value).
+type HandledEvent = (u64, String, String, SequenceNumber, usize);
+
 /// A global clock of events, so "handled before checkpointed" can be checked.
 #[derive(Default)]
 struct Log {
     tick: AtomicU64,
-    handled: Mutex<Vec<(u64, String, String, SequenceNumber, usize)>>,
+    handled: Mutex<Vec<HandledEvent>>,
     commits: Mutex<Vec<Commit>>,
 }
 
