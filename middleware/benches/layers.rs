@@ -15,7 +15,8 @@ use shardflow::{Batch, Headers, Message, SequenceNumber};
 use shardflow_middleware::dead_letter::{DeadLetterLayer, DeadLetterRecord};
 use shardflow_middleware::dedup::DedupLayer;
 use shardflow_middleware::{
-    Backoff, BatchConfig, Batching, DecodeLayer, MemoryDedupStore, RetryLayer, ServiceBuilderExt,
+    Backoff, BatchConfig, Batching, DecodeLayer, DedupStore, MemoryDedupStore, RetryLayer,
+    ServiceBuilderExt,
 };
 use tokio_util::sync::CancellationToken;
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
@@ -83,14 +84,16 @@ fn bare() -> impl Service<Message<Bytes>, Response = (), Error = Infallible, Fut
     })
 }
 
-fn typed() -> impl Service<Message<Order>, Response = (), Error = Infallible, Future: Send> + Clone {
+fn typed() -> impl Service<Message<Order>, Response = (), Error = Infallible, Future: Send> + Clone
+{
     service_fn(|m: Message<Order>| async move {
         black_box(&m.payload);
         Ok::<_, Infallible>(())
     })
 }
 
-fn sink() -> impl Service<DeadLetterRecord, Response = (), Error = Infallible, Future: Send> + Clone {
+fn sink() -> impl Service<DeadLetterRecord, Response = (), Error = Infallible, Future: Send> + Clone
+{
     service_fn(|r: DeadLetterRecord| async move {
         black_box(&r);
         Ok::<_, Infallible>(())
@@ -124,7 +127,10 @@ fn main() {
             ),
             (
                 "retry (no failures)",
-                measure(&messages, || RetryLayer::new(Backoff::exponential()).layer(bare())).await,
+                measure(&messages, || {
+                    RetryLayer::new(Backoff::exponential()).layer(bare())
+                })
+                .await,
             ),
             (
                 "dead_letter (no failures)",
@@ -144,6 +150,21 @@ fn main() {
             ),
         ];
 
+        // The memory store alone: reserve + commit of a fresh key per record.
+        let keys: Vec<String> = (0..count).map(|i| format!("orders/shard/{i}/0")).collect();
+        let mut best = Duration::MAX;
+        for _ in 0..RUNS {
+            let store = MemoryDedupStore::new(count as usize * 2);
+            let ttl = Duration::from_secs(60);
+            let start = Instant::now();
+            for key in &keys {
+                black_box(store.reserve(key, "token", ttl).await.expect("reserve"));
+                black_box(store.commit(key, "token", ttl).await.expect("commit"));
+            }
+            best = best.min(start.elapsed());
+        }
+        let store_ns = best.as_nanos() as f64 / count as f64;
+
         // Batch mode: reads of 500 records re-chunked into bulk calls of 100.
         let reads: Vec<Vec<Message<Bytes>>> = messages.chunks(500).map(<[_]>::to_vec).collect();
         let mut best = Duration::MAX;
@@ -158,9 +179,14 @@ fn main() {
             );
             let start = Instant::now();
             for read in reads {
-                let batch = Batch::new(Arc::from("orders"), Arc::from("shardId-000000000000"), read);
-                ServiceExt::<Batch<Bytes>>::ready(&mut svc).await.expect("ready");
-                Service::<Batch<Bytes>>::call(&mut svc, batch).await.expect("handled");
+                let batch =
+                    Batch::new(Arc::from("orders"), Arc::from("shardId-000000000000"), read);
+                ServiceExt::<Batch<Bytes>>::ready(&mut svc)
+                    .await
+                    .expect("ready");
+                Service::<Batch<Bytes>>::call(&mut svc, batch)
+                    .await
+                    .expect("handled");
             }
             best = best.min(start.elapsed());
         }
@@ -172,6 +198,9 @@ fn main() {
         for (name, ns) in rows {
             println!("{:<28} {:>10.0} {:>+12.0}", name, ns, ns - base);
         }
-        println!("{:<28} {:>10.0} {:>12}", "batch (read 500 -> 5 x 100)", batch_ns, "per record");
+        println!(
+            "{:<28} {:>10.0} {:>12}",
+            "batch (read 500 -> 5 x 100)", batch_ns, "per record"
+        );
     });
 }

@@ -395,7 +395,9 @@ async fn run_worker<S, T>(
                 None => return,
             },
         };
-        let deadline = Instant::now() + config.linger;
+        let now = Instant::now();
+        // A linger too long for the clock flushes at once rather than overflow.
+        let deadline = now.checked_add(config.linger).unwrap_or(now);
         let mut bytes = first.0.payload.weigh();
         let mut batch = vec![first];
         while batch.len() < config.max_count && bytes < config.max_bytes {

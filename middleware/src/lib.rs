@@ -39,10 +39,31 @@
 //! # }
 //! ```
 //!
-//! Put [`dead_letter`] outermost: it keeps the raw bytes of each record, so a payload
-//! that [`decode`] rejects still reaches the dead-letter sink as it was read. Put
-//! [`retry`] innermost, next to the handler: a retry then never re-reserves a
+//! Put [`dead_letter`] above [`decode`]: it keeps the raw bytes of each record, so a
+//! payload that [`decode`] rejects still reaches the dead-letter sink as it was read.
+//! Put [`retry`] innermost, next to the handler: a retry then never re-reserves a
 //! [`dedup`] key nor decodes twice.
+//!
+//! Where [`dedup`] goes is a choice:
+//!
+//! * **Below [`decode`]** (as above): the key can come from the typed payload (a business
+//!   id, to drop duplicates the producer wrote), but a record that was dead-lettered and
+//!   is delivered again (its checkpoint had not moved yet) is dead-lettered again: the
+//!   sink sees it at least once.
+//! * **Outermost**, keyed by position:
+//!   `ServiceBuilder::new().dedup(store).dead_letter(sink).decode::<T>().retry(policy)`.
+//!   A dead-lettered record then counts as done, so a redelivery skips the sink too:
+//!   handler *and* dead-letter sink see each record effectively once.
+//!
+//! All services are `Clone` when what they wrap is, and `Send` with `Send` futures, as
+//! `Consumer::run` needs (it clones the stack per shard). Every layer's error is
+//! `Display + Send`.
+//!
+//! # Batch mode
+//!
+//! With `Consumer::run_batches` the service receives a whole read
+//! ([`Batch`](shardflow::Batch)); [`batch`]'s [`Batching`] re-chunks it for a bulk
+//! handler. The per-record layers (decode, dedup, retry, dead-letter) serve record mode.
 //!
 //! # Errors
 //!

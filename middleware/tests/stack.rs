@@ -302,3 +302,40 @@ async fn a_business_key_from_the_decoded_payload_dedups_producer_duplicates() {
     }
     assert_eq!(*effects.lock().unwrap(), HashMap::from([(7, 1), (8, 1)]));
 }
+
+#[tokio::test(start_paused = true)]
+async fn dedup_above_dead_letter_makes_dead_lettering_effectively_once_too() {
+    let letters: Arc<Mutex<Vec<DeadLetterRecord>>> = Arc::default();
+    let sunk = letters.clone();
+    let sink = service_fn(move |record: DeadLetterRecord| {
+        let sunk = sunk.clone();
+        async move {
+            sunk.lock().unwrap().push(record);
+            Ok::<_, BoxError>(())
+        }
+    });
+    let mut stack = ServiceBuilder::new()
+        .dedup(MemoryDedupStore::new(100))
+        .dead_letter(sink)
+        .decode::<Order>()
+        .retry(Backoff::exponential().max_attempts(2).jitter(false))
+        .service_fn(|msg: Message<Order>| async move {
+            if msg.payload.poison {
+                Err(HandlerError::Poison(msg.payload.id))
+            } else {
+                Ok(())
+            }
+        });
+    // A poison record and an undecodable one, each delivered twice (a replay).
+    for _ in 0..2 {
+        for (seq, kind) in [(1, Kind::Poison), (2, Kind::BadJson)] {
+            let svc = stack.ready().await.unwrap();
+            svc.call(message("shardId-000000000000", seq, payload(seq, kind)))
+                .await
+                .unwrap();
+        }
+    }
+    let letters = letters.lock().unwrap();
+    let sequences: Vec<_> = letters.iter().map(msg_index_of).collect();
+    assert_eq!(sequences, [1, 2], "each dead-lettered once");
+}
