@@ -200,6 +200,10 @@ fn main() {
         }
         println!(
             "{:<28} {:>10.0} {:>12}",
+            "memory store reserve+commit", store_ns, "alone"
+        );
+        println!(
+            "{:<28} {:>10.0} {:>12}",
             "batch (read 500 -> 5 x 100)", batch_ns, "per record"
         );
     });
