@@ -26,7 +26,8 @@ pub struct MemoryDedupStore {
 }
 
 struct Table {
-    entries: HashMap<Arc<str>, Entry>,
+    // foldhash: fast on ~100-byte keys, seeded randomly per process (some DoS resistance).
+    entries: HashMap<Arc<str>, Entry, foldhash::fast::RandomState>,
     /// Done keys in the order they were committed, for eviction. An item whose stamp
     /// no longer matches its entry is stale and skipped.
     done_order: VecDeque<(Arc<str>, u64)>,
@@ -51,7 +52,7 @@ impl MemoryDedupStore {
     pub fn new(capacity: usize) -> Self {
         MemoryDedupStore {
             shared: Arc::new(Mutex::new(Table {
-                entries: HashMap::new(),
+                entries: HashMap::default(),
                 done_order: VecDeque::new(),
                 next_stamp: 0,
             })),
