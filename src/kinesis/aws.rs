@@ -1,4 +1,4 @@
-//! [`KinesisApi`](super::KinesisApi) over `aws-sdk-kinesis`.
+//! [`KinesisApi`] over `aws-sdk-kinesis`.
 //!
 //! Every call maps the SDK's answer onto the small value types of [`super`] and
 //! classifies failures into [`KinesisError`] by what the caller should do next:
@@ -6,6 +6,7 @@
 //! | service error code | [`KinesisError`] |
 //! |---|---|
 //! | `ProvisionedThroughputExceededException`, `LimitExceededException`, `KMSThrottlingException`, `ThrottlingException` | [`Throttled`](KinesisError::Throttled) |
+//! | on SubscribeToShard: `ResourceInUseException` (another subscription of the same consumer to the shard is still open, e.g. during a hand-off) | [`Throttled`](KinesisError::Throttled) |
 //! | `ExpiredIteratorException`; on GetRecords also `InvalidArgumentException` whose message names the iterator | [`ExpiredIterator`](KinesisError::ExpiredIterator) |
 //! | `ResourceNotFoundException` | [`NotFound`](KinesisError::NotFound) |
 //! | `InvalidArgumentException`, `ValidationException` | [`Invalid`](KinesisError::Invalid) |
@@ -22,17 +23,28 @@
 //!
 //! The SDK's own retry policy (standard mode) still applies underneath: a `Throttled` or
 //! `Other` error here means its attempts were used up.
+//!
+//! Enhanced fan-out: [`register_consumer`](KinesisApi::register_consumer) finds or
+//! registers the stream consumer (DescribeStreamConsumer, then RegisterStreamConsumer if
+//! it does not exist) and polls until it is ACTIVE;
+//! [`subscribe_to_shard`](KinesisApi::subscribe_to_shard) maps the SubscribeToShard event
+//! stream onto [`SubscriptionEvent`]s. An error inside the event stream is the stream's
+//! last item. The service ends a subscription after five minutes; AWS needs HTTP/2 for
+//! it, which the SDK's default HTTPS client negotiates.
 
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use aws_sdk_kinesis::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_kinesis::primitives::{Blob, DateTime};
-use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
+use aws_sdk_kinesis::types::{
+    ConsumerStatus, PutRecordsRequestEntry, ShardIteratorType, StreamStatus,
+    SubscribeToShardEventStream,
+};
 
 use super::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition,
+    StartingPosition, Subscription, SubscriptionEvent,
 };
 use crate::sequence::SequenceNumber;
 
@@ -42,6 +54,10 @@ const MAX_GET_RECORDS_LIMIT: u32 = 10_000;
 /// How long [`AwsKinesis::create_stream`], [`AwsKinesis::split_shard`] and
 /// [`AwsKinesis::merge_shards`] wait for the stream to become ACTIVE.
 const ACTIVE_WAIT: Duration = Duration::from_secs(60);
+
+/// How long [`AwsKinesis::register_consumer`] waits for the consumer to become ACTIVE
+/// (AWS takes a few seconds, rarely more than half a minute).
+const CONSUMER_ACTIVE_WAIT: Duration = Duration::from_secs(120);
 
 /// Kinesis through the official SDK.
 ///
@@ -102,6 +118,48 @@ impl AwsKinesis {
             pause = (pause * 3 / 2).min(Duration::from_millis(250));
         }
     }
+
+    /// The stream's ARN, from DescribeStreamSummary (the consumer calls need it).
+    async fn stream_arn(&self, stream: &str) -> Result<String, KinesisError> {
+        let out = self
+            .client
+            .describe_stream_summary()
+            .stream_name(stream)
+            .send()
+            .await
+            .map_err(|e| classify("DescribeStreamSummary", e))?;
+        out.stream_description_summary
+            .map(|summary| summary.stream_arn)
+            .filter(|arn| !arn.is_empty())
+            .ok_or_else(|| {
+                KinesisError::Other(format!(
+                    "DescribeStreamSummary of {stream}: the answer has no stream ARN"
+                ))
+            })
+    }
+
+    /// The consumer's ARN and status, from DescribeStreamConsumer.
+    async fn describe_consumer(
+        &self,
+        stream_arn: &str,
+        name: &str,
+    ) -> Result<(String, ConsumerStatus), KinesisError> {
+        let out = self
+            .client
+            .describe_stream_consumer()
+            .stream_arn(stream_arn)
+            .consumer_name(name)
+            .send()
+            .await
+            .map_err(|e| classify("DescribeStreamConsumer", e))?;
+        out.consumer_description
+            .map(|c| (c.consumer_arn, c.consumer_status))
+            .ok_or_else(|| {
+                KinesisError::Other(format!(
+                    "DescribeStreamConsumer {name}: the answer has no consumer description"
+                ))
+            })
+    }
 }
 
 /// Classifies an SDK error by its service error code (see the module docs). `op` names the
@@ -151,6 +209,7 @@ fn classify_code(op: &str, code: &str, message: &str, text: String) -> KinesisEr
         | "LimitExceededException"
         | "KMSThrottlingException"
         | "ThrottlingException" => KinesisError::Throttled(text),
+        "ResourceInUseException" if op == "SubscribeToShard" => KinesisError::Throttled(text),
         "ExpiredIteratorException" => KinesisError::ExpiredIterator(text),
         "InvalidArgumentException"
             if op == "GetRecords" && message.to_ascii_lowercase().contains("iterator") =>
@@ -161,6 +220,90 @@ fn classify_code(op: &str, code: &str, message: &str, text: String) -> KinesisEr
         "InvalidArgumentException" | "ValidationException" => KinesisError::Invalid(text),
         _ => KinesisError::Other(text),
     }
+}
+
+/// Classifies an error that arrived inside the SubscribeToShard event stream. Like
+/// [`describe_sdk_error`], it formats only the error's source: the raw event message may
+/// hold record payloads. Emulators (kinesis-local) send exceptions as event-stream
+/// messages without an error code, so the code is also derived from the modeled variant.
+fn classify_event_error<R>(
+    err: SdkError<aws_sdk_kinesis::types::error::SubscribeToShardEventStreamError, R>,
+) -> KinesisError
+where
+    R: std::fmt::Debug,
+{
+    use aws_sdk_kinesis::types::error::SubscribeToShardEventStreamError as Event;
+    const OP: &str = "SubscribeToShard";
+    let modeled = match err.as_service_error() {
+        Some(Event::ResourceInUseException(_)) => "ResourceInUseException",
+        Some(Event::ResourceNotFoundException(_)) => "ResourceNotFoundException",
+        Some(Event::KmsThrottlingException(_)) => "KMSThrottlingException",
+        _ => "",
+    };
+    let code = err.code().unwrap_or(modeled).to_owned();
+    let message = err.message().unwrap_or_default().to_owned();
+    let what = match &err {
+        SdkError::TimeoutError(_) => "timed out",
+        SdkError::DispatchFailure(_) => "the connection failed",
+        SdkError::ResponseError(_) => "an event could not be read",
+        SdkError::ServiceError(_) => "service error",
+        _ => "failed",
+    };
+    let text = match std::error::Error::source(&err) {
+        Some(source) => format!("{OP} event stream: {what}: {}", DisplayErrorContext(source)),
+        None => format!("{OP} event stream: {what}"),
+    };
+    classify_code(OP, &code, &message, text)
+}
+
+/// Maps a record of a GetRecords answer or a SubscribeToShard event.
+fn record(op: &str, record: aws_sdk_kinesis::types::Record) -> Result<Record, KinesisError> {
+    let aws_sdk_kinesis::types::Record {
+        sequence_number,
+        approximate_arrival_timestamp,
+        data,
+        partition_key,
+        ..
+    } = record;
+    Ok(Record {
+        sequence_number: parse_sequence(op, sequence_number)?,
+        partition_key: partition_key.unwrap_or_default(),
+        // The SDK deserialises into `Bytes`; this hands it over without a copy.
+        data: data.into_bytes(),
+        approximate_arrival: approximate_arrival_timestamp
+            .and_then(|at| SystemTime::try_from(at).ok()),
+    })
+}
+
+/// Maps one SubscribeToShard event. An absent or empty ContinuationSequenceNumber is the
+/// end of a closed shard.
+fn subscription_event(
+    event: aws_sdk_kinesis::types::SubscribeToShardEvent,
+) -> Result<SubscriptionEvent, KinesisError> {
+    const OP: &str = "SubscribeToShard";
+    let aws_sdk_kinesis::types::SubscribeToShardEvent {
+        records,
+        continuation_sequence_number,
+        millis_behind_latest,
+        child_shards,
+        ..
+    } = event;
+    Ok(SubscriptionEvent {
+        records: records
+            .into_iter()
+            .map(|r| record(OP, r))
+            .collect::<Result<_, _>>()?,
+        continuation: Some(continuation_sequence_number)
+            .filter(|c| !c.is_empty())
+            .map(|c| parse_sequence(OP, c))
+            .transpose()?,
+        millis_behind_latest: Some(millis_behind_latest),
+        child_shards: child_shards
+            .unwrap_or_default()
+            .into_iter()
+            .map(|child| child.shard_id)
+            .collect(),
+    })
 }
 
 /// Parses a hash key (a decimal string below 2^128).
@@ -291,24 +434,11 @@ impl KinesisApi for AwsKinesis {
             .send()
             .await
             .map_err(|e| classify("GetRecords", e))?;
-        let mut records = Vec::with_capacity(out.records.len());
-        for record in out.records {
-            let aws_sdk_kinesis::types::Record {
-                sequence_number,
-                approximate_arrival_timestamp,
-                data,
-                partition_key,
-                ..
-            } = record;
-            records.push(Record {
-                sequence_number: parse_sequence("GetRecords", sequence_number)?,
-                partition_key: partition_key.unwrap_or_default(),
-                // The SDK deserialises into `Bytes`; this hands it over without a copy.
-                data: data.into_bytes(),
-                approximate_arrival: approximate_arrival_timestamp
-                    .and_then(|at| SystemTime::try_from(at).ok()),
-            });
-        }
+        let records = out
+            .records
+            .into_iter()
+            .map(|r| record("GetRecords", r))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(RecordsPage {
             records,
             next_iterator: out.next_shard_iterator.filter(|it| !it.is_empty()),
@@ -434,6 +564,115 @@ impl KinesisApi for AwsKinesis {
             .map_err(|e| classify("MergeShards", e))?;
         self.wait_until_active(stream).await
     }
+
+    /// Describes the consumer first and registers it only if it does not exist, then
+    /// polls DescribeStreamConsumer until it is ACTIVE (at most two minutes). A consumer
+    /// being deleted is waited out and registered again.
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        let stream_arn = self.stream_arn(stream).await?;
+        let deadline = tokio::time::Instant::now() + CONSUMER_ACTIVE_WAIT;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let last = match self.describe_consumer(&stream_arn, name).await {
+                Ok((arn, ConsumerStatus::Active)) => return Ok(arn),
+                Ok((_, status)) => format!("status {}", status.as_str()),
+                Err(KinesisError::NotFound(_)) => {
+                    match self
+                        .client
+                        .register_stream_consumer()
+                        .stream_arn(&stream_arn)
+                        .consumer_name(name)
+                        .send()
+                        .await
+                    {
+                        Ok(out) => match out.consumer {
+                            Some(c) if c.consumer_status == ConsumerStatus::Active => {
+                                return Ok(c.consumer_arn)
+                            }
+                            Some(c) => format!("registered, status {}", c.consumer_status.as_str()),
+                            None => "registered".to_owned(),
+                        },
+                        // Registered meanwhile by another worker (or still being deleted).
+                        Err(e) if e.code() == Some("ResourceInUseException") => {
+                            "being registered or deleted elsewhere".to_owned()
+                        }
+                        Err(e) => match classify("RegisterStreamConsumer", e) {
+                            e @ KinesisError::Throttled(_) => e.to_string(),
+                            e => return Err(e),
+                        },
+                    }
+                }
+                Err(e @ KinesisError::Throttled(_)) => e.to_string(),
+                Err(e) => return Err(e),
+            };
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(KinesisError::Other(format!(
+                    "stream consumer {name} of {stream} not ACTIVE after {} s ({last})",
+                    CONSUMER_ACTIVE_WAIT.as_secs()
+                )));
+            }
+            tracing::debug!(consumer = name, %last, "waiting for the stream consumer to be ACTIVE");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 3 / 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Events whose record list fails to map (an invalid sequence number) end the
+    /// subscription with that error; unknown event types are skipped.
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        use aws_sdk_kinesis::types::StartingPosition as Start;
+        let start = match from {
+            StartingPosition::TrimHorizon => {
+                Start::builder().r#type(ShardIteratorType::TrimHorizon)
+            }
+            StartingPosition::Latest => Start::builder().r#type(ShardIteratorType::Latest),
+            StartingPosition::AtTimestamp(at) => Start::builder()
+                .r#type(ShardIteratorType::AtTimestamp)
+                .timestamp(DateTime::from(*at)),
+            StartingPosition::AtSequenceNumber(seq) => Start::builder()
+                .r#type(ShardIteratorType::AtSequenceNumber)
+                .sequence_number(seq.as_str()),
+            StartingPosition::AfterSequenceNumber(seq) => Start::builder()
+                .r#type(ShardIteratorType::AfterSequenceNumber)
+                .sequence_number(seq.as_str()),
+        }
+        .build()
+        .map_err(|e| {
+            KinesisError::Invalid(format!("SubscribeToShard: {}", DisplayErrorContext(&e)))
+        })?;
+        let out = self
+            .client
+            .subscribe_to_shard()
+            .consumer_arn(consumer_arn)
+            .shard_id(shard_id)
+            .starting_position(start)
+            .send()
+            .await
+            .map_err(|e| classify("SubscribeToShard", e))?;
+        let events = futures_util::stream::unfold(Some(out.event_stream), |receiver| async move {
+            let mut receiver = receiver?;
+            loop {
+                match receiver.recv().await {
+                    Ok(Some(SubscribeToShardEventStream::SubscribeToShardEvent(event))) => {
+                        return match subscription_event(event) {
+                            Ok(event) => Some((Ok(event), Some(receiver))),
+                            Err(e) => Some((Err(e), None)),
+                        };
+                    }
+                    // Not logged with its content: a future event type may carry records.
+                    Ok(Some(_)) => tracing::debug!("SubscribeToShard: skipped an unknown event"),
+                    Ok(None) => return None,
+                    Err(e) => return Some((Err(classify_event_error(e)), None)),
+                }
+            }
+        });
+        Ok(Box::pin(events))
+    }
 }
 
 #[cfg(test)]
@@ -488,6 +727,15 @@ mod tests {
         assert!(matches!(
             kind("ListShards", "ResourceNotFoundException", ""),
             KinesisError::NotFound(_)
+        ));
+        // Another subscription of the consumer to the shard is still open: wait and retry.
+        assert!(matches!(
+            kind("SubscribeToShard", "ResourceInUseException", ""),
+            KinesisError::Throttled(_)
+        ));
+        assert!(matches!(
+            kind("SubscribeToShard", "LimitExceededException", ""),
+            KinesisError::Throttled(_)
         ));
         assert!(matches!(kind("GetRecords", "", ""), KinesisError::Other(_)));
         assert!(matches!(
