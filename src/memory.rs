@@ -5,6 +5,14 @@
 //! merges that close shards, iterators that expire, retention, and conditional writes.
 //! Faults can be switched on with a fixed seed ([`KinesisFaults`], [`LeaseFaults`]) so
 //! throttling, expired iterators and failed writes are reproducible.
+//!
+//! Enhanced fan-out works too: [`KinesisApi::register_consumer`] hands out a fake ARN and
+//! [`KinesisApi::subscribe_to_shard`] pushes a shard's records as they arrive, in events
+//! of at most [`MemoryKinesis::set_max_records_per_event`] records, sends an empty event
+//! (a heartbeat) when the shard is idle, ends after
+//! [`MemoryKinesis::set_subscription_lifetime`] (5 minutes, like Kinesis; on tokio's
+//! clock, so paused-time tests renew quickly), and ends with `continuation: None` and the
+//! child shards once a closed shard is delivered to its end.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,12 +21,13 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::backend::Backend;
 use crate::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition,
+    StartingPosition, Subscription, SubscriptionEvent,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::sequence::SequenceNumber;
@@ -71,11 +80,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Faults the memory stream injects, drawn from a seeded generator.
 #[derive(Clone, Debug, Default)]
 pub struct KinesisFaults {
-    /// Probability that a GetRecords or PutRecords call is throttled.
+    /// Probability that a GetRecords, PutRecords or SubscribeToShard call is throttled.
     pub throttle: f64,
     /// Probability that a GetRecords call finds its iterator expired.
     pub expire_iterator: f64,
-    /// Probability that a call fails with a transient service error.
+    /// Probability that a call fails with a transient service error; for a subscription,
+    /// that one of its events is an error instead (which ends the subscription).
     pub error: f64,
     /// Probability that one entry of a PutRecords call fails (a partial failure).
     pub put_entry_failure: f64,
@@ -101,17 +111,30 @@ struct KinesisState {
     iterator_ttl: Duration,
     retention: Option<Duration>,
     epoch: Instant,
+    /// Registered enhanced fan-out consumers: ARN to stream name.
+    consumers: HashMap<String, String>,
+    subscription_lifetime: Duration,
+    max_records_per_event: usize,
+    heartbeat_interval: Duration,
+    report_shard_end: bool,
+    /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
+    /// fail.
+    interruptions: u64,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
 pub struct MemoryKinesis {
-    state: Mutex<KinesisState>,
+    /// Shared with open subscriptions, which read the shard they follow.
+    state: Arc<Mutex<KinesisState>>,
+    /// Told about every write, reshard and interruption, so that subscriptions push
+    /// records as they arrive.
+    changes: watch::Sender<()>,
 }
 
 impl Default for MemoryKinesis {
     fn default() -> Self {
         MemoryKinesis {
-            state: Mutex::new(KinesisState {
+            state: Arc::new(Mutex::new(KinesisState {
                 streams: HashMap::new(),
                 next_sequence: 0,
                 faults: KinesisFaults::default(),
@@ -119,7 +142,14 @@ impl Default for MemoryKinesis {
                 iterator_ttl: Duration::from_secs(300),
                 retention: None,
                 epoch: Instant::now(),
-            }),
+                consumers: HashMap::new(),
+                subscription_lifetime: Duration::from_secs(300),
+                max_records_per_event: 1_000,
+                heartbeat_interval: Duration::from_secs(5),
+                report_shard_end: true,
+                interruptions: 0,
+            })),
+            changes: watch::channel(()).0,
         }
     }
 }
@@ -155,6 +185,37 @@ impl MemoryKinesis {
         if let Some(st) = lock(&self.state).streams.get_mut(stream) {
             st.updating = updating;
         }
+    }
+
+    /// How long an enhanced fan-out subscription lasts before it ends and must be renewed
+    /// (Kinesis: 5 minutes). Applies to subscriptions opened afterwards.
+    pub fn set_subscription_lifetime(&self, lifetime: Duration) {
+        lock(&self.state).subscription_lifetime = lifetime;
+    }
+
+    /// The most records one subscription event carries (default 1,000; at least 1).
+    pub fn set_max_records_per_event(&self, n: usize) {
+        lock(&self.state).max_records_per_event = n.max(1);
+    }
+
+    /// How long an idle subscription waits before it sends an empty event (default 5 s).
+    pub fn set_heartbeat_interval(&self, interval: Duration) {
+        lock(&self.state).heartbeat_interval = interval;
+    }
+
+    /// Whether a subscription to a closed shard ends with an event without continuation
+    /// once it delivered the last record (default: yes, like Kinesis). Some emulators
+    /// (kinesis-local) never report it and keep sending heartbeats: switch this off to
+    /// see how a reader copes with them. Applies to subscriptions opened afterwards.
+    pub fn set_report_shard_end(&self, report: bool) {
+        lock(&self.state).report_shard_end = report;
+    }
+
+    /// Makes every open subscription fail: its next item is an error, after which it
+    /// ends (a dropped connection, as far as the subscriber can tell).
+    pub fn interrupt_subscriptions(&self) {
+        lock(&self.state).interruptions += 1;
+        self.changes.send_replace(());
     }
 
     /// Every record of a shard, for assertions in tests.
@@ -244,6 +305,23 @@ impl MemoryKinesis {
         Some((stream, shard, index, issued))
     }
 
+    /// The index of the first record at or after `from`.
+    fn start_index(s: &KinesisState, records: &[Record], from: &StartingPosition) -> usize {
+        match from {
+            StartingPosition::TrimHorizon => Self::first_retained(s, records),
+            StartingPosition::Latest => records.len(),
+            StartingPosition::AtTimestamp(t) => records
+                .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
+                .max(Self::first_retained(s, records)),
+            StartingPosition::AtSequenceNumber(seq) => {
+                records.partition_point(|r| r.sequence_number < *seq)
+            }
+            StartingPosition::AfterSequenceNumber(seq) => {
+                records.partition_point(|r| r.sequence_number <= *seq)
+            }
+        }
+    }
+
     fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
         match (
             s.retention,
@@ -288,19 +366,7 @@ impl KinesisApi for MemoryKinesis {
         }
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
-        let index = match from {
-            StartingPosition::TrimHorizon => Self::first_retained(&s, &records),
-            StartingPosition::Latest => records.len(),
-            StartingPosition::AtTimestamp(t) => records
-                .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
-                .max(Self::first_retained(&s, &records)),
-            StartingPosition::AtSequenceNumber(seq) => {
-                records.partition_point(|r| r.sequence_number < *seq)
-            }
-            StartingPosition::AfterSequenceNumber(seq) => {
-                records.partition_point(|r| r.sequence_number <= *seq)
-            }
-        };
+        let index = Self::start_index(&s, &records, from);
         let iterator = Self::iterator(&s, stream, shard_id, index);
         Self::shard_mut(&mut s, stream, shard_id)?.records = records;
         Ok(iterator)
@@ -349,14 +415,7 @@ impl KinesisApi for MemoryKinesis {
         } else {
             (Some(Self::iterator(&s, stream, shard_id, end)), Vec::new())
         };
-        let millis_behind_latest = match shard.records.last() {
-            Some(last) if !at_end => last
-                .approximate_arrival
-                .zip(records.last().and_then(|r| r.approximate_arrival))
-                .and_then(|(l, r)| l.duration_since(r).ok())
-                .map(|d| d.as_millis() as i64),
-            _ => Some(0),
-        };
+        let millis_behind_latest = behind_latest(&shard.records, end);
         Ok(RecordsPage {
             records,
             next_iterator,
@@ -419,6 +478,8 @@ impl KinesisApi for MemoryKinesis {
                 sequence_number,
             });
         }
+        drop(s);
+        self.changes.send_replace(());
         Ok(outcomes)
     }
 
@@ -479,7 +540,10 @@ impl KinesisApi for MemoryKinesis {
             stream,
             (parent, None),
             (new_starting_hash_key, info.ending_hash_key),
-        )
+        )?;
+        drop(s);
+        self.changes.send_replace(());
+        Ok(())
     }
 
     async fn merge_shards(
@@ -513,7 +577,213 @@ impl KinesisApi for MemoryKinesis {
                 a.starting_hash_key.min(b.starting_hash_key),
                 a.ending_hash_key.max(b.ending_hash_key),
             ),
-        )
+        )?;
+        drop(s);
+        self.changes.send_replace(());
+        Ok(())
+    }
+
+    /// Any name is accepted; the ARN is made up from the stream and consumer names and
+    /// registering again returns the same one.
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        if name.is_empty() {
+            return Err(KinesisError::Invalid("an empty consumer name".into()));
+        }
+        let mut s = lock(&self.state);
+        if !s.streams.contains_key(stream) {
+            return Err(KinesisError::NotFound(format!("stream {stream}")));
+        }
+        let arn = format!("arn:aws:kinesis:memory:000000000000:stream/{stream}/consumer/{name}:1");
+        s.consumers.insert(arn.clone(), stream.to_owned());
+        Ok(arn)
+    }
+
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        let mut s = lock(&self.state);
+        if Self::draw(&mut s, |f| f.throttle) {
+            return Err(KinesisError::Throttled(
+                "injected throttle (LimitExceededException)".into(),
+            ));
+        }
+        if Self::draw(&mut s, |f| f.error) {
+            return Err(KinesisError::Other("injected service error".into()));
+        }
+        let stream = s
+            .consumers
+            .get(consumer_arn)
+            .cloned()
+            .ok_or_else(|| KinesisError::NotFound(format!("consumer {consumer_arn}")))?;
+        let shard = s
+            .streams
+            .get(&stream)
+            .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
+            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id} of {stream}")))?;
+        let next = Self::start_index(&s, &shard.records, from);
+        let now = Instant::now();
+        let subscription = MemSubscription {
+            state: self.state.clone(),
+            changes: self.changes.subscribe(),
+            stream,
+            shard_id: shard_id.to_owned(),
+            next,
+            ends_at: now + s.subscription_lifetime,
+            // The first event comes at once, as on Kinesis: it carries the continuation
+            // even when the shard is idle.
+            heartbeat_at: now,
+            max_records: s.max_records_per_event,
+            heartbeat_interval: s.heartbeat_interval,
+            report_shard_end: s.report_shard_end,
+            interruptions: s.interruptions,
+        };
+        Ok(Box::pin(futures_util::stream::unfold(
+            Some(subscription),
+            |subscription| async move { subscription?.next_event().await },
+        )))
+    }
+}
+
+/// How far a read that ended before `records[end]` is behind the newest record.
+fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
+    match records.last() {
+        Some(last) if end < records.len() && end > 0 => last
+            .approximate_arrival
+            .zip(records[end - 1].approximate_arrival)
+            .and_then(|(l, r)| l.duration_since(r).ok())
+            .map(|d| d.as_millis() as i64),
+        _ => Some(0),
+    }
+}
+
+/// One open subscription of the memory backend.
+struct MemSubscription {
+    state: Arc<Mutex<KinesisState>>,
+    changes: watch::Receiver<()>,
+    stream: String,
+    shard_id: String,
+    /// The index of the next record to deliver.
+    next: usize,
+    ends_at: Instant,
+    /// When an event is due even without records.
+    heartbeat_at: Instant,
+    max_records: usize,
+    heartbeat_interval: Duration,
+    report_shard_end: bool,
+    interruptions: u64,
+}
+
+/// What one look at the shard gave.
+enum Step {
+    Event(Result<SubscriptionEvent, KinesisError>),
+    /// Nothing to send yet.
+    Wait,
+}
+
+impl MemSubscription {
+    /// The next item, and the subscription if it goes on; `None` once it has ended.
+    async fn next_event(
+        mut self,
+    ) -> Option<(Result<SubscriptionEvent, KinesisError>, Option<Self>)> {
+        loop {
+            if Instant::now() >= self.ends_at {
+                return None;
+            }
+            // Marks the current state seen before looking at it: a write after the look
+            // wakes the wait below.
+            self.changes.borrow_and_update();
+            match self.step() {
+                Step::Event(Ok(event)) => {
+                    self.heartbeat_at = Instant::now() + self.heartbeat_interval;
+                    let last = event.continuation.is_none();
+                    return Some((Ok(event), (!last).then_some(self)));
+                }
+                Step::Event(Err(e)) => return Some((Err(e), None)),
+                Step::Wait => {}
+            }
+            tokio::select! {
+                changed = self.changes.changed() => {
+                    if changed.is_err() {
+                        return None; // the backend is gone
+                    }
+                }
+                _ = tokio::time::sleep_until(self.heartbeat_at) => {}
+                _ = tokio::time::sleep_until(self.ends_at) => return None,
+            }
+        }
+    }
+
+    /// Looks at the shard once: records to send, the shard's end, a heartbeat that is
+    /// due, or nothing.
+    fn step(&mut self) -> Step {
+        let mut s = lock(&self.state);
+        if s.interruptions != self.interruptions {
+            return Step::Event(Err(KinesisError::Other(
+                "the subscription was interrupted".into(),
+            )));
+        }
+        let s = &mut *s;
+        let Some(shard) = s.streams.get(&self.stream).and_then(|st| {
+            st.shards
+                .iter()
+                .find(|sh| sh.info.shard_id == self.shard_id)
+        }) else {
+            return Step::Event(Err(KinesisError::NotFound(format!(
+                "shard {} of {}",
+                self.shard_id, self.stream
+            ))));
+        };
+        let start = self
+            .next
+            .max(MemoryKinesis::first_retained(s, &shard.records));
+        let end = (start + self.max_records).min(shard.records.len());
+        let at_shard_end =
+            self.report_shard_end && end == shard.records.len() && shard.info.is_closed();
+        if end == start && !at_shard_end && Instant::now() < self.heartbeat_at {
+            return Step::Wait;
+        }
+        let records = shard.records[start..end].to_vec();
+        let continuation = if at_shard_end {
+            None
+        } else {
+            // AFTER this sequence number comes the next record: the last one delivered,
+            // or, before any, the last one before the starting point (the shard's own
+            // starting sequence number precedes all of its records).
+            Some(match end.checked_sub(1) {
+                Some(last) => shard.records[last].sequence_number.clone(),
+                None => shard.info.starting_sequence_number.clone(),
+            })
+        };
+        let child_shards = if at_shard_end {
+            s.streams
+                .get(&self.stream)
+                .map(|st| {
+                    st.shards
+                        .iter()
+                        .filter(|c| c.info.parents().contains(&self.shard_id))
+                        .map(|c| c.info.shard_id.clone())
+                        .collect()
+                })
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let millis_behind_latest = behind_latest(&shard.records, end);
+        if MemoryKinesis::draw(s, |f| f.error) {
+            return Step::Event(Err(KinesisError::Other(
+                "injected service error in the subscription".into(),
+            )));
+        }
+        self.next = end;
+        Step::Event(Ok(SubscriptionEvent {
+            records,
+            continuation,
+            millis_behind_latest,
+            child_shards,
+        }))
     }
 }
 
