@@ -4,7 +4,8 @@
 # Installs the local emulators (kinesalite for Kinesis, dynalite for DynamoDB) into
 # .cache/emulators, starts them on free loopback ports, points the AWS SDK at them and runs
 # the whole workspace's tests, then the doc tests. The emulators are stopped on exit,
-# whatever happens.
+# whatever happens. kinesis-local (kinesis-mock) also runs, for the enhanced fan-out tests
+# only (kinesalite has no SubscribeToShard): its endpoint is SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
 #
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
@@ -17,6 +18,7 @@ set -euo pipefail
 
 KINESALITE_VERSION=3.3.3
 DYNALITE_VERSION=4.0.0
+KINESIS_LOCAL_VERSION=0.6.2
 STARTUP_TIMEOUT_S=15
 
 started_at=$(date +%s)
@@ -34,12 +36,14 @@ installed_version() { # package -> its installed version, or nothing
 
 install_emulators() {
     if [[ "$(installed_version kinesalite)" == "$KINESALITE_VERSION" &&
-          "$(installed_version dynalite)" == "$DYNALITE_VERSION" ]]; then
+          "$(installed_version dynalite)" == "$DYNALITE_VERSION" &&
+          "$(installed_version kinesis-local)" == "$KINESIS_LOCAL_VERSION" ]]; then
         return
     fi
-    log "installing kinesalite@$KINESALITE_VERSION and dynalite@$DYNALITE_VERSION into .cache/emulators"
+    log "installing kinesalite@$KINESALITE_VERSION, dynalite@$DYNALITE_VERSION and kinesis-local@$KINESIS_LOCAL_VERSION into .cache/emulators"
     npm install --no-audit --no-fund --save-exact --loglevel=error --prefix "$emulators" \
-        "kinesalite@$KINESALITE_VERSION" "dynalite@$DYNALITE_VERSION" >&2
+        "kinesalite@$KINESALITE_VERSION" "dynalite@$DYNALITE_VERSION" \
+        "kinesis-local@$KINESIS_LOCAL_VERSION" >&2
 }
 
 # Several checkouts' test runs may share this machine: serialise installs when flock exists.
@@ -128,6 +132,15 @@ kinesis_port=$port
 start dynalite node "$emulators/node_modules/dynalite/cli.js" --host 127.0.0.1 --port
 dynamodb_port=$port
 
+kinesis_local() { # port: kinesis-local takes its settings from the environment only; it
+    # exits without KINESIS_MOCK_CERT_PATH, and always opens a TLS port too (unused here).
+    KINESIS_MOCK_PLAIN_PORT=$1 KINESIS_MOCK_TLS_PORT=$(free_port) \
+    KINESIS_MOCK_CERT_PATH="$emulators/node_modules/kinesis-local/server.json" \
+    LOG_LEVEL=WARN SHARD_LIMIT=200 exec node "$emulators/node_modules/kinesis-local/main.js"
+}
+start kinesis-local kinesis_local
+fanout_kinesis_port=$port
+
 export AWS_ENDPOINT_URL_KINESIS="http://127.0.0.1:$kinesis_port"
 export AWS_ENDPOINT_URL_DYNAMODB="http://127.0.0.1:$dynamodb_port"
 export AWS_REGION=us-east-1
@@ -135,6 +148,7 @@ export AWS_ACCESS_KEY_ID=test
 export AWS_SECRET_ACCESS_KEY=test
 export AWS_EC2_METADATA_DISABLED=true
 export SHARDFLOW_EMULATORS=1
+export SHARDFLOW_FANOUT_KINESIS_ENDPOINT="http://127.0.0.1:$fanout_kinesis_port"
 # Keep any configured HTTP proxy away from the loopback emulators.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 export no_proxy="$NO_PROXY"

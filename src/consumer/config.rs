@@ -4,7 +4,10 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use tokio::sync::OnceCell;
+
 use crate::backend::Backend;
+use crate::kinesis::{KinesisApi, KinesisError};
 use crate::memory::Memory;
 
 /// Where a consumer group starts on a shard that has no checkpoint yet.
@@ -31,6 +34,36 @@ pub enum CheckpointPolicy {
 impl Default for CheckpointPolicy {
     fn default() -> Self {
         CheckpointPolicy::Interval(Duration::from_millis(500))
+    }
+}
+
+/// Enhanced fan-out (see [`ConsumerBuilder::fan_out`]): the stream consumer's name and,
+/// once registered, its ARN, shared by every shard reader of the worker.
+#[derive(Clone, Debug)]
+pub(crate) struct FanOut {
+    pub(crate) consumer_name: String,
+    consumer_arn: Arc<OnceCell<String>>,
+}
+
+impl FanOut {
+    /// The consumer's ARN: registered (or found) on first use, then cached. The worker
+    /// calls this at start-up, so a backend without fan-out refuses to start; readers
+    /// then only read the cache.
+    pub(crate) async fn consumer_arn(
+        &self,
+        kinesis: &dyn KinesisApi,
+        stream: &str,
+    ) -> Result<&str, KinesisError> {
+        self.consumer_arn
+            .get_or_try_init(|| async {
+                let arn = kinesis
+                    .register_consumer(stream, &self.consumer_name)
+                    .await?;
+                tracing::info!(consumer = %self.consumer_name, %arn, "enhanced fan-out consumer is ACTIVE");
+                Ok(arn)
+            })
+            .await
+            .map(String::as_str)
     }
 }
 
@@ -63,6 +96,8 @@ pub struct Config {
     pub(crate) initial_position: InitialPosition,
     pub(crate) max_records_per_read: u32,
     pub(crate) idle_read_interval: Duration,
+    /// `Some`: read through enhanced fan-out instead of polling.
+    pub(crate) fan_out: Option<FanOut>,
     pub(crate) prefetch_batches: usize,
     pub(crate) checkpoint: CheckpointPolicy,
     pub(crate) lease_duration: Duration,
@@ -94,6 +129,10 @@ impl Config {
     pub fn lease_table(&self) -> &str {
         &self.lease_table
     }
+    /// The enhanced fan-out consumer's name, when shards are read through fan-out.
+    pub fn fan_out_consumer(&self) -> Option<&str> {
+        self.fan_out.as_ref().map(|f| f.consumer_name.as_str())
+    }
 }
 
 /// Builds a [`Consumer`](super::Consumer). Only `stream` and `group` are required; the
@@ -106,6 +145,7 @@ pub struct ConsumerBuilder {
     initial_position: InitialPosition,
     max_records_per_read: u32,
     idle_read_interval: Duration,
+    fan_out: Option<String>,
     prefetch_batches: usize,
     checkpoint: CheckpointPolicy,
     lease_duration: Duration,
@@ -131,6 +171,7 @@ impl Default for ConsumerBuilder {
             initial_position: InitialPosition::default(),
             max_records_per_read: 10_000,
             idle_read_interval: Duration::from_millis(250),
+            fan_out: None,
             prefetch_batches: 2,
             checkpoint: CheckpointPolicy::default(),
             lease_duration: Duration::from_secs(10),
@@ -188,6 +229,22 @@ impl ConsumerBuilder {
     /// The pause before reading again once a shard is caught up (default 250 ms).
     pub fn idle_read_interval(mut self, d: Duration) -> Self {
         self.idle_read_interval = d;
+        self
+    }
+
+    /// Reads shards through enhanced fan-out as the stream consumer `consumer_name`
+    /// instead of polling GetRecords (the default). The consumer is registered (or
+    /// found) when the worker starts, and every shard gets its own push subscription
+    /// (SubscribeToShard), renewed before its five-minute limit from where the last one
+    /// left off. Checkpoints, leases, hand-offs and handlers work as with polling; the
+    /// polling settings (`max_records_per_read`, `idle_read_interval`) then do not apply.
+    ///
+    /// Use one consumer name per consumer group: workers of a group share it, each
+    /// subscribing only to the shards it holds. A name is 1-128 of `a-z A-Z 0-9 _ . -`.
+    /// A backend without fan-out refuses to start with
+    /// [`KinesisError::Unsupported`](crate::kinesis::KinesisError::Unsupported).
+    pub fn fan_out(mut self, consumer_name: impl Into<String>) -> Self {
+        self.fan_out = Some(consumer_name.into());
         self
     }
 
@@ -318,6 +375,28 @@ impl ConsumerBuilder {
                 reason: format!("{lease_table:?} is not a DynamoDB table name (3-255 of a-z A-Z 0-9 _ . -); set lease_table explicitly"),
             });
         }
+        let fan_out = match &self.fan_out {
+            Some(_) => {
+                let consumer_name = name("fan_out", &self.fan_out)?;
+                if consumer_name.len() > 128
+                    || !consumer_name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+                {
+                    return Err(ConfigError::Invalid {
+                        field: "fan_out",
+                        reason: format!(
+                            "{consumer_name:?} is not a stream consumer name (1-128 of a-z A-Z 0-9 _ . -)"
+                        ),
+                    });
+                }
+                Some(FanOut {
+                    consumer_name,
+                    consumer_arn: Arc::default(),
+                })
+            }
+            None => None,
+        };
         let worker_id = match &self.worker_id {
             Some(_) => name("worker_id", &self.worker_id)?,
             None => format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
@@ -369,6 +448,7 @@ impl ConsumerBuilder {
             initial_position: self.initial_position.clone(),
             max_records_per_read: self.max_records_per_read,
             idle_read_interval: positive("idle_read_interval", self.idle_read_interval)?,
+            fan_out,
             prefetch_batches: self.prefetch_batches,
             checkpoint: self.checkpoint.clone(),
             lease_duration,
@@ -438,6 +518,10 @@ mod tests {
         );
         assert_eq!(field(base().group("ab")), "lease_table");
         assert_eq!(field(base().worker_id(" ")), "worker_id");
+        assert_eq!(field(base().fan_out("")), "fan_out");
+        assert_eq!(field(base().fan_out("has space")), "fan_out");
+        assert_eq!(field(base().fan_out("x".repeat(129))), "fan_out");
+        assert_eq!(field(base().fan_out("billing-efo_1.v2")), "accepted");
         assert_eq!(field(base()), "accepted");
     }
 
@@ -450,5 +534,6 @@ mod tests {
         assert_eq!(c.renew_interval, Duration::from_secs(3));
         assert_eq!(c.take_interval, Duration::from_secs(9));
         assert_eq!(c.lease_table, "billing");
+        assert_eq!(c.fan_out_consumer(), None, "polling by default");
     }
 }

@@ -120,6 +120,16 @@ impl Coordinator {
                     Ok(()) => self.sync_shards().await,
                     Err(e) => Err(e.into()),
                 };
+                // Enhanced fan-out: register the stream consumer once, before any read,
+                // so that a backend without fan-out refuses to start.
+                let attempt = match (attempt, &self.config.fan_out) {
+                    (Ok(()), Some(fan_out)) => fan_out
+                        .consumer_arn(self.kinesis.as_ref(), &self.stream)
+                        .await
+                        .map(drop)
+                        .map_err(ConsumerError::from),
+                    (attempt, _) => attempt,
+                };
                 match attempt {
                     Ok(()) => break,
                     Err(e) if e.is_transient() => {

@@ -1,19 +1,25 @@
-//! Reads one shard: iterators, GetRecords, the per-record filter against what is
-//! already handled, and recovery from throttling and expired iterators.
+//! Reads one shard, by polling (iterators and GetRecords) or through enhanced fan-out
+//! (SubscribeToShard), and hands what it read to the handlers through one function,
+//! [`ShardReader::deliver`]: the per-record filter against what is already handled, the
+//! lease freshness check, and the registration with the watermark. Both loops recover
+//! from throttling and transient errors with backoff; polling also from expired
+//! iterators, fan-out from subscriptions that end (after about five minutes) or fail.
 
 use std::sync::Arc;
 
+use futures_util::StreamExt;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::checkpoint::{Mark, ShardProgress};
-use crate::kinesis::{KinesisApi, KinesisError, StartingPosition};
+use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease};
 use crate::message::{Batch, Headers, Message};
-use crate::sequence::Position;
+use crate::sequence::{Position, SequenceNumber};
 
-use super::config::{Config, InitialPosition};
+use super::config::{Config, FanOut, InitialPosition};
 
 /// Everything a shard's reader needs.
 pub(crate) struct ShardReader {
@@ -27,14 +33,32 @@ pub(crate) struct ShardReader {
     pub(crate) lease_lost: CancellationToken,
 }
 
+/// Whether a reader goes on after handing out a read.
+#[derive(Debug, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    /// Nobody consumes any more (shutting down) or the lease is lost.
+    Stop,
+}
+
 impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with
     /// the watermark and returns `Ok`) or a fatal error. Runs until dropped otherwise.
+    /// Polls, or subscribes when the consumer was built with
+    /// [`fan_out`](super::ConsumerBuilder::fan_out).
     pub(crate) async fn read(
         &self,
         start: Checkpoint,
         backoff: &mut Backoff,
     ) -> Result<(), KinesisError> {
+        match &self.config.fan_out {
+            Some(fan_out) => self.subscribe(fan_out, start, backoff).await,
+            None => self.poll(start, backoff).await,
+        }
+    }
+
+    /// The polling loop: GetRecords from an iterator, a pause when caught up.
+    async fn poll(&self, start: Checkpoint, backoff: &mut Backoff) -> Result<(), KinesisError> {
         // Everything at or before `handled` is dropped record by record: it is either
         // covered by the checkpoint or was already delivered by this reader.
         let mut handled = start;
@@ -70,54 +94,11 @@ impl ShardReader {
             };
             backoff.reset();
             let raw = page.records.len();
-            let mut messages = Vec::with_capacity(raw);
-            for record in page.records {
-                let position = Position::new(record.sequence_number, 0);
-                if handled.covers(&position) {
-                    continue;
-                }
-                messages.push(Message {
-                    headers: Headers {
-                        stream: self.stream.clone(),
-                        shard_id: self.shard_id.clone(),
-                        sequence_number: position.sequence,
-                        sub_sequence_number: 0,
-                        partition_key: record.partition_key,
-                        explicit_hash_key: None,
-                        approximate_arrival: record.approximate_arrival,
-                        lease_lost: self.lease_lost.clone(),
-                    },
-                    payload: record.data,
-                });
-            }
-            if raw > messages.len() {
-                tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
-            }
-            if let Some(last) = messages.last() {
-                // After a pause longer than the renewal margin the lease may already be
-                // someone else's: hand nothing out until a renewal proves it is ours.
-                let max_age = self.config.lease_duration - self.config.renew_interval;
-                if !self.lease.is_fresh(max_age) {
-                    tracing::info!(shard = %self.shard_id, "lease not renewed recently; holding records until it is");
-                    self.lease.wait_fresh(max_age).await;
-                    if self.lease_lost.is_cancelled() {
-                        return Ok(());
-                    }
-                }
-                let last = last.position();
-                let ack = self.progress.register(Mark::At(last.clone()));
-                handled = Checkpoint::At(last);
-                let batch = Batch {
-                    stream: self.stream.clone(),
-                    shard_id: self.shard_id.clone(),
-                    messages,
-                    millis_behind_latest: page.millis_behind_latest,
-                    ack: Some(ack),
-                };
-                if self.out.send(batch).await.is_err() {
-                    // Nobody consumes any more (shutting down): stop reading.
-                    return Ok(());
-                }
+            let flow = self
+                .deliver(page.records, page.millis_behind_latest, &mut handled)
+                .await;
+            if flow == Flow::Stop {
+                return Ok(());
             }
             match page.next_iterator {
                 None => {
@@ -134,6 +115,173 @@ impl ShardReader {
         }
     }
 
+    /// The enhanced fan-out loop: one subscription after another, each renewed AFTER the
+    /// continuation sequence number of the last event (which covers everything the
+    /// subscription sent, records or not), or AT the last delivered record if no event
+    /// came yet (that record is then dropped by the filter). A subscription that fails
+    /// is renewed the same way after a backoff; throttling (including another
+    /// subscription still open on the shard, e.g. during a hand-off) is retried too.
+    ///
+    /// Kinesis ends a closed shard's subscription with an event without continuation.
+    /// Emulators may never send it (kinesis-local keeps sending heartbeats), so while
+    /// the subscription is idle and caught up the reader asks ListShards, at most once
+    /// per shard sync interval, whether the shard is closed; if it is, the rest of the
+    /// shard is read by polling, which ends at the iterator's end.
+    async fn subscribe(
+        &self,
+        fan_out: &FanOut,
+        start: Checkpoint,
+        backoff: &mut Backoff,
+    ) -> Result<(), KinesisError> {
+        let consumer_arn = loop {
+            match fan_out
+                .consumer_arn(self.kinesis.as_ref(), &self.stream)
+                .await
+            {
+                Ok(arn) => break arn,
+                Err(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Err(e) => return Err(e),
+            }
+        };
+        let mut handled = start;
+        let mut continuation: Option<SequenceNumber> = None;
+        let mut closed_checked = Instant::now();
+        loop {
+            let from = match &continuation {
+                Some(after) => StartingPosition::AfterSequenceNumber(after.clone()),
+                None => self.starting_position(&handled)?,
+            };
+            let mut events = match self
+                .kinesis
+                .subscribe_to_shard(consumer_arn, &self.shard_id, &from)
+                .await
+            {
+                Ok(events) => events,
+                Err(e) if e.is_retryable() => {
+                    self.pause(&e, backoff).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let failure = loop {
+                let event = match events.next().await {
+                    None => break None,
+                    Some(Err(e)) => break Some(e),
+                    Some(Ok(event)) => event,
+                };
+                backoff.reset();
+                let idle = event.records.is_empty() && event.millis_behind_latest == Some(0);
+                let flow = self
+                    .deliver(event.records, event.millis_behind_latest, &mut handled)
+                    .await;
+                if flow == Flow::Stop {
+                    return Ok(());
+                }
+                match event.continuation {
+                    Some(after) => continuation = Some(after),
+                    None => {
+                        tracing::info!(shard = %self.shard_id, children = ?event.child_shards, "reached the end of the shard");
+                        self.progress.end_of_shard();
+                        return Ok(());
+                    }
+                }
+                if idle && closed_checked.elapsed() >= self.config.shard_sync_interval {
+                    closed_checked = Instant::now();
+                    if self.is_closed().await {
+                        tracing::info!(shard = %self.shard_id, "the shard is closed but its subscription did not say so; reading its rest by polling");
+                        drop(events);
+                        return self.poll(handled, backoff).await;
+                    }
+                }
+            };
+            drop(events);
+            match failure {
+                None => {
+                    tracing::debug!(shard = %self.shard_id, after = ?continuation, "subscription ended; renewing it")
+                }
+                Some(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Some(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Hands one read to the handlers. Drops, record by record, what is at or before
+    /// `handled` (covered by the checkpoint, or already delivered by this reader: reads
+    /// may overlap after a recovery); if anything is left, waits until the lease is
+    /// known to be ours, registers the batch with the watermark, moves `handled` to its
+    /// last record and sends it.
+    async fn deliver(
+        &self,
+        records: Vec<Record>,
+        millis_behind_latest: Option<i64>,
+        handled: &mut Checkpoint,
+    ) -> Flow {
+        let raw = records.len();
+        let mut messages = Vec::with_capacity(raw);
+        for record in records {
+            let position = Position::new(record.sequence_number, 0);
+            if handled.covers(&position) {
+                continue;
+            }
+            messages.push(Message {
+                headers: Headers {
+                    stream: self.stream.clone(),
+                    shard_id: self.shard_id.clone(),
+                    sequence_number: position.sequence,
+                    sub_sequence_number: 0,
+                    partition_key: record.partition_key,
+                    explicit_hash_key: None,
+                    approximate_arrival: record.approximate_arrival,
+                    lease_lost: self.lease_lost.clone(),
+                },
+                payload: record.data,
+            });
+        }
+        if raw > messages.len() {
+            tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
+        }
+        let Some(last) = messages.last() else {
+            return Flow::Continue;
+        };
+        // After a pause longer than the renewal margin the lease may already be
+        // someone else's: hand nothing out until a renewal proves it is ours.
+        let max_age = self.config.lease_duration - self.config.renew_interval;
+        if !self.lease.is_fresh(max_age) {
+            tracing::info!(shard = %self.shard_id, "lease not renewed recently; holding records until it is");
+            self.lease.wait_fresh(max_age).await;
+            if self.lease_lost.is_cancelled() {
+                return Flow::Stop;
+            }
+        }
+        let last = last.position();
+        let ack = self.progress.register(Mark::At(last.clone()));
+        *handled = Checkpoint::At(last);
+        let batch = Batch {
+            stream: self.stream.clone(),
+            shard_id: self.shard_id.clone(),
+            messages,
+            millis_behind_latest,
+            ack: Some(ack),
+        };
+        match self.out.send(batch).await {
+            Ok(()) => Flow::Continue,
+            Err(_) => Flow::Stop,
+        }
+    }
+
+    /// Whether ListShards reports the shard closed (an error counts as "not known to be").
+    async fn is_closed(&self) -> bool {
+        match self.kinesis.list_shards(&self.stream).await {
+            Ok(shards) => shards
+                .iter()
+                .any(|s| *s.shard_id == *self.shard_id && s.is_closed()),
+            Err(e) => {
+                tracing::debug!(shard = %self.shard_id, error = %e, "could not check whether the shard is closed");
+                false
+            }
+        }
+    }
+
     async fn pause(&self, error: &KinesisError, backoff: &mut Backoff) {
         let delay = backoff.next_delay();
         match error {
@@ -145,8 +293,9 @@ impl ShardReader {
         tokio::time::sleep(delay).await;
     }
 
-    async fn iterator_after(&self, handled: &Checkpoint) -> Result<String, KinesisError> {
-        let from = match handled {
+    /// Where to read again from so that nothing after `handled` is missed.
+    fn starting_position(&self, handled: &Checkpoint) -> Result<StartingPosition, KinesisError> {
+        Ok(match handled {
             Checkpoint::TrimHorizon => StartingPosition::TrimHorizon,
             Checkpoint::Latest => StartingPosition::Latest,
             Checkpoint::AtTimestamp => match &self.config.initial_position {
@@ -161,7 +310,11 @@ impl ShardReader {
                     "the shard is already finished".into(),
                 ))
             }
-        };
+        })
+    }
+
+    async fn iterator_after(&self, handled: &Checkpoint) -> Result<String, KinesisError> {
+        let from = self.starting_position(handled)?;
         self.kinesis
             .shard_iterator(&self.stream, &self.shard_id, &from)
             .await

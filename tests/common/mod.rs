@@ -247,6 +247,18 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(
     total: usize,
     limit: Duration,
 ) {
+    reshard_while_consuming_with(backend, stream, total, limit, |b| b).await;
+}
+
+/// [`reshard_while_consuming`] with `tweak` applied to both consumers' builders (for
+/// example to read through enhanced fan-out).
+pub async fn reshard_while_consuming_with<B: Backend + Clone>(
+    backend: B,
+    stream: &str,
+    total: usize,
+    limit: Duration,
+    tweak: impl Fn(ConsumerBuilder) -> ConsumerBuilder,
+) {
     let kinesis = backend.kinesis();
     kinesis.create_stream(stream, 4).await.unwrap();
     let group = format!("{stream}-group");
@@ -254,7 +266,7 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(
     produce(kinesis.as_ref(), stream, 0..quarter * 2).await;
 
     let recorder = Recorder::default();
-    let consumer = test_consumer(backend.clone(), stream, &group, "w1")
+    let consumer = tweak(test_consumer(backend.clone(), stream, &group, "w1"))
         .build()
         .unwrap();
     let shutdown = consumer.shutdown_handle();
@@ -342,7 +354,7 @@ pub async fn reshard_while_consuming<B: Backend + Clone>(
 
     // A restart from the committed checkpoints redelivers nothing.
     let again = Recorder::default();
-    let consumer = test_consumer(backend.clone(), stream, &group, "w2")
+    let consumer = tweak(test_consumer(backend.clone(), stream, &group, "w2"))
         .build()
         .unwrap();
     let shutdown = consumer.shutdown_handle();

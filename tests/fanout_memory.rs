@@ -1,0 +1,478 @@
+//! Enhanced fan-out on the embedded backend: the memory subscription itself (events,
+//! heartbeats, lifetime, shard end), and the consumer built with `.fan_out(...)` across
+//! reshards, many subscription renewals, subscription errors and a shard end that is
+//! never reported. Paused tokio time where the scenario is about time.
+
+mod common;
+
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::*;
+use futures_util::StreamExt;
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    Subscription, SubscriptionEvent,
+};
+use shardflow::lease::{Checkpoint, LeaseStore};
+use shardflow::memory::{KinesisFaults, MemoryKinesis};
+use shardflow::{Backend, ConsumerError, Memory};
+use tokio::time::Instant;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// The memory backend, counting subscriptions and GetRecords calls; with `fan_out`
+/// false it offers no enhanced fan-out (the trait's defaults answer `Unsupported`).
+#[derive(Clone)]
+struct Counting {
+    memory: Memory,
+    fan_out: bool,
+    subscriptions: Arc<AtomicUsize>,
+    get_records: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    fn new(memory: Memory) -> Self {
+        Counting {
+            memory,
+            fan_out: true,
+            subscriptions: Arc::default(),
+            get_records: Arc::default(),
+        }
+    }
+
+    fn subscriptions(&self) -> usize {
+        self.subscriptions.load(Ordering::SeqCst)
+    }
+
+    fn get_records(&self) -> usize {
+        self.get_records.load(Ordering::SeqCst)
+    }
+}
+
+struct CountingKinesis(Counting);
+
+impl CountingKinesis {
+    fn inner(&self) -> &MemoryKinesis {
+        self.0.memory.streams()
+    }
+}
+
+#[async_trait]
+impl KinesisApi for CountingKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.inner().list_shards(stream).await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.inner().is_updating(stream).await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.inner().shard_iterator(stream, shard_id, from).await
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.0.get_records.fetch_add(1, Ordering::SeqCst);
+        self.inner().get_records(iterator, limit).await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.inner().put_records(stream, records).await
+    }
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        self.inner().create_stream(stream, shards).await
+    }
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        self.inner()
+            .split_shard(stream, shard_id, new_starting_hash_key)
+            .await
+    }
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        self.inner()
+            .merge_shards(stream, shard_id, adjacent_shard_id)
+            .await
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        if !self.0.fan_out {
+            return Err(KinesisError::Unsupported("enhanced fan-out".into()));
+        }
+        self.inner().register_consumer(stream, name).await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.0.subscriptions.fetch_add(1, Ordering::SeqCst);
+        self.inner()
+            .subscribe_to_shard(consumer_arn, shard_id, from)
+            .await
+    }
+}
+
+impl Backend for Counting {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(CountingKinesis(self.clone()))
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        self.memory.lease_store(table)
+    }
+}
+
+fn values(event: &SubscriptionEvent) -> Vec<usize> {
+    event
+        .records
+        .iter()
+        .map(|r| std::str::from_utf8(&r.data).unwrap().parse().unwrap())
+        .collect()
+}
+
+async fn next_event(events: &mut Subscription) -> SubscriptionEvent {
+    events
+        .next()
+        .await
+        .expect("the subscription is open")
+        .expect("an event, not an error")
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory_subscription_pushes_records_sends_heartbeats_and_reports_the_shard_end() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("push", 1).await.unwrap();
+    kinesis.set_max_records_per_event(10);
+    kinesis.set_heartbeat_interval(Duration::from_secs(1));
+    produce(kinesis.as_ref(), "push", 0..25).await;
+    let arn = kinesis.register_consumer("push", "c").await.unwrap();
+    assert_eq!(kinesis.register_consumer("push", "c").await.unwrap(), arn);
+    let shard = kinesis.list_shards("push").await.unwrap()[0].clone();
+    let records = kinesis.records("push", &shard.shard_id);
+
+    let mut events = kinesis
+        .subscribe_to_shard(&arn, &shard.shard_id, &StartingPosition::TrimHorizon)
+        .await
+        .unwrap();
+    // The backlog in events of at most 10 records, each continuing after its last.
+    for (range, last) in [(0..10, 9), (10..20, 19), (20..25, 24)] {
+        let event = next_event(&mut events).await;
+        assert_eq!(values(&event), range.collect::<Vec<_>>());
+        assert_eq!(
+            event.continuation.as_ref(),
+            Some(&records[last].sequence_number)
+        );
+    }
+    // Idle: a heartbeat after the interval, with the same continuation.
+    let idle_since = Instant::now();
+    let heartbeat = next_event(&mut events).await;
+    assert!(heartbeat.records.is_empty());
+    assert_eq!(idle_since.elapsed(), Duration::from_secs(1));
+    assert_eq!(
+        heartbeat.continuation.as_ref(),
+        Some(&records[24].sequence_number)
+    );
+    // New records are pushed as they arrive, not at the next heartbeat.
+    let written = Instant::now();
+    let pushed = tokio::spawn(async move {
+        let event = next_event(&mut events).await;
+        (event, events)
+    });
+    produce(kinesis.as_ref(), "push", 25..28).await;
+    let (event, mut events) = pushed.await.unwrap();
+    assert_eq!(values(&event), vec![25, 26, 27]);
+    assert!(written.elapsed() < Duration::from_secs(1));
+
+    // Closed by a split: the last event has no continuation and names the children.
+    kinesis
+        .split_shard("push", &shard.shard_id, shard.ending_hash_key / 2)
+        .await
+        .unwrap();
+    let end = next_event(&mut events).await;
+    assert!(end.records.is_empty());
+    assert_eq!(end.continuation, None);
+    assert_eq!(
+        end.child_shards,
+        vec!["shardId-000000000001", "shardId-000000000002"]
+    );
+    assert!(events.next().await.is_none(), "ends after the shard's end");
+
+    // AFTER a continuation: only later records; a subscription ends after its lifetime.
+    kinesis.set_subscription_lifetime(Duration::from_secs(3));
+    let child = "shardId-000000000002";
+    let started = Instant::now();
+    let mut events = kinesis
+        .subscribe_to_shard(&arn, child, &StartingPosition::TrimHorizon)
+        .await
+        .unwrap();
+    let mut count = 0;
+    while let Some(event) = events.next().await {
+        assert!(event.unwrap().continuation.is_some());
+        count += 1;
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(3));
+    assert_eq!(
+        count, 3,
+        "the first event at once, then a heartbeat a second"
+    );
+
+    // An unknown consumer is refused.
+    assert!(matches!(
+        kinesis
+            .subscribe_to_shard("arn:nope", child, &StartingPosition::Latest)
+            .await,
+        Err(KinesisError::NotFound(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fan_out_handles_every_record_once_in_order_across_a_split_and_a_merge() {
+    let memory = Memory::new();
+    memory.streams().set_max_records_per_event(100);
+    let backend = Counting::new(memory);
+    reshard_while_consuming_with(backend.clone(), "efo-orders", 10_000, LIMIT, |b| {
+        b.fan_out("billing-efo")
+    })
+    .await;
+    assert!(backend.subscriptions() >= 7, "one subscription per shard");
+    assert_eq!(backend.get_records(), 0, "nothing was polled");
+}
+
+/// Writes values from `first` on in `batches` batches of `per_batch`, `every` apart.
+async fn trickle(
+    kinesis: Arc<MemoryKinesis>,
+    stream: &'static str,
+    first: usize,
+    (batches, per_batch): (usize, usize),
+    every: Duration,
+) {
+    for i in 0..batches {
+        let start = first + i * per_batch;
+        produce(kinesis.as_ref(), stream, start..start + per_batch).await;
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Waits until every shard's checkpoint is its last record.
+async fn checkpointed_at_the_end(memory: &Memory, stream: &str, group: &str) {
+    let kinesis = memory.streams();
+    let table = memory.table(group);
+    let done = async {
+        loop {
+            let rows = table.rows();
+            let at_end = !rows.is_empty()
+                && rows.iter().all(|row| {
+                    let last = kinesis.records(stream, &row.key).last().cloned();
+                    match (&row.checkpoint, last) {
+                        (Checkpoint::At(p), Some(last)) => p.sequence == last.sequence_number,
+                        (Checkpoint::TrimHorizon, None) => true,
+                        _ => false,
+                    }
+                });
+            if at_end {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, done)
+        .await
+        .expect("every shard checkpointed at its last record");
+}
+
+#[tokio::test(start_paused = true)]
+async fn subscriptions_renew_before_their_lifetime_without_loss_or_duplicates() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("renew", 2).await.unwrap();
+    kinesis.set_subscription_lifetime(Duration::from_secs(2));
+    kinesis.set_heartbeat_interval(Duration::from_millis(500));
+    kinesis.set_max_records_per_event(7);
+    let backend = Counting::new(memory.clone());
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend.clone(), "renew", "renew-group", "w1")
+        .fan_out("renew-efo")
+        .build()
+        .unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(
+        consumer
+            .run(recording_handler(recorder.clone()))
+            .into_future(),
+    );
+    // 3,000 records over 30 s: records keep flowing across ~15 renewals per shard.
+    let started = Instant::now();
+    let producer = tokio::spawn(trickle(
+        kinesis.clone(),
+        "renew",
+        0,
+        (120, 25),
+        Duration::from_millis(250),
+    ));
+    recorder.wait_for(3_000, LIMIT).await;
+    producer.await.unwrap();
+    checkpointed_at_the_end(&memory, "renew", "renew-group").await;
+    let elapsed = started.elapsed();
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+
+    let shards = kinesis.list_shards("renew").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 3_000, &shards);
+    assert_partition_key_order(&recorder.snapshot());
+    let renewals = backend.subscriptions();
+    let expected = 2 * (elapsed.as_secs() as usize / 2);
+    eprintln!("{renewals} subscriptions of 2 shards in {elapsed:?} of paused time");
+    assert!(
+        renewals >= expected,
+        "{renewals} subscriptions in {elapsed:?}; expected at least {expected}"
+    );
+    assert_eq!(backend.get_records(), 0, "nothing was polled");
+    for row in memory.table("renew-group").rows() {
+        assert_eq!(row.owner, None, "lease {} released", row.key);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_reader_resumes_after_subscription_errors() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("broken", 2).await.unwrap();
+    kinesis.set_max_records_per_event(10);
+    produce(kinesis.as_ref(), "broken", 0..500).await;
+    let backend = Counting::new(memory.clone());
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend.clone(), "broken", "broken-group", "w1")
+        .fan_out("broken-efo")
+        .build()
+        .unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(
+        consumer
+            .run(recording_handler(recorder.clone()))
+            .into_future(),
+    );
+    recorder.wait_for(100, LIMIT).await;
+    // Break every open subscription again and again while more records arrive.
+    for i in 0..10 {
+        kinesis.interrupt_subscriptions();
+        produce(kinesis.as_ref(), "broken", 500 + i * 50..550 + i * 50).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    recorder.wait_for(1_000, LIMIT).await;
+    checkpointed_at_the_end(&memory, "broken", "broken-group").await;
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+    let shards = kinesis.list_shards("broken").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 1_000, &shards);
+    assert!(
+        backend.subscriptions() >= 2 + 2 * 10,
+        "resubscribed after each interruption: {} subscriptions",
+        backend.subscriptions()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn seeded_subscription_faults_lose_nothing() {
+    for seed in 0..6u64 {
+        let memory = Memory::new();
+        let kinesis = memory.streams().clone();
+        kinesis.create_stream("faulty", 3).await.unwrap();
+        kinesis.set_max_records_per_event(25);
+        kinesis.set_subscription_lifetime(Duration::from_secs(3));
+        produce(kinesis.as_ref(), "faulty", 0..1_000).await;
+        // Throttled and failing subscribe calls, and errors inside subscriptions.
+        kinesis.set_faults(KinesisFaults {
+            throttle: 0.2,
+            error: 0.1,
+            seed,
+            ..KinesisFaults::default()
+        });
+        let recorder = Recorder::default();
+        let group = format!("faulty-{seed}");
+        let consumer = test_consumer(memory.clone(), "faulty", &group, "w1")
+            .fan_out("faulty-efo")
+            .build()
+            .unwrap();
+        let shutdown = consumer.shutdown_handle();
+        let run = tokio::spawn(
+            consumer
+                .run(recording_handler(recorder.clone()))
+                .into_future(),
+        );
+        // Half a second apart: many subscriptions come and go meanwhile.
+        let producer = tokio::spawn(trickle(
+            kinesis.clone(),
+            "faulty",
+            1_000,
+            (10, 50),
+            Duration::from_millis(500),
+        ));
+        producer.await.unwrap();
+        recorder.wait_for(1_500, LIMIT).await;
+        checkpointed_at_the_end(&memory, "faulty", &group).await;
+        shutdown.shutdown();
+        run.await.unwrap().unwrap();
+        let shards = kinesis.list_shards("faulty").await.unwrap();
+        assert_exactly_once_in_order(&recorder.snapshot(), 1_500, &shards);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_shard_whose_end_is_never_reported_is_finished_by_polling() {
+    // Like kinesis-local: subscriptions to a closed shard keep sending heartbeats.
+    let memory = Memory::new();
+    memory.streams().set_report_shard_end(false);
+    memory
+        .streams()
+        .set_heartbeat_interval(Duration::from_millis(100));
+    memory.streams().set_max_records_per_event(100);
+    let backend = Counting::new(memory);
+    reshard_while_consuming_with(backend.clone(), "unreported", 4_000, LIMIT, |b| {
+        b.fan_out("unreported-efo")
+    })
+    .await;
+    assert!(
+        backend.get_records() > 0,
+        "closed shards finished by polling"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_without_fan_out_refuses_to_start() {
+    let memory = Memory::new();
+    memory.streams().create_stream("plain", 1).await.unwrap();
+    let backend = Counting {
+        fan_out: false,
+        ..Counting::new(memory)
+    };
+    let recorder = Recorder::default();
+    let err = test_consumer(backend, "plain", "plain-group", "w1")
+        .fan_out("plain-efo")
+        .build()
+        .unwrap()
+        .run(recording_handler(recorder))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ConsumerError::Kinesis(KinesisError::Unsupported(_))),
+        "{err}"
+    );
+}
