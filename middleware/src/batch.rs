@@ -157,6 +157,10 @@ pub enum BatchError {
     /// Record mode was used outside a tokio runtime.
     #[error("record-mode batching needs a tokio runtime to run its worker")]
     NoRuntime,
+    /// `call` came without a successful `poll_ready` first (a caller bug; tower's
+    /// contract requires it). The message was not queued.
+    #[error("called before poll_ready returned Ready(Ok)")]
+    NotReady,
 }
 
 impl BatchError {
@@ -176,6 +180,8 @@ pub struct Batching<S, T> {
     config: Arc<BatchConfig>,
     worker: Arc<Mutex<Option<mpsc::Sender<Item<T>>>>>,
     sender: Option<PollSender<Item<T>>>,
+    /// Whether `sender` holds a queue slot reserved by `poll_ready`.
+    reserved: bool,
 }
 
 impl<S, T> Batching<S, T> {
@@ -186,6 +192,7 @@ impl<S, T> Batching<S, T> {
             config: Arc::new(config),
             worker: Arc::new(Mutex::new(None)),
             sender: None,
+            reserved: false,
         }
     }
 
@@ -203,6 +210,7 @@ impl<S: Clone, T> Clone for Batching<S, T> {
             worker: self.worker.clone(),
             // Each handle reserves its own queue slots.
             sender: None,
+            reserved: false,
         }
     }
 }
@@ -262,7 +270,10 @@ where
                 }
             };
             match ready!(sender.poll_reserve(cx)) {
-                Ok(()) => return Poll::Ready(Ok(())),
+                Ok(()) => {
+                    self.reserved = true;
+                    return Poll::Ready(Ok(()));
+                }
                 // The worker died: start another on the next turn.
                 Err(_) => self.sender = None,
             }
@@ -271,9 +282,16 @@ where
 
     fn call(&mut self, message: Message<T>) -> Self::Future {
         let (answer, response) = oneshot::channel();
-        if let Some(sender) = self.sender.as_mut() {
-            // On failure the item, with `answer`, is dropped: the call resolves to Closed.
-            let _ = sender.send_item((message, answer));
+        let reserved = std::mem::take(&mut self.reserved);
+        match self.sender.as_mut() {
+            Some(sender) if reserved => {
+                // On failure the item, with `answer`, is dropped: the call resolves to Closed.
+                let _ = sender.send_item((message, answer));
+            }
+            // Without a reserved slot `send_item` would panic: answer with an error instead.
+            _ => {
+                let _ = answer.send(Err(BatchError::NotReady));
+            }
         }
         ResponseFuture { response }
     }
@@ -514,6 +532,7 @@ impl<S, T> Layer<S> for BatchLayer<T> {
             config: self.config.clone(),
             worker: Arc::new(Mutex::new(None)),
             sender: None,
+            reserved: false,
         }
     }
 }

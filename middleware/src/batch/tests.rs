@@ -234,3 +234,17 @@ async fn batch_mode_stops_at_the_first_failing_chunk() {
     assert_eq!(err.to_string(), "bulk write failed");
     assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4]]));
 }
+
+#[tokio::test]
+async fn a_call_without_poll_ready_is_an_error_not_a_panic() {
+    let (calls, handler) = bulk(|_| false);
+    let mut svc = Batching::new(handler, BatchConfig::new());
+    let err = Service::<Message<Bytes>>::call(&mut svc, message(1, b"x"))
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<BatchError>(),
+        Some(BatchError::NotReady)
+    ));
+    assert!(sequences(&calls).is_empty());
+}
