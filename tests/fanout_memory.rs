@@ -476,3 +476,64 @@ async fn a_backend_without_fan_out_refuses_to_start() {
         "{err}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("shared", 4).await.unwrap();
+    kinesis.set_max_records_per_event(20);
+    kinesis.set_subscription_lifetime(Duration::from_secs(5));
+    let recorder = Recorder::default();
+    let start = |worker: &str| {
+        let consumer = test_consumer(memory.clone(), "shared", "shared-group", worker)
+            .fan_out("shared-efo")
+            .build()
+            .unwrap();
+        let shutdown = consumer.shutdown_handle();
+        let run = tokio::spawn(
+            consumer
+                .run(recording_handler(recorder.clone()))
+                .into_future(),
+        );
+        (shutdown, run)
+    };
+    let (stop1, run1) = start("w1");
+    let producer = tokio::spawn(trickle(
+        kinesis.clone(),
+        "shared",
+        0,
+        (80, 50),
+        Duration::from_millis(100),
+    ));
+    recorder.wait_for(500, LIMIT).await;
+    // w2 joins: it asks w1 for shards, which w1 drains, checkpoints and hands over.
+    let (stop2, run2) = start("w2");
+    let table = memory.table("shared-group");
+    let balanced = async {
+        loop {
+            let w2 = table
+                .rows()
+                .iter()
+                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .count();
+            if w2 == 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, balanced)
+        .await
+        .expect("w2 holds half of the shards");
+    producer.await.unwrap();
+    recorder.wait_for(4_000, LIMIT).await;
+    checkpointed_at_the_end(&memory, "shared", "shared-group").await;
+    stop1.shutdown();
+    stop2.shutdown();
+    run1.await.unwrap().unwrap();
+    run2.await.unwrap().unwrap();
+    let shards = kinesis.list_shards("shared").await.unwrap();
+    // A planned hand-off (drain, checkpoint, transfer) delivers nothing twice.
+    assert_exactly_once_in_order(&recorder.snapshot(), 4_000, &shards);
+}
