@@ -31,3 +31,12 @@ async fn reshard_while_consuming_on_emulators() {
     let aws = shardflow::Aws::from_env().await;
     reshard_while_consuming(aws, &unique("reshard"), 10_000, Duration::from_secs(120)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kpl_aggregates_resume_inside_an_aggregate_on_emulators() {
+    if !enabled() {
+        return;
+    }
+    let aws = shardflow::Aws::from_env().await;
+    kpl_aggregates_resume_inside_an_aggregate(aws, &unique("kpl"), Duration::from_secs(120)).await;
+}

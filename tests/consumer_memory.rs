@@ -266,3 +266,8 @@ async fn while_the_stream_is_updating_held_shards_continue_and_no_leases_churn()
     let shards = kinesis.list_shards("updating").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 400, &shards);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kpl_aggregates_resume_inside_an_aggregate_on_memory() {
+    kpl_aggregates_resume_inside_an_aggregate(Memory::new(), "kpl", LIMIT).await;
+}

@@ -492,10 +492,16 @@ impl Coordinator {
             Sink::Shared(tx) => tx.clone(),
         };
         let stop = CancellationToken::new();
+        let hash_range = self
+            .shards
+            .iter()
+            .find(|s| s.shard_id == key)
+            .map(|s| (s.starting_hash_key, s.ending_hash_key));
         let task = ShardTask {
             config: self.config.clone(),
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
+            hash_range,
             lease: lease.clone(),
             out,
             stop: stop.clone(),

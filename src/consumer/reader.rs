@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::aggregation::{self, Deaggregated};
 use crate::backoff::Backoff;
 use crate::checkpoint::{Mark, ShardProgress};
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
@@ -27,11 +28,16 @@ pub(crate) struct ShardReader {
     pub(crate) kinesis: Arc<dyn KinesisApi>,
     pub(crate) stream: Arc<str>,
     pub(crate) shard_id: Arc<str>,
+    /// The shard's hash-key range, to count KPL user records that belong elsewhere.
+    pub(crate) hash_range: Option<(u128, u128)>,
     pub(crate) progress: Arc<ShardProgress>,
     pub(crate) out: mpsc::Sender<Batch>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
 }
+
+/// The record limit of a shard's first GetRecords call (see `poll`).
+const FIRST_READ_LIMIT: u32 = 1_000;
 
 /// Whether a reader goes on after handing out a read.
 #[derive(Debug, PartialEq, Eq)]
@@ -63,6 +69,9 @@ impl ShardReader {
         // covered by the checkpoint or was already delivered by this reader.
         let mut handled = start;
         let mut iterator: Option<String> = None;
+        // The first reads are small, so the first records reach the handler quickly
+        // even when a large backlog waits; each full page doubles the next one.
+        let mut limit = self.config.max_records_per_read.min(FIRST_READ_LIMIT);
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
@@ -75,11 +84,7 @@ impl ShardReader {
                     Err(e) => return Err(e),
                 },
             };
-            let page = match self
-                .kinesis
-                .get_records(&it, self.config.max_records_per_read)
-                .await
-            {
+            let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
                     tracing::info!(shard = %self.shard_id, %why, "iterator expired; reading again from the last delivered record");
@@ -108,7 +113,15 @@ impl ShardReader {
                 }
                 Some(next) => iterator = Some(next),
             }
-            let caught_up = raw == 0 || page.millis_behind_latest == Some(0);
+            // A full page means more is waiting, whatever MillisBehindLatest says
+            // (emulators report 0, and so does Kinesis within the same millisecond).
+            let full = raw >= limit as usize;
+            if full {
+                limit = limit
+                    .saturating_mul(2)
+                    .min(self.config.max_records_per_read);
+            }
+            let caught_up = raw == 0 || (!full && page.millis_behind_latest == Some(0));
             if caught_up {
                 tokio::time::sleep(self.config.idle_read_interval).await;
             }
@@ -219,23 +232,21 @@ impl ShardReader {
         let raw = records.len();
         let mut messages = Vec::with_capacity(raw);
         for record in records {
+            if aggregation::has_magic(&record.data) {
+                self.deaggregate(record, handled, &mut messages);
+                continue;
+            }
             let position = Position::new(record.sequence_number, 0);
             if handled.covers(&position) {
                 continue;
             }
-            messages.push(Message {
-                headers: Headers {
-                    stream: self.stream.clone(),
-                    shard_id: self.shard_id.clone(),
-                    sequence_number: position.sequence,
-                    sub_sequence_number: 0,
-                    partition_key: record.partition_key,
-                    explicit_hash_key: None,
-                    approximate_arrival: record.approximate_arrival,
-                    lease_lost: self.lease_lost.clone(),
-                },
-                payload: record.data,
-            });
+            messages.push(self.message(
+                position,
+                record.partition_key,
+                None,
+                record.approximate_arrival,
+                record.data,
+            ));
         }
         if raw > messages.len() {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
@@ -266,6 +277,104 @@ impl ShardReader {
         match self.out.send(batch).await {
             Ok(()) => Flow::Continue,
             Err(_) => Flow::Stop,
+        }
+    }
+
+    fn message(
+        &self,
+        position: Position,
+        partition_key: String,
+        explicit_hash_key: Option<String>,
+        approximate_arrival: Option<std::time::SystemTime>,
+        payload: bytes::Bytes,
+    ) -> Message {
+        Message {
+            headers: Headers {
+                stream: self.stream.clone(),
+                shard_id: self.shard_id.clone(),
+                sequence_number: position.sequence,
+                sub_sequence_number: position.sub_sequence,
+                partition_key,
+                explicit_hash_key,
+                approximate_arrival,
+                lease_lost: self.lease_lost.clone(),
+            },
+            payload,
+        }
+    }
+
+    /// Splits a KPL aggregate into one message per user record at (sequence,
+    /// sub-sequence), dropping those already handled, so a restart inside an aggregate
+    /// resumes right after the last handled user record. A record with the magic bytes
+    /// that does not verify is delivered whole, as a plain record, and counted. User
+    /// records whose hash key belongs to another shard (a producer's stale shard map
+    /// around a reshard) are delivered too and counted: the KCL discards the whole
+    /// aggregate then, which loses records the producer considers stored.
+    fn deaggregate(&self, record: Record, handled: &Checkpoint, messages: &mut Vec<Message>) {
+        match aggregation::deaggregate(record) {
+            Deaggregated::Aggregated {
+                record,
+                user_records,
+            } => {
+                let mut elsewhere = 0usize;
+                for user in user_records {
+                    if let Some((start, end)) = self.hash_range {
+                        if !aggregation::belongs_to_shard(&user, start, end) {
+                            elsewhere += 1;
+                        }
+                    }
+                    let position = Position::new(record.sequence_number.clone(), user.sub_sequence);
+                    if handled.covers(&position) {
+                        continue;
+                    }
+                    messages.push(self.message(
+                        position,
+                        user.partition_key,
+                        user.explicit_hash_key,
+                        record.approximate_arrival,
+                        user.data,
+                    ));
+                }
+                if elsewhere > 0 {
+                    tracing::debug!(
+                        monotonic_counter.shardflow.kpl_outside_shard = elsewhere as u64,
+                        shard = %self.shard_id,
+                        sequence = %record.sequence_number,
+                        "delivered KPL user records whose hash key belongs to another shard"
+                    );
+                }
+            }
+            Deaggregated::Corrupt { record, reason } => {
+                tracing::warn!(
+                    monotonic_counter.shardflow.kpl_corrupt = 1u64,
+                    shard = %self.shard_id,
+                    sequence = %record.sequence_number,
+                    %reason,
+                    "aggregated record does not verify; delivering it as a plain record"
+                );
+                let position = Position::new(record.sequence_number, 0);
+                if !handled.covers(&position) {
+                    messages.push(self.message(
+                        position,
+                        record.partition_key,
+                        None,
+                        record.approximate_arrival,
+                        record.data,
+                    ));
+                }
+            }
+            Deaggregated::Plain(record) => {
+                let position = Position::new(record.sequence_number, 0);
+                if !handled.covers(&position) {
+                    messages.push(self.message(
+                        position,
+                        record.partition_key,
+                        None,
+                        record.approximate_arrival,
+                        record.data,
+                    ));
+                }
+            }
         }
     }
 

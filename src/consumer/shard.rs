@@ -34,6 +34,8 @@ pub(crate) struct ShardTask {
     pub(crate) config: Arc<Config>,
     pub(crate) kinesis: Arc<dyn KinesisApi>,
     pub(crate) stream: Arc<str>,
+    /// The shard's hash-key range, when discovery saw the shard.
+    pub(crate) hash_range: Option<(u128, u128)>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) out: mpsc::Sender<Batch>,
     /// Cancelled to stop gracefully (shutdown or hand-off).
@@ -60,6 +62,7 @@ impl ShardTask {
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
             shard_id: shard_id.clone(),
+            hash_range: self.hash_range,
             progress: progress.clone(),
             out: self.out.clone(),
             lease: self.lease.clone(),

@@ -400,3 +400,152 @@ pub async fn wait_until_active(kinesis: &dyn KinesisApi, stream: &str) {
 }
 
 use std::future::IntoFuture;
+
+/// KPL aggregates through the consumer: 20 aggregates of 50 user records and one record
+/// that carries the magic bytes but does not verify. A handler failure in the middle of
+/// an aggregate, and a shutdown in the middle of another followed by a restart, must
+/// neither skip nor repeat user records; the corrupt record arrives once, whole.
+pub async fn kpl_aggregates_resume_inside_an_aggregate<B: Backend + Clone>(
+    backend: B,
+    stream: &str,
+    limit: Duration,
+) {
+    use shardflow::aggregation::{Aggregator, MAGIC};
+    let kinesis = backend.kinesis();
+    kinesis.create_stream(stream, 1).await.unwrap();
+    let mut records = Vec::new();
+    for a in 0..20 {
+        let mut agg = Aggregator::new();
+        for v in a * 50..(a + 1) * 50 {
+            let put = PutRecord {
+                data: Bytes::from(v.to_string()),
+                partition_key: format!("pk-{}", v % 64),
+                explicit_hash_key: None,
+            };
+            assert!(
+                agg.add(put).unwrap().is_none(),
+                "small records fit one aggregate"
+            );
+        }
+        records.push(agg.flush().unwrap());
+    }
+    let mut corrupt = MAGIC.to_vec();
+    corrupt.extend_from_slice(b"not a protobuf, and no valid digest either");
+    records.push(PutRecord {
+        data: Bytes::from(corrupt.clone()),
+        partition_key: "pk-corrupt".into(),
+        explicit_hash_key: None,
+    });
+    for r in &records {
+        let out = kinesis
+            .put_records(stream, std::slice::from_ref(r))
+            .await
+            .unwrap();
+        assert!(matches!(
+            out[0],
+            shardflow::kinesis::PutOutcome::Stored { .. }
+        ));
+    }
+
+    let group = format!("{stream}-group");
+    let seen: Arc<Mutex<Vec<(Bytes, u64)>>> = Arc::default();
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let run_once = |worker: &'static str, stop_at: Option<usize>| {
+        let consumer = test_consumer(backend.clone(), stream, &group, worker)
+            .build()
+            .unwrap();
+        let shutdown = consumer.shutdown_handle();
+        let (seen, failed_once) = (seen.clone(), failed_once.clone());
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let handler = tower::service_fn(move |msg: Message| {
+            let value = std::str::from_utf8(&msg.payload)
+                .ok()
+                .and_then(|s| s.parse::<usize>().ok());
+            // Value 525 (sub-sequence 25 of aggregate 10) fails on its first attempt.
+            let fail = value == Some(525) && !failed_once.swap(true, Ordering::SeqCst);
+            let slow = stopping.load(Ordering::SeqCst);
+            if !fail {
+                seen.lock()
+                    .unwrap()
+                    .push((msg.payload.clone(), msg.headers.sub_sequence_number));
+                if value.is_some() && value == stop_at {
+                    shutdown.shutdown();
+                    stopping.store(true, Ordering::SeqCst);
+                }
+            }
+            async move {
+                if slow {
+                    // Once stopping, handlers are slow, so the drain stops inside this
+                    // aggregate rather than after it.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                if fail {
+                    Err("injected")
+                } else {
+                    Ok(())
+                }
+            }
+        });
+        let stop = consumer.shutdown_handle();
+        (tokio::spawn(consumer.run(handler).into_future()), stop)
+    };
+
+    // First run: stops itself right after handling value 777 (inside aggregate 15).
+    let (first, _) = run_once("w1", Some(777));
+    tokio::time::timeout(limit, first)
+        .await
+        .expect("first run stops")
+        .unwrap()
+        .unwrap();
+    let after_first = seen.lock().unwrap().len();
+    assert!(
+        after_first < 800,
+        "the first run stopped inside aggregate 15, after {after_first}"
+    );
+    let rows = backend.lease_store(&group).list().await.unwrap();
+    match &rows[0].checkpoint {
+        Checkpoint::At(p) => assert!(p.sub_sequence > 0, "checkpoint {p} inside an aggregate"),
+        other => panic!("unexpected checkpoint {other}"),
+    }
+
+    // Second run: from the committed (sequence, sub-sequence) checkpoints.
+    let (second, stop) = run_once("w2", None);
+    let all = async {
+        while seen.lock().unwrap().len() < 1_001 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(limit, all)
+        .await
+        .expect("every user record handled");
+    stop.shutdown();
+    second.await.unwrap().unwrap();
+
+    let seen = seen.lock().unwrap().clone();
+    let mut values: Vec<usize> = seen
+        .iter()
+        .filter_map(|(p, _)| std::str::from_utf8(p).ok().and_then(|s| s.parse().ok()))
+        .collect();
+    values.sort_unstable();
+    assert_eq!(
+        values,
+        (0..1_000).collect::<Vec<_>>(),
+        "each user record exactly once"
+    );
+    let corrupt_seen: Vec<_> = seen
+        .iter()
+        .filter(|(p, _)| p.as_ref() == corrupt.as_slice())
+        .collect();
+    assert_eq!(
+        corrupt_seen.len(),
+        1,
+        "the corrupt aggregate is delivered once, whole"
+    );
+    assert_eq!(corrupt_seen[0].1, 0, "as a plain record");
+    let subs: HashSet<u64> = seen.iter().map(|(_, s)| *s).collect();
+    assert_eq!(
+        subs.len(),
+        50,
+        "user records carry their sub-sequence numbers"
+    );
+}
