@@ -612,6 +612,9 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
+        // The link to the example binary would keep a 250 MB file alive once cargo
+        // replaces it; the logs are what a failure needs.
+        let _ = std::fs::remove_file(&self.bin);
         if std::thread::panicking() || !self.problems.is_empty() {
             for w in self.workers.values() {
                 eprintln!("--- {} (last log lines) ---\n{}", w.id, w.log_tail(30));
