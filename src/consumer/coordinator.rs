@@ -363,7 +363,10 @@ impl Coordinator {
             else {
                 break;
             };
-            if count <= target {
+            // Only from a worker that would still hold at least as many as we will:
+            // with 8 leases over 5 workers (2,2,2,2,0) the newcomer takes one, and a
+            // difference of one never moves a lease back and forth.
+            if count < mine + self.steals.len() + 2 {
                 break;
             }
             let candidate = eligible.iter().find(|r| {
