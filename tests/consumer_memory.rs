@@ -50,15 +50,9 @@ async fn seeded_faults_lose_nothing() {
             .max_records_per_read(100)
             .build()
             .unwrap();
-        let shutdown = consumer.shutdown_handle();
-        let run = tokio::spawn(
-            consumer
-                .run(recording_handler(recorder.clone()))
-                .into_future(),
-        );
+        let run = start(consumer, &recorder);
         recorder.wait_for(3_000, LIMIT).await;
-        shutdown.shutdown();
-        run.await.unwrap().unwrap();
+        run.stop().await;
         let handled = recorder.snapshot();
         let shards = kinesis.list_shards("faulty").await.unwrap();
         // Faults may cause re-reads; the per-record filter must keep them from reaching
@@ -213,12 +207,7 @@ async fn while_the_stream_is_updating_held_shards_continue_and_no_leases_churn()
     let consumer = test_consumer(memory.clone(), "updating", "updating-group", "w1")
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(
-        consumer
-            .run(recording_handler(recorder.clone()))
-            .into_future(),
-    );
+    let run = start(consumer, &recorder);
     recorder.wait_for(200, LIMIT).await;
 
     memory.streams().set_updating("updating", true);
@@ -261,8 +250,7 @@ async fn while_the_stream_is_updating_held_shards_continue_and_no_leases_churn()
 
     memory.streams().set_updating("updating", false);
     recorder.wait_for(400, LIMIT).await;
-    shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    run.stop().await;
     let shards = kinesis.list_shards("updating").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 400, &shards);
 }

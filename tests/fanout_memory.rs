@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -312,12 +311,7 @@ async fn subscriptions_renew_before_their_lifetime_without_loss_or_duplicates() 
         .fan_out("renew-efo")
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(
-        consumer
-            .run(recording_handler(recorder.clone()))
-            .into_future(),
-    );
+    let run = start(consumer, &recorder);
     // 3,000 records over 30 s: records keep flowing across ~15 renewals per shard.
     let started = Instant::now();
     let producer = tokio::spawn(trickle(
@@ -331,8 +325,7 @@ async fn subscriptions_renew_before_their_lifetime_without_loss_or_duplicates() 
     producer.await.unwrap();
     checkpointed_at_the_end(&memory, "renew", "renew-group").await;
     let elapsed = started.elapsed();
-    shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    run.stop().await;
 
     let shards = kinesis.list_shards("renew").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 3_000, &shards);
@@ -363,12 +356,7 @@ async fn the_reader_resumes_after_subscription_errors() {
         .fan_out("broken-efo")
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(
-        consumer
-            .run(recording_handler(recorder.clone()))
-            .into_future(),
-    );
+    let run = start(consumer, &recorder);
     recorder.wait_for(100, LIMIT).await;
     // Break every open subscription again and again while more records arrive.
     for i in 0..10 {
@@ -378,8 +366,7 @@ async fn the_reader_resumes_after_subscription_errors() {
     }
     recorder.wait_for(1_000, LIMIT).await;
     checkpointed_at_the_end(&memory, "broken", "broken-group").await;
-    shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    run.stop().await;
     let shards = kinesis.list_shards("broken").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 1_000, &shards);
     assert!(
@@ -411,12 +398,7 @@ async fn seeded_subscription_faults_lose_nothing() {
             .fan_out("faulty-efo")
             .build()
             .unwrap();
-        let shutdown = consumer.shutdown_handle();
-        let run = tokio::spawn(
-            consumer
-                .run(recording_handler(recorder.clone()))
-                .into_future(),
-        );
+        let run = start(consumer, &recorder);
         // Half a second apart: many subscriptions come and go meanwhile.
         let producer = tokio::spawn(trickle(
             kinesis.clone(),
@@ -428,8 +410,7 @@ async fn seeded_subscription_faults_lose_nothing() {
         producer.await.unwrap();
         recorder.wait_for(1_500, LIMIT).await;
         checkpointed_at_the_end(&memory, "faulty", &group).await;
-        shutdown.shutdown();
-        run.await.unwrap().unwrap();
+        run.stop().await;
         let shards = kinesis.list_shards("faulty").await.unwrap();
         assert_exactly_once_in_order(&recorder.snapshot(), 1_500, &shards);
     }
@@ -485,20 +466,14 @@ async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
     kinesis.set_max_records_per_event(20);
     kinesis.set_subscription_lifetime(Duration::from_secs(5));
     let recorder = Recorder::default();
-    let start = |worker: &str| {
-        let consumer = test_consumer(memory.clone(), "shared", "shared-group", worker)
+    let worker = |name: &str| {
+        let consumer = test_consumer(memory.clone(), "shared", "shared-group", name)
             .fan_out("shared-efo")
             .build()
             .unwrap();
-        let shutdown = consumer.shutdown_handle();
-        let run = tokio::spawn(
-            consumer
-                .run(recording_handler(recorder.clone()))
-                .into_future(),
-        );
-        (shutdown, run)
+        start(consumer, &recorder)
     };
-    let (stop1, run1) = start("w1");
+    let w1 = worker("w1");
     let producer = tokio::spawn(trickle(
         kinesis.clone(),
         "shared",
@@ -508,7 +483,7 @@ async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
     ));
     recorder.wait_for(500, LIMIT).await;
     // w2 joins: it asks w1 for shards, which w1 drains, checkpoints and hands over.
-    let (stop2, run2) = start("w2");
+    let w2 = worker("w2");
     let table = memory.table("shared-group");
     let balanced = async {
         loop {
@@ -529,10 +504,9 @@ async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
     producer.await.unwrap();
     recorder.wait_for(4_000, LIMIT).await;
     checkpointed_at_the_end(&memory, "shared", "shared-group").await;
-    stop1.shutdown();
-    stop2.shutdown();
-    run1.await.unwrap().unwrap();
-    run2.await.unwrap().unwrap();
+    w1.shutdown.shutdown();
+    w2.stop().await;
+    w1.stop().await;
     let shards = kinesis.list_shards("shared").await.unwrap();
     // A planned hand-off (drain, checkpoint, transfer) delivers nothing twice.
     assert_exactly_once_in_order(&recorder.snapshot(), 4_000, &shards);

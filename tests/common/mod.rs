@@ -269,12 +269,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     let consumer = tweak(test_consumer(backend.clone(), stream, &group, "w1"))
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(
-        consumer
-            .run(recording_handler(recorder.clone()))
-            .into_future(),
-    );
+    let run = start(consumer, &recorder);
 
     recorder.wait_for(quarter, limit).await;
     let open = open_shards(kinesis.as_ref(), stream).await;
@@ -323,8 +318,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     tokio::time::timeout(limit, ended)
         .await
         .expect("closed shards reach SHARD_END");
-    shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    run.stop().await;
 
     let handled = recorder.snapshot();
     assert_exactly_once_in_order(&handled, total, &shards);
@@ -357,8 +351,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     let consumer = tweak(test_consumer(backend.clone(), stream, &group, "w2"))
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let run = tokio::spawn(consumer.run(recording_handler(again.clone())).into_future());
+    let run = start(consumer, &again);
     let open_count = open_shards(kinesis.as_ref(), stream).await.len();
     let taken = async {
         loop {
@@ -379,8 +372,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
         .expect("the restarted worker takes every open shard");
     // Absence of redelivery needs a window: several read rounds (20 ms idle interval).
     tokio::time::sleep(Duration::from_millis(500)).await;
-    shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    run.stop().await;
     assert_eq!(
         again.count(),
         0,
@@ -548,4 +540,29 @@ pub async fn kpl_aggregates_resume_inside_an_aggregate<B: Backend + Clone>(
         50,
         "user records carry their sub-sequence numbers"
     );
+}
+
+/// A consumer running `recording_handler` in a task.
+pub struct Running {
+    pub shutdown: shardflow::ShutdownHandle,
+    task: tokio::task::JoinHandle<Result<(), shardflow::ConsumerError>>,
+}
+
+impl Running {
+    /// Shuts down gracefully and waits until the run returned without error.
+    pub async fn stop(self) {
+        self.shutdown.shutdown();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+/// Runs `consumer` with a handler that records into `recorder`.
+pub fn start(consumer: Consumer, recorder: &Recorder) -> Running {
+    let shutdown = consumer.shutdown_handle();
+    let task = tokio::spawn(
+        consumer
+            .run(recording_handler(recorder.clone()))
+            .into_future(),
+    );
+    Running { shutdown, task }
 }
