@@ -1,0 +1,208 @@
+//! A payment pipeline: the full layer stack under `Consumer::run`.
+//!
+//! Orders arrive as JSON on the `orders` stream. The stack, outermost first:
+//! - `dead_letter`: what still fails below is written to the `orders-dlq` stream by the
+//!   producer (the raw record, with its error logged); the record counts as handled
+//!   only once the dead-letter stream stored it.
+//! - `decode::<Order>()`: bad JSON becomes a typed error (and so a dead letter).
+//! - `dedup`: a redelivered order (after a crash or a retry) is not charged twice.
+//! - `retry`: a flaky payment provider is retried with backoff; a declined card is
+//!   permanent and goes straight to the dead-letter stream.
+//!
+//! Runs on the embedded backend; set `AWS_ENDPOINT_URL_KINESIS` (or
+//! `SHARDFLOW_BACKEND=aws`) to run it against an emulator or AWS.
+//!
+//! ```text
+//! cargo run --example pipeline
+//! ```
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
+use shardflow::producer::{Producer, ProducerRecord};
+use shardflow::{Aws, Backend, Consumer, Memory, Message};
+use shardflow_middleware::dead_letter::DeadLetterRecord;
+use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
+use tokio::sync::Notify;
+use tower::{ServiceBuilder, ServiceExt};
+
+const ORDERS: u64 = 1_000;
+
+#[derive(Clone, Debug, serde::Deserialize)]
+struct Order {
+    id: u64,
+    amount_cents: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PaymentError {
+    #[error("payment provider timed out")]
+    Timeout,
+    #[error("card declined")]
+    Declined,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some()
+        || std::env::var("SHARDFLOW_BACKEND").as_deref() == Ok("aws")
+    {
+        run(Aws::from_env().await).await
+    } else {
+        run(Memory::new()).await
+    }
+}
+
+async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Error>> {
+    let suffix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let (orders, dlq) = (format!("orders-{suffix}"), format!("orders-dlq-{suffix}"));
+    let kinesis = backend.kinesis();
+    kinesis.create_stream(&orders, 2).await?;
+    kinesis.create_stream(&dlq, 1).await?;
+    write_orders(kinesis.as_ref(), &orders).await?;
+
+    // The dead-letter sink: the producer, writing the raw record to the DLQ stream.
+    let producer = Producer::builder()
+        .stream(&dlq)
+        .backend(backend.clone())
+        .build()?;
+    // (The dead-letter layer logs each record's error; the DLQ keeps the raw record.)
+    let sink = producer.clone().map_request(|dead: DeadLetterRecord| {
+        ProducerRecord::new(dead.payload, dead.headers.partition_key)
+    });
+
+    let charged: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let finished = Arc::new(Notify::new());
+    let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handler = ServiceBuilder::new()
+        .dead_letter(sink)
+        .decode::<Order>()
+        .dedup(MemoryDedupStore::new(100_000))
+        .retry(
+            Backoff::exponential()
+                .max_attempts(4)
+                .initial_delay(Duration::from_millis(5))
+                .classify(|e: &PaymentError| match e {
+                    PaymentError::Timeout => ErrorClass::Retryable,
+                    PaymentError::Declined => ErrorClass::Permanent,
+                }),
+        )
+        .service_fn({
+            let (charged, finished, attempts) =
+                (charged.clone(), finished.clone(), attempts.clone());
+            move |msg: Message<Order>| {
+                let (charged, finished) = (charged.clone(), finished.clone());
+                // Every 7th call times out once; negative amounts are declined.
+                let call = attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    if msg.payload.amount_cents < 0 {
+                        return Err(PaymentError::Declined);
+                    }
+                    if call % 7 == 3 {
+                        return Err(PaymentError::Timeout);
+                    }
+                    charged
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(msg.payload.id);
+                    finished.notify_one();
+                    Ok(())
+                }
+            }
+        });
+
+    let consumer = Consumer::builder()
+        .stream(&orders)
+        .group(format!("billing-{suffix}"))
+        .backend(backend.clone())
+        .idle_read_interval(Duration::from_millis(50))
+        .build()?;
+    let shutdown = consumer.shutdown_handle();
+    let running = tokio::spawn(async move { consumer.run(handler).await });
+
+    // Good orders are charged; the bad ones (every 50th has bad JSON, every 40th is
+    // declined) end up in the dead-letter stream.
+    let bad: HashSet<u64> = (0..ORDERS).filter(|i| i % 50 == 0 || i % 40 == 0).collect();
+    let good = ORDERS as usize - bad.len();
+    loop {
+        let notified = finished.notified();
+        let done = charged.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if done >= good && count(kinesis.as_ref(), &dlq).await? >= bad.len() {
+            break;
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    shutdown.shutdown();
+    running.await??;
+    producer.close().await;
+
+    let charged = charged.lock().unwrap_or_else(|p| p.into_inner()).len();
+    let dead = count(kinesis.as_ref(), &dlq).await?;
+    println!("{ORDERS} orders: {charged} charged, {dead} in the dead-letter stream");
+    if charged != good || dead != bad.len() {
+        return Err(format!("expected {good} charged and {} dead-lettered", bad.len()).into());
+    }
+    Ok(())
+}
+
+async fn write_orders(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let records: Vec<PutRecord> = (0..ORDERS)
+        .map(|i| {
+            let data = if i % 50 == 0 {
+                format!("{{\"id\":{i},")
+            } else if i % 40 == 0 {
+                format!("{{\"id\":{i},\"amount_cents\":-100}}")
+            } else {
+                format!("{{\"id\":{i},\"amount_cents\":{}}}", 100 + i)
+            };
+            PutRecord {
+                data: Bytes::from(data),
+                partition_key: format!("customer-{}", i % 31),
+                explicit_hash_key: None,
+            }
+        })
+        .collect();
+    for chunk in records.chunks(500) {
+        kinesis.put_records(stream, chunk).await?;
+    }
+    Ok(())
+}
+
+/// The number of records in a one-shard stream.
+async fn count(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let shards = kinesis.list_shards(stream).await?;
+    let mut total = 0;
+    for shard in shards {
+        let mut iterator = Some(
+            kinesis
+                .shard_iterator(stream, &shard.shard_id, &StartingPosition::TrimHorizon)
+                .await?,
+        );
+        while let Some(it) = iterator {
+            let page = kinesis.get_records(&it, 10_000).await?;
+            if page.records.is_empty() {
+                break;
+            }
+            total += page.records.len();
+            iterator = page.next_iterator;
+        }
+    }
+    Ok(total)
+}
