@@ -2,8 +2,8 @@
 //! service per record or per batch and acknowledges on success) or `stream()` (batches
 //! the caller acknowledges).
 //!
-//! Inside, a [`coordinator`] per worker manages leases and starts a [`shard`] task per
-//! held lease; each shard task runs a [`reader`] and commits the watermark of
+//! Inside, a `coordinator` per worker manages leases and starts a `shard` task per
+//! held lease; each shard task runs a `reader` and commits the watermark of
 //! acknowledged records.
 
 mod config;

@@ -1,4 +1,4 @@
-//! [`LeaseStore`](super::LeaseStore) over `aws-sdk-dynamodb`.
+//! [`LeaseStore`] over `aws-sdk-dynamodb`.
 //!
 //! # Table schema
 //!
