@@ -16,7 +16,9 @@ pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
     #[default]
     TrimHorizon,
-    /// Only records written after the group first started.
+    /// Only records written after the group first started. As with the KCL, a shard
+    /// whose first checkpoint was not written yet starts at the tip again after a
+    /// restart; records written in between are not read.
     Latest,
     /// Records that arrived at or after this time.
     AtTimestamp(SystemTime),
