@@ -135,6 +135,9 @@ where
     }
 }
 
+/// The shortest [`DedupLayer::wait_interval`].
+const MIN_WAIT_INTERVAL: Duration = Duration::from_millis(1);
+
 #[derive(Clone, Copy, Debug)]
 struct Timing {
     in_progress_ttl: Duration,
@@ -356,9 +359,11 @@ impl<St, K> DedupLayer<St, K> {
         self
     }
 
-    /// How often a key in progress elsewhere is looked at again.
+    /// How often a key in progress elsewhere is looked at again (at least every
+    /// millisecond: a shorter interval is read as 1 ms, so a waiting record never
+    /// busy-loops on the store).
     pub fn wait_interval(mut self, interval: Duration) -> Self {
-        self.timing.wait_interval = interval;
+        self.timing.wait_interval = interval.max(MIN_WAIT_INTERVAL);
         self
     }
 

@@ -175,3 +175,43 @@ async fn a_business_key_dedups_records_at_different_positions() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// A store where every key is always in progress elsewhere; counts the reserves.
+#[derive(Clone, Default)]
+struct AlwaysInProgress(Arc<AtomicU32>);
+
+#[async_trait::async_trait]
+impl DedupStore for AlwaysInProgress {
+    async fn reserve(&self, _: &str, _: &str, _: Duration) -> Result<Reservation, StoreError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(Reservation::InProgress)
+    }
+    async fn commit(&self, _: &str, _: &str, _: Duration) -> Result<Commit, StoreError> {
+        unreachable!("never reserved")
+    }
+    async fn release(&self, _: &str, _: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+// The real clock: a paused one would hide a busy loop. (Tokio's timer also rounds a
+// zero sleep up to its next millisecond tick; the clamp makes the bound ours, not an
+// accident of the timer.)
+#[tokio::test]
+async fn a_zero_wait_interval_does_not_busy_loop_on_the_store() {
+    let store = AlwaysInProgress::default();
+    let (calls, handler) = counting(|_| false);
+    let svc = DedupLayer::new(store.clone())
+        .wait_interval(Duration::ZERO)
+        .max_wait(Duration::from_millis(50))
+        .layer(handler);
+    let err = svc.oneshot(message(1, b"x")).await.unwrap_err();
+    assert!(matches!(
+        err.downcast_ref::<DedupError>(),
+        Some(DedupError::InProgress { .. })
+    ));
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    // At most one look per millisecond (with room for a slow machine's timer).
+    let reserves = store.0.load(Ordering::SeqCst);
+    assert!(reserves <= 60, "{reserves} reserves in 50 ms");
+}
