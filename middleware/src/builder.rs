@@ -43,8 +43,9 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
     fn decode_with<T, F>(self, format: F) -> ServiceBuilder<Stack<DecodeLayer<T, F>, L>>;
 
     /// Skips records already handled, keyed by position, in `store`
-    /// ([`dedup`](crate::dedup)). For another key or other timings, use
-    /// `.layer(DedupLayer::new(store).key(...))`.
+    /// ([`dedup`](crate::dedup)); the store must serve this consumer group alone. For
+    /// another key, a namespace in a shared store or other timings, use
+    /// `.layer(DedupLayer::new(store).key(...).namespace(...))`.
     fn dedup<St>(self, store: St) -> ServiceBuilder<Stack<DedupLayer<St>, L>>;
 
     /// Retries failed records per `policy` ([`retry`](crate::retry)).

@@ -1,5 +1,10 @@
 //! [`DynamoDbDedupStore`]: the dedup keys in a DynamoDB table, shared by every consumer
-//! of a group (and by other groups or producers that use the same keys).
+//! of one group.
+//!
+//! Use one table per consumer group. A key done by one group reads as done to every
+//! other user of the table, so a second group sharing it would skip records it never
+//! handled; to share a table anyway, give each group's
+//! [`DedupLayer`](super::DedupLayer) its own [`namespace`](super::DedupLayer::namespace).
 //!
 //! Table layout (one item per key):
 //!
@@ -39,7 +44,9 @@ const DONE: &str = "done";
 /// A [`DedupStore`] in a DynamoDB table (see the module docs for the layout).
 ///
 /// Create the table with [`ensure_table`](DynamoDbDedupStore::ensure_table) or your own
-/// infrastructure code (hash key `dedupKey` of type S, TTL on `expiresAt`).
+/// infrastructure code (hash key `dedupKey` of type S, TTL on `expiresAt`). One table
+/// per consumer group, unless each group's layer has its own
+/// [`namespace`](super::DedupLayer::namespace).
 #[derive(Clone, Debug)]
 pub struct DynamoDbDedupStore {
     client: Client,

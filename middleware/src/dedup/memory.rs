@@ -18,7 +18,8 @@ use super::store::{Commit, DedupStore, Reservation, StoreError};
 /// [`StoreError::Full`] (a transient error: the shard stops and the record comes back).
 ///
 /// Time is tokio's clock, so tests can pause and advance it. Cloning gives another
-/// handle to the same store.
+/// handle to the same store: share it only within one consumer group, unless each
+/// group's layer has its own [`namespace`](super::DedupLayer::namespace).
 #[derive(Clone)]
 pub struct MemoryDedupStore {
     shared: Arc<Mutex<Table>>,

@@ -32,6 +32,23 @@
 //!   reservation simply expires. A redelivery after that expiry runs the handler again.
 //! * Done keys are forgotten after `done_ttl` (and, in [`MemoryDedupStore`], when the
 //!   capacity is reached). Keep `done_ttl` at least as long as the stream's retention.
+//!
+//! # One store per consumer group
+//!
+//! A store knows keys, not who handled them. Two consumer groups (or two handlers with
+//! different side effects) that share a store — one [`MemoryDedupStore`], one DynamoDB
+//! table — would find each other's keys done, and the second group's handler would be
+//! skipped as a [`Duplicate`](Outcome::Duplicate) although its side effect never
+//! happened. Give each group its own store (its own table), or, when a table must be
+//! shared, give each group's layer its own [`namespace`](DedupLayer::namespace):
+//!
+//! ```
+//! # use shardflow_middleware::{DedupLayer, MemoryDedupStore};
+//! let shared = MemoryDedupStore::new(100_000);
+//! let billing = DedupLayer::new(shared.clone()).namespace("billing");
+//! let shipping = DedupLayer::new(shared).namespace("shipping");
+//! # let _ = (billing, shipping);
+//! ```
 
 mod dynamodb;
 mod memory;
@@ -106,6 +123,9 @@ pub trait KeyFn<T> {
 /// The default key: `stream/shard/sequence/sub-sequence`, unique per Kinesis record.
 /// It removes duplicates caused by re-delivery; duplicates the producer wrote (two
 /// records with the same business id) need a key from the payload instead.
+///
+/// The key does not name the consumer group: a store shared by several groups needs a
+/// [`namespace`](DedupLayer::namespace) per group (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ByPosition;
 
@@ -162,6 +182,7 @@ pub struct Dedup<S, St, K = ByPosition> {
     inner: S,
     store: St,
     key: Arc<K>,
+    namespace: Option<Arc<str>>,
     timing: Timing,
 }
 
@@ -171,6 +192,7 @@ impl<S: Clone, St: Clone, K> Clone for Dedup<S, St, K> {
             inner: self.inner.clone(),
             store: self.store.clone(),
             key: self.key.clone(),
+            namespace: self.namespace.clone(),
             timing: self.timing,
         }
     }
@@ -181,6 +203,7 @@ impl<S: fmt::Debug, St: fmt::Debug, K> fmt::Debug for Dedup<S, St, K> {
         f.debug_struct("Dedup")
             .field("inner", &self.inner)
             .field("store", &self.store)
+            .field("namespace", &self.namespace)
             .field("timing", &self.timing)
             .finish_non_exhaustive()
     }
@@ -218,7 +241,7 @@ where
 
     fn call(&mut self, message: Message<T>) -> Self::Future {
         let span = message_span("dedup", &message.headers);
-        let key = self.key.key(&message);
+        let key = namespaced(self.namespace.as_deref(), self.key.key(&message));
         let store = self.store.clone();
         let timing = self.timing;
         // The instance driven to readiness goes into the future; `self` keeps a clone.
@@ -226,6 +249,20 @@ where
         let inner = std::mem::replace(&mut self.inner, fresh);
         ResponseFuture {
             future: Box::pin(handle_once(inner, store, key, timing, message).instrument(span)),
+        }
+    }
+}
+
+/// `key` in `namespace`: `namespace/key`.
+fn namespaced(namespace: Option<&str>, key: String) -> String {
+    match namespace {
+        None => key,
+        Some(namespace) => {
+            let mut full = String::with_capacity(namespace.len() + 1 + key.len());
+            full.push_str(namespace);
+            full.push('/');
+            full.push_str(&key);
+            full
         }
     }
 }
@@ -301,6 +338,7 @@ where
 pub struct DedupLayer<St, K = ByPosition> {
     store: St,
     key: Arc<K>,
+    namespace: Option<Arc<str>>,
     timing: Timing,
 }
 
@@ -309,6 +347,7 @@ impl<St: Clone, K> Clone for DedupLayer<St, K> {
         DedupLayer {
             store: self.store.clone(),
             key: self.key.clone(),
+            namespace: self.namespace.clone(),
             timing: self.timing,
         }
     }
@@ -318,6 +357,7 @@ impl<St: fmt::Debug, K> fmt::Debug for DedupLayer<St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DedupLayer")
             .field("store", &self.store)
+            .field("namespace", &self.namespace)
             .field("timing", &self.timing)
             .finish_non_exhaustive()
     }
@@ -327,10 +367,13 @@ impl<St> DedupLayer<St, ByPosition> {
     /// Dedups on the record's position, in `store`, with the default timings:
     /// in progress for 2 min, done for 7 days, waiting up to 5 s (every 200 ms) for a
     /// key in progress elsewhere.
+    ///
+    /// Use a store for this consumer group alone, or set a [`namespace`](Self::namespace).
     pub fn new(store: St) -> Self {
         DedupLayer {
             store,
             key: Arc::new(ByPosition),
+            namespace: None,
             timing: Timing::default(),
         }
     }
@@ -342,8 +385,18 @@ impl<St, K> DedupLayer<St, K> {
         DedupLayer {
             store: self.store,
             key: Arc::new(key),
+            namespace: self.namespace,
             timing: self.timing,
         }
+    }
+
+    /// Prefixes every key with `namespace` and `/`, so that consumer groups (or
+    /// handlers with different side effects) can share one store without skipping each
+    /// other's records. Use the consumer group's name; without a namespace the store
+    /// must serve this group alone (see the [module docs](self)).
+    pub fn namespace(mut self, namespace: impl Into<Arc<str>>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
     }
 
     /// How long a reservation holds a key: longer than the slowest handler, retries
@@ -382,6 +435,7 @@ impl<S, St: Clone, K> Layer<S> for DedupLayer<St, K> {
             inner,
             store: self.store.clone(),
             key: self.key.clone(),
+            namespace: self.namespace.clone(),
             timing: self.timing,
         }
     }

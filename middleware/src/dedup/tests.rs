@@ -215,3 +215,39 @@ async fn a_zero_wait_interval_does_not_busy_loop_on_the_store() {
     let reserves = store.0.load(Ordering::SeqCst);
     assert!(reserves <= 60, "{reserves} reserves in 50 ms");
 }
+
+#[tokio::test(start_paused = true)]
+async fn groups_sharing_a_store_do_not_skip_each_others_records() {
+    let shared = MemoryDedupStore::new(100);
+    let (billing_calls, billing) = counting(|_| false);
+    let (shipping_calls, shipping) = counting(|_| false);
+    let billing = DedupLayer::new(shared.clone())
+        .namespace("billing")
+        .layer(billing);
+    let shipping = DedupLayer::new(shared.clone())
+        .namespace("shipping")
+        .layer(shipping);
+    assert_eq!(
+        billing.clone().oneshot(message(1, b"x")).await.unwrap(),
+        Outcome::Handled(1)
+    );
+    assert_eq!(
+        shipping.clone().oneshot(message(1, b"x")).await.unwrap(),
+        Outcome::Handled(1),
+        "the other group's record is not a duplicate"
+    );
+    // Within a group, dedup still works.
+    assert!(billing
+        .oneshot(message(1, b"x"))
+        .await
+        .unwrap()
+        .is_duplicate());
+    assert!(shipping
+        .oneshot(message(1, b"x"))
+        .await
+        .unwrap()
+        .is_duplicate());
+    assert_eq!(billing_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(shipping_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(shared.len(), 2);
+}
