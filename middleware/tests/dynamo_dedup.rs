@@ -56,6 +56,12 @@ async fn the_dynamodb_store_follows_the_protocol() {
         store.reserve("a", "t2", ttl).await.unwrap(),
         Reservation::InProgress
     );
+    // The holder's reserve sent again (the SDK retrying after a lost reply) fails its
+    // condition against the first attempt's item: that is still our reservation.
+    assert_eq!(
+        store.reserve("a", "t1", ttl).await.unwrap(),
+        Reservation::Reserved
+    );
     // Only the holder's token releases.
     store.release("a", "t2").await.unwrap();
     assert_eq!(

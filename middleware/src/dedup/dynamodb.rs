@@ -173,8 +173,9 @@ impl DynamoDbDedupStore {
         (KEY.to_owned(), AttributeValue::S(key.to_owned()))
     }
 
-    /// The state of `key` as a consistent read sees it; `None` when absent or expired.
-    async fn read(&self, key: &str) -> Result<Option<Reservation>, StoreError> {
+    /// The state of `key` for the reservation `token`, as a consistent read sees it;
+    /// `None` when absent or expired.
+    async fn read(&self, key: &str, token: &str) -> Result<Option<Reservation>, StoreError> {
         let (name, value) = self.key(key);
         let out = self
             .client
@@ -185,12 +186,20 @@ impl DynamoDbDedupStore {
             .send()
             .await
             .map_err(|e| sdk("reserve", e))?;
-        Ok(out.item().and_then(|item| state_of(item, now_secs())))
+        Ok(out
+            .item()
+            .and_then(|item| state_of(item, now_secs(), token)))
     }
 }
 
-/// What an item says, at `now` (epoch seconds); `None` when it has expired.
-fn state_of(item: &HashMap<String, AttributeValue>, now: u64) -> Option<Reservation> {
+/// What an item says to the reservation `token`, at `now` (epoch seconds); `None` when
+/// it has expired.
+///
+/// An item in progress under our own `token` is our reservation: the SDK retried a
+/// put whose first reply was lost, and the retry's condition failed against what the
+/// first attempt wrote. Reading it as in progress would stall the record until the
+/// reservation expired.
+fn state_of(item: &HashMap<String, AttributeValue>, now: u64, token: &str) -> Option<Reservation> {
     let expires = item
         .get(EXPIRES_AT)
         .and_then(|v| v.as_n().ok())
@@ -204,6 +213,15 @@ fn state_of(item: &HashMap<String, AttributeValue>, now: u64) -> Option<Reservat
         .map(String::as_str)
     {
         Some(DONE) => Some(Reservation::Done),
+        Some(_)
+            if item
+                .get(TOKEN)
+                .and_then(|v| v.as_s().ok())
+                .map(String::as_str)
+                == Some(token) =>
+        {
+            Some(Reservation::Reserved)
+        }
         Some(_) => Some(Reservation::InProgress),
         None => None,
     }
@@ -255,8 +273,8 @@ impl DedupStore for DynamoDbDedupStore {
                 _ => None,
             };
             let state = match returned {
-                Some(item) => state_of(item, now),
-                None => self.read(key).await?,
+                Some(item) => state_of(item, now, token),
+                None => self.read(key, token).await?,
             };
             if let Some(state) = state {
                 return Ok(state);
@@ -366,19 +384,38 @@ mod tests {
     fn item(status: &str, expires: u64) -> HashMap<String, AttributeValue> {
         HashMap::from([
             (STATUS.to_owned(), AttributeValue::S(status.to_owned())),
+            (TOKEN.to_owned(), AttributeValue::S("theirs".to_owned())),
             (EXPIRES_AT.to_owned(), number(expires)),
         ])
     }
 
     #[test]
     fn items_read_as_states_until_they_expire() {
-        assert_eq!(state_of(&item(DONE, 100), 100), Some(Reservation::Done));
         assert_eq!(
-            state_of(&item(IN_PROGRESS, 100), 99),
+            state_of(&item(DONE, 100), 100, "ours"),
+            Some(Reservation::Done)
+        );
+        assert_eq!(
+            state_of(&item(IN_PROGRESS, 100), 99, "ours"),
             Some(Reservation::InProgress)
         );
-        assert_eq!(state_of(&item(DONE, 100), 101), None);
-        assert_eq!(state_of(&HashMap::new(), 1), None);
+        assert_eq!(state_of(&item(DONE, 100), 101, "ours"), None);
+        assert_eq!(state_of(&HashMap::new(), 1, "ours"), None);
+    }
+
+    #[test]
+    fn our_own_reservation_reads_as_reserved() {
+        // What a retried put finds when the first attempt's reply was lost.
+        assert_eq!(
+            state_of(&item(IN_PROGRESS, 100), 99, "theirs"),
+            Some(Reservation::Reserved)
+        );
+        // Done is done, whoever's token it was.
+        assert_eq!(
+            state_of(&item(DONE, 100), 99, "theirs"),
+            Some(Reservation::Done)
+        );
+        assert_eq!(state_of(&item(IN_PROGRESS, 100), 101, "theirs"), None);
     }
 
     #[test]

@@ -153,8 +153,10 @@ impl DedupStore for MemoryDedupStore {
         let expires = deadline(now, ttl);
         if let Some(entry) = table.entries.get_mut(key) {
             if entry.expires > now {
-                return Ok(match entry.state {
+                return Ok(match &entry.state {
                     State::Done => Reservation::Done,
+                    // Ours already: reserving is idempotent per token (see DedupStore).
+                    State::InProgress { token: held } if **held == *token => Reservation::Reserved,
                     State::InProgress { .. } => Reservation::InProgress,
                 });
             }
@@ -251,6 +253,11 @@ mod tests {
         assert_eq!(
             store.reserve("a", "t2", TTL).await.unwrap(),
             Reservation::InProgress
+        );
+        // The holder reserving again (a retry after a lost reply) gets it back.
+        assert_eq!(
+            store.reserve("a", "t1", TTL).await.unwrap(),
+            Reservation::Reserved
         );
         // Only the holder's token releases.
         store.release("a", "t2").await.unwrap();

@@ -16,7 +16,8 @@ pub enum Reservation {
     Reserved,
     /// The key was already handled (within its TTL): skip the record.
     Done,
-    /// Another caller holds an unexpired reservation: wait, then look again.
+    /// Another caller (another token) holds an unexpired reservation: wait, then look
+    /// again.
     InProgress,
 }
 
@@ -59,7 +60,10 @@ pub enum StoreError {
 /// done, whose expiry has passed counts as free.
 ///
 /// `token` identifies one reservation; `commit` and `release` use it so that a caller
-/// whose reservation expired cannot release another caller's.
+/// whose reservation expired cannot release another caller's. `reserve` is idempotent
+/// per token: a key reserved (unexpired) with the same `token` answers
+/// [`Reservation::Reserved`] again, so a reserve retried after a lost reply gets its
+/// own reservation back instead of waiting for it to expire.
 #[async_trait]
 pub trait DedupStore: Send + Sync + 'static {
     /// Reserves `key` for `ttl` unless it is done or reserved by someone else.
