@@ -27,6 +27,8 @@
 //!   Set the TTL above your slowest handler including its retries.
 //! * A consumer that crashes mid-handler leaves the key in progress until the TTL
 //!   expires; deliveries of that key fail (and are retried by the consumer) until then.
+//!   A call that is merely dropped (an outer timeout) settles its key in a spawned task
+//!   instead: released if the handler had not succeeded, committed if it had.
 //! * When the commit itself fails after the handler succeeded, the record is reported
 //!   handled (the side effect happened; failing would invite a second run) and the
 //!   reservation simply expires. A redelivery after that expiry runs the handler again.
@@ -277,15 +279,31 @@ async fn handle_once<S, St, T>(
 where
     S: Service<Message<T>>,
     S::Error: Into<BoxError>,
-    St: DedupStore,
+    St: DedupStore + Clone,
 {
-    let token = store::new_token();
+    // From the first reserve on, a drop of this future (an outer timeout, a shard that
+    // stopped) releases whatever we may hold instead of leaving the key in progress
+    // until it expires. Releasing a key we do not hold does nothing.
+    let mut held = Settle {
+        store,
+        key,
+        token: store::new_token(),
+        on_drop: Some(Finish::Release),
+    };
     let mut waited_since: Option<Instant> = None;
     loop {
-        match store.reserve(&key, &token, timing.in_progress_ttl).await {
-            Err(e) => return Err(Box::new(DedupError::Store(e))),
+        let reserved = held
+            .store
+            .reserve(&held.key, &held.token, timing.in_progress_ttl)
+            .await;
+        match reserved {
+            Err(e) => {
+                held.on_drop = None;
+                return Err(Box::new(DedupError::Store(e)));
+            }
             Ok(Reservation::Reserved) => break,
             Ok(Reservation::Done) => {
+                held.on_drop = None;
                 tracing::debug!(
                     monotonic_counter.shardflow.deduplicated = 1u64,
                     "already handled; skipped",
@@ -296,6 +314,7 @@ where
                 let since = *waited_since.get_or_insert_with(Instant::now);
                 let waited = since.elapsed();
                 if waited >= timing.max_wait {
+                    held.on_drop = None;
                     tracing::debug!(?waited, "still in progress elsewhere; giving up for now");
                     return Err(Box::new(DedupError::InProgress { waited }));
                 }
@@ -307,7 +326,14 @@ where
     // The handler's error becomes a BoxError (Send) before the next await.
     match inner.call(message).await.map_err(Into::into) {
         Ok(response) => {
-            match store.commit(&key, &token, timing.done_ttl).await {
+            // The side effect happened: from here a drop must mark the key done.
+            held.on_drop = Some(Finish::Commit(timing.done_ttl));
+            let committed = held
+                .store
+                .commit(&held.key, &held.token, timing.done_ttl)
+                .await;
+            held.on_drop = None;
+            match committed {
                 Ok(Commit::Committed) => {}
                 Ok(Commit::Overtaken) => tracing::warn!(
                     "the reservation expired before the handler finished; another delivery \
@@ -322,7 +348,9 @@ where
             Ok(Outcome::Handled(response))
         }
         Err(error) => {
-            if let Err(release) = store.release(&key, &token).await {
+            let released = held.store.release(&held.key, &held.token).await;
+            held.on_drop = None;
+            if let Err(release) = released {
                 tracing::warn!(
                     error = %crate::observe::error_chain(&release),
                     "could not release the key after a failure; it frees itself when the \
@@ -331,6 +359,52 @@ where
             }
             Err(error)
         }
+    }
+}
+
+/// A reservation in the making, and what to do with it if its call is dropped before
+/// it settled the key itself.
+struct Settle<St: DedupStore + Clone> {
+    store: St,
+    key: String,
+    token: String,
+    on_drop: Option<Finish>,
+}
+
+enum Finish {
+    /// The handler has not succeeded: free the key for the next delivery.
+    Release,
+    /// The handler succeeded: mark the key done for this long.
+    Commit(Duration),
+}
+
+impl<St: DedupStore + Clone> Drop for Settle<St> {
+    fn drop(&mut self) {
+        let Some(finish) = self.on_drop.take() else {
+            return;
+        };
+        // Outside a runtime nothing can run the store call: the reservation expires.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!("dropped while holding a dedup key; it frees itself when it expires");
+            return;
+        };
+        let store = self.store.clone();
+        let key = std::mem::take(&mut self.key);
+        let token = std::mem::take(&mut self.token);
+        let settle = async move {
+            let result = match finish {
+                Finish::Release => store.release(&key, &token).await,
+                Finish::Commit(ttl) => store.commit(&key, &token, ttl).await.map(drop),
+            };
+            if let Err(error) = result {
+                tracing::warn!(
+                    error = %crate::observe::error_chain(&error),
+                    "a dropped call could not settle its dedup key; it frees itself when \
+                     the reservation expires",
+                );
+            }
+        };
+        runtime.spawn(settle.instrument(tracing::Span::current()));
     }
 }
 

@@ -251,3 +251,69 @@ async fn groups_sharing_a_store_do_not_skip_each_others_records() {
     assert_eq!(shipping_calls.load(Ordering::SeqCst), 1);
     assert_eq!(shared.len(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_call_dropped_mid_handler_releases_its_key() {
+    let store = MemoryDedupStore::new(100);
+    let stuck = DedupLayer::new(store.clone()).layer(tower::util::BoxCloneService::new(
+        service_fn(|_m: Message<Bytes>| std::future::pending::<Result<u32, BoxError>>()),
+    ));
+    // An outer timeout drops the call while the handler holds the key.
+    let timed_out =
+        tokio::time::timeout(Duration::from_secs(1), stuck.oneshot(message(1, b"x"))).await;
+    assert!(timed_out.is_err());
+    tokio::task::yield_now().await; // the spawned release runs
+    assert!(store.is_empty(), "the key was released");
+
+    let (calls, handler) = counting(|_| false);
+    let svc = DedupLayer::new(store).layer(handler);
+    let start = tokio::time::Instant::now();
+    assert_eq!(
+        svc.oneshot(message(1, b"x")).await.unwrap(),
+        Outcome::Handled(1)
+    );
+    assert_eq!(start.elapsed(), Duration::ZERO, "no wait for the expiry");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A store whose commits wait for `go`, to drop a call in the middle of one.
+#[derive(Clone)]
+struct SlowCommit {
+    inner: MemoryDedupStore,
+    go: Arc<Notify>,
+}
+
+#[async_trait::async_trait]
+impl DedupStore for SlowCommit {
+    async fn reserve(&self, k: &str, t: &str, ttl: Duration) -> Result<Reservation, StoreError> {
+        self.inner.reserve(k, t, ttl).await
+    }
+    async fn commit(&self, k: &str, t: &str, ttl: Duration) -> Result<Commit, StoreError> {
+        self.go.notified().await;
+        self.inner.commit(k, t, ttl).await
+    }
+    async fn release(&self, k: &str, t: &str) -> Result<(), StoreError> {
+        self.inner.release(k, t).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_dropped_after_the_handler_succeeded_still_commits() {
+    let go = Arc::new(Notify::new());
+    let store = SlowCommit {
+        inner: MemoryDedupStore::new(100),
+        go: go.clone(),
+    };
+    let (calls, handler) = counting(|_| false);
+    let svc = DedupLayer::new(store.clone()).layer(handler);
+    let timed_out = tokio::time::timeout(
+        Duration::from_secs(1),
+        svc.clone().oneshot(message(1, b"x")),
+    )
+    .await;
+    assert!(timed_out.is_err(), "dropped while committing");
+    go.notify_one(); // the spawned commit goes through
+    tokio::task::yield_now().await;
+    assert!(svc.oneshot(message(1, b"x")).await.unwrap().is_duplicate());
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the side effect ran once");
+}
