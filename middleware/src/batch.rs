@@ -19,7 +19,8 @@
 //! [`linger`](BatchConfig::linger) has passed since its first message, and then calls
 //! the bulk handler once. Every message's call resolves with its batch's outcome: `Ok`
 //! when the bulk call succeeded, [`BatchError::Failed`] (sharing the bulk error) when it
-//! did not.
+//! did not, and [`BatchError::Unavailable`] (transient) when the bulk handler was not
+//! even ready to take it.
 //!
 //! The consumer calls a shard's service sequentially by default — it awaits each
 //! response before sending the next record — so in record mode a shard's batches only
@@ -147,6 +148,17 @@ pub enum BatchError {
         /// How many messages the batch held.
         size: usize,
         /// The bulk handler's error, shared by every message of the batch.
+        #[source]
+        source: Arc<dyn Error + Send + Sync>,
+    },
+    /// The bulk handler's `poll_ready` failed (a closed or overloaded client), so the
+    /// batch was never sent. Transient: it says nothing about the records, which are
+    /// delivered again rather than dead-lettered.
+    #[error("the bulk handler was not ready for a batch of {size} messages")]
+    Unavailable {
+        /// How many messages the batch held.
+        size: usize,
+        /// The readiness error, shared by every message of the batch.
         #[source]
         source: Arc<dyn Error + Send + Sync>,
     },
@@ -444,13 +456,14 @@ where
 {
     let size = batch.len();
     let (messages, answers): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-    // Errors become BoxError (Send) at once: the worker's future must be Send.
-    let result: Result<(), BoxError> = match inner.ready().await.map_err(Into::into) {
+    // Errors become BoxError (Send) at once: the worker's future must be Send. A
+    // readiness error is the client's state, not the records' fault: keep it apart.
+    let result: Result<(), (bool, BoxError)> = match inner.ready().await.map_err(Into::into) {
         Ok(ready) => call_bulk(ready, messages)
             .await
             .map(drop)
-            .map_err(Into::into),
-        Err(e) => Err(e),
+            .map_err(|e| (false, e.into())),
+        Err(e) => Err((true, e)),
     };
     match result {
         Ok(()) => {
@@ -459,13 +472,15 @@ where
                 let _ = answer.send(Ok(()));
             }
         }
-        Err(error) => {
-            tracing::debug!(size, error = %crate::observe::error_chain(&*error), "bulk handler failed");
+        Err((unready, error)) => {
+            tracing::debug!(size, unready, error = %crate::observe::error_chain(&*error), "bulk handler failed");
             let shared: Arc<dyn Error + Send + Sync> = Arc::from(error);
             for answer in answers {
-                let _ = answer.send(Err(BatchError::Failed {
-                    size,
-                    source: shared.clone(),
+                let source = shared.clone();
+                let _ = answer.send(Err(if unready {
+                    BatchError::Unavailable { size, source }
+                } else {
+                    BatchError::Failed { size, source }
                 }));
             }
         }

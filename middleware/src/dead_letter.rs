@@ -13,9 +13,9 @@
 //!
 //! The default policy, [`PermanentFailures`], dead-letters every error except transient
 //! ones: the [`dedup`](crate::dedup) layer's errors (store down, record in progress
-//! elsewhere), a [`batch`](crate::batch) worker that stopped, and any error of a record
-//! whose lease was lost (its new owner handles it). Those go up so the consumer
-//! delivers the record again.
+//! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
+//! not ready, and any error of a record whose lease was lost (its new owner handles
+//! it). Those go up so the consumer delivers the record again.
 
 use std::error::Error;
 use std::fmt;

@@ -248,3 +248,39 @@ async fn a_call_without_poll_ready_is_an_error_not_a_panic() {
     ));
     assert!(sequences(&calls).is_empty());
 }
+
+/// A bulk client that is closed: `poll_ready` always fails.
+#[derive(Clone)]
+struct ClosedClient;
+
+impl Service<Vec<Message<Bytes>>> for ClosedClient {
+    type Response = ();
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<(), BoxError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Err("bulk client closed".into()))
+    }
+
+    fn call(&mut self, _: Vec<Message<Bytes>>) -> Self::Future {
+        unreachable!("never ready")
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bulk_handler_that_is_not_ready_fails_its_records_transiently() {
+    let svc = Batching::new(ClosedClient, BatchConfig::new().max_count(2));
+    for call in send_all(&svc, 1..=2, b"x") {
+        let err = call.await.unwrap().unwrap_err();
+        let batch_error = err.downcast_ref::<BatchError>().expect("a BatchError");
+        assert!(
+            matches!(batch_error, BatchError::Unavailable { size: 2, .. }),
+            "{batch_error:?}"
+        );
+        assert!(batch_error.is_transient());
+        // So the default dead-letter policy sends it back to the consumer.
+        use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
+        let headers = message(1, b"x").headers;
+        assert!(!PermanentFailures.should_dead_letter(&*err, &headers));
+    }
+}
