@@ -81,6 +81,10 @@ impl Weigh for String {
     }
 }
 
+/// The largest record-mode queue: plenty to keep a bulk handler busy, and far below
+/// what tokio's channel accepts.
+const MAX_QUEUE: usize = 1 << 20;
+
 /// When a batch is full.
 #[derive(Clone, Debug)]
 pub struct BatchConfig {
@@ -128,14 +132,18 @@ impl BatchConfig {
     }
 
     /// Record mode: how many messages may wait for the worker before callers are held
-    /// back (default: twice `max_count`).
+    /// back (default: twice `max_count`; at least 1 and at most 2^20, whatever is asked).
     pub fn queue(mut self, capacity: usize) -> Self {
-        self.queue = Some(capacity.max(1));
+        self.queue = Some(capacity);
         self
     }
 
     fn queue_capacity(&self) -> usize {
-        self.queue.unwrap_or(self.max_count.saturating_mul(2))
+        // tokio's channel panics on 0 and on capacities near usize::MAX (which
+        // `max_count(usize::MAX)`, "no count limit", would ask for).
+        self.queue
+            .unwrap_or(self.max_count.saturating_mul(2))
+            .clamp(1, MAX_QUEUE)
     }
 }
 

@@ -284,3 +284,19 @@ async fn a_bulk_handler_that_is_not_ready_fails_its_records_transiently() {
         assert!(!PermanentFailures.should_dead_letter(&*err, &headers));
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn huge_limits_and_queues_do_not_panic() {
+    for config in [
+        BatchConfig::new().max_count(usize::MAX),
+        BatchConfig::new().queue(usize::MAX),
+        BatchConfig::new().queue(0),
+    ] {
+        let (calls, handler) = bulk(|_| false);
+        let svc = Batching::new(handler, config.linger(Duration::from_millis(10)));
+        for call in send_all(&svc, 1..=2, b"x") {
+            call.await.unwrap().unwrap();
+        }
+        assert_eq!(sequences(&calls), strings(&[&[1, 2]]));
+    }
+}
