@@ -146,7 +146,7 @@ impl Watermark {
     }
 
     /// The current generation (bumped by every reset).
-    pub(crate) fn generation(&self) -> u64 {
+    pub fn generation(&self) -> u64 {
         self.generation
     }
 

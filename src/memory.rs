@@ -89,6 +89,9 @@ pub struct KinesisFaults {
     pub error: f64,
     /// Probability that one entry of a PutRecords call fails (a partial failure).
     pub put_entry_failure: f64,
+    /// Probability that GetRecords on an open shard answers without a next iterator
+    /// (an emulator bug; a reader must not take it for the end of the shard).
+    pub missing_next_iterator: f64,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -216,6 +219,13 @@ impl MemoryKinesis {
     pub fn interrupt_subscriptions(&self) {
         lock(&self.state).interruptions += 1;
         self.changes.send_replace(());
+    }
+
+    /// Removes a shard entirely, as Kinesis does once a closed shard is past retention.
+    pub fn remove_shard(&self, stream: &str, shard_id: &str) {
+        if let Some(st) = lock(&self.state).streams.get_mut(stream) {
+            st.shards.retain(|sh| sh.info.shard_id != shard_id);
+        }
     }
 
     /// Every record of a shard, for assertions in tests.
@@ -391,6 +401,7 @@ impl KinesisApi for MemoryKinesis {
         if Self::draw(&mut s, |f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
         }
+        let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
         let st = s
             .streams
             .get(stream)
@@ -400,11 +411,15 @@ impl KinesisApi for MemoryKinesis {
             .iter()
             .find(|sh| sh.info.shard_id == shard_id)
             .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}")))?;
-        let start = index.max(Self::first_retained(&s, &shard.records));
+        let start = index
+            .max(Self::first_retained(&s, &shard.records))
+            .min(shard.records.len());
         let end = (start + limit.max(1) as usize).min(shard.records.len());
         let records = shard.records[start..end].to_vec();
         let at_end = end == shard.records.len();
-        let (next_iterator, child_shards) = if at_end && shard.info.is_closed() {
+        let (next_iterator, child_shards) = if missing_next {
+            (None, Vec::new())
+        } else if at_end && shard.info.is_closed() {
             let children = st
                 .shards
                 .iter()
@@ -919,7 +934,7 @@ impl LeaseStore for MemoryLeaseStore {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {
                 row.owner = Some(new_owner.to_owned());
-                row.counter += 1;
+                row.counter = row.counter.saturating_add(1);
                 row.pending_owner = None;
             })
         })
@@ -928,7 +943,9 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
-            conditional(rows, expected, |row| row.counter += 1)
+            conditional(rows, expected, |row| {
+                row.counter = row.counter.saturating_add(1)
+            })
         })
         .await
     }
@@ -948,7 +965,7 @@ impl LeaseStore for MemoryLeaseStore {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {
                 row.owner = None;
-                row.counter += 1;
+                row.counter = row.counter.saturating_add(1);
             })
         })
         .await

@@ -13,6 +13,7 @@ use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::KinesisApi;
 use shardflow::lease::Checkpoint;
+use shardflow::lease::LeaseStore;
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{Memory, Message};
 
@@ -32,6 +33,7 @@ async fn seeded_faults_lose_nothing() {
             expire_iterator: 0.1,
             error: 0.05,
             put_entry_failure: 0.05,
+            missing_next_iterator: 0.05,
             seed,
         });
         let group = format!("faults-{seed}");
@@ -258,4 +260,110 @@ async fn while_the_stream_is_updating_held_shards_continue_and_no_leases_churn()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kpl_aggregates_resume_inside_an_aggregate_on_memory() {
     kpl_aggregates_resume_inside_an_aggregate(Memory::new(), "kpl", LIMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_since() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("latest", 1).await.unwrap();
+    produce(kinesis.as_ref(), "latest", 1_000_000..1_000_010).await; // before the group
+    let recorder = Recorder::default();
+    let failed = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (recorder, failed) = (recorder.clone(), failed.clone());
+        tower::service_fn(move |msg: Message| {
+            // The very first record fails once: the shard restarts before any checkpoint.
+            let fail = failed.fetch_add(1, Ordering::SeqCst) == 0;
+            if !fail {
+                recorder.record(&msg);
+            }
+            async move {
+                if fail {
+                    Err("injected")
+                } else {
+                    Ok(())
+                }
+            }
+        })
+    };
+    let consumer = test_consumer(memory.clone(), "latest", "latest-group", "w1")
+        .initial_position(shardflow::InitialPosition::Latest)
+        .build()
+        .unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(consumer.run(handler).into_future());
+    let table = memory.table("latest-group");
+    let taken = async {
+        while table.rows().first().and_then(|r| r.owner.clone()).is_none() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, taken).await.unwrap();
+    // The reader needs its first (LATEST) iterator before records count as "new".
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    produce(kinesis.as_ref(), "latest", 0..100).await;
+    // The restart reads from the first iterator's time minus a clock-skew margin, so
+    // records written just before the start may come too: extra records, never a gap.
+    let after_start = || -> Vec<usize> {
+        recorder
+            .snapshot()
+            .iter()
+            .map(|h| h.value)
+            .filter(|v| *v < 1_000_000)
+            .collect()
+    };
+    let all = async {
+        while after_start().len() < 100 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, all)
+        .await
+        .expect("every record written after the start");
+    shutdown.shutdown();
+    run.await.unwrap().unwrap();
+    assert!(
+        failed.load(Ordering::SeqCst) > 1,
+        "the first record failed and came back"
+    );
+    assert_eq!(
+        after_start(),
+        (0..100).collect::<Vec<_>>(),
+        "once each, in order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_past_retention_does_not_hold_its_children_back() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("trimmed", 1).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), "trimmed").await.remove(0);
+    kinesis
+        .split_shard("trimmed", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    produce(kinesis.as_ref(), "trimmed", 0..200).await; // all in the children
+                                                        // Leases as an earlier run left them: the parent not yet finished...
+    let table = memory.table("trimmed-group");
+    for shard in kinesis.list_shards("trimmed").await.unwrap() {
+        let lease = shardflow::lease::Lease::new(
+            shard.shard_id.clone(),
+            shard.parents(),
+            Checkpoint::TrimHorizon,
+        );
+        table.create(&lease).await.unwrap();
+    }
+    // ...and then the parent aged out of the stream.
+    kinesis.remove_shard("trimmed", &parent.shard_id);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(memory.clone(), "trimmed", "trimmed-group", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    recorder.wait_for(200, LIMIT).await;
+    run.stop().await;
+    let parent_row = table.rows().into_iter().find(|r| r.key == parent.shard_id);
+    assert!(parent_row.is_none_or(|r| r.checkpoint == Checkpoint::ShardEnd));
 }

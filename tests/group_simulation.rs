@@ -247,6 +247,7 @@ async fn simulate(seed: u64) {
         expire_iterator: 0.02,
         error: 0.02,
         put_entry_failure: 0.0,
+        missing_next_iterator: 0.02,
         seed,
     });
     memory.table(GROUP).set_faults(LeaseFaults {

@@ -10,6 +10,12 @@ use crate::backend::Backend;
 use crate::kinesis::{KinesisApi, KinesisError};
 use crate::memory::Memory;
 
+/// The longest duration any setting accepts (one week).
+const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The most batches a shard may read ahead.
+const MAX_PREFETCH: usize = 1_024;
+
 /// Where a consumer group starts on a shard that has no checkpoint yet.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum InitialPosition {
@@ -346,6 +352,14 @@ impl ConsumerBuilder {
                     reason: "must be greater than zero".into(),
                 });
             }
+            // Far beyond any sensible setting, and small enough that deadlines computed
+            // from it never overflow.
+            if d > MAX_DURATION {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: format!("{d:?} is longer than the limit of {MAX_DURATION:?}"),
+                });
+            }
             Ok(d)
         }
         let stream = name("stream", &self.stream)?;
@@ -409,10 +423,10 @@ impl ConsumerBuilder {
                 reason: format!("{} is outside 1..=10000", self.max_records_per_read),
             });
         }
-        if self.prefetch_batches == 0 {
+        if !(1..=MAX_PREFETCH).contains(&self.prefetch_batches) {
             return Err(ConfigError::Invalid {
                 field: "prefetch_batches",
-                reason: "must be at least 1".into(),
+                reason: format!("{} is outside 1..={MAX_PREFETCH}", self.prefetch_batches),
             });
         }
         if let CheckpointPolicy::Interval(d) = self.checkpoint {
@@ -463,7 +477,7 @@ impl ConsumerBuilder {
                 self.handoff_timeout.unwrap_or(lease_duration),
             )?,
             retry_min,
-            retry_max: self.retry_max,
+            retry_max: positive("retry_backoff", self.retry_max)?,
             shutdown_timeout: positive("shutdown_timeout", self.shutdown_timeout)?,
             seed: self.seed.unwrap_or_else(rand::random),
         })
@@ -514,6 +528,22 @@ mod tests {
             "renew_interval"
         );
         assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
+        assert_eq!(
+            field(base().prefetch_batches(usize::MAX)),
+            "prefetch_batches"
+        );
+        assert_eq!(
+            field(base().shutdown_timeout(Duration::MAX)),
+            "shutdown_timeout"
+        );
+        assert_eq!(
+            field(base().lease_duration(Duration::MAX)),
+            "lease_duration"
+        );
+        assert_eq!(
+            field(base().retry_backoff(Duration::from_millis(1), Duration::MAX)),
+            "retry_backoff"
+        );
         assert_eq!(
             field(base().checkpoint(CheckpointPolicy::Interval(Duration::ZERO))),
             "checkpoint"

@@ -143,11 +143,14 @@ impl Coordinator {
                     Err(e) => return Err(e),
                 }
             }
+            // Renewal goes on through the shutdown's drain (which may outlast a lease
+            // duration) and stops only once every lease is released.
+            let renewing = CancellationToken::new();
             let renewer = tokio::spawn(renew_loop(
                 self.config.clone(),
                 self.held.clone(),
                 self.events_tx.clone(),
-                shutdown.clone(),
+                renewing.clone(),
             ));
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -164,6 +167,7 @@ impl Coordinator {
                 }
             }
             self.shutdown().await;
+            renewing.cancel();
             renewer.abort();
             Ok(())
         }
@@ -305,6 +309,8 @@ impl Coordinator {
         let mut available: Vec<&Lease> = eligible
             .iter()
             .copied()
+            // A lease we run is never taken again (after a pause it may look expired).
+            .filter(|r| !self.slots.contains_key(&r.key))
             .filter(|r| {
                 r.owner.is_none() || (r.owner.as_deref() != Some(&me) && expired(r, &self.seen))
             })

@@ -250,6 +250,14 @@ impl BatchStream {
     }
 }
 
+impl Drop for BatchStream {
+    /// Dropping the stream shuts the consumer down gracefully (nothing is left reading
+    /// and holding leases in the background).
+    fn drop(&mut self) {
+        self.shutdown.shutdown();
+    }
+}
+
 impl Stream for BatchStream {
     type Item = Result<Batch, ConsumerError>;
 

@@ -6,6 +6,7 @@
 //! iterators, fan-out from subscriptions that end (after about five minutes) or fail.
 
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
@@ -31,10 +32,16 @@ pub(crate) struct ShardReader {
     /// The shard's hash-key range, to count KPL user records that belong elsewhere.
     pub(crate) hash_range: Option<(u128, u128)>,
     pub(crate) progress: Arc<ShardProgress>,
+    /// When the first LATEST iterator was taken (see `starting_position`).
+    pub(crate) latest_since: std::sync::Mutex<Option<SystemTime>>,
     pub(crate) out: mpsc::Sender<Batch>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
 }
+
+/// How far before the first LATEST iterator a re-read starts, for clock skew between
+/// this host and Kinesis' arrival timestamps (a few extra records, never a gap).
+const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
 
 /// The record limit of a shard's first GetRecords call (see `poll`).
 const FIRST_READ_LIMIT: u32 = 1_000;
@@ -72,6 +79,7 @@ impl ShardReader {
         // The first reads are small, so the first records reach the handler quickly
         // even when a large backlog waits; each full page doubles the next one.
         let mut limit = self.config.max_records_per_read.min(FIRST_READ_LIMIT);
+        let mut just_expired = false;
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
@@ -81,13 +89,18 @@ impl ShardReader {
                         self.pause(&e, backoff).await;
                         continue;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => return self.gone_or(e).await,
                 },
             };
             let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
                     tracing::info!(shard = %self.shard_id, %why, "iterator expired; reading again from the last delivered record");
+                    // Twice in a row means something is wrong beyond an old iterator.
+                    if std::mem::replace(&mut just_expired, true) {
+                        self.pause(&KinesisError::ExpiredIterator(why), backoff)
+                            .await;
+                    }
                     continue;
                 }
                 Err(e) if e.is_retryable() => {
@@ -95,9 +108,10 @@ impl ShardReader {
                     iterator = Some(it);
                     continue;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return self.gone_or(e).await,
             };
             backoff.reset();
+            just_expired = false;
             let raw = page.records.len();
             let flow = self
                 .deliver(page.records, page.millis_behind_latest, &mut handled)
@@ -106,10 +120,18 @@ impl ShardReader {
                 return Ok(());
             }
             match page.next_iterator {
-                None => {
-                    tracing::info!(shard = %self.shard_id, children = ?page.child_shards, "reached the end of the shard");
+                None if self.confirm_end(&page.child_shards).await => {
                     self.progress.end_of_shard();
                     return Ok(());
+                }
+                None => {
+                    // No next iterator, yet the shard is open: never take that for an
+                    // end. Read again from the last delivered record.
+                    self.pause(
+                        &KinesisError::Other("no next iterator on an open shard".into()),
+                        backoff,
+                    )
+                    .await;
                 }
                 Some(next) => iterator = Some(next),
             }
@@ -174,7 +196,7 @@ impl ShardReader {
                     self.pause(&e, backoff).await;
                     continue;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return self.gone_or(e).await,
             };
             let failure = loop {
                 let event = match events.next().await {
@@ -192,10 +214,16 @@ impl ShardReader {
                 }
                 match event.continuation {
                     Some(after) => continuation = Some(after),
-                    None => {
-                        tracing::info!(shard = %self.shard_id, children = ?event.child_shards, "reached the end of the shard");
+                    None if self.confirm_end(&event.child_shards).await => {
                         self.progress.end_of_shard();
                         return Ok(());
+                    }
+                    // An event without continuation on an open shard is not an end:
+                    // subscribe again from where we are.
+                    None => {
+                        break Some(KinesisError::Other(
+                            "event without continuation on an open shard".into(),
+                        ))
                     }
                 }
                 if idle && closed_checked.elapsed() >= self.config.shard_sync_interval {
@@ -232,21 +260,23 @@ impl ShardReader {
         let raw = records.len();
         let mut messages = Vec::with_capacity(raw);
         for record in records {
-            if aggregation::has_magic(&record.data) {
-                self.deaggregate(record, handled, &mut messages);
-                continue;
+            match aggregation::deaggregate(record) {
+                Deaggregated::Plain(record) => self.push_plain(record, handled, &mut messages),
+                Deaggregated::Corrupt { record, reason } => {
+                    tracing::warn!(
+                        monotonic_counter.shardflow.kpl_corrupt = 1u64,
+                        shard = %self.shard_id,
+                        sequence = %record.sequence_number,
+                        %reason,
+                        "aggregated record does not verify; delivering it as a plain record"
+                    );
+                    self.push_plain(record, handled, &mut messages);
+                }
+                Deaggregated::Aggregated {
+                    record,
+                    user_records,
+                } => self.push_user_records(record, user_records, handled, &mut messages),
             }
-            let position = Position::new(record.sequence_number, 0);
-            if handled.covers(&position) {
-                continue;
-            }
-            messages.push(self.message(
-                position,
-                record.partition_key,
-                None,
-                record.approximate_arrival,
-                record.data,
-            ));
         }
         if raw > messages.len() {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
@@ -265,19 +295,21 @@ impl ShardReader {
             }
         }
         let last = last.position();
+        // Room first, then register: a batch registered but never sent (the reader
+        // dropped while waiting for room) would hold every drain until its timeout.
+        let Ok(permit) = self.out.reserve().await else {
+            return Flow::Stop;
+        };
         let ack = self.progress.register(Mark::At(last.clone()));
         *handled = Checkpoint::At(last);
-        let batch = Batch {
+        permit.send(Batch {
             stream: self.stream.clone(),
             shard_id: self.shard_id.clone(),
             messages,
             millis_behind_latest,
             ack: Some(ack),
-        };
-        match self.out.send(batch).await {
-            Ok(()) => Flow::Continue,
-            Err(_) => Flow::Stop,
-        }
+        });
+        Flow::Continue
     }
 
     fn message(
@@ -303,79 +335,88 @@ impl ShardReader {
         }
     }
 
-    /// Splits a KPL aggregate into one message per user record at (sequence,
-    /// sub-sequence), dropping those already handled, so a restart inside an aggregate
-    /// resumes right after the last handled user record. A record with the magic bytes
-    /// that does not verify is delivered whole, as a plain record, and counted. User
-    /// records whose hash key belongs to another shard (a producer's stale shard map
-    /// around a reshard) are delivered too and counted: the KCL discards the whole
-    /// aggregate then, which loses records the producer considers stored.
-    fn deaggregate(&self, record: Record, handled: &Checkpoint, messages: &mut Vec<Message>) {
-        match aggregation::deaggregate(record) {
-            Deaggregated::Aggregated {
-                record,
-                user_records,
-            } => {
-                let mut elsewhere = 0usize;
-                for user in user_records {
-                    if let Some((start, end)) = self.hash_range {
-                        if !aggregation::belongs_to_shard(&user, start, end) {
-                            elsewhere += 1;
-                        }
-                    }
-                    let position = Position::new(record.sequence_number.clone(), user.sub_sequence);
-                    if handled.covers(&position) {
-                        continue;
-                    }
-                    messages.push(self.message(
-                        position,
-                        user.partition_key,
-                        user.explicit_hash_key,
-                        record.approximate_arrival,
-                        user.data,
-                    ));
-                }
-                if elsewhere > 0 {
-                    tracing::debug!(
-                        monotonic_counter.shardflow.kpl_outside_shard = elsewhere as u64,
-                        shard = %self.shard_id,
-                        sequence = %record.sequence_number,
-                        "delivered KPL user records whose hash key belongs to another shard"
-                    );
+    fn push_plain(&self, record: Record, handled: &Checkpoint, messages: &mut Vec<Message>) {
+        let position = Position::new(record.sequence_number, 0);
+        if !handled.covers(&position) {
+            messages.push(self.message(
+                position,
+                record.partition_key,
+                None,
+                record.approximate_arrival,
+                record.data,
+            ));
+        }
+    }
+
+    /// One message per KPL user record at (sequence, sub-sequence), dropping those
+    /// already handled, so a restart inside an aggregate resumes right after the last
+    /// handled user record. User records whose hash key belongs to another shard (a
+    /// producer's stale shard map around a reshard) are delivered too, and counted when
+    /// debug events are on: the KCL discards the whole aggregate then, which loses
+    /// records the producer considers stored.
+    fn push_user_records(
+        &self,
+        record: Record,
+        user_records: Vec<aggregation::UserRecord>,
+        handled: &Checkpoint,
+        messages: &mut Vec<Message>,
+    ) {
+        let range = self
+            .hash_range
+            .filter(|_| tracing::enabled!(tracing::Level::DEBUG));
+        let mut elsewhere = 0u64;
+        for user in user_records {
+            if let Some((start, end)) = range {
+                if !aggregation::belongs_to_shard(&user, start, end) {
+                    elsewhere += 1;
                 }
             }
-            Deaggregated::Corrupt { record, reason } => {
-                tracing::warn!(
-                    monotonic_counter.shardflow.kpl_corrupt = 1u64,
-                    shard = %self.shard_id,
-                    sequence = %record.sequence_number,
-                    %reason,
-                    "aggregated record does not verify; delivering it as a plain record"
-                );
-                let position = Position::new(record.sequence_number, 0);
-                if !handled.covers(&position) {
-                    messages.push(self.message(
-                        position,
-                        record.partition_key,
-                        None,
-                        record.approximate_arrival,
-                        record.data,
-                    ));
-                }
+            let position = Position::new(record.sequence_number.clone(), user.sub_sequence);
+            if !handled.covers(&position) {
+                messages.push(self.message(
+                    position,
+                    user.partition_key,
+                    user.explicit_hash_key,
+                    record.approximate_arrival,
+                    user.data,
+                ));
             }
-            Deaggregated::Plain(record) => {
-                let position = Position::new(record.sequence_number, 0);
-                if !handled.covers(&position) {
-                    messages.push(self.message(
-                        position,
-                        record.partition_key,
-                        None,
-                        record.approximate_arrival,
-                        record.data,
-                    ));
+        }
+        if elsewhere > 0 {
+            tracing::debug!(
+                monotonic_counter.shardflow.kpl_outside_shard = elsewhere,
+                shard = %self.shard_id,
+                sequence = %record.sequence_number,
+                "delivered KPL user records whose hash key belongs to another shard"
+            );
+        }
+    }
+
+    /// Whether a read that reported no more records really is the shard's end: the
+    /// service named children, or ListShards shows the shard closed. A missing field
+    /// alone (an emulator's heartbeat) must never end an open shard.
+    async fn confirm_end(&self, children: &[String]) -> bool {
+        let end = !children.is_empty() || self.is_closed().await;
+        if end {
+            tracing::info!(shard = %self.shard_id, ?children, "reached the end of the shard");
+        }
+        end
+    }
+
+    /// A shard that no longer exists (trimmed after a reshard, past retention) has
+    /// nothing left to read: it ends, so its children are not held back for ever.
+    /// Any other error is returned as it is.
+    async fn gone_or(&self, error: KinesisError) -> Result<(), KinesisError> {
+        if matches!(error, KinesisError::NotFound(_)) {
+            if let Ok(shards) = self.kinesis.list_shards(&self.stream).await {
+                if !shards.iter().any(|s| *s.shard_id == *self.shard_id) {
+                    tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
+                    self.progress.end_of_shard();
+                    return Ok(());
                 }
             }
         }
+        Err(error)
     }
 
     /// Whether ListShards reports the shard closed (an error counts as "not known to be").
@@ -406,7 +447,24 @@ impl ShardReader {
     fn starting_position(&self, handled: &Checkpoint) -> Result<StartingPosition, KinesisError> {
         Ok(match handled {
             Checkpoint::TrimHorizon => StartingPosition::TrimHorizon,
-            Checkpoint::Latest => StartingPosition::Latest,
+            // The first iterator starts at the tip; any later one (after a handler
+            // failure, an expired iterator or a renewed subscription, before a record was
+            // delivered) starts at the time of the first, so nothing written meanwhile is
+            // skipped.
+            Checkpoint::Latest => {
+                let mut pinned = self.latest_since.lock().unwrap_or_else(|p| p.into_inner());
+                match *pinned {
+                    Some(since) => StartingPosition::AtTimestamp(since),
+                    None => {
+                        *pinned = Some(
+                            SystemTime::now()
+                                .checked_sub(LATEST_CLOCK_MARGIN)
+                                .unwrap_or(SystemTime::UNIX_EPOCH),
+                        );
+                        StartingPosition::Latest
+                    }
+                }
+            }
             Checkpoint::AtTimestamp => match &self.config.initial_position {
                 InitialPosition::AtTimestamp(t) => StartingPosition::AtTimestamp(*t),
                 _ => StartingPosition::TrimHorizon,

@@ -42,6 +42,9 @@ pub(crate) struct ShardTask {
     pub(crate) stop: CancellationToken,
 }
 
+/// Attempts at the checkpoint written before a shard is left.
+const FINAL_COMMIT_ATTEMPTS: usize = 5;
+
 enum Interrupt {
     Stop,
     Failed,
@@ -64,6 +67,7 @@ impl ShardTask {
             shard_id: shard_id.clone(),
             hash_range: self.hash_range,
             progress: progress.clone(),
+            latest_since: std::sync::Mutex::new(None),
             out: self.out.clone(),
             lease: self.lease.clone(),
             lease_lost: self.lease.lost().clone(),
@@ -98,16 +102,26 @@ impl ShardTask {
                         _ = self.stop.cancelled() => break Interrupt::Stop,
                         result = &mut read, if reading => {
                             reading = false;
-                            if let Err(e) = result {
-                                tracing::error!(shard = %shard_id, error = %e, "the shard cannot be read");
+                            let failure = match result {
+                                Err(e) => Some(format!("the shard cannot be read: {e}")),
+                                // The reader stops early only when nobody takes batches any
+                                // more (the handler's task ended): give the shard up.
+                                Ok(()) if self.out.is_closed() => Some("nothing consumes its batches".to_owned()),
+                                Ok(()) => None,
+                            };
+                            if let Some(why) = failure {
+                                tracing::error!(shard = %shard_id, %why, "giving the shard up");
                                 progress.set_accepting(false);
                                 self.drain(&progress).await;
-                                if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
-                                return ShardExit::Failed(e.to_string());
+                                if let Err(exit) = self.commit_before_leaving(&progress, &mut committed, &mut failure_backoff).await { return exit; }
+                                return ShardExit::Failed(why);
                             }
                         }
                         _ = progress.changed.notified() => {
-                            if progress.take_failure().is_some() {
+                            // Only a failure of this generation restarts it; a late one from
+                            // before the last restart was already handled by that restart.
+                            let current = progress.lock().generation();
+                            if progress.take_failure() == Some(current) {
                                 break Interrupt::Failed;
                             }
                             let at_end = *progress.lock().acked() == Checkpoint::ShardEnd;
@@ -128,21 +142,19 @@ impl ShardTask {
                     }
                 }
             };
-            // The reader is dropped here: nothing more is read in this generation.
+            // The reader is dropped here: nothing more is read in this generation. What
+            // was delivered finishes (or times out) and its watermark is committed.
             progress.set_accepting(false);
+            self.drain(&progress).await;
+            if let Err(exit) = self
+                .commit_before_leaving(&progress, &mut committed, &mut failure_backoff)
+                .await
+            {
+                return exit;
+            }
             match generation_failed {
-                Interrupt::Stop => {
-                    self.drain(&progress).await;
-                    if let Err(exit) = self.commit(&progress, &mut committed).await {
-                        return exit;
-                    }
-                    return ShardExit::Stopped;
-                }
+                Interrupt::Stop => return ShardExit::Stopped,
                 Interrupt::Failed => {
-                    self.drain(&progress).await;
-                    if let Err(exit) = self.commit(&progress, &mut committed).await {
-                        return exit;
-                    }
                     let delay = failure_backoff.next_delay();
                     tracing::warn!(shard = %shard_id, checkpoint = %committed, ?delay, "a handler failed; reading again from the checkpoint after a pause");
                     tokio::select! {
@@ -174,6 +186,26 @@ impl ShardTask {
                 _ = self.lease.lost().cancelled() => return,
             }
         }
+    }
+
+    /// Commits the watermark before the lease is released, handed over or the shard
+    /// restarted, retrying transient failures a few times: a checkpoint left behind
+    /// means the next reader delivers those records again.
+    async fn commit_before_leaving(
+        &self,
+        progress: &ShardProgress,
+        committed: &mut Checkpoint,
+        backoff: &mut Backoff,
+    ) -> Result<(), ShardExit> {
+        for _ in 0..FINAL_COMMIT_ATTEMPTS {
+            self.commit(progress, committed).await?;
+            if *committed == *progress.lock().acked() {
+                return Ok(());
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+        tracing::warn!("could not commit the last checkpoint; its records will be delivered again");
+        Ok(())
     }
 
     /// Writes the watermark if it moved. Throttling and transient errors keep the

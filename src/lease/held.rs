@@ -114,9 +114,12 @@ impl HeldLease {
         result
     }
 
-    /// Runs one conditional write with the current row. On a conflict the row is read
-    /// back: if we still own it (our own earlier write landed although we saw an error),
-    /// the row is adopted and the write tried once more; otherwise the lease is lost.
+    /// Runs one conditional write with the current row, holding the row lock so writes
+    /// never interleave. Nothing is written once the lease is lost or no longer ours
+    /// (after a release or transfer). On a conflict the row is read back: if the only
+    /// change is our own renewal that landed although we saw an error (same owner,
+    /// counter one higher), the row is adopted and the write tried once more; any other
+    /// change means someone else wrote, and the lease is lost.
     async fn write<F>(&self, op: F) -> Result<Lease, LeaseError>
     where
         F: Fn(
@@ -124,42 +127,34 @@ impl HeldLease {
             Lease,
         ) -> futures_util::future::BoxFuture<'static, Result<Lease, LeaseError>>,
     {
-        if self.lost.is_cancelled() {
-            return Err(LeaseError::Conflict(self.row.lock().await.key.clone()));
-        }
         let mut row = self.row.lock().await;
-        match op(self.store.clone(), row.clone()).await {
-            Ok(new) => {
-                *row = new.clone();
-                Ok(new)
-            }
-            Err(LeaseError::Conflict(key)) => {
-                let current = self.store.get(&key).await?;
-                match current {
-                    Some(cur) if cur.owner.as_deref() == Some(&self.worker) => {
-                        tracing::debug!(lease = %key, "adopting our own write that was reported failed");
+        if self.lost.is_cancelled() || row.owner.as_deref() != Some(&self.worker) {
+            return Err(LeaseError::Conflict(row.key.clone()));
+        }
+        let mut adopted = false;
+        loop {
+            match op(self.store.clone(), row.clone()).await {
+                Ok(new) => {
+                    *row = new.clone();
+                    return Ok(new);
+                }
+                Err(LeaseError::Conflict(key)) => match self.store.get(&key).await? {
+                    Some(cur)
+                        if !adopted
+                            && cur.owner == row.owner
+                            && cur.counter == row.counter.saturating_add(1) =>
+                    {
+                        tracing::debug!(lease = %key, "adopting our own renewal that was reported failed");
+                        adopted = true;
                         *row = cur;
-                        let result = op(self.store.clone(), row.clone()).await;
-                        match result {
-                            Ok(new) => {
-                                *row = new.clone();
-                                Ok(new)
-                            }
-                            Err(e) => {
-                                if matches!(e, LeaseError::Conflict(_)) {
-                                    self.lost.cancel();
-                                }
-                                Err(e)
-                            }
-                        }
                     }
                     _ => {
                         self.lost.cancel();
-                        Err(LeaseError::Conflict(key))
+                        return Err(LeaseError::Conflict(key));
                     }
-                }
+                },
+                Err(e) => return Err(e),
             }
-            Err(e) => Err(e),
         }
     }
 }
