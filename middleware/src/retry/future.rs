@@ -1,5 +1,6 @@
 //! The response future of [`Retry`](super::Retry): call, and on a retryable error sleep,
-//! wait for readiness and call again.
+//! wait for readiness and call again. A lease lost during the sleep ends it at once
+//! with the last error: the shard's new owner handles the record.
 
 use std::fmt;
 use std::future::Future;
@@ -12,6 +13,7 @@ use backon::ExponentialBackoff;
 use pin_project_lite::pin_project;
 use shardflow::Message;
 use tokio::time::{Instant, Sleep};
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower::Service;
 
 use super::policy::{Backoff, Classify, ErrorClass};
@@ -23,7 +25,7 @@ pin_project! {
         S: Service<Message<T>>,
     {
         #[pin]
-        state: State<S::Future>,
+        state: State<S::Future, S::Error>,
         service: S,
         request: Message<T>,
         policy: Arc<Backoff<C>>,
@@ -36,9 +38,16 @@ pin_project! {
 
 pin_project! {
     #[project = StateProj]
-    enum State<F> {
+    enum State<F, E> {
         Calling { #[pin] future: F },
-        Sleeping { #[pin] sleep: Sleep },
+        Sleeping {
+            #[pin]
+            sleep: Sleep,
+            #[pin]
+            lease_lost: WaitForCancellationFutureOwned,
+            // The failed attempt's error: what the call returns if the lease goes.
+            error: Option<E>,
+        },
         Readying,
     }
 }
@@ -120,6 +129,13 @@ where
                                 );
                                 this.state.set(State::Sleeping {
                                     sleep: tokio::time::sleep(delay),
+                                    lease_lost: this
+                                        .request
+                                        .headers
+                                        .lease_lost
+                                        .clone()
+                                        .cancelled_owned(),
+                                    error: Some(error),
                                 });
                             }
                             Err(Stop::Permanent) => {
@@ -150,7 +166,22 @@ where
                         }
                     }
                 },
-                StateProj::Sleeping { sleep } => {
+                StateProj::Sleeping {
+                    sleep,
+                    lease_lost,
+                    error,
+                } => {
+                    if lease_lost.poll(cx).is_ready() {
+                        if let Some(error) = error.take() {
+                            tracing::debug!(
+                                attempts = *this.attempts,
+                                %error,
+                                "lease lost while waiting to retry; not retrying (the new \
+                                 owner handles the record)",
+                            );
+                            return Poll::Ready(Err(error));
+                        }
+                    }
                     ready!(sleep.poll(cx));
                     this.state.set(State::Readying);
                 }

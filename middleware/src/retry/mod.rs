@@ -8,7 +8,7 @@
 //! A retry is scheduled only when the [`Classify`] policy calls the error
 //! [`Retryable`](ErrorClass::Retryable), the [`Backoff`]'s attempts and elapsed time allow
 //! it, and the shard's lease is still held (once `lease_lost` fires, the new owner will
-//! handle the record: the error goes up at once).
+//! handle the record: the error goes up at once, even in the middle of a backoff wait).
 //!
 //! Put it below [`dedup`](crate::dedup) so a retry re-runs only the handler.
 

@@ -123,6 +123,29 @@ async fn a_lost_lease_stops_retrying() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lease_lost_during_the_backoff_ends_the_wait_with_the_last_error() {
+    let (calls, handler) = flaky(u32::MAX, || Failure::Flaky);
+    let policy = exact()
+        .initial_delay(Duration::from_secs(10))
+        .max_attempts(5);
+    let svc = RetryLayer::new(policy).layer(handler);
+    let msg = message(1, b"x");
+    let lease_lost = msg.headers.lease_lost.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        lease_lost.cancel();
+    });
+    let start = Instant::now();
+    assert_eq!(svc.oneshot(msg).await.unwrap_err(), Failure::Flaky);
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(1),
+        "not the whole 10 s"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn jittered_delays_stay_within_bounds() {
     let (calls, handler) = flaky(2, || Failure::Flaky);
     let svc = RetryLayer::new(
