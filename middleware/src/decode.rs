@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use shardflow::{Headers, Message};
 use tower::{Layer, Service};
 
+use crate::observe::message_span;
 use crate::BoxError;
 
 /// How raw payload bytes become a `T`.
@@ -214,15 +215,16 @@ where
         match decoded {
             Ok(message) => ResponseFuture::called(self.inner.call(message)),
             Err((headers, (raw, error))) => {
-                tracing::debug!(
-                    monotonic_counter.shardflow.decode_failed = 1u64,
-                    shard = %headers.shard_id,
-                    sequence = %headers.sequence_number,
-                    sub_sequence = headers.sub_sequence_number,
-                    format = format.name(),
-                    %error,
-                    "payload did not decode",
-                );
+                // Decoding is synchronous: the span exists only around this event, so
+                // the counter carries the same context as every other layer's.
+                message_span("decode", &headers).in_scope(|| {
+                    tracing::debug!(
+                        monotonic_counter.shardflow.decode_failed = 1u64,
+                        format = format.name(),
+                        %error,
+                        "payload did not decode",
+                    );
+                });
                 ResponseFuture::failed(DecodeError {
                     headers,
                     raw,
