@@ -32,6 +32,11 @@
 //! `BENCH_READ_LIMIT` (sets `max_records_per_read`, default: the consumer's default),
 //! `BENCH_IDLE_MS` (sets `idle_read_interval`, default: the consumer's default),
 //! `BENCH_LOG` (a tracing filter such as `shardflow=debug`: prints the consumer's timeline).
+//!
+//! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
+//! --all-targets` runs this binary without), it makes a smoke run instead: the memory
+//! backend only (never the emulators, even when their endpoints are set), 400 records,
+//! one warm-up and one timed iteration, `BENCH_ITERS` and `BENCH_RECORDS` ignored.
 
 use std::collections::BTreeMap;
 use std::future::ready;
@@ -578,9 +583,20 @@ async fn emulators(iters: usize, records: u64) {
     }
 }
 
+/// Whether `cargo bench` started this binary (it passes `--bench`), rather than `cargo
+/// test` (which only checks that the bench runs).
+fn measuring() -> bool {
+    std::env::args().skip(1).any(|a| a == "--bench")
+}
+
 fn main() {
-    let iters: usize = env_or("BENCH_ITERS", 5);
-    let records: u64 = env_or("BENCH_RECORDS", 40_000);
+    let measure = measuring();
+    let (iters, records): (usize, u64) = if measure {
+        (env_or("BENCH_ITERS", 5), env_or("BENCH_RECORDS", 40_000))
+    } else {
+        println!("startup: smoke run (not a measurement: run `cargo bench --bench startup`)");
+        (1, 400)
+    };
     if let Ok(filter) = std::env::var("BENCH_LOG") {
         // A timeline of the consumer's own logs, e.g. BENCH_LOG=shardflow=debug.
         tracing_subscriber::fmt()
@@ -606,7 +622,9 @@ fn main() {
     );
     runtime.block_on(async {
         memory_backend(iters, records).await;
-        if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some() {
+        if !measure {
+            println!("emulators: skipped in a smoke run");
+        } else if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some() {
             emulators(iters, records).await;
         } else {
             println!("emulators: skipped (set AWS_ENDPOINT_URL_KINESIS, see BENCHMARKS.md)");

@@ -22,6 +22,11 @@
 //!
 //! Environment knobs: `BENCH_ITERS` (default 7), `BENCH_RECORDS` (default 400000),
 //! `BENCH_MODE` (`all`, `run`, `batches`, `loop`: run one mode only, e.g. under `perf`).
+//!
+//! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
+//! --all-targets` runs this binary without), it makes a smoke run instead: every mode
+//! once over 400 records, no warm-up, the knobs ignored. That proves the bench works
+//! without costing the test suite the measurement.
 
 use std::future::ready;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -239,10 +244,24 @@ fn overhead_ns(records: u64, framework: Duration, baseline: Duration) -> f64 {
     (framework.as_secs_f64() - baseline.as_secs_f64()) * 1e9 / records as f64
 }
 
+/// Whether `cargo bench` started this binary (it passes `--bench`), rather than `cargo
+/// test` (which only checks that the bench runs).
+fn measuring() -> bool {
+    std::env::args().skip(1).any(|a| a == "--bench")
+}
+
 fn main() {
-    let iters: usize = env_or("BENCH_ITERS", 7);
-    let records: u64 = env_or("BENCH_RECORDS", 400_000);
-    let mode: String = env_or("BENCH_MODE", "all".to_string());
+    let measure = measuring();
+    let (iters, records, mode): (usize, u64, String) = if measure {
+        (
+            env_or("BENCH_ITERS", 7),
+            env_or("BENCH_RECORDS", 400_000),
+            env_or("BENCH_MODE", "all".to_string()),
+        )
+    } else {
+        println!("throughput: smoke run (not a measurement: run `cargo bench --bench throughput`)");
+        (1, 400, "all".to_string())
+    };
     let want = |m: &str| mode == "all" || mode == m;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -264,13 +283,13 @@ fn main() {
         let kinesis = Backend::kinesis(&memory);
 
         // One untimed warm-up of each mode (allocator, page faults, lazy statics).
-        if want("loop") {
+        if measure && want("loop") {
             hand_loop(kinesis.clone(), records).await;
         }
-        if want("run") {
+        if measure && want("run") {
             framework_records(&memory, "warmup-run", records).await;
         }
-        if want("batches") {
+        if measure && want("batches") {
             framework_batches(&memory, "warmup-batches", records).await;
         }
 

@@ -4,6 +4,11 @@
 //! count, 200,000 by default). Each figure is the best of five runs over the same
 //! records, driven one at a time on a current-thread runtime (as the consumer drives a
 //! shard): ready, call, await.
+//!
+//! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
+//! --all-targets` runs this binary without), it makes a smoke run instead: every row
+//! once over 300 records. That proves the bench works without costing the test suite
+//! the measurement.
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -56,15 +61,15 @@ fn records(count: u64) -> Vec<Message<Bytes>> {
         .collect()
 }
 
-/// Best-of-`RUNS` time per record of driving `make()`'s service over `messages`.
-async fn measure<S, F>(messages: &[Message<Bytes>], make: F) -> f64
+/// Best-of-`runs` time per record of driving `make()`'s service over `messages`.
+async fn measure<S, F>(runs: usize, messages: &[Message<Bytes>], make: F) -> f64
 where
     F: Fn() -> S,
     S: Service<Message<Bytes>>,
     S::Error: std::fmt::Debug,
 {
     let mut best = Duration::MAX;
-    for _ in 0..RUNS {
+    for _ in 0..runs {
         let batch = messages.to_vec();
         let mut svc = make();
         let start = Instant::now();
@@ -101,10 +106,17 @@ fn sink() -> impl Service<DeadLetterRecord, Response = (), Error = Infallible, F
 }
 
 fn main() {
-    let count: u64 = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(200_000);
+    // `cargo bench` passes `--bench`; `cargo test` runs this binary without arguments.
+    let (count, runs): (u64, usize) = if std::env::args().skip(1).any(|a| a == "--bench") {
+        let count = std::env::args()
+            .skip(1)
+            .find_map(|a| a.parse().ok())
+            .unwrap_or(200_000);
+        (count, RUNS)
+    } else {
+        println!("layers: smoke run (not a measurement: run `cargo bench -p shardflow-middleware --bench layers`)");
+        (300, 1)
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -112,33 +124,39 @@ fn main() {
     let messages = records(count);
 
     runtime.block_on(async {
-        let base = measure(&messages, bare).await;
+        let base = measure(runs, &messages, bare).await;
         let rows = [
             (
                 "decode (JSON, 3 fields)",
-                measure(&messages, || DecodeLayer::<Order>::json().layer(typed())).await,
+                measure(runs, &messages, || {
+                    DecodeLayer::<Order>::json().layer(typed())
+                })
+                .await,
             ),
             (
                 "dedup (memory store)",
-                measure(&messages, || {
+                measure(runs, &messages, || {
                     DedupLayer::new(MemoryDedupStore::new(count as usize * 2)).layer(bare())
                 })
                 .await,
             ),
             (
                 "retry (no failures)",
-                measure(&messages, || {
+                measure(runs, &messages, || {
                     RetryLayer::new(Backoff::exponential()).layer(bare())
                 })
                 .await,
             ),
             (
                 "dead_letter (no failures)",
-                measure(&messages, || DeadLetterLayer::new(sink()).layer(bare())).await,
+                measure(runs, &messages, || {
+                    DeadLetterLayer::new(sink()).layer(bare())
+                })
+                .await,
             ),
             (
                 "full stack (all four)",
-                measure(&messages, || {
+                measure(runs, &messages, || {
                     ServiceBuilder::new()
                         .dead_letter(sink())
                         .decode::<Order>()
@@ -153,7 +171,7 @@ fn main() {
         // The memory store alone: reserve + commit of a fresh key per record.
         let keys: Vec<String> = (0..count).map(|i| format!("orders/shard/{i}/0")).collect();
         let mut best = Duration::MAX;
-        for _ in 0..RUNS {
+        for _ in 0..runs {
             let store = MemoryDedupStore::new(count as usize * 2);
             let ttl = Duration::from_secs(60);
             let start = Instant::now();
@@ -168,7 +186,7 @@ fn main() {
         // Batch mode: reads of 500 records re-chunked into bulk calls of 100.
         let reads: Vec<Vec<Message<Bytes>>> = messages.chunks(500).map(<[_]>::to_vec).collect();
         let mut best = Duration::MAX;
-        for _ in 0..RUNS {
+        for _ in 0..runs {
             let reads = reads.clone();
             let mut svc = Batching::new(
                 service_fn(|ms: Vec<Message<Bytes>>| async move {
@@ -192,7 +210,7 @@ fn main() {
         }
         let batch_ns = best.as_nanos() as f64 / messages.len() as f64;
 
-        println!("per-record cost over {count} records (best of {RUNS} runs)");
+        println!("per-record cost over {count} records (best of {runs} runs)");
         println!("{:<28} {:>10} {:>12}", "layer", "ns/record", "vs bare");
         println!("{:<28} {:>10.0} {:>12}", "bare service_fn", base, "-");
         for (name, ns) in rows {
