@@ -10,13 +10,15 @@
 //! `fake`) to prove what kinesalite cannot show — ListShards paging, ChildShards,
 //! partial PutRecords failures, throttling and HTTP 500 answers.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use common::unique;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, StartingPosition,
 };
@@ -28,25 +30,10 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The clients, or `None` (after saying so) when the emulators are not running.
 async fn aws() -> Option<Aws> {
-    if std::env::var_os("SHARDFLOW_EMULATORS").is_none() {
-        eprintln!("skipped: SHARDFLOW_EMULATORS not set");
+    if !common::emulators_enabled() {
         return None;
     }
     Some(Aws::from_env().await)
-}
-
-/// A stream or table name no other test (or earlier run against the same emulator) uses.
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let started = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() % 1_000_000)
-        .unwrap_or(0);
-    format!(
-        "{prefix}-{}-{started}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 /// Runs a test body under [`TEST_TIMEOUT`].

@@ -1,21 +1,33 @@
 //! The README's main example and the pipeline example run to completion on the embedded
 //! backend and verify their own totals (they exit non-zero otherwise).
+//!
+//! Each test builds its example first (`common::build_example`: a no-op when the suite
+//! already built the examples), so it always runs the current code and never skips.
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The example binary built beside this test (`cargo test --all-targets` builds examples).
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let path = exe.parent()?.parent()?.join("examples").join(name);
-    path.exists().then_some(path)
+/// Removes the test's private directory (and its link to the example binary) at the end,
+/// passed or failed.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn run(name: &str) {
-    let Some(path) = example(name) else {
-        eprintln!("skipped: example {name} not built (run with --all-targets)");
-        return;
-    };
+    // One directory per example and process: the two tests run in parallel, and several
+    // runs of this binary may too.
+    let dir = TempDir(
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("examples")
+            .join(format!("{name}-{}", std::process::id())),
+    );
+    let path = common::build_example(name, &dir.0);
     let out = Command::new(&path)
         .env_remove("AWS_ENDPOINT_URL_KINESIS")
         .env_remove("SHARDFLOW_BACKEND")

@@ -8,7 +8,7 @@
 mod common;
 
 use std::future::IntoFuture;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt;
@@ -36,14 +36,6 @@ async fn backend() -> Option<Aws> {
         kinesis,
         aws_sdk_dynamodb::Client::new(&config),
     ))
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
 }
 
 /// Subscribes from `from` and collects `n` record values, and the last continuation.

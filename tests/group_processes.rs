@@ -32,6 +32,7 @@
 //! `scripts/test.sh --test group_processes`. Worker logs go to
 //! `target/tmp/group_processes/<stream>/` (kept when the test fails).
 
+mod common;
 mod group;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -40,10 +41,11 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
-use group::process::{build_example, now_us, Output, Printed, Worker};
+use common::{build_example, emulators_enabled, open_shards, unique};
+use group::process::{now_us, Output, Printed, Worker};
 use group::proxy::{delta, CountingProxy};
 use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, ShardInfo};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
@@ -70,22 +72,6 @@ const FAILOVER_LIMIT: Duration = Duration::from_secs(10);
 /// The steady-state window over which DynamoDB requests are counted.
 const STEADY_WINDOW: Duration = Duration::from_secs(10);
 
-fn enabled() -> bool {
-    let on = std::env::var_os("SHARDFLOW_EMULATORS").is_some();
-    if !on {
-        eprintln!("skipped: SHARDFLOW_EMULATORS not set (run scripts/test.sh)");
-    }
-    on
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
-
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
@@ -96,7 +82,7 @@ fn us_secs(us: u64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_group_of_processes() {
-    if !enabled() {
+    if !emulators_enabled() {
         return;
     }
     let started = Instant::now();
@@ -680,18 +666,6 @@ fn settled(rows: &[Lease], live: &[String]) -> bool {
         }
     }
     count.values().all(|n| (lo..=hi).contains(n))
-}
-
-async fn open_shards(kinesis: &dyn KinesisApi, stream: &str) -> Vec<ShardInfo> {
-    let mut open: Vec<ShardInfo> = kinesis
-        .list_shards(stream)
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|s| !s.is_closed())
-        .collect();
-    open.sort_by_key(|s| s.starting_hash_key);
-    open
 }
 
 /// The hash key Kinesis gives a partition key: MD5 as a 128-bit big-endian number.

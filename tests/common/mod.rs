@@ -566,3 +566,108 @@ pub fn start(consumer: Consumer, recorder: &Recorder) -> Running {
     );
     Running { shutdown, task }
 }
+
+// ---------------------------------------------------------------------------------------
+// Shared by the emulator and process tests.
+
+/// Whether the emulators `scripts/test.sh` starts are there (`SHARDFLOW_EMULATORS` set);
+/// says so on stderr when not, so a skipped emulator test shows in `--nocapture` output.
+pub fn emulators_enabled() -> bool {
+    let on = std::env::var_os("SHARDFLOW_EMULATORS").is_some();
+    if !on {
+        eprintln!("skipped: SHARDFLOW_EMULATORS not set (run scripts/test.sh)");
+    }
+    on
+}
+
+/// A stream, table or group name no other test of this process, no concurrent run and no
+/// earlier run against the same long-lived emulator uses: the prefix, the process id, the
+/// wall clock (milliseconds, modulo 10^9) and a counter.
+pub fn unique(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() % 1_000_000_000)
+        .unwrap_or(0);
+    format!(
+        "{prefix}-{}-{millis}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Builds example `name` with the profile this test was built with (debug unless the
+/// suite runs with `--release`) into the same target directory, and returns the
+/// binary. Always built, never skipped: a test runs neither a binary left over from an
+/// earlier build nor nothing. `--workspace` gives the dependencies the same features as
+/// the `cargo test --workspace` of `scripts/test.sh` (without it the AWS SDK is compiled a
+/// second time), so the build is fresh (a no-op) when the suite already built the
+/// examples.
+///
+/// The binary is hard-linked (or copied) into `dir` and run from there: a build of the
+/// same example elsewhere (another checkout sharing the target directory, a concurrent
+/// `cargo build`) replaces `target/debug/examples/<name>` but not this link.
+pub fn build_example(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Stdio};
+
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // `<target-dir>/tmp`: also right when the suite was started with `--target-dir`.
+    let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("the target directory")
+        .to_owned();
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--workspace", "--example", name])
+        .arg("--message-format=json-render-diagnostics")
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    // `cargo test` gives this process the package's CARGO_MANIFEST_DIR, CARGO_PKG_NAME,
+    // CARGO_PKG_VERSION_*, ...; build scripts (ring's) watch some of them, so passing
+    // them on would make the inner cargo rebuild the TLS and AWS SDK crates, and the
+    // next ordinary build rebuild them back.
+    const SET_FOR_THIS_CRATE: [&str; 5] = [
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "OUT_DIR",
+    ];
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || SET_FOR_THIS_CRATE.contains(&&*key)
+        {
+            cmd.env_remove(&*key);
+        }
+    }
+    let out = cmd.output().expect("cargo runs");
+    assert!(out.status.success(), "cargo build --example {name} failed");
+    let mut executable = None;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name {
+            if let Some(path) = msg["executable"].as_str() {
+                executable = Some(PathBuf::from(path));
+            }
+        }
+    }
+    let built = executable.unwrap_or_else(|| panic!("cargo did not report the {name} executable"));
+    std::fs::create_dir_all(dir).expect("create the directory for the example binary");
+    let private = dir.join(name);
+    let _ = std::fs::remove_file(&private);
+    if std::fs::hard_link(&built, &private).is_err() {
+        std::fs::copy(&built, &private).expect("copy the example binary");
+    }
+    private
+}

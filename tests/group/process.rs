@@ -1,5 +1,6 @@
-//! Worker processes of the `consumer_group` example: building it, spawning workers with
-//! their stdout parsed line by line, signalling them, and waiting for their exit.
+//! Worker processes of the `consumer_group` example (built by `common::build_example`):
+//! spawning workers with their stdout parsed line by line, signalling them, and waiting
+//! for their exit.
 //!
 //! Plain threads, not tokio: the crate's tokio has neither `process` nor `net` enabled,
 //! and a blocking reader per pipe never lets a busy test runtime hold a worker back (a
@@ -14,76 +15,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Deserialize;
 use tokio::sync::watch;
-
-/// Builds the example with the profile this test was built with (debug unless the
-/// suite runs with `--release`) into the same target directory, and returns the
-/// binary. `--workspace` gives the dependencies the same features as the
-/// `cargo test --workspace` of `scripts/test.sh` (without it the AWS SDK is compiled a
-/// second time), so the build is fresh when the suite already built the examples.
-///
-/// The binary is hard-linked (or copied) into `dir` and run from there: a build of the
-/// same example elsewhere (another checkout sharing the target directory, a concurrent
-/// `cargo build`) replaces `target/debug/examples/<name>` but not this link.
-pub fn build_example(name: &str, dir: &Path) -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    // `<target-dir>/tmp`: also right when the suite was started with `--target-dir`.
-    let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .parent()
-        .expect("the target directory")
-        .to_owned();
-    let mut cmd = Command::new(cargo);
-    cmd.args(["build", "--workspace", "--example", name])
-        .arg("--message-format=json-render-diagnostics")
-        .arg("--target-dir")
-        .arg(&target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
-    // `cargo test` gives this process the package's CARGO_MANIFEST_DIR, CARGO_PKG_NAME,
-    // CARGO_PKG_VERSION_*, ...; build scripts (ring's) watch some of them, so passing
-    // them on would make the inner cargo rebuild the TLS and AWS SDK crates, and the
-    // next ordinary build rebuild them back.
-    const SET_FOR_THIS_CRATE: [&str; 5] = [
-        "CARGO_CRATE_NAME",
-        "CARGO_BIN_NAME",
-        "CARGO_PRIMARY_PACKAGE",
-        "CARGO_TARGET_TMPDIR",
-        "OUT_DIR",
-    ];
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        if key.starts_with("CARGO_PKG_")
-            || key.starts_with("CARGO_MANIFEST_")
-            || SET_FOR_THIS_CRATE.contains(&&*key)
-        {
-            cmd.env_remove(&*key);
-        }
-    }
-    let out = cmd.output().expect("cargo runs");
-    assert!(out.status.success(), "cargo build --example {name} failed");
-    let mut executable = None;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        if msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name {
-            if let Some(path) = msg["executable"].as_str() {
-                executable = Some(PathBuf::from(path));
-            }
-        }
-    }
-    let built = executable.unwrap_or_else(|| panic!("cargo did not report the {name} executable"));
-    let private = dir.join(name);
-    let _ = std::fs::remove_file(&private);
-    if std::fs::hard_link(&built, &private).is_err() {
-        std::fs::copy(&built, &private).expect("copy the example binary");
-    }
-    private
-}
 
 /// Microseconds since the Unix epoch: the clock the workers' `ts_us` uses.
 pub fn now_us() -> u64 {
