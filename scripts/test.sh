@@ -2,10 +2,12 @@
 # The project's one test command.
 #
 # Installs the local emulators (kinesalite for Kinesis, dynalite for DynamoDB) into
-# .cache/emulators, starts them on free loopback ports, points the AWS SDK at them and runs
-# the whole workspace's tests, then the doc tests. The emulators are stopped on exit,
-# whatever happens. kinesis-local (kinesis-mock) also runs, for the enhanced fan-out tests
-# only (kinesalite has no SubscribeToShard): its endpoint is SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
+# .cache/emulators with `npm ci` from scripts/emulators/package-lock.json (every
+# transitive version pinned; re-installed when that lockfile changes), starts them on free
+# loopback ports, points the AWS SDK at them and runs the whole workspace's tests, then the
+# doc tests. The emulators are stopped on exit, whatever happens. kinesis-local
+# (kinesis-mock) also runs, for the enhanced fan-out tests only (kinesalite has no
+# SubscribeToShard): its endpoint is SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
 #
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
@@ -13,47 +15,60 @@
 #                                        # --example, --bench, --doc) replaces
 #                                        # --all-targets, and the doc-test pass is skipped
 #
+# `cargo test` runs with --no-fail-fast, so one run reports every failing test binary.
+# The benches (harness = false) run there as quick smoke runs; `cargo bench` measures.
+#
 # Needs only a Rust toolchain, node 20+ with npm, and python3.
 set -euo pipefail
 
-KINESALITE_VERSION=3.3.3
-DYNALITE_VERSION=4.0.0
-KINESIS_LOCAL_VERSION=0.6.2
 STARTUP_TIMEOUT_S=15
 
 started_at=$(date +%s)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 emulators="$repo/.cache/emulators"
+# package.json pins kinesalite 3.3.3, dynalite 4.0.0 and kinesis-local 0.6.2 exactly; the
+# lockfile pins (with integrity hashes) everything they pull in.
+manifest="$repo/scripts/emulators"
 mkdir -p "$emulators"
 
 log() { printf 'test.sh: %s\n' "$*" >&2; }
 
-installed_version() { # package -> its installed version, or nothing
-    local manifest="$emulators/node_modules/$1/package.json"
-    [[ -f "$manifest" ]] && node -p "require(process.argv[1]).version" "$manifest" 2>/dev/null || true
+manifest_hash() { # of the committed manifest + lockfile
+    cat "$manifest/package.json" "$manifest/package-lock.json" | sha256sum | cut -d' ' -f1
+}
+
+installed() { # the emulators in .cache/emulators are those of the committed lockfile
+    [[ -f "$emulators/.installed-lock-hash" && -d "$emulators/node_modules" &&
+       "$(cat "$emulators/.installed-lock-hash")" == "$(manifest_hash)" ]]
 }
 
 install_emulators() {
-    if [[ "$(installed_version kinesalite)" == "$KINESALITE_VERSION" &&
-          "$(installed_version dynalite)" == "$DYNALITE_VERSION" &&
-          "$(installed_version kinesis-local)" == "$KINESIS_LOCAL_VERSION" ]]; then
-        return
-    fi
-    log "installing kinesalite@$KINESALITE_VERSION, dynalite@$DYNALITE_VERSION and kinesis-local@$KINESIS_LOCAL_VERSION into .cache/emulators"
-    npm install --no-audit --no-fund --save-exact --loglevel=error --prefix "$emulators" \
-        "kinesalite@$KINESALITE_VERSION" "dynalite@$DYNALITE_VERSION" \
-        "kinesis-local@$KINESIS_LOCAL_VERSION" >&2
+    log "installing the emulators from scripts/emulators/package-lock.json into .cache/emulators (npm ci)"
+    rm -f "$emulators/.installed-lock-hash"
+    # npm ci installs exactly what the lockfile says (it replaces node_modules), and needs
+    # both files in its prefix.
+    cp "$manifest/package.json" "$manifest/package-lock.json" "$emulators/"
+    npm ci --no-audit --no-fund --loglevel=error --prefix "$emulators" >&2
+    manifest_hash >"$emulators/.installed-lock-hash"
 }
 
-# Several checkouts' test runs may share this machine: serialise installs when flock exists.
+# Several test runs of this checkout may overlap. Each holds a shared lock for as long as
+# its emulators run; an install (npm ci deletes node_modules first) takes it exclusively,
+# so it waits for the runs using the old install to end. Without flock: no locking.
 if command -v flock >/dev/null 2>&1; then
     exec 9>"$emulators/.install.lock"
-    flock 9
-    install_emulators
-    flock -u 9
-    exec 9>&-
-else
+    flock -s 9
+    if ! installed; then
+        # Converting releases the shared lock first, so two upgrading runs cannot deadlock.
+        if ! flock -x -n 9; then
+            log "waiting for other test runs of this checkout to end before installing the emulators"
+            flock -x 9
+        fi
+        installed || install_emulators
+        flock -s 9
+    fi
+elif ! installed; then
     install_emulators
 fi
 
@@ -105,7 +120,8 @@ start() {
         port=$(free_port)
         logfile="$emulators/$name.$$.log"
         logs+=("$logfile")
-        "$@" "$port" >"$logfile" 2>&1 &
+        # fd 9 (the install lock) closed here and for cargo: only this script holds it.
+        "$@" "$port" >"$logfile" 2>&1 9>&- &
         pid=$!
         pids+=("$pid")
         deadline=$(( $(date +%s) + STARTUP_TIMEOUT_S ))
@@ -164,8 +180,8 @@ for arg in "$@"; do
 done
 
 if (( targeted )); then
-    cargo test --workspace "$@"
+    cargo test --workspace --no-fail-fast "$@" 9>&-
 else
-    cargo test --workspace --all-targets "$@"
-    cargo test --workspace --doc
+    cargo test --workspace --all-targets --no-fail-fast "$@" 9>&-
+    cargo test --workspace --doc 9>&-
 fi
