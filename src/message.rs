@@ -121,7 +121,7 @@ pub struct Batch<T = Bytes> {
     pub stream: Arc<str>,
     /// The shard the messages were read from.
     pub shard_id: Arc<str>,
-    /// The messages, in sequence order. May be empty only on the last batch of a closed shard.
+    /// The messages, in sequence order; never empty when delivered by a consumer.
     pub messages: Vec<Message<T>>,
     /// How far this read was behind the tip of the shard, when Kinesis said.
     pub millis_behind_latest: Option<i64>,
@@ -168,7 +168,7 @@ impl<T> Batch<T> {
     }
 
     /// Takes the acknowledgement handle out, so the messages can be moved elsewhere and
-    /// acknowledged later (what batching middleware does).
+    /// acknowledged later through the handle.
     pub fn take_ack(&mut self) -> Option<AckHandle> {
         self.ack.take()
     }

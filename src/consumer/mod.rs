@@ -121,14 +121,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let spawn = spawn_with(service, |rx, service| {
+        self.run_with(spawn_with(service, |rx, service| {
             tokio::spawn(dispatch::records(rx, service))
-        });
-        Run {
-            consumer: self,
-            spawn,
-            until: None,
-        }
+        }))
     }
 
     /// Like [`Consumer::run`], with the service called once per batch (one GetRecords
@@ -139,9 +134,12 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let spawn = spawn_with(service, |rx, service| {
+        self.run_with(spawn_with(service, |rx, service| {
             tokio::spawn(dispatch::batches(rx, service))
-        });
+        }))
+    }
+
+    fn run_with(self, spawn: SpawnDispatch) -> Run {
         Run {
             consumer: self,
             spawn,
