@@ -388,7 +388,7 @@ async fn simulate(seed: u64) -> u64 {
             .iter()
             .filter(|(at, key, _)| *at < c.at && *key == c.key)
             .map(|(_, _, owner)| owner.as_str())
-            .last();
+            .next_back();
         assert_eq!(
             taker,
             Some(c.worker.as_str()),
