@@ -530,8 +530,14 @@ async fn a_full_buffer_makes_poll_ready_pending_until_kinesis_answers() {
     producer.close().await;
 }
 
-#[tokio::test(start_paused = true)]
-async fn close_flushes_what_is_buffered_without_waiting_for_the_linger() {
+/// A producer with a one-hour linger and ten calls waiting in it (plus the handle that
+/// made them).
+async fn ten_waiting_for_a_long_linger() -> (
+    Memory,
+    Producer,
+    Producer,
+    Vec<<Producer as Service<ProducerRecord>>::Future>,
+) {
     let memory = memory_with_stream(2).await;
     let producer = Producer::builder()
         .stream(STREAM)
@@ -545,6 +551,12 @@ async fn close_flushes_what_is_buffered_without_waiting_for_the_linger() {
         handle.ready().await.unwrap();
         pending.push(handle.call(record(i, format!("k{i}"))));
     }
+    (memory, producer, handle, pending)
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_flushes_what_is_buffered_without_waiting_for_the_linger() {
+    let (memory, producer, mut handle, pending) = ten_waiting_for_a_long_linger().await;
     let start = Instant::now();
     producer.close().await;
     assert!(start.elapsed() < Duration::from_secs(1));
@@ -567,19 +579,7 @@ async fn close_flushes_what_is_buffered_without_waiting_for_the_linger() {
 
 #[tokio::test(start_paused = true)]
 async fn flush_answers_every_earlier_record_and_the_producer_stays_open() {
-    let memory = memory_with_stream(2).await;
-    let producer = Producer::builder()
-        .stream(STREAM)
-        .backend(memory.clone())
-        .linger(Duration::from_secs(3_600))
-        .build()
-        .unwrap();
-    let mut handle = producer.clone();
-    let mut pending = Vec::new();
-    for i in 0..10 {
-        handle.ready().await.unwrap();
-        pending.push(handle.call(record(i, format!("k{i}"))));
-    }
+    let (_memory, producer, _handle, pending) = ten_waiting_for_a_long_linger().await;
     let start = Instant::now();
     producer.flush().await;
     assert!(start.elapsed() < Duration::from_secs(1));

@@ -77,8 +77,11 @@ impl AwsKinesis {
         AwsKinesis { client }
     }
 
-    /// The stream's status, from DescribeStreamSummary.
-    async fn stream_status(&self, stream: &str) -> Result<StreamStatus, KinesisError> {
+    /// The stream's summary, from DescribeStreamSummary.
+    async fn describe_summary(
+        &self,
+        stream: &str,
+    ) -> Result<aws_sdk_kinesis::types::StreamDescriptionSummary, KinesisError> {
         let out = self
             .client
             .describe_stream_summary()
@@ -86,13 +89,16 @@ impl AwsKinesis {
             .send()
             .await
             .map_err(|e| classify("DescribeStreamSummary", e))?;
-        out.stream_description_summary
-            .map(|summary| summary.stream_status)
-            .ok_or_else(|| {
-                KinesisError::Other(format!(
-                    "DescribeStreamSummary of {stream}: the answer has no stream description"
-                ))
-            })
+        out.stream_description_summary.ok_or_else(|| {
+            KinesisError::Other(format!(
+                "DescribeStreamSummary of {stream}: the answer has no stream description"
+            ))
+        })
+    }
+
+    /// The stream's status.
+    async fn stream_status(&self, stream: &str) -> Result<StreamStatus, KinesisError> {
+        Ok(self.describe_summary(stream).await?.stream_status)
     }
 
     /// Polls the stream's status until it is ACTIVE, for at most [`ACTIVE_WAIT`].
@@ -119,17 +125,9 @@ impl AwsKinesis {
         }
     }
 
-    /// The stream's ARN, from DescribeStreamSummary (the consumer calls need it).
+    /// The stream's ARN (the consumer calls need it).
     async fn stream_arn(&self, stream: &str) -> Result<String, KinesisError> {
-        let out = self
-            .client
-            .describe_stream_summary()
-            .stream_name(stream)
-            .send()
-            .await
-            .map_err(|e| classify("DescribeStreamSummary", e))?;
-        out.stream_description_summary
-            .map(|summary| summary.stream_arn)
+        Some(self.describe_summary(stream).await?.stream_arn)
             .filter(|arn| !arn.is_empty())
             .ok_or_else(|| {
                 KinesisError::Other(format!(
