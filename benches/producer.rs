@@ -26,6 +26,9 @@
 //! backend only (never the emulator, even when its endpoint is set), 1,000 records, one
 //! warm-up and one timed run per mode, the knobs ignored.
 
+mod common;
+
+use common::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,13 +41,6 @@ const SHARDS: u32 = 4;
 const RECORD_BYTES: usize = 100;
 const KEYS: usize = 1_000;
 const OUTSTANDING: usize = 20_000;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn keys() -> Vec<String> {
     (0..KEYS).map(|k| format!("key-{k}")).collect()
@@ -117,25 +113,14 @@ async fn run(kinesis: Arc<dyn KinesisApi>, stream: &str, records: usize, mode: M
     elapsed
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn report(label: &str, mode: Mode, records: usize, times: Vec<Duration>) {
-    let m = median(times);
+fn report(label: &str, mode: Mode, records: usize, mut times: Vec<Duration>) {
+    let m = median(&mut times);
     println!(
         "{label:>8} {:>9}: {records:>7} records in {:>9.2?} = {:>10.0} records/s",
         mode.name(),
         m,
         records as f64 / m.as_secs_f64()
     );
-}
-
-/// Whether `cargo bench` started this binary (it passes `--bench`), rather than `cargo
-/// test` (which only checks that the bench runs).
-fn measuring() -> bool {
-    std::env::args().skip(1).any(|a| a == "--bench")
 }
 
 fn main() {

@@ -38,6 +38,9 @@
 //! backend only (never the emulators, even when their endpoints are set), 400 records,
 //! one warm-up and one timed iteration, `BENCH_ITERS` and `BENCH_RECORDS` ignored.
 
+mod common;
+
+use common::*;
 use std::collections::BTreeMap;
 use std::future::ready;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,22 +48,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord};
+use shardflow::kinesis::KinesisApi;
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Aws, Backend, Consumer, Memory, Message};
 use tokio::sync::Notify;
-
-const SHARDS: u32 = 4;
-const RECORD_BYTES: usize = 100;
-const PUT_CHUNK: usize = 500;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// User + system CPU time of this process so far. `/proc` reports it in USER_HZ ticks,
 /// which Linux fixes at 100 per second for user space.
@@ -341,44 +332,6 @@ async fn consume(
     }
 }
 
-async fn fill(kinesis: &dyn KinesisApi, stream: &str, records: usize) {
-    kinesis
-        .create_stream(stream, SHARDS)
-        .await
-        .expect("create stream");
-    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
-    let mut i = 0usize;
-    while i < records {
-        let n = PUT_CHUNK.min(records - i);
-        let mut chunk: Vec<PutRecord> = (i..i + n)
-            .map(|k| PutRecord {
-                data: data.clone(),
-                partition_key: format!("pk-{k}"),
-                explicit_hash_key: None,
-            })
-            .collect();
-        // Retry the entries an emulator refused (kinesalite can throttle).
-        for _ in 0..20 {
-            let out = kinesis
-                .put_records(stream, &chunk)
-                .await
-                .expect("put records");
-            chunk = chunk
-                .into_iter()
-                .zip(out)
-                .filter(|(_, o)| !matches!(o, PutOutcome::Stored { .. }))
-                .map(|(r, _)| r)
-                .collect();
-            if chunk.is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(chunk.is_empty(), "could not put every record");
-        i += n;
-    }
-}
-
 /// The floor under any consumer: every shard read at once straight through `KinesisApi`
 /// (GetShardIterator at TRIM_HORIZON, then GetRecords until an empty page), no leases.
 /// Returns (time to the first record, time to all records).
@@ -581,12 +534,6 @@ async fn emulators(iters: usize, records: u64) {
         println!("    last run, lease-store calls incl. shutdown: {}", last.0);
         println!("    last run, DynamoDB HTTP incl. shutdown:     {}", last.1);
     }
-}
-
-/// Whether `cargo bench` started this binary (it passes `--bench`), rather than `cargo
-/// test` (which only checks that the bench runs).
-fn measuring() -> bool {
-    std::env::args().skip(1).any(|a| a == "--bench")
 }
 
 fn main() {

@@ -28,20 +28,20 @@
 //! once over 400 records, no warm-up, the knobs ignored. That proves the bench works
 //! without costing the test suite the measurement.
 
+mod common;
+
+use common::*;
 use std::future::ready;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StartingPosition};
+use shardflow::kinesis::{KinesisApi, StartingPosition};
 use shardflow::{Backend, Batch, Consumer, Memory, Message};
 use tokio::sync::Notify;
 
 const STREAM: &str = "bench";
-const SHARDS: u32 = 4;
-const RECORD_BYTES: usize = 100;
-const PUT_CHUNK: usize = 500;
 const READ_LIMIT: u32 = 10_000;
 
 /// The "work" every mode does per record: count it (and touch the payload so the
@@ -81,39 +81,6 @@ impl Done {
         *self.at.lock().unwrap() = Some(Instant::now());
         // notify_one stores a permit if nobody waits yet.
         self.notify.notify_one();
-    }
-}
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-async fn fill(memory: &Memory, records: usize) {
-    let kinesis = memory.streams();
-    kinesis
-        .create_stream(STREAM, SHARDS)
-        .await
-        .expect("create stream");
-    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
-    let mut i = 0usize;
-    while i < records {
-        let n = PUT_CHUNK.min(records - i);
-        let chunk: Vec<PutRecord> = (i..i + n)
-            .map(|k| PutRecord {
-                data: data.clone(),
-                partition_key: format!("pk-{k}"),
-                explicit_hash_key: None,
-            })
-            .collect();
-        let out = kinesis
-            .put_records(STREAM, &chunk)
-            .await
-            .expect("put records");
-        assert!(out.iter().all(|o| matches!(o, PutOutcome::Stored { .. })));
-        i += n;
     }
 }
 
@@ -231,23 +198,12 @@ async fn hand_loop(kinesis: Arc<dyn KinesisApi>, records: u64) -> Duration {
     start.elapsed()
 }
 
-fn median(v: &mut [Duration]) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 fn rate(records: u64, d: Duration) -> f64 {
     records as f64 / d.as_secs_f64()
 }
 
 fn overhead_ns(records: u64, framework: Duration, baseline: Duration) -> f64 {
     (framework.as_secs_f64() - baseline.as_secs_f64()) * 1e9 / records as f64
-}
-
-/// Whether `cargo bench` started this binary (it passes `--bench`), rather than `cargo
-/// test` (which only checks that the bench runs).
-fn measuring() -> bool {
-    std::env::args().skip(1).any(|a| a == "--bench")
 }
 
 fn main() {
@@ -274,7 +230,7 @@ fn main() {
     runtime.block_on(async {
         let memory = Memory::new();
         let t = Instant::now();
-        fill(&memory, records as usize).await;
+        fill(memory.streams().as_ref(), STREAM, records as usize).await;
         println!(
             "throughput: {records} records x {RECORD_BYTES} B on {SHARDS} shards (memory backend), \
              put in {:.2?}; {threads} CPUs, tokio multi-thread runtime; {iters} iterations, medians",
