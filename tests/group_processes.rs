@@ -144,21 +144,9 @@ async fn consumer_group_of_processes() {
             .is_some(),
         "{killed} did not die"
     );
-    for shard in &dead_shards {
-        let read = g
-            .until_printed(
-                &format!("{shard} read again after the SIGKILL"),
-                SETTLE_LIMIT,
-                |p| &*p.shard == shard && &*p.worker != killed && p.ts_us > kill_us,
-            )
-            .await;
-        if read {
-            let first =
-                g.first_print(|p| &*p.shard == shard && &*p.worker != killed && p.ts_us > kill_us);
-            fig.sigkill_reread
-                .push((shard.clone(), first.unwrap() - kill_us));
-        }
-    }
+    fig.sigkill_reread = g
+        .reread_after(&dead_shards, killed, kill_us, "again after the SIGKILL")
+        .await;
     fig.sigkill_settled = g.until_settled("the SIGKILL", t).await;
     let slowest = fig
         .sigkill_reread
@@ -206,22 +194,9 @@ async fn consumer_group_of_processes() {
             "{terminated} after SIGTERM: {other:?} (expected exit 0)"
         )),
     }
-    for shard in &handed_over {
-        let read = g
-            .until_printed(
-                &format!("{shard} read after the SIGTERM"),
-                SETTLE_LIMIT,
-                |p| &*p.shard == shard && &*p.worker != terminated && p.ts_us > term_us,
-            )
-            .await;
-        if read {
-            let first = g.first_print(|p| {
-                &*p.shard == shard && &*p.worker != terminated && p.ts_us > term_us
-            });
-            fig.sigterm_reread
-                .push((shard.clone(), first.unwrap() - term_us));
-        }
-    }
+    fig.sigterm_reread = g
+        .reread_after(&handed_over, terminated, term_us, "after the SIGTERM")
+        .await;
     fig.sigterm_settled = g.until_settled("the SIGTERM", t).await;
 
     // 5. Split the open shard with the most keys between two of them, then merge the
@@ -508,6 +483,31 @@ impl Group {
         })
         .await
         .is_some()
+    }
+
+    /// Waits until each of `shards` is read by a worker other than `gone` after
+    /// `since_us`; returns how long after `since_us` each was first read.
+    async fn reread_after(
+        &mut self,
+        shards: &[String],
+        gone: &str,
+        since_us: u64,
+        event: &str,
+    ) -> Vec<(String, u64)> {
+        let mut reread = Vec::new();
+        for shard in shards {
+            let by_other =
+                |p: &Printed| &*p.shard == shard && &*p.worker != gone && p.ts_us > since_us;
+            if self
+                .until_printed(&format!("{shard} read {event}"), SETTLE_LIMIT, by_other)
+                .await
+            {
+                if let Some(first) = self.first_print(by_other) {
+                    reread.push((shard.clone(), first - since_us));
+                }
+            }
+        }
+        reread
     }
 
     /// The earliest handling time (`ts_us`) among the records satisfying `pred`.
