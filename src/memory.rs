@@ -92,6 +92,9 @@ pub struct KinesisFaults {
     /// Probability that GetRecords on an open shard answers without a next iterator
     /// (an emulator bug; a reader must not take it for the end of the shard).
     pub missing_next_iterator: f64,
+    /// How long every ListShards, GetShardIterator and GetRecords call takes (for
+    /// scale simulations under tokio's paused clock; zero by default).
+    pub latency: Duration,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -165,6 +168,14 @@ pub fn partition_hash(partition_key: &str) -> u128 {
 }
 
 impl MemoryKinesis {
+    /// Waits for the configured call latency ([`KinesisFaults::latency`]).
+    async fn delay(&self) {
+        let latency = lock(&self.state).faults.latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+    }
+
     /// Switches fault injection on (or off, with `KinesisFaults::default()`).
     pub fn set_faults(&self, faults: KinesisFaults) {
         let mut s = lock(&self.state);
@@ -348,6 +359,7 @@ impl MemoryKinesis {
 #[async_trait]
 impl KinesisApi for MemoryKinesis {
     async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.delay().await;
         let s = lock(&self.state);
         let st = s
             .streams
@@ -370,6 +382,7 @@ impl KinesisApi for MemoryKinesis {
         shard_id: &str,
         from: &StartingPosition,
     ) -> Result<String, KinesisError> {
+        self.delay().await;
         let mut s = lock(&self.state);
         if Self::draw(&mut s, |f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
@@ -383,6 +396,7 @@ impl KinesisApi for MemoryKinesis {
     }
 
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.delay().await;
         let mut s = lock(&self.state);
         let (stream, shard_id, index, issued) = Self::parse_iterator(iterator)
             .ok_or_else(|| KinesisError::Invalid(format!("bad shard iterator {iterator:?}")))?;

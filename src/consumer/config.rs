@@ -186,7 +186,7 @@ impl Default for ConsumerBuilder {
             renew_interval: None,
             take_interval: None,
             shard_sync_interval: Duration::from_secs(60),
-            max_steals_per_round: 1,
+            max_steals_per_round: usize::MAX,
             handoff_timeout: None,
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(10),
@@ -294,7 +294,10 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Leases a worker under its fair share asks others for per round (default 1).
+    /// The most leases a worker under its fair share asks others for in one round
+    /// (default: no limit beyond what it lacks of its fair share, so a fleet started
+    /// together or a new worker is balanced within a round or two; the KCL's default is
+    /// one per round).
     pub fn max_steals_per_round(mut self, n: usize) -> Self {
         self.max_steals_per_round = n;
         self

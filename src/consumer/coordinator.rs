@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use futures_util::future::join_all;
+use futures_util::future::{join_all, BoxFuture};
+use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -46,6 +47,9 @@ struct Slot {
     stop: CancellationToken,
     handoff_to: Option<String>,
 }
+
+/// How many lease takes one worker has in flight at once.
+const MAX_CONCURRENT_TAKES: usize = 32;
 
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
@@ -284,13 +288,16 @@ impl Coordinator {
         // Leases the table says are ours but no task runs: handed over to us, or left
         // by an earlier run of this worker id. Taking them bumps the counter, which
         // fences any older incarnation.
-        for row in eligible.iter().filter(|r| r.owner.as_deref() == Some(&me)) {
-            if !self.slots.contains_key(&row.key) {
-                self.steals.remove(&row.key);
-                match self.store.take(row, &me).await {
-                    Ok(taken) => self.start(taken),
-                    Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
-                }
+        let ours: Vec<&Lease> = eligible
+            .iter()
+            .copied()
+            .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
+            .collect();
+        for (row, result) in self.take_many(&ours).await {
+            self.steals.remove(&row.key);
+            match result {
+                Ok(taken) => self.start(taken),
+                Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
             }
         }
 
@@ -317,21 +324,32 @@ impl Coordinator {
             .collect();
         available.shuffle(&mut self.rng);
         available.sort_by_key(|r| r.owner.is_some()); // unowned first
-        for row in available {
-            if mine >= target {
+                                                      // Take up to the fair share, many at once: a fleet started together leases every
+                                                      // shard within a few store round trips, not one round trip per lease. Leases
+                                                      // another worker took first (conflicts) make room for the next candidates.
+        let mut candidates = available.into_iter();
+        let mut failure = None;
+        while mine < target {
+            let batch: Vec<&Lease> = candidates.by_ref().take(target - mine).collect();
+            if batch.is_empty() {
                 break;
             }
-            match self.store.take(row, &me).await {
-                Ok(taken) => {
-                    if let Some(old) = &row.owner {
-                        tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+            for (row, result) in self.take_many(&batch).await {
+                match result {
+                    Ok(taken) => {
+                        if let Some(old) = &row.owner {
+                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                        }
+                        self.steals.remove(&row.key);
+                        self.start(taken);
+                        mine += 1;
                     }
-                    self.steals.remove(&row.key);
-                    self.start(taken);
-                    mine += 1;
+                    Err(LeaseError::Conflict(_)) => {}
+                    Err(e) => failure = Some(e),
                 }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => return Err(e),
+            }
+            if let Some(e) = failure.take() {
+                return Err(e);
             }
         }
 
@@ -356,8 +374,17 @@ impl Coordinator {
             }
         }
 
-        // Still under the fair share: ask the most loaded worker for one of its leases.
+        // Still under the fair share: ask the most loaded workers for leases, as many as
+        // we lack in one round (bounded by `max_steals_per_round`), so a fleet started
+        // together or a worker that joins is balanced within a round or two instead of
+        // gaining one lease per round.
         let mut asked = 0;
+        let mut pool: Vec<&Lease> = eligible
+            .iter()
+            .copied()
+            .filter(|r| r.pending_owner.is_none() && !self.steals.contains_key(&r.key))
+            .collect();
+        pool.shuffle(&mut self.rng);
         while !self.updating
             && mine + self.steals.len() < target
             && asked < self.config.max_steals_per_round
@@ -375,19 +402,18 @@ impl Coordinator {
             if count < mine + self.steals.len() + 2 {
                 break;
             }
-            let candidate = eligible.iter().find(|r| {
-                r.owner.as_deref() == Some(victim.as_str())
-                    && r.pending_owner.is_none()
-                    && !self.steals.contains_key(&r.key)
-            });
-            let Some(row) = candidate else { break };
-            match self.store.request_handoff(row, &me).await {
-                Ok(_) => {
-                    tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
-                    self.steals.insert(row.key.clone(), now);
-                }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => return Err(e),
+            // A random one of the victim's leases: workers asking at the same moment
+            // then rarely ask for the same lease (the last request would win it).
+            let Some(at) = pool
+                .iter()
+                .position(|r| r.owner.as_deref() == Some(victim.as_str()))
+            else {
+                break;
+            };
+            let row = pool.swap_remove(at);
+            if self.ask_for_handoff(row).await? {
+                tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
+                self.steals.insert(row.key.clone(), now);
             }
             if let Some(n) = load.get_mut(victim.as_str()) {
                 *n -= 1;
@@ -483,6 +509,53 @@ impl Coordinator {
         self.last_sync = Some(Instant::now());
         self.need_sync = false;
         Ok(())
+    }
+
+    /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its
+    /// owner's renewals bump the counter the request is conditional on, so a conflict is
+    /// checked once against a fresh read: still the same owner and nobody else asking
+    /// means the request is sent again. Returns whether it was recorded.
+    async fn ask_for_handoff(&self, row: &Lease) -> Result<bool, LeaseError> {
+        let me = self.config.worker_id.as_str();
+        match self.store.request_handoff(row, me).await {
+            Ok(_) => return Ok(true),
+            Err(LeaseError::Conflict(_)) => {}
+            Err(e) => return Err(e),
+        }
+        let Some(fresh) = self.store.get(&row.key).await? else {
+            return Ok(false);
+        };
+        if fresh.owner != row.owner || fresh.pending_owner.is_some() {
+            return Ok(false);
+        }
+        match self.store.request_handoff(&fresh, me).await {
+            Ok(_) => Ok(true),
+            Err(LeaseError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes `rows` for this worker, [`MAX_CONCURRENT_TAKES`] conditional writes at a
+    /// time; returns each row with its outcome.
+    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>)> {
+        // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
+        // inference for the spawned worker future.
+        let takes: Vec<BoxFuture<'static, _>> = rows
+            .iter()
+            .map(|row| {
+                let (row, store) = ((*row).clone(), self.store.clone());
+                let me = self.config.worker_id.clone();
+                async move {
+                    let result = store.take(&row, &me).await;
+                    (row, result)
+                }
+                .boxed()
+            })
+            .collect();
+        futures_util::stream::iter(takes)
+            .buffer_unordered(MAX_CONCURRENT_TAKES)
+            .collect()
+            .await
     }
 
     fn start(&mut self, row: Lease) {
