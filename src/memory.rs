@@ -92,6 +92,11 @@ pub struct KinesisFaults {
     /// Probability that GetRecords on an open shard answers without a next iterator
     /// (an emulator bug; a reader must not take it for the end of the shard).
     pub missing_next_iterator: f64,
+    /// Probability that a GetRecords page (or a subscription event with records) of a
+    /// closed shard that does not reach the shard's end comes without a next iterator
+    /// (without a continuation): a read cut short. Records remain after it, so a reader
+    /// must not take it for the end of the shard.
+    pub cut_short: f64,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -123,6 +128,10 @@ struct KinesisState {
     /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
     /// fail.
     interruptions: u64,
+    /// Shards the next ListShards answers leave out, and how many answers still do.
+    stale_list_shards: HashMap<String, u32>,
+    /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
+    shard_not_found: HashMap<String, u32>,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
@@ -151,6 +160,8 @@ impl Default for MemoryKinesis {
                 heartbeat_interval: Duration::from_secs(5),
                 report_shard_end: true,
                 interruptions: 0,
+                stale_list_shards: HashMap::new(),
+                shard_not_found: HashMap::new(),
             })),
             changes: watch::channel(()).0,
         }
@@ -219,6 +230,33 @@ impl MemoryKinesis {
     pub fn interrupt_subscriptions(&self) {
         lock(&self.state).interruptions += 1;
         self.changes.send_replace(());
+    }
+
+    /// Makes the next `answers` ListShards calls leave `shard_id` out, as a stale
+    /// (eventually consistent) answer may: the shard still exists and keeps its records.
+    pub fn omit_from_list_shards(&self, shard_id: &str, answers: u32) {
+        lock(&self.state)
+            .stale_list_shards
+            .insert(shard_id.to_owned(), answers);
+    }
+
+    /// Makes the next `calls` GetShardIterator calls for `shard_id` answer NotFound
+    /// (ResourceNotFoundException), as a lagging service node may: the shard still exists.
+    pub fn shard_not_found(&self, shard_id: &str, calls: u32) {
+        lock(&self.state)
+            .shard_not_found
+            .insert(shard_id.to_owned(), calls);
+    }
+
+    /// Counts one use of a one-off fault for `shard_id`; whether it applies this time.
+    fn use_fault(faults: &mut HashMap<String, u32>, shard_id: &str) -> bool {
+        match faults.get_mut(shard_id) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Removes a shard entirely, as Kinesis does once a closed shard is past retention.
@@ -348,12 +386,19 @@ impl MemoryKinesis {
 #[async_trait]
 impl KinesisApi for MemoryKinesis {
     async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        let s = lock(&self.state);
+        let mut s = lock(&self.state);
+        let s = &mut *s;
         let st = s
             .streams
             .get(stream)
             .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
-        Ok(st.shards.iter().map(|sh| sh.info.clone()).collect())
+        let stale = &mut s.stale_list_shards;
+        Ok(st
+            .shards
+            .iter()
+            .filter(|sh| !Self::use_fault(stale, &sh.info.shard_id))
+            .map(|sh| sh.info.clone())
+            .collect())
     }
 
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
@@ -373,6 +418,11 @@ impl KinesisApi for MemoryKinesis {
         let mut s = lock(&self.state);
         if Self::draw(&mut s, |f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
+        }
+        if Self::use_fault(&mut s.shard_not_found, shard_id) {
+            return Err(KinesisError::NotFound(format!(
+                "shard {shard_id} of {stream} (injected)"
+            )));
         }
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
@@ -402,6 +452,7 @@ impl KinesisApi for MemoryKinesis {
             return Err(KinesisError::Other("injected service error".into()));
         }
         let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
+        let cut_short = Self::draw(&mut s, |f| f.cut_short);
         let st = s
             .streams
             .get(stream)
@@ -417,7 +468,8 @@ impl KinesisApi for MemoryKinesis {
         let end = (start + limit.max(1) as usize).min(shard.records.len());
         let records = shard.records[start..end].to_vec();
         let at_end = end == shard.records.len();
-        let (next_iterator, child_shards) = if missing_next {
+        let cut_short = cut_short && !at_end && shard.info.is_closed();
+        let (next_iterator, child_shards) = if missing_next || cut_short {
             (None, Vec::new())
         } else if at_end && shard.info.is_closed() {
             let children = st
@@ -772,6 +824,8 @@ impl MemSubscription {
                 None => shard.info.starting_sequence_number.clone(),
             })
         };
+        let may_cut_short =
+            !at_shard_end && end > start && end < shard.records.len() && shard.info.is_closed();
         let child_shards = if at_shard_end {
             s.streams
                 .get(&self.stream)
@@ -792,10 +846,11 @@ impl MemSubscription {
                 "injected service error in the subscription".into(),
             )));
         }
+        let cut_short = may_cut_short && MemoryKinesis::draw(s, |f| f.cut_short);
         self.next = end;
         Step::Event(Ok(SubscriptionEvent {
             records,
-            continuation,
+            continuation: continuation.filter(|_| !cut_short),
             millis_behind_latest,
             child_shards,
         }))

@@ -49,9 +49,26 @@ const FIRST_READ_LIMIT: u32 = 1_000;
 /// Whether a reader goes on after handing out a read.
 #[derive(Debug, PartialEq, Eq)]
 enum Flow {
-    Continue,
+    /// The read held records not handled before; they went to the handlers.
+    Delivered,
+    /// Nothing new in the read (empty, or only records already handled).
+    NothingNew,
     /// Nobody consumes any more (shutting down) or the lease is lost.
     Stop,
+}
+
+/// How many times in a row a shard must be both refused as NotFound and left out of
+/// ListShards before it counts as gone (see [`ShardReader::gone_or`]).
+const GONE_CONFIRMATIONS: u32 = 3;
+
+/// What to do after a NotFound for the shard.
+enum Gone {
+    /// Confirmed gone: the shard was ended.
+    Ended,
+    /// Not (yet) confirmed: try again after a backoff.
+    Retry,
+    /// Another error, or the stream itself is gone: give up with it.
+    Fail(KinesisError),
 }
 
 impl ShardReader {
@@ -80,6 +97,7 @@ impl ShardReader {
         // even when a large backlog waits; each full page doubles the next one.
         let mut limit = self.config.max_records_per_read.min(FIRST_READ_LIMIT);
         let mut just_expired = false;
+        let mut not_found = 0;
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
@@ -89,7 +107,15 @@ impl ShardReader {
                         self.pause(&e, backoff).await;
                         continue;
                     }
-                    Err(e) => return self.gone_or(e).await,
+                    Err(e) => match self.gone_or(e, &mut not_found).await {
+                        Gone::Ended => return Ok(()),
+                        Gone::Retry => {
+                            self.pause(&KinesisError::Other("shard not found".into()), backoff)
+                                .await;
+                            continue;
+                        }
+                        Gone::Fail(e) => return Err(e),
+                    },
                 },
             };
             let page = match self.kinesis.get_records(&it, limit).await {
@@ -108,10 +134,19 @@ impl ShardReader {
                     iterator = Some(it);
                     continue;
                 }
-                Err(e) => return self.gone_or(e).await,
+                Err(e) => match self.gone_or(e, &mut not_found).await {
+                    Gone::Ended => return Ok(()),
+                    Gone::Retry => {
+                        self.pause(&KinesisError::Other("shard not found".into()), backoff)
+                            .await;
+                        continue;
+                    }
+                    Gone::Fail(e) => return Err(e),
+                },
             };
             backoff.reset();
             just_expired = false;
+            not_found = 0;
             let raw = page.records.len();
             let flow = self
                 .deliver(page.records, page.millis_behind_latest, &mut handled)
@@ -120,6 +155,12 @@ impl ShardReader {
                 return Ok(());
             }
             match page.next_iterator {
+                // Records came, but no way to go on: maybe the end, maybe a page cut
+                // short. Only a read right after them that finds nothing new says which.
+                None if flow == Flow::Delivered => {
+                    tracing::debug!(shard = %self.shard_id, "no next iterator after new records; reading again after them");
+                    continue;
+                }
                 None if self.confirm_end(&page.child_shards).await => {
                     self.progress.end_of_shard();
                     return Ok(());
@@ -181,6 +222,7 @@ impl ShardReader {
         let mut handled = start;
         let mut continuation: Option<SequenceNumber> = None;
         let mut closed_checked = Instant::now();
+        let mut not_found = 0;
         loop {
             let from = match &continuation {
                 Some(after) => StartingPosition::AfterSequenceNumber(after.clone()),
@@ -196,8 +238,17 @@ impl ShardReader {
                     self.pause(&e, backoff).await;
                     continue;
                 }
-                Err(e) => return self.gone_or(e).await,
+                Err(e) => match self.gone_or(e, &mut not_found).await {
+                    Gone::Ended => return Ok(()),
+                    Gone::Retry => {
+                        self.pause(&KinesisError::Other("shard not found".into()), backoff)
+                            .await;
+                        continue;
+                    }
+                    Gone::Fail(e) => return Err(e),
+                },
             };
+            not_found = 0;
             let failure = loop {
                 let event = match events.next().await {
                     None => break None,
@@ -214,6 +265,13 @@ impl ShardReader {
                 }
                 match event.continuation {
                     Some(after) => continuation = Some(after),
+                    // New records and no continuation: the end, or an event cut short.
+                    // Subscribe again at the last delivered record; only an event that
+                    // brings nothing new may end the shard.
+                    None if flow == Flow::Delivered => {
+                        continuation = None;
+                        break None;
+                    }
                     None if self.confirm_end(&event.child_shards).await => {
                         self.progress.end_of_shard();
                         return Ok(());
@@ -282,7 +340,7 @@ impl ShardReader {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
         }
         let Some(last) = messages.last() else {
-            return Flow::Continue;
+            return Flow::NothingNew;
         };
         // After a pause longer than the renewal margin the lease may already be
         // someone else's: hand nothing out until a renewal proves it is ours.
@@ -309,7 +367,7 @@ impl ShardReader {
             millis_behind_latest,
             ack: Some(ack),
         });
-        Flow::Continue
+        Flow::Delivered
     }
 
     fn message(
@@ -392,9 +450,11 @@ impl ShardReader {
         }
     }
 
-    /// Whether a read that reported no more records really is the shard's end: the
-    /// service named children, or ListShards shows the shard closed. A missing field
-    /// alone (an emulator's heartbeat) must never end an open shard.
+    /// Whether a read that reported no more records, and brought nothing new, really is
+    /// the shard's end: the service named children, or ListShards shows the shard
+    /// closed. A missing field alone (an emulator's heartbeat) must never end an open
+    /// shard, and a read with new records never ends one at all: the reader reads again
+    /// right after them, and only that read, if empty, is the end.
     async fn confirm_end(&self, children: &[String]) -> bool {
         let end = !children.is_empty() || self.is_closed().await;
         if end {
@@ -405,18 +465,41 @@ impl ShardReader {
 
     /// A shard that no longer exists (trimmed after a reshard, past retention) has
     /// nothing left to read: it ends, so its children are not held back for ever.
-    /// Any other error is returned as it is.
-    async fn gone_or(&self, error: KinesisError) -> Result<(), KinesisError> {
-        if matches!(error, KinesisError::NotFound(_)) {
-            if let Ok(shards) = self.kinesis.list_shards(&self.stream).await {
-                if !shards.iter().any(|s| *s.shard_id == *self.shard_id) {
-                    tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
-                    self.progress.end_of_shard();
-                    return Ok(());
+    ///
+    /// ListShards is eventually consistent, and a lagging node may answer
+    /// ResourceNotFound for a shard that exists, so one such answer proves nothing. The
+    /// shard counts as gone only after [`GONE_CONFIRMATIONS`] reads in a row (with a
+    /// backoff between them; `strikes` counts them and is reset by any successful read)
+    /// were refused as NotFound while ListShards left the shard out each time. A shard
+    /// that ListShards lists, or a ListShards that fails, resets nothing and ends
+    /// nothing: the read is retried. Any other error is returned as it is.
+    async fn gone_or(&self, error: KinesisError, strikes: &mut u32) -> Gone {
+        if !matches!(error, KinesisError::NotFound(_)) {
+            return Gone::Fail(error);
+        }
+        match self.kinesis.list_shards(&self.stream).await {
+            Ok(shards) if shards.iter().any(|s| *s.shard_id == *self.shard_id) => {
+                *strikes = 0;
+                tracing::info!(shard = %self.shard_id, %error, "the shard is listed but was not found; retrying");
+                Gone::Retry
+            }
+            Ok(_) => {
+                *strikes += 1;
+                if *strikes < GONE_CONFIRMATIONS {
+                    tracing::info!(shard = %self.shard_id, strikes = *strikes, "the shard was not found and is not listed; confirming before ending it");
+                    return Gone::Retry;
                 }
+                tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
+                self.progress.end_of_shard();
+                Gone::Ended
+            }
+            // The stream itself is gone: no point in waiting.
+            Err(e @ KinesisError::NotFound(_)) => Gone::Fail(e),
+            Err(e) => {
+                tracing::debug!(shard = %self.shard_id, error = %e, "could not check whether the shard is gone; retrying");
+                Gone::Retry
             }
         }
-        Err(error)
     }
 
     /// Whether ListShards reports the shard closed (an error counts as "not known to be").
