@@ -92,11 +92,6 @@ pub struct KinesisFaults {
     /// Probability that GetRecords on an open shard answers without a next iterator
     /// (an emulator bug; a reader must not take it for the end of the shard).
     pub missing_next_iterator: f64,
-    /// Probability that a GetRecords page (or a subscription event with records) of a
-    /// closed shard that does not reach the shard's end comes without a next iterator
-    /// (without a continuation): a read cut short. Records remain after it, so a reader
-    /// must not take it for the end of the shard.
-    pub cut_short: f64,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -128,6 +123,8 @@ struct KinesisState {
     /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
     /// fail.
     interruptions: u64,
+    /// See [`MemoryKinesis::set_cut_short_reads`].
+    cut_short: f64,
     /// Shards the next ListShards answers leave out, and how many answers still do.
     stale_list_shards: HashMap<String, u32>,
     /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
@@ -160,6 +157,7 @@ impl Default for MemoryKinesis {
                 heartbeat_interval: Duration::from_secs(5),
                 report_shard_end: true,
                 interruptions: 0,
+                cut_short: 0.0,
                 stale_list_shards: HashMap::new(),
                 shard_not_found: HashMap::new(),
             })),
@@ -232,6 +230,15 @@ impl MemoryKinesis {
         self.changes.send_replace(());
     }
 
+    /// Probability that a GetRecords page (or a subscription event with records) of a
+    /// closed shard that does not reach the shard's end comes without a next iterator
+    /// (without a continuation): a read cut short. Records remain after it, so a reader
+    /// must not take it for the end of the shard. Drawn from the generator seeded by
+    /// [`MemoryKinesis::set_faults`].
+    pub fn set_cut_short_reads(&self, probability: f64) {
+        lock(&self.state).cut_short = probability;
+    }
+
     /// Makes the next `answers` ListShards calls leave `shard_id` out, as a stale
     /// (eventually consistent) answer may: the shard still exists and keeps its records.
     pub fn omit_from_list_shards(&self, shard_id: &str, answers: u32) {
@@ -279,6 +286,10 @@ impl MemoryKinesis {
     fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
         let probability = fault(&s.faults);
         probability > 0.0 && s.rng.gen_bool(probability.min(1.0))
+    }
+
+    fn draw_cut_short(s: &mut KinesisState) -> bool {
+        s.cut_short > 0.0 && s.rng.gen_bool(s.cut_short.min(1.0))
     }
 
     fn sequence(s: &mut KinesisState) -> SequenceNumber {
@@ -452,7 +463,7 @@ impl KinesisApi for MemoryKinesis {
             return Err(KinesisError::Other("injected service error".into()));
         }
         let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
-        let cut_short = Self::draw(&mut s, |f| f.cut_short);
+        let cut_short = Self::draw_cut_short(&mut s);
         let st = s
             .streams
             .get(stream)
@@ -846,7 +857,7 @@ impl MemSubscription {
                 "injected service error in the subscription".into(),
             )));
         }
-        let cut_short = may_cut_short && MemoryKinesis::draw(s, |f| f.cut_short);
+        let cut_short = may_cut_short && MemoryKinesis::draw_cut_short(s);
         self.next = end;
         Step::Event(Ok(SubscriptionEvent {
             records,

@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime};
 use common::*;
 use shardflow::kinesis::{KinesisApi, ShardInfo};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
-use shardflow::memory::KinesisFaults;
 use shardflow::{Backend, InitialPosition, Memory};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -119,11 +118,7 @@ async fn cut_short_reads_do_not_end_a_closed_shard(fan_out: bool) {
         .unwrap();
     produce(kinesis.as_ref(), "cut", 300..400).await;
     kinesis.set_max_records_per_event(50);
-    kinesis.set_faults(KinesisFaults {
-        cut_short: 1.0,
-        seed: 3,
-        ..KinesisFaults::default()
-    });
+    kinesis.set_cut_short_reads(1.0);
     let recorder = Recorder::default();
     let mut builder =
         test_consumer(memory.clone(), "cut", "cut-group", "w1").max_records_per_read(50);
@@ -232,7 +227,7 @@ pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, p
             recorder.wait_for(written, LIMIT).await;
         };
     }
-    let mut run = next_run();
+    let run = next_run();
     generation!();
     let root = open_shards(kinesis, stream).await.remove(0);
     kinesis
@@ -293,7 +288,7 @@ pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, p
     };
     tokio::time::timeout(LIMIT, cleaned)
         .await
-        .expect("finished rows are cleaned up");
+        .expect("finished rows are cleaned up and not created again");
     tokio::time::sleep(Duration::from_secs(3)).await; // six shard syncs
     run.stop().await;
     // A restart after the clean-up reads nothing again either.
