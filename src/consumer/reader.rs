@@ -61,16 +61,6 @@ enum Flow {
 /// ListShards before it counts as gone (see [`ShardReader::gone_or`]).
 const GONE_CONFIRMATIONS: u32 = 3;
 
-/// What to do after a NotFound for the shard.
-enum Gone {
-    /// Confirmed gone: the shard was ended.
-    Ended,
-    /// Not (yet) confirmed: try again after a backoff.
-    Retry,
-    /// Another error, or the stream itself is gone: give up with it.
-    Fail(KinesisError),
-}
-
 impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with
     /// the watermark and returns `Ok`) or a fatal error. Runs until dropped otherwise.
@@ -107,15 +97,12 @@ impl ShardReader {
                         self.pause(&e, backoff).await;
                         continue;
                     }
-                    Err(e) => match self.gone_or(e, &mut not_found).await {
-                        Gone::Ended => return Ok(()),
-                        Gone::Retry => {
-                            self.pause(&KinesisError::Other("shard not found".into()), backoff)
-                                .await;
-                            continue;
+                    Err(e) => {
+                        if self.gone_or(e, &mut not_found, backoff).await? {
+                            return Ok(());
                         }
-                        Gone::Fail(e) => return Err(e),
-                    },
+                        continue;
+                    }
                 },
             };
             let page = match self.kinesis.get_records(&it, limit).await {
@@ -134,15 +121,12 @@ impl ShardReader {
                     iterator = Some(it);
                     continue;
                 }
-                Err(e) => match self.gone_or(e, &mut not_found).await {
-                    Gone::Ended => return Ok(()),
-                    Gone::Retry => {
-                        self.pause(&KinesisError::Other("shard not found".into()), backoff)
-                            .await;
-                        continue;
+                Err(e) => {
+                    if self.gone_or(e, &mut not_found, backoff).await? {
+                        return Ok(());
                     }
-                    Gone::Fail(e) => return Err(e),
-                },
+                    continue;
+                }
             };
             backoff.reset();
             just_expired = false;
@@ -238,15 +222,12 @@ impl ShardReader {
                     self.pause(&e, backoff).await;
                     continue;
                 }
-                Err(e) => match self.gone_or(e, &mut not_found).await {
-                    Gone::Ended => return Ok(()),
-                    Gone::Retry => {
-                        self.pause(&KinesisError::Other("shard not found".into()), backoff)
-                            .await;
-                        continue;
+                Err(e) => {
+                    if self.gone_or(e, &mut not_found, backoff).await? {
+                        return Ok(());
                     }
-                    Gone::Fail(e) => return Err(e),
-                },
+                    continue;
+                }
             };
             not_found = 0;
             let failure = loop {
@@ -469,37 +450,44 @@ impl ShardReader {
     /// ListShards is eventually consistent, and a lagging node may answer
     /// ResourceNotFound for a shard that exists, so one such answer proves nothing. The
     /// shard counts as gone only after [`GONE_CONFIRMATIONS`] reads in a row (with a
-    /// backoff between them; `strikes` counts them and is reset by any successful read)
-    /// were refused as NotFound while ListShards left the shard out each time. A shard
-    /// that ListShards lists, or a ListShards that fails, resets nothing and ends
-    /// nothing: the read is retried. Any other error is returned as it is.
-    async fn gone_or(&self, error: KinesisError, strikes: &mut u32) -> Gone {
+    /// backoff between them; `strikes` counts them, any successful read resets it) were
+    /// refused as NotFound while ListShards left the shard out each time. A ListShards
+    /// that lists the shard starts the count again; one that fails ends nothing.
+    ///
+    /// Returns `Ok(true)` when the shard was ended, `Ok(false)` after a backoff when the
+    /// read should be tried again, and any other error (or the stream's own NotFound) as
+    /// it is.
+    async fn gone_or(
+        &self,
+        error: KinesisError,
+        strikes: &mut u32,
+        backoff: &mut Backoff,
+    ) -> Result<bool, KinesisError> {
         if !matches!(error, KinesisError::NotFound(_)) {
-            return Gone::Fail(error);
+            return Err(error);
         }
         match self.kinesis.list_shards(&self.stream).await {
             Ok(shards) if shards.iter().any(|s| *s.shard_id == *self.shard_id) => {
                 *strikes = 0;
-                tracing::info!(shard = %self.shard_id, %error, "the shard is listed but was not found; retrying");
-                Gone::Retry
+                tracing::info!(shard = %self.shard_id, "the shard is listed but was not found; retrying");
             }
             Ok(_) => {
                 *strikes += 1;
-                if *strikes < GONE_CONFIRMATIONS {
-                    tracing::info!(shard = %self.shard_id, strikes = *strikes, "the shard was not found and is not listed; confirming before ending it");
-                    return Gone::Retry;
+                if *strikes >= GONE_CONFIRMATIONS {
+                    tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
+                    self.progress.end_of_shard();
+                    return Ok(true);
                 }
-                tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
-                self.progress.end_of_shard();
-                Gone::Ended
+                tracing::info!(shard = %self.shard_id, strikes = *strikes, "the shard was not found and is not listed; confirming before ending it");
             }
             // The stream itself is gone: no point in waiting.
-            Err(e @ KinesisError::NotFound(_)) => Gone::Fail(e),
+            Err(e @ KinesisError::NotFound(_)) => return Err(e),
             Err(e) => {
                 tracing::debug!(shard = %self.shard_id, error = %e, "could not check whether the shard is gone; retrying");
-                Gone::Retry
             }
         }
+        self.pause(&error, backoff).await;
+        Ok(false)
     }
 
     /// Whether ListShards reports the shard closed (an error counts as "not known to be").
