@@ -247,8 +247,9 @@ impl MemoryKinesis {
             .insert(shard_id.to_owned(), answers);
     }
 
-    /// Makes the next `calls` GetShardIterator calls for `shard_id` answer NotFound
-    /// (ResourceNotFoundException), as a lagging service node may: the shard still exists.
+    /// Makes the next `calls` GetShardIterator or SubscribeToShard calls for `shard_id`
+    /// answer NotFound (ResourceNotFoundException), as a lagging service node may: the
+    /// shard still exists.
     pub fn shard_not_found(&self, shard_id: &str, calls: u32) {
         lock(&self.state)
             .shard_not_found
@@ -696,6 +697,11 @@ impl KinesisApi for MemoryKinesis {
             .get(consumer_arn)
             .cloned()
             .ok_or_else(|| KinesisError::NotFound(format!("consumer {consumer_arn}")))?;
+        if Self::use_fault(&mut s.shard_not_found, shard_id) {
+            return Err(KinesisError::NotFound(format!(
+                "shard {shard_id} of {stream} (injected)"
+            )));
+        }
         let shard = s
             .streams
             .get(&stream)

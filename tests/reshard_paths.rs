@@ -144,10 +144,9 @@ async fn a_fan_out_event_cut_short_does_not_end_a_closed_shard() {
     cut_short_reads_do_not_end_a_closed_shard(true).await;
 }
 
-/// Path 4: one NotFound from GetShardIterator while ListShards (stale) leaves the shard
-/// out must not end a shard that exists and holds records.
-#[tokio::test(start_paused = true)]
-async fn a_stale_list_shards_and_one_not_found_do_not_end_a_shard() {
+/// Path 4: one NotFound from GetShardIterator (SubscribeToShard) while ListShards
+/// (stale) leaves the shard out must not end a shard that exists and holds records.
+async fn stale_list_shards_and_one_not_found(fan_out: bool) {
     let memory = Memory::new();
     let kinesis = memory.streams().clone();
     kinesis.create_stream("stale", 1).await.unwrap();
@@ -166,10 +165,11 @@ async fn a_stale_list_shards_and_one_not_found_do_not_end_a_shard() {
     kinesis.omit_from_list_shards(&shard.shard_id, 2);
     kinesis.shard_not_found(&shard.shard_id, 1);
     let recorder = Recorder::default();
-    let consumer = test_consumer(memory.clone(), "stale", "stale-group", "w1")
-        .build()
-        .unwrap();
-    let run = start(consumer, &recorder);
+    let mut builder = test_consumer(memory.clone(), "stale", "stale-group", "w1");
+    if fan_out {
+        builder = builder.fan_out("stale-app");
+    }
+    let run = start(builder.build().unwrap(), &recorder);
     recorder.wait_for(100, LIMIT).await;
     run.stop().await;
     assert_exactly_once_in_order(&recorder.snapshot(), 100, &[]);
@@ -179,6 +179,16 @@ async fn a_stale_list_shards_and_one_not_found_do_not_end_a_shard() {
         "the open shard is not ended: {}",
         row.checkpoint
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_list_shards_and_one_not_found_do_not_end_a_shard() {
+    stale_list_shards_and_one_not_found(false).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_list_shards_and_one_not_found_do_not_end_a_fan_out_shard() {
+    stale_list_shards_and_one_not_found(true).await;
 }
 
 /// The open shard whose hash range starts at `from`.
