@@ -460,34 +460,55 @@ impl Coordinator {
 
     /// Lists the shards and creates a lease for each shard that has none, parents
     /// before children so no worker can see a child without its parent.
+    ///
+    /// A shard without a row is skipped when any of its descendants (children,
+    /// grandchildren, ... in this ListShards answer) has a row or gets one in this sync:
+    /// the shard was consumed to its end and its row cleaned up (see `clean_up`), and
+    /// reading it again would deliver it twice. An open shard has no descendants, so it
+    /// always gets a row.
+    ///
+    /// At the first sync (no rows yet), LATEST skips shards that are already closed:
+    /// they hold only the past. TRIM_HORIZON and AT_TIMESTAMP take every shard, closed
+    /// or not; at AT_TIMESTAMP a parent closed after the timestamp still holds records
+    /// to read, and one closed before it yields nothing and ends at once. Children wait
+    /// for their parents either way.
     async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for shard in &shards {
+            for parent in [&shard.parent_shard_id, &shard.adjacent_parent_shard_id]
+                .into_iter()
+                .flatten()
+            {
+                children
+                    .entry(parent.as_str())
+                    .or_default()
+                    .push(shard.shard_id.as_str());
+            }
+        }
         let first = rows.is_empty();
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
             InitialPosition::Latest => Checkpoint::Latest,
             InitialPosition::AtTimestamp(_) => Checkpoint::AtTimestamp,
         };
-        let mut created = Vec::new();
+        let mut created: BTreeSet<&str> = BTreeSet::new();
         for shard in &shards {
             if keys.contains(shard.shard_id.as_str()) {
                 continue;
             }
-            // A shard whose child has a row was finished and cleaned up: never again.
-            let descendant_known = shards.iter().any(|c| {
-                c.parents().contains(&shard.shard_id)
-                    && (keys.contains(c.shard_id.as_str()) || created.contains(&c.shard_id))
-            });
-            if descendant_known {
+            let consumed = descendants(&children, &shard.shard_id)
+                .any(|d| keys.contains(d) || created.contains(d));
+            if consumed {
                 continue;
             }
             let parents = shard.parents();
             let checkpoint = if first {
-                if initial != Checkpoint::TrimHorizon && shard.is_closed() {
+                if initial == Checkpoint::Latest && shard.is_closed() {
                     continue; // starting at the tip: closed shards hold only the past
                 }
                 initial.clone()
@@ -503,7 +524,7 @@ impl Coordinator {
             if self.store.create(&lease).await? {
                 tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
             }
-            created.push(shard.shard_id.clone());
+            created.insert(shard.shard_id.as_str());
         }
         self.shards = shards;
         self.last_sync = Some(Instant::now());
@@ -631,6 +652,29 @@ impl Coordinator {
         }
         tracing::info!("worker stopped; leases released");
     }
+}
+
+/// Every descendant of `shard` (children, their children, ...) in a map from parent to
+/// children, each once.
+fn descendants<'a>(
+    children: &'a BTreeMap<&'a str, Vec<&'a str>>,
+    shard: &'a str,
+) -> impl Iterator<Item = &'a str> + 'a {
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    let mut todo: Vec<&str> = vec![shard];
+    std::iter::from_fn(move || {
+        while let Some(next) = todo.pop() {
+            for child in children.get(next).into_iter().flatten() {
+                if seen.insert(child) {
+                    todo.push(child);
+                }
+            }
+            if next != shard {
+                return Some(next);
+            }
+        }
+        None
+    })
 }
 
 async fn release(lease: &HeldLease, key: &str) {

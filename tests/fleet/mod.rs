@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord};
-use shardflow::memory::{KinesisFaults, LeaseFaults};
+use shardflow::memory::LeaseFaults;
 use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -94,10 +94,7 @@ pub async fn start(fleet: Fleet) -> Running {
             .await
             .expect("put records");
     }
-    kinesis.set_faults(KinesisFaults {
-        latency: fleet.read_latency,
-        ..KinesisFaults::default()
-    });
+    kinesis.set_latency(fleet.read_latency);
     memory.table(GROUP).set_faults(LeaseFaults {
         latency: fleet.store_latency,
         ..LeaseFaults::default()
