@@ -23,7 +23,7 @@ use shardflow::sequence::{Position, SequenceNumber};
 use shardflow::{Backend, CheckpointPolicy, InitialPosition, Memory, Message};
 
 /// Virtual time (the clock is paused): generous, and never a real wait.
-const LIMIT: Duration = Duration::from_secs(600);
+const LIMIT: Duration = Duration::from_secs(120);
 
 /// One successful checkpoint write: which consumer wrote it, under which counter.
 #[derive(Clone, Debug)]

@@ -152,7 +152,7 @@ pub fn worker_of(owner: &str) -> &str {
 pub(crate) fn incarnation(worker: &str, seed: u64) -> String {
     use rand::{Rng, SeedableRng};
     const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x1ca7_10b5_0f_11fe);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x1ca7_10b5_0f11_fe00);
     let nonce: String = (0..6)
         .map(|_| char::from(DIGITS[rng.gen_range(0..DIGITS.len())]))
         .collect();
