@@ -490,7 +490,7 @@ async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
             let w2 = table
                 .rows()
                 .iter()
-                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w2"))
                 .count();
             if w2 == 2 {
                 return;

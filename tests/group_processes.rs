@@ -628,7 +628,7 @@ fn eligible(rows: &[Lease]) -> Vec<&Lease> {
 fn owned_by(rows: &[Lease], worker: &str) -> Vec<String> {
     eligible(rows)
         .into_iter()
-        .filter(|r| r.owner.as_deref() == Some(worker))
+        .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some(worker))
         .map(|r| r.key.clone())
         .collect()
 }
@@ -660,7 +660,11 @@ fn settled(rows: &[Lease], live: &[String]) -> bool {
         if r.pending_owner.is_some() {
             return false;
         }
-        match r.owner.as_deref().and_then(|o| count.get_mut(o)) {
+        match r
+            .owner
+            .as_deref()
+            .and_then(|o| count.get_mut(shardflow::lease::worker_of(o)))
+        {
             Some(n) => *n += 1,
             None => return false,
         }

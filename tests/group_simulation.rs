@@ -26,7 +26,7 @@ use common::produce;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
 };
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{Backend, CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
 use tokio::sync::watch;
@@ -177,7 +177,7 @@ impl LeaseStore for GatedStore {
             log.takes
                 .lock()
                 .unwrap()
-                .push((at, row.key.clone(), owner.to_owned()));
+                .push((at, row.key.clone(), worker_of(owner).to_owned()));
         }
         self.backend.note_refusal(&result);
         result

@@ -309,7 +309,7 @@ pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, p
             .await
             .unwrap()
             .iter()
-            .any(|r| r.owner.as_deref() == Some("w4"))
+            .any(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w4"))
         {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -22,11 +22,21 @@ pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
     #[default]
     TrimHorizon,
-    /// Only records written after the group first started. As with the KCL, a shard
-    /// whose first checkpoint was not written yet starts at the tip again after a
-    /// restart; records written in between are not read.
+    /// Only records written after the group first took the shard. The first owner
+    /// resolves "now" once, when it takes the lease, into a durable start: it writes
+    /// `AT_TIMESTAMP` with that moment minus a clock margin of a few seconds (Kinesis
+    /// arrival times are the service's clock) into the lease row before it reads
+    /// anything. Every later owner (after a hand-off, a crash, a drain timeout or a
+    /// restart before the first checkpoint) continues from that same point, so nothing
+    /// written in between is skipped; the price is that records written within the
+    /// margin before the first take are delivered too. (The KCL starts at the tip again
+    /// in that case and loses those records.)
     Latest,
-    /// Records that arrived at or after this time.
+    /// Records that arrived at or after this time. The time is written into the lease
+    /// row when it is created or first taken, so later owners continue from the same
+    /// point even if they were configured differently. A row with the `AT_TIMESTAMP`
+    /// sentinel but no time (a KCL table) uses this time; with another initial position
+    /// configured, such a row starts at TRIM_HORIZON (nothing is missed).
     AtTimestamp(SystemTime),
 }
 
@@ -100,6 +110,8 @@ pub struct Config {
     pub(crate) stream: String,
     pub(crate) group: String,
     pub(crate) worker_id: String,
+    /// This incarnation's name in `leaseOwner`: the worker id and a per-start nonce.
+    pub(crate) owner: String,
     pub(crate) lease_table: String,
     pub(crate) initial_position: InitialPosition,
     pub(crate) max_records_per_read: u32,
@@ -132,6 +144,18 @@ impl Config {
     /// This worker's id in the group.
     pub fn worker_id(&self) -> &str {
         &self.worker_id
+    }
+    /// The name this consumer writes into the lease table's `leaseOwner`: the worker id
+    /// and a nonce drawn when the consumer is built, e.g. `billing-7#k3f9a2`
+    /// ([`crate::lease::worker_of`] gives the worker id back). Each consumer built is a
+    /// new incarnation, so a restarted process that keeps its worker id (a StatefulSet
+    /// pod) never mistakes the old process's leases, or its writes, for its own. The
+    /// nonce is drawn from [`ConsumerBuilder::seed`] when one is set (give each start its
+    /// own seed then), else at random. Leases an older incarnation of the same worker id
+    /// still holds are treated like any other worker's: taken once they expire (their
+    /// counter did not move for the lease duration) or handed over on request.
+    pub fn owner(&self) -> &str {
+        &self.owner
     }
     /// The lease table's name.
     pub fn lease_table(&self) -> &str {
@@ -324,7 +348,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Seeds the jitter of backoffs (default: random), for reproducible simulations.
+    /// Seeds the jitter of backoffs and the nonce of this incarnation's owner name (see
+    /// [`Config::owner`]) (default: random), for reproducible simulations.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
         self
@@ -459,9 +484,11 @@ impl ConsumerBuilder {
                 reason: "max is smaller than min".into(),
             });
         }
+        let seed = self.seed.unwrap_or_else(rand::random);
         Ok(Config {
             stream,
             group,
+            owner: crate::lease::incarnation(&worker_id, seed),
             worker_id,
             lease_table,
             initial_position: self.initial_position.clone(),
@@ -482,7 +509,7 @@ impl ConsumerBuilder {
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
             shutdown_timeout: positive("shutdown_timeout", self.shutdown_timeout)?,
-            seed: self.seed.unwrap_or_else(rand::random),
+            seed,
         })
     }
 

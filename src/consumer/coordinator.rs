@@ -109,7 +109,7 @@ impl Coordinator {
     }
 
     pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
-        let worker = self.config.worker_id.clone();
+        let worker = self.config.owner.clone();
         let span = tracing::info_span!("worker", %worker, stream = %self.stream);
         async move {
             // Transient failures (throttling, a flaky network) are retried; a missing
@@ -254,7 +254,9 @@ impl Coordinator {
 
     async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
         let now = Instant::now();
-        let me = self.config.worker_id.clone();
+        // This incarnation (worker id and nonce): rows of an older incarnation of the
+        // same worker id belong to another owner, which may still be running.
+        let me = self.config.owner.clone();
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
         for row in &rows {
             let entry = self
@@ -285,9 +287,10 @@ impl Coordinator {
             })
             .collect();
 
-        // Leases the table says are ours but no task runs: handed over to us, or left
-        // by an earlier run of this worker id. Taking them bumps the counter, which
-        // fences any older incarnation.
+        // Leases the table says are this incarnation's but no task runs: handed over to
+        // us. (Rows of an earlier run of this worker id have another owner name: like
+        // any other worker's, they are taken once expired or handed over on request, so
+        // two live incarnations never take a lease back and forth.)
         let ours: Vec<&Lease> = eligible
             .iter()
             .copied()
@@ -494,7 +497,7 @@ impl Coordinator {
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
             InitialPosition::Latest => Checkpoint::Latest,
-            InitialPosition::AtTimestamp(_) => Checkpoint::AtTimestamp,
+            InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
         for shard in &shards {
@@ -537,7 +540,7 @@ impl Coordinator {
     /// checked once against a fresh read: still the same owner and nobody else asking
     /// means the request is sent again. Returns whether it was recorded.
     async fn ask_for_handoff(&self, row: &Lease) -> Result<bool, LeaseError> {
-        let me = self.config.worker_id.as_str();
+        let me = self.config.owner.as_str();
         match self.store.request_handoff(row, me).await {
             Ok(_) => return Ok(true),
             Err(LeaseError::Conflict(_)) => {}
@@ -565,7 +568,7 @@ impl Coordinator {
             .iter()
             .map(|row| {
                 let (row, store) = ((*row).clone(), self.store.clone());
-                let me = self.config.worker_id.clone();
+                let me = self.config.owner.clone();
                 async move {
                     let result = store.take(&row, &me).await;
                     (row, result)
@@ -581,11 +584,7 @@ impl Coordinator {
 
     fn start(&mut self, row: Lease) {
         let key = row.key.clone();
-        let lease = Arc::new(HeldLease::new(
-            row,
-            self.store.clone(),
-            &self.config.worker_id,
-        ));
+        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.owner));
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
@@ -709,7 +708,7 @@ async fn renew_loop(
         for ((key, _), result) in leases.into_iter().zip(results) {
             match result {
                 Ok(row) => {
-                    if let Some(to) = row.pending_owner.filter(|w| *w != config.worker_id) {
+                    if let Some(to) = row.pending_owner.filter(|w| *w != config.owner) {
                         let _ = events.send(Event::HandoffRequested(key, to));
                     }
                 }

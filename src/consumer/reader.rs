@@ -6,7 +6,6 @@
 //! iterators, fan-out from subscriptions that end (after about five minutes) or fail.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
@@ -32,16 +31,10 @@ pub(crate) struct ShardReader {
     /// The shard's hash-key range, to count KPL user records that belong elsewhere.
     pub(crate) hash_range: Option<(u128, u128)>,
     pub(crate) progress: Arc<ShardProgress>,
-    /// When the first LATEST iterator was taken (see `starting_position`).
-    pub(crate) latest_since: std::sync::Mutex<Option<SystemTime>>,
     pub(crate) out: mpsc::Sender<Batch>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
 }
-
-/// How far before the first LATEST iterator a re-read starts, for clock skew between
-/// this host and Kinesis' arrival timestamps (a few extra records, never a gap).
-const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
 
 /// The record limit of a shard's first GetRecords call (see `poll`).
 const FIRST_READ_LIMIT: u32 = 1_000;
@@ -518,25 +511,11 @@ impl ShardReader {
     fn starting_position(&self, handled: &Checkpoint) -> Result<StartingPosition, KinesisError> {
         Ok(match handled {
             Checkpoint::TrimHorizon => StartingPosition::TrimHorizon,
-            // The first iterator starts at the tip; any later one (after a handler
-            // failure, an expired iterator or a renewed subscription, before a record was
-            // delivered) starts at the time of the first, so nothing written meanwhile is
-            // skipped.
-            Checkpoint::Latest => {
-                let mut pinned = self.latest_since.lock().unwrap_or_else(|p| p.into_inner());
-                match *pinned {
-                    Some(since) => StartingPosition::AtTimestamp(since),
-                    None => {
-                        *pinned = Some(
-                            SystemTime::now()
-                                .checked_sub(LATEST_CLOCK_MARGIN)
-                                .unwrap_or(SystemTime::UNIX_EPOCH),
-                        );
-                        StartingPosition::Latest
-                    }
-                }
-            }
-            Checkpoint::AtTimestamp => match &self.config.initial_position {
+            // The shard task resolves LATEST into a timestamp in the lease row before
+            // reading (see `ShardTask::durable_start`); a reader never starts from it.
+            Checkpoint::Latest => StartingPosition::Latest,
+            Checkpoint::AtTimestamp(Some(t)) => StartingPosition::AtTimestamp(*t),
+            Checkpoint::AtTimestamp(None) => match &self.config.initial_position {
                 InitialPosition::AtTimestamp(t) => StartingPosition::AtTimestamp(*t),
                 _ => StartingPosition::TrimHorizon,
             },

@@ -358,7 +358,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
             let rows = store.list().await.unwrap();
             if rows
                 .iter()
-                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w2"))
                 .count()
                 >= open_count
             {
