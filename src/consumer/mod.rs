@@ -73,7 +73,7 @@ impl ConsumerBuilder {
     /// with an error naming the field.
     pub fn build(mut self) -> Result<Consumer, ConfigError> {
         let config = self.validate()?;
-        let backend = self.take_backend();
+        let backend = self.take_backend()?;
         Ok(Consumer {
             kinesis: backend.kinesis(),
             store: backend.lease_store(&config.lease_table),
@@ -164,6 +164,7 @@ impl Consumer {
             rx,
             worker: Some(worker),
             shutdown: ShutdownHandle(self.shutdown),
+            starting: None,
         }
     }
 }
@@ -181,7 +182,16 @@ fn spawn_with<S: Clone + Send + 'static>(
     })
 }
 
-/// A running consumer in `run` mode; await it.
+/// A consumer in `run` mode, not started yet. Await it (it runs until stopped, then
+/// returns the run's result), or [`Run::spawn`] it to get a [`Running`] handle; add
+/// [`Run::until`] to stop on a signal.
+///
+/// Stopping follows one rule in every mode (`run`, `stream`, and the producer's): an
+/// explicit `shutdown().await` stops reading, lets in-flight work finish, commits and
+/// releases, and returns the result; dropping the handle (or the future awaiting it)
+/// starts the same graceful stop in the background but cannot wait for it, and that
+/// stop only completes while the tokio runtime is still alive.
+#[must_use = "a Run does nothing until it is awaited or spawned"]
 pub struct Run {
     consumer: Consumer,
     spawn: SpawnDispatch,
@@ -197,13 +207,11 @@ impl Run {
         self.until = Some(signal.map(|_| ()).boxed());
         self
     }
-}
 
-impl IntoFuture for Run {
-    type Output = Result<(), ConsumerError>;
-    type IntoFuture = BoxFuture<'static, Result<(), ConsumerError>>;
-
-    fn into_future(self) -> Self::IntoFuture {
+    /// Starts the consumer on the current tokio runtime and returns its handle:
+    /// [`Running::shutdown`] stops it and returns the result. Must be called within a
+    /// tokio runtime.
+    pub fn spawn(self) -> Running {
         let Run {
             consumer,
             spawn,
@@ -216,29 +224,89 @@ impl IntoFuture for Run {
             consumer.store,
             Sink::PerShard(spawn),
         );
-        async move {
-            let run = coordinator.run(shutdown.clone());
+        let token = shutdown.clone();
+        let worker = tokio::spawn(async move {
+            let run = coordinator.run(token.clone());
             tokio::pin!(run);
-            match until {
-                Some(signal) => {
-                    tokio::select! {
-                        result = &mut run => return result,
-                        _ = signal => shutdown.cancel(),
-                    }
-                    run.await
+            if let Some(signal) = until {
+                tokio::select! {
+                    result = &mut run => return result,
+                    _ = signal => token.cancel(),
                 }
-                None => run.await,
             }
-        }
-        .boxed()
+            run.await
+        });
+        Running { worker, shutdown }
     }
 }
 
-/// The batches of a consumer in `stream` mode.
+impl IntoFuture for Run {
+    type Output = Result<(), ConsumerError>;
+    type IntoFuture = Running;
+
+    /// Starts the consumer (see [`Run::spawn`]); the future resolves when it stopped.
+    fn into_future(self) -> Running {
+        self.spawn()
+    }
+}
+
+/// A started consumer in `run` mode. Await it to wait until it stops (after
+/// [`Run::until`]'s signal or a [`ShutdownHandle`]), or call [`Running::shutdown`].
+///
+/// Dropping it starts a graceful shutdown in the background (see [`Run`] for the rule):
+/// nothing is left reading and renewing leases for ever, but the drop cannot wait for
+/// in-flight handlers, the final checkpoint or the release of the leases.
+#[must_use = "dropping a Running stops the consumer; await it or call shutdown()"]
+pub struct Running {
+    worker: JoinHandle<Result<(), ConsumerError>>,
+    shutdown: CancellationToken,
+}
+
+impl Running {
+    /// Stops the consumer gracefully: reading stops, in-flight handlers finish (at most
+    /// the shutdown timeout), checkpoints are committed and leases released. Returns the
+    /// run's result.
+    pub async fn shutdown(self) -> Result<(), ConsumerError> {
+        self.shutdown.cancel();
+        self.await
+    }
+
+    /// A handle that stops this consumer gracefully from elsewhere.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.shutdown.clone())
+    }
+}
+
+impl Future for Running {
+    type Output = Result<(), ConsumerError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.worker.poll_unpin(cx).map(|joined| match joined {
+            Ok(result) => result,
+            Err(e) => Err(ConsumerError::Worker(e.to_string())),
+        })
+    }
+}
+
+impl Drop for Running {
+    /// Starts the graceful shutdown in the background (harmless once it has stopped).
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// A batch received but not handed out yet: it waits until it may start.
+type Starting = (Batch, BoxFuture<'static, bool>);
+
+/// The batches of a consumer in `stream` mode. Stopping follows the rule of [`Run`]:
+/// [`BatchStream::shutdown`] stops and returns the result; dropping the stream starts
+/// the same graceful stop in the background.
+#[must_use = "streams do nothing unless polled"]
 pub struct BatchStream {
     rx: mpsc::Receiver<Batch>,
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: ShutdownHandle,
+    starting: Option<Starting>,
 }
 
 impl BatchStream {
@@ -246,13 +314,50 @@ impl BatchStream {
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
     }
+
+    /// Stops the consumer gracefully: reading stops, batches not handed out yet are
+    /// given up (they are delivered again to whoever reads the shard next), batches
+    /// already handed out may still be acknowledged until the shutdown timeout,
+    /// checkpoints are committed and leases released. Returns the run's result.
+    pub async fn shutdown(mut self) -> Result<(), ConsumerError> {
+        self.shutdown.shutdown();
+        self.give_up_queued();
+        while let Some(batch) = self.rx.recv().await {
+            abandon(&batch);
+        }
+        match self.worker.take() {
+            Some(worker) => match worker.await {
+                Ok(result) => result,
+                Err(e) => Err(ConsumerError::Worker(e.to_string())),
+            },
+            None => Ok(()),
+        }
+    }
+
+    /// Gives up every batch received but not handed out, so no shard's drain waits for it.
+    fn give_up_queued(&mut self) {
+        if let Some((batch, _)) = self.starting.take() {
+            abandon(&batch);
+        }
+        while let Ok(batch) = self.rx.try_recv() {
+            abandon(&batch);
+        }
+    }
+}
+
+fn abandon(batch: &Batch) {
+    if let Some(ack) = &batch.ack {
+        ack.abandon();
+    }
 }
 
 impl Drop for BatchStream {
-    /// Dropping the stream shuts the consumer down gracefully (nothing is left reading
-    /// and holding leases in the background).
+    /// Dropping the stream shuts the consumer down gracefully in the background (nothing
+    /// is left reading and holding leases); batches not handed out are given up.
     fn drop(&mut self) {
         self.shutdown.shutdown();
+        self.rx.close();
+        self.give_up_queued();
     }
 }
 
@@ -261,15 +366,26 @@ impl Stream for BatchStream {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         loop {
+            if let Some((_, may_start)) = self.starting.as_mut() {
+                let may_start = std::task::ready!(may_start.poll_unpin(cx));
+                if let Some((batch, _)) = self.starting.take() {
+                    if may_start {
+                        return Poll::Ready(Some(Ok(batch)));
+                    }
+                    // Batches read before a drain, restart or lost lease are given up,
+                    // not handed out: whoever continues the shard reads them again.
+                    abandon(&batch);
+                }
+                continue;
+            }
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(batch)) => {
-                    // Batches read before a drain or restart are given up, not handed out:
-                    // they will be read again by whoever continues the shard.
-                    if let Some(ack) = &batch.ack {
-                        if !ack.should_start() {
-                            ack.abandon();
-                            continue;
-                        }
+                    // Like a fresh read, a queued batch starts only on a lease known to be
+                    // ours (it may have waited through a long pause of the process).
+                    if let Some(ack) = batch.ack.clone() {
+                        self.starting =
+                            Some((batch, async move { ack.wait_start().await }.boxed()));
+                        continue;
                     }
                     return Poll::Ready(Some(Ok(batch)));
                 }

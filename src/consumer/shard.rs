@@ -57,7 +57,11 @@ impl ShardTask {
         if row.checkpoint == Checkpoint::ShardEnd {
             return ShardExit::Ended;
         }
-        let progress = ShardProgress::new(row.checkpoint.clone());
+        let progress = ShardProgress::new(
+            row.checkpoint.clone(),
+            self.lease.clone(),
+            self.config.lease_fresh_for(),
+        );
         let mut committed = row.checkpoint;
         let seed = self.config.seed ^ hash(&shard_id);
         let reader = ShardReader {
