@@ -2,6 +2,39 @@
 //! service per record or per batch and acknowledges on success) or `stream()` (batches
 //! the caller acknowledges).
 //!
+//! One rule for stopping, the same for consumers and producers: an explicit stop
+//! (`shutdown().await` on a consumer, `close().await` on a producer) finishes what was
+//! started and returns once it is done; dropping the handle (for a producer, its last
+//! clone) starts the same stop in the background, which nobody can wait for and which
+//! completes only while the tokio runtime is still running. For a consumer the handle is
+//! the [`Running`] that [`Run::spawn`] returns (or the future awaiting a [`Run`]) and the
+//! [`BatchStream`]; stopping means: reading stops, in-flight work finishes (at most the
+//! shutdown timeout), checkpoints are committed and leases released.
+//!
+//! ```
+//! use shardflow::{Consumer, Memory, Message};
+//! use shardflow::kinesis::KinesisApi;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let memory = Memory::new();                  // the embedded backend, said explicitly
+//! memory.streams().create_stream("orders", 2).await?;
+//! let consumer = Consumer::builder()
+//!     .stream("orders")
+//!     .group("billing")
+//!     .backend(memory.clone())
+//!     .build()?;
+//! let handler = tower::service_fn(|msg: Message| async move {
+//!     println!("{}", msg.headers.sequence_number);
+//!     Ok::<_, std::convert::Infallible>(())
+//! });
+//! let running = consumer.run(handler).spawn();
+//! // ... later:
+//! running.shutdown().await?;                   // drained, committed, released
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Inside, a `coordinator` per worker manages leases and starts a `shard` task per
 //! held lease; each shard task runs a `reader` and commits the watermark of
 //! acknowledged records.
@@ -114,7 +147,8 @@ impl Consumer {
     /// Runs `service` on every record: records of a shard one at a time in sequence
     /// order, shards concurrently (one clone of the service each). `Ok` marks the
     /// record handled; an error stops the shard, which reads again from its checkpoint
-    /// after a backoff. Await the returned [`Run`]; add [`Run::until`] to stop on a signal.
+    /// after a backoff. Await the returned [`Run`] (add [`Run::until`] to stop on a
+    /// signal) or [`Run::spawn`] it and later call [`Running::shutdown`].
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
@@ -148,9 +182,9 @@ impl Consumer {
     }
 
     /// The records as a stream of batches from all held shards; call [`Batch::ack`] on
-    /// each once handled. The stream ends after a graceful shutdown (see
-    /// [`Consumer::shutdown_handle`]); keep polling it until then so in-flight batches
-    /// can be acknowledged.
+    /// each once handled. The consumer starts at once; stop it with
+    /// [`BatchStream::shutdown`], or with a [`ShutdownHandle`] while polling on until the
+    /// stream ends (so in-flight batches can still be acknowledged).
     pub fn stream(self) -> BatchStream {
         let (tx, rx) = mpsc::channel(self.config.prefetch_batches.max(1) * 4);
         let coordinator = Coordinator::new(
@@ -186,11 +220,23 @@ fn spawn_with<S: Clone + Send + 'static>(
 /// returns the run's result), or [`Run::spawn`] it to get a [`Running`] handle; add
 /// [`Run::until`] to stop on a signal.
 ///
-/// Stopping follows one rule in every mode (`run`, `stream`, and the producer's): an
-/// explicit `shutdown().await` stops reading, lets in-flight work finish, commits and
-/// releases, and returns the result; dropping the handle (or the future awaiting it)
-/// starts the same graceful stop in the background but cannot wait for it, and that
-/// stop only completes while the tokio runtime is still alive.
+/// Stopping follows the one rule of the [module docs](self): `shutdown().await` stops
+/// and returns the result; dropping the [`Running`] handle (or the future awaiting a
+/// `Run`) starts the same graceful stop in the background, which cannot be waited for
+/// and completes only while the tokio runtime is still running.
+///
+/// Forgetting to await or spawn it is a warning (`#[must_use]`), an error under
+/// `#![deny(unused_must_use)]`:
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// # fn main() {}
+/// # fn start(consumer: shardflow::Consumer) {
+/// consumer.run(tower::service_fn(|_m: shardflow::Message| async {
+///     Ok::<_, std::convert::Infallible>(())
+/// }));
+/// # }
+/// ```
 #[must_use = "a Run does nothing until it is awaited or spawned"]
 pub struct Run {
     consumer: Consumer,
@@ -253,7 +299,7 @@ impl IntoFuture for Run {
 /// A started consumer in `run` mode. Await it to wait until it stops (after
 /// [`Run::until`]'s signal or a [`ShutdownHandle`]), or call [`Running::shutdown`].
 ///
-/// Dropping it starts a graceful shutdown in the background (see [`Run`] for the rule):
+/// Dropping it starts a graceful shutdown in the background (the stopping rule of the [module docs](self)):
 /// nothing is left reading and renewing leases for ever, but the drop cannot wait for
 /// in-flight handlers, the final checkpoint or the release of the leases.
 #[must_use = "dropping a Running stops the consumer; await it or call shutdown()"]
@@ -298,7 +344,7 @@ impl Drop for Running {
 /// A batch received but not handed out yet: it waits until it may start.
 type Starting = (Batch, BoxFuture<'static, bool>);
 
-/// The batches of a consumer in `stream` mode. Stopping follows the rule of [`Run`]:
+/// The batches of a consumer in `stream` mode. Stopping follows the rule of the [module docs](self):
 /// [`BatchStream::shutdown`] stops and returns the result; dropping the stream starts
 /// the same graceful stop in the background.
 #[must_use = "streams do nothing unless polled"]
