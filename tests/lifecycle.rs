@@ -293,3 +293,44 @@ async fn a_batch_queued_before_a_long_pause_does_not_start_on_a_lease_taken_mean
         .collect();
     assert_eq!(late, Vec::<usize>::new(), "a handled records of b's lease");
 }
+
+#[tokio::test(start_paused = true)]
+async fn in_stream_mode_a_batch_queued_before_a_long_pause_is_not_handed_out_on_a_lost_lease() {
+    let memory = stream_with("pause-stream", 20).await;
+    let (freeze, frozen) = watch::channel(false);
+    let a_backend = Freezable {
+        memory: memory.clone(),
+        frozen,
+    };
+    let mut a = test_consumer(a_backend, "pause-stream", "pause-stream-group", "a")
+        .max_records_per_read(10)
+        .prefetch_batches(2)
+        .build()
+        .unwrap()
+        .stream();
+    // a holds its first batch through a long pause while the second waits in its queue.
+    let first = next_starting_at(&mut a, 0, LIMIT).await;
+    freeze.send_replace(true);
+    let b_seen = Recorder::default();
+    let b = test_consumer(memory.clone(), "pause-stream", "pause-stream-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+    b_seen.wait_for(20, LIMIT).await;
+    // a wakes up: the queued batch is b's now and must not be handed out.
+    freeze.send_replace(false);
+    first.ack();
+    if let Ok(next) = tokio::time::timeout(Duration::from_secs(5), a.next()).await {
+        let batch = next.expect("stream open").unwrap();
+        assert_ne!(first_value(&batch), 10, "a handed out a batch of b's lease");
+    }
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+}
