@@ -334,3 +334,76 @@ async fn in_stream_mode_a_batch_queued_before_a_long_pause_is_not_handed_out_on_
         .expect("b stops")
         .unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_hand_off_waits_for_the_old_owner_to_drain_with_the_default_timeouts() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("handoff", 2).await.unwrap();
+    produce(kinesis.as_ref(), "handoff", 0..40).await;
+    // Worker a owns both shards; the first record it handles of each takes 20 s: within
+    // the 30 s shutdown timeout, but longer than the lease duration.
+    let a_seen = Recorder::default();
+    let a_handler = {
+        let a_seen = a_seen.clone();
+        let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        tower::service_fn(move |msg: Message| {
+            a_seen.record(&msg);
+            let slow = started
+                .lock()
+                .unwrap()
+                .insert(msg.headers.shard_id.to_string());
+            async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+                Ok::<_, std::convert::Infallible>(())
+            }
+        })
+    };
+    let a = test_consumer(memory.clone(), "handoff", "handoff-group", "a")
+        .build()
+        .unwrap()
+        .run(a_handler)
+        .spawn();
+    a_seen.wait_for(2, LIMIT).await;
+    // Worker b joins and asks for its fair share: a drains, commits and hands over.
+    let b_seen = Recorder::default();
+    let b = test_consumer(memory.clone(), "handoff", "handoff-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+    let handled = || {
+        let mut values: Vec<usize> = a_seen.snapshot().iter().map(|h| h.value).collect();
+        values.extend(b_seen.snapshot().iter().map(|h| h.value));
+        values.sort_unstable();
+        values
+    };
+    let all_handled = async {
+        loop {
+            let mut values = handled();
+            values.dedup();
+            if values.len() == 40 && b_seen.count() > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, all_handled)
+        .await
+        .expect("every record handled, and b got a shard");
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+    assert_eq!(
+        handled(),
+        (0..40).collect::<Vec<_>>(),
+        "a planned hand-off duplicates nothing"
+    );
+}
