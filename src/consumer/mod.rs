@@ -77,7 +77,7 @@ pub enum ConsumerError {
     /// Kinesis refused (for example: the stream does not exist).
     #[error("kinesis: {0}")]
     Kinesis(#[from] KinesisError),
-    /// The worker task panicked or was cancelled.
+    /// The worker task panicked or was cancelled (or its result was already returned).
     #[error("the worker task failed: {0}")]
     Worker(String),
 }
@@ -255,8 +255,11 @@ impl Run {
     }
 
     /// Starts the consumer on the current tokio runtime and returns its handle:
-    /// [`Running::shutdown`] stops it and returns the result. Must be called within a
-    /// tokio runtime.
+    /// [`Running::shutdown`] stops it and returns the result.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime (like `tokio::spawn`).
     pub fn spawn(self) -> Running {
         let Run {
             consumer,
@@ -282,7 +285,10 @@ impl Run {
             }
             run.await
         });
-        Running { worker, shutdown }
+        Running {
+            worker: Some(worker),
+            shutdown,
+        }
     }
 }
 
@@ -304,7 +310,8 @@ impl IntoFuture for Run {
 /// in-flight handlers, the final checkpoint or the release of the leases.
 #[must_use = "dropping a Running stops the consumer; await it or call shutdown()"]
 pub struct Running {
-    worker: JoinHandle<Result<(), ConsumerError>>,
+    /// `None` once the result was returned.
+    worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: CancellationToken,
 }
 
@@ -326,8 +333,17 @@ impl Running {
 impl Future for Running {
     type Output = Result<(), ConsumerError>;
 
+    /// The run's result once it stopped; polled again after that (say, awaited and then
+    /// shut down), an error saying the result was already returned.
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.worker.poll_unpin(cx).map(|joined| match joined {
+        let Some(worker) = self.worker.as_mut() else {
+            return Poll::Ready(Err(ConsumerError::Worker(
+                "the run's result was already returned".to_owned(),
+            )));
+        };
+        let joined = std::task::ready!(worker.poll_unpin(cx));
+        self.worker = None;
+        Poll::Ready(match joined {
             Ok(result) => result,
             Err(e) => Err(ConsumerError::Worker(e.to_string())),
         })
