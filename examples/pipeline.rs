@@ -125,8 +125,7 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
         .backend(backend.clone())
         .idle_read_interval(Duration::from_millis(50))
         .build()?;
-    let shutdown = consumer.shutdown_handle();
-    let running = tokio::spawn(async move { consumer.run(handler).await });
+    let running = consumer.run(handler).spawn();
 
     // Good orders are charged; the bad ones (every 50th has bad JSON, every 40th is
     // declined) end up in the dead-letter stream.
@@ -143,8 +142,7 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
-    shutdown.shutdown();
-    running.await??;
+    running.shutdown().await?;
     producer.close().await;
 
     let charged = charged.lock().unwrap_or_else(|p| p.into_inner()).len();

@@ -8,7 +8,6 @@ use tokio::sync::OnceCell;
 
 use crate::backend::Backend;
 use crate::kinesis::{KinesisApi, KinesisError};
-use crate::memory::Memory;
 
 /// The longest duration any setting accepts (one week).
 const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -133,6 +132,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// How old the last lease renewal may be when records are handed out or a queued
+    /// batch starts: past it, the lease may already be someone else's.
+    pub(crate) fn lease_fresh_for(&self) -> Duration {
+        self.lease_duration.saturating_sub(self.renew_interval)
+    }
     /// The stream's name.
     pub fn stream(&self) -> &str {
         &self.stream
@@ -167,8 +171,8 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). Only `stream` and `group` are required; the
-/// backend defaults to a fresh embedded [`Memory`] backend.
+/// Builds a [`Consumer`](super::Consumer). `stream`, `group` and `backend` are required
+/// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,
     group: Option<String>,
@@ -328,7 +332,10 @@ impl ConsumerBuilder {
     }
 
     /// How long a requested hand-off may take before the lease is taken anyway
-    /// (default: the lease duration).
+    /// (default: the shutdown timeout plus the lease duration). It must be at least the
+    /// shutdown timeout plus the renew interval, the longest an owner may take to see the
+    /// request and drain; a shorter value is refused, so a new owner never starts on a
+    /// shard the old one still drains.
     pub fn handoff_timeout(mut self, d: Duration) -> Self {
         self.handoff_timeout = Some(d);
         self
@@ -342,7 +349,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// How long shutdown waits for in-flight handlers before releasing anyway (default 30 s).
+    /// How long shutdown (and a hand-off) waits for in-flight handlers before releasing
+    /// anyway (default 30 s).
     pub fn shutdown_timeout(mut self, d: Duration) -> Self {
         self.shutdown_timeout = d;
         self
@@ -355,7 +363,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The backend: [`Aws`](crate::Aws) or [`Memory`] (default: a new, empty `Memory`).
+    /// The backend, required: [`Aws`](crate::Aws), or [`Memory`](crate::Memory) for local development
+    /// and tests. `build` refuses a builder without one.
     pub fn backend(mut self, backend: impl Backend) -> Self {
         self.backend = Some(Arc::new(backend));
         self
@@ -485,6 +494,24 @@ impl ConsumerBuilder {
             });
         }
         let seed = self.seed.unwrap_or_else(rand::random);
+        // The owner asked for a hand-off sees the request at its next renewal, then drains
+        // for up to the shutdown timeout: a requester taking the lease sooner would read
+        // the shard while the old owner still handles it.
+        let shutdown_timeout = positive("shutdown_timeout", self.shutdown_timeout)?;
+        let handoff_needs = shutdown_timeout.saturating_add(renew_interval);
+        let handoff_timeout = match self.handoff_timeout {
+            None => shutdown_timeout.saturating_add(lease_duration),
+            Some(d) if d < handoff_needs => {
+                return Err(ConfigError::Invalid {
+                    field: "handoff_timeout",
+                    reason: format!(
+                        "{d:?} is shorter than the shutdown timeout plus the renew interval \
+                         ({handoff_needs:?}): a new owner would start while the old one drains"
+                    ),
+                })
+            }
+            Some(d) => positive("handoff_timeout", d)?,
+        };
         Ok(Config {
             stream,
             group,
@@ -502,21 +529,20 @@ impl ConsumerBuilder {
             take_interval,
             shard_sync_interval: positive("shard_sync_interval", self.shard_sync_interval)?,
             max_steals_per_round: self.max_steals_per_round,
-            handoff_timeout: positive(
-                "handoff_timeout",
-                self.handoff_timeout.unwrap_or(lease_duration),
-            )?,
+            handoff_timeout,
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
-            shutdown_timeout: positive("shutdown_timeout", self.shutdown_timeout)?,
+            shutdown_timeout,
             seed,
         })
     }
 
-    pub(crate) fn take_backend(&mut self) -> Arc<dyn Backend> {
+    /// The backend, required: silently using an empty embedded one would make a
+    /// misconfigured production consumer look healthy while reading nothing.
+    pub(crate) fn take_backend(&mut self) -> Result<Arc<dyn Backend>, ConfigError> {
         self.backend
             .take()
-            .unwrap_or_else(|| Arc::new(Memory::new()))
+            .ok_or(ConfigError::Missing { field: "backend" })
     }
 }
 
@@ -585,6 +611,45 @@ mod tests {
         assert_eq!(field(base().fan_out("x".repeat(129))), "fan_out");
         assert_eq!(field(base().fan_out("billing-efo_1.v2")), "accepted");
         assert_eq!(field(base()), "accepted");
+    }
+
+    #[test]
+    fn a_new_owner_never_starts_while_the_old_one_may_still_drain() {
+        // The defaults: the hand-off waits out the drain of the old owner.
+        let c = base().validate().unwrap();
+        assert!(c.handoff_timeout >= c.shutdown_timeout + c.renew_interval);
+        let c = base()
+            .shutdown_timeout(Duration::from_secs(60))
+            .validate()
+            .unwrap();
+        assert!(c.handoff_timeout >= c.shutdown_timeout + c.renew_interval);
+        // An explicit hand-off timeout shorter than that is refused, naming the field.
+        let refused = base()
+            .lease_duration(Duration::from_secs(10))
+            .shutdown_timeout(Duration::from_secs(30))
+            .handoff_timeout(Duration::from_secs(10))
+            .validate();
+        assert!(
+            matches!(
+                refused,
+                Err(ConfigError::Invalid {
+                    field: "handoff_timeout",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        assert!(base()
+            .shutdown_timeout(Duration::from_secs(5))
+            .handoff_timeout(Duration::from_secs(9))
+            .validate()
+            .is_ok());
+    }
+
+    #[test]
+    fn a_consumer_without_a_backend_is_refused() {
+        let refused = base().build().map(|_| ());
+        assert_eq!(refused, Err(ConfigError::Missing { field: "backend" }));
     }
 
     #[test]

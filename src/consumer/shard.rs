@@ -78,7 +78,11 @@ impl ShardTask {
             Ok(start) => start,
             Err(exit) => return exit,
         };
-        let progress = ShardProgress::new(start.clone());
+        let progress = ShardProgress::new(
+            start.clone(),
+            self.lease.clone(),
+            self.config.lease_fresh_for(),
+        );
         let mut committed = start;
         let reader = ShardReader {
             config: self.config.clone(),
