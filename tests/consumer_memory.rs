@@ -120,9 +120,12 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(LIMIT, wait_all).await.unwrap();
+    within(LIMIT, "every value handled", wait_all).await;
     shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
     let handled: Vec<Handled> = recorder
         .snapshot()
         .into_iter()
@@ -148,7 +151,8 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
     let shutdown = batches.shutdown_handle();
     let mut held = Vec::new();
     while held.len() < 3 {
-        held.push(batches.next().await.unwrap().unwrap());
+        let next = within(LIMIT, "the next batch", batches.next()).await;
+        held.push(next.unwrap().unwrap());
     }
     // Acknowledge the 2nd and 3rd batch, not the 1st: the checkpoint may not move.
     held[1].ack();
@@ -170,9 +174,12 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
         .await
         .expect("checkpoint reaches the end of the 3rd batch");
     shutdown.shutdown();
-    while let Some(batch) = batches.next().await {
-        batch.unwrap().ack();
-    }
+    within(STOP_LIMIT, "the stream ends after shutdown()", async {
+        while let Some(batch) = batches.next().await {
+            batch.unwrap().ack();
+        }
+    })
+    .await;
     assert_eq!(table.rows()[0].owner, None, "released at shutdown");
 }
 
@@ -181,10 +188,12 @@ async fn refuses_a_missing_stream_with_a_typed_error() {
     let consumer = test_consumer(Memory::new(), "missing", "g-missing", "w1")
         .build()
         .unwrap();
-    let err = consumer
+    let run = consumer
         .run(tower::service_fn(|_m: Message| async {
             Ok::<_, Infallible>(())
         }))
+        .into_future();
+    let err = within(LIMIT, "the consumer refuses the missing stream", run)
         .await
         .unwrap_err();
     assert!(
@@ -296,7 +305,7 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     };
-    tokio::time::timeout(LIMIT, taken).await.unwrap();
+    within(LIMIT, "the lease taken", taken).await;
     // The reader needs its first (LATEST) iterator before records count as "new".
     tokio::time::sleep(Duration::from_millis(200)).await;
     produce(kinesis.as_ref(), "latest", 0..100).await;
@@ -315,11 +324,12 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(LIMIT, all)
-        .await
-        .expect("every record written after the start");
+    within(LIMIT, "every record written after the start", all).await;
     shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(
         failed.load(Ordering::SeqCst) > 1,
         "the first record failed and came back"
