@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::Rng;
+use common::{within, Rng};
 use shardflow::kinesis::{PutOutcome, PutRecord};
 use shardflow::{Backend, Consumer, Memory, Message};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
@@ -202,7 +202,10 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
         .await
         .expect("every record finishes within a minute");
     shutdown.shutdown();
-    running.await.unwrap().unwrap();
+    within("the consumer stops", running)
+        .await
+        .unwrap()
+        .unwrap();
 
     let seen = seen.lock().unwrap();
     let letters: usize = seen.dead.values().map(Vec::len).sum();
