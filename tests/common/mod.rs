@@ -60,8 +60,12 @@ impl Recorder {
             }
         };
         if tokio::time::timeout(limit, wait).await.is_err() {
+            // Most tests write the values 0, 1, 2, ...: name the first ones still missing.
+            let seen: HashSet<usize> = self.snapshot().iter().map(|h| h.value).collect();
+            let missing: Vec<usize> = (0..n).filter(|v| !seen.contains(v)).take(10).collect();
             panic!(
-                "only {} of {n} records handled within {limit:?}",
+                "only {} of {n} records handled within {limit:?}; the first values of 0..{n} \
+                 not handled: {missing:?}",
                 self.count()
             );
         }
