@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::produce;
+use common::{produce, within, STOP_LIMIT};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
 };
@@ -360,7 +360,8 @@ async fn simulate(seed: u64) -> u64 {
         h.shutdown();
     }
     for run in runs {
-        run.await.unwrap().unwrap();
+        let what = format!("seed {seed}: a worker stops after shutdown()");
+        within(STOP_LIMIT, &what, run).await.unwrap().unwrap();
     }
 
     // Invariants.
