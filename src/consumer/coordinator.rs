@@ -6,12 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use futures_util::future::join_all;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -22,6 +21,7 @@ use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
 use super::config::{Config, InitialPosition};
+use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -72,6 +72,8 @@ pub(crate) struct Coordinator {
     /// The stream was UPDATING at the last check: no discovery, no steals.
     updating: bool,
     rng: SmallRng,
+    /// Since when every lease round found the lease table missing (see `run`).
+    table_missing_since: Option<Instant>,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
 }
@@ -84,6 +86,11 @@ impl Coordinator {
         sink: Sink,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        // Every remote call the worker and its shards make has a deadline.
+        let kinesis: Arc<dyn KinesisApi> =
+            Arc::new(BoundedKinesis::new(kinesis, config.read_call_timeout));
+        let store: Arc<dyn LeaseStore> =
+            Arc::new(BoundedLeaseStore::new(store, config.lease_call_timeout));
         Coordinator {
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
@@ -99,6 +106,7 @@ impl Coordinator {
             last_sync: None,
             need_sync: true,
             updating: false,
+            table_missing_since: None,
             events_tx,
             events_rx,
         }
@@ -154,10 +162,10 @@ impl Coordinator {
             ));
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
+            let outcome = loop {
                 tokio::select! {
                     biased;
-                    _ = shutdown.cancelled() => break,
+                    _ = shutdown.cancelled() => break Ok(()),
                     Some(event) = self.events_rx.recv() => {
                         if self.on_event(event).await {
                             self.round().await;
@@ -165,11 +173,25 @@ impl Coordinator {
                     }
                     _ = take_tick.tick() => self.round().await,
                 }
-            }
+                // A lease table deleted under a running group is not re-created (that
+                // would restart every shard at its initial position): once lease rounds
+                // found it missing for a whole lease duration, the worker stops (its
+                // shards drain; their checkpoint writes fail, nothing is written
+                // elsewhere) and `run` ends with the error. With the default timings that
+                // is within lease_duration + take_interval of the deletion, plus the drain.
+                if let Some(since) = self.table_missing_since {
+                    if since.elapsed() >= self.config.lease_duration {
+                        tracing::error!(table = %self.config.lease_table, "the lease table is missing; stopping the worker");
+                        break Err(ConsumerError::Lease(LeaseError::TableMissing {
+                            table: self.config.lease_table.clone(),
+                        }));
+                    }
+                }
+            };
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            Ok(())
+            outcome
         }
         .instrument(span)
         .await
@@ -237,8 +259,14 @@ impl Coordinator {
             }
         }
         let rows = match self.store.list().await {
-            Ok(rows) => rows,
+            Ok(rows) => {
+                self.table_missing_since = None;
+                rows
+            }
             Err(e) => {
+                if matches!(e, LeaseError::TableMissing { .. }) {
+                    self.table_missing_since.get_or_insert_with(Instant::now);
+                }
                 tracing::warn!(error = %e, "listing leases failed; will retry");
                 return;
             }
@@ -567,7 +595,10 @@ async fn release(lease: &HeldLease, key: &str) {
 }
 
 /// Renews every held lease on its own timer, independent of reading and handling, and
-/// passes hand-off requests it finds on the rows to the coordinator.
+/// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
+/// in its own task under the lease call deadline, so one slow or hung renewal never
+/// delays the others; a lease whose previous renewal is still in flight is skipped for
+/// that tick rather than renewed twice at once.
 async fn renew_loop(
     config: Arc<Config>,
     held: HeldSet,
@@ -579,28 +610,47 @@ async fn renew_loop(
         config.renew_interval,
     );
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // Dropped (aborting what still runs) when the loop ends.
+    let mut renewals: JoinSet<String> = JoinSet::new();
+    let mut in_flight: BTreeSet<String> = BTreeSet::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            Some(done) = renewals.join_next() => {
+                if let Ok(key) = done {
+                    in_flight.remove(&key);
+                }
+                continue;
+            }
             _ = tick.tick() => {}
         }
         let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let results = join_all(leases.iter().map(|(_, l)| l.renew())).await;
-        for ((key, _), result) in leases.into_iter().zip(results) {
-            match result {
-                Ok(row) => {
-                    if let Some(to) = row.pending_owner.filter(|w| *w != config.worker_id) {
-                        let _ = events.send(Event::HandoffRequested(key, to));
+        for (key, lease) in leases {
+            if !in_flight.insert(key.clone()) {
+                tracing::debug!(lease = %key, "the previous renewal is still in flight");
+                continue;
+            }
+            let events = events.clone();
+            let me = config.worker_id.clone();
+            renewals.spawn(async move {
+                match lease.renew().await {
+                    Ok(row) => {
+                        if let Some(to) = row.pending_owner.filter(|w| *w != me) {
+                            let _ = events.send(Event::HandoffRequested(key.clone(), to));
+                        }
+                    }
+                    Err(LeaseError::Conflict(_)) => {
+                        tracing::info!(lease = %key, "lease lost at renewal")
+                    }
+                    Err(e) => {
+                        tracing::warn!(lease = %key, error = %e, "renewal failed; will retry")
                     }
                 }
-                Err(LeaseError::Conflict(_)) => {
-                    tracing::info!(lease = %key, "lease lost at renewal")
-                }
-                Err(e) => tracing::warn!(lease = %key, error = %e, "renewal failed; will retry"),
-            }
+                key
+            });
         }
     }
 }
