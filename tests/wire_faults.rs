@@ -18,7 +18,7 @@ use shardflow::kinesis::KinesisApi;
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{Aws, AwsTimeouts, Backend, ConsumerError, Memory};
 use tokio::time::Instant;
-use wire::{FaultClient, FaultPlan, FaultyMemory};
+use wire::{Fault, FaultClient, FaultPlan, FaultyMemory};
 
 /// No test waits longer than this for anything (virtual time in the memory tests).
 const LIMIT: Duration = Duration::from_secs(120);
@@ -199,10 +199,46 @@ fn test_timeouts() -> AwsTimeouts {
 /// An `Aws` whose every request goes through the fault plan.
 async fn faulty_aws(plan: Arc<FaultPlan>) -> Aws {
     let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .http_client(FaultClient::new(plan))
+        .http_client(FaultClient::shared(plan))
         .load()
         .await;
     Aws::from_config_with(&config, test_timeouts()).unwrap()
+}
+
+/// Over real HTTP, an answer that never comes ends in the SDK's timeout (the operation
+/// timeout of [`AwsTimeouts`]), for Kinesis and DynamoDB, and the next call succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_answer_ends_in_a_timeout_on_emulators() {
+    if !emulators_enabled() {
+        return;
+    }
+    let clean = Aws::from_env().await;
+    let stream = unique("wire-hang");
+    clean.kinesis().create_stream(&stream, 1).await.unwrap();
+    clean.lease_store(&stream).ensure_table().await.unwrap();
+    let plan = FaultPlan::only(Fault::Hang);
+    let faulty = faulty_aws(plan.clone()).await;
+    let bound = test_timeouts().operation + Duration::from_secs(2);
+    let started = Instant::now();
+    let listed = tokio::time::timeout(LIMIT, faulty.kinesis().list_shards(&stream))
+        .await
+        .expect("ListShards does not hang");
+    assert!(listed.is_err(), "a hung ListShards is an error");
+    assert!(started.elapsed() <= bound, "took {:?}", started.elapsed());
+    let started = Instant::now();
+    let scanned = tokio::time::timeout(LIMIT, faulty.lease_store(&stream).list())
+        .await
+        .expect("Scan does not hang");
+    assert!(scanned.is_err(), "a hung Scan is an error");
+    assert!(started.elapsed() <= bound, "took {:?}", started.elapsed());
+    assert!(plan.injected()[&Fault::Hang] >= 2);
+    // Recovery: the same clients work once answers come again.
+    plan.enabled.store(false, Ordering::SeqCst);
+    assert_eq!(
+        faulty.kinesis().list_shards(&stream).await.unwrap().len(),
+        1
+    );
+    assert!(faulty.lease_store(&stream).list().await.unwrap().is_empty());
 }
 
 /// Lease timings for the wire tests: 6 s leases (2 s renewal, 2 s lease call deadline),

@@ -65,6 +65,8 @@ pub const ALL_FAULTS: [Fault; 7] = [
 pub struct FaultPlan {
     rng: Mutex<SmallRng>,
     rate: f64,
+    /// Every fault is of this kind, when set.
+    only: Option<Fault>,
     injected: Mutex<BTreeMap<Fault, usize>>,
     /// When false, every request goes through untouched.
     pub enabled: AtomicBool,
@@ -75,6 +77,18 @@ impl FaultPlan {
         Arc::new(FaultPlan {
             rng: Mutex::new(SmallRng::seed_from_u64(seed)),
             rate,
+            only: None,
+            injected: Mutex::default(),
+            enabled: AtomicBool::new(true),
+        })
+    }
+
+    /// Every faultable request gets `kind`.
+    pub fn only(kind: Fault) -> Arc<Self> {
+        Arc::new(FaultPlan {
+            rng: Mutex::new(SmallRng::seed_from_u64(0)),
+            rate: 1.0,
+            only: Some(kind),
             injected: Mutex::default(),
             enabled: AtomicBool::new(true),
         })
@@ -136,14 +150,17 @@ impl FaultPlan {
         if !rng.gen_bool(self.rate) {
             return None;
         }
-        let kind = match rng.gen_range(0..7) {
-            0 => Fault::Throttle,
-            1 if op == "GetRecords" => Fault::ExpiredIterator,
-            1 | 2 => Fault::Status500,
-            3 => Fault::Status503,
-            4 => Fault::Reset,
-            5 => Fault::Hang,
-            _ => Fault::WrittenThenError,
+        let kind = match self.only {
+            Some(kind) => kind,
+            None => match rng.gen_range(0..7) {
+                0 => Fault::Throttle,
+                1 if op == "GetRecords" => Fault::ExpiredIterator,
+                1 | 2 => Fault::Status500,
+                3 => Fault::Status503,
+                4 => Fault::Reset,
+                5 => Fault::Hang,
+                _ => Fault::WrittenThenError,
+            },
         };
         drop(rng);
         *self.injected.lock().unwrap().entry(kind).or_default() += 1;
@@ -160,7 +177,7 @@ pub struct FaultClient {
 }
 
 impl FaultClient {
-    pub fn new(plan: Arc<FaultPlan>) -> SharedHttpClient {
+    pub fn shared(plan: Arc<FaultPlan>) -> SharedHttpClient {
         SharedHttpClient::new(FaultClient {
             inner: aws_smithy_http_client::Builder::new().build_http(),
             plan,
