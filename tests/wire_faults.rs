@@ -533,3 +533,85 @@ async fn a_corrupt_lease_row_is_skipped_on_emulators() {
         .await
         .expect("the test did not finish in time");
 }
+
+/// No per-service settings from the environment.
+#[derive(Debug)]
+struct NoServiceEnv;
+
+impl aws_types::service_config::LoadServiceConfig for NoServiceEnv {
+    fn load_config(&self, _key: aws_types::service_config::ServiceConfigKey<'_>) -> Option<String> {
+        None
+    }
+}
+
+/// A SubscribeToShard (enhanced fan-out, kinesis-local) outlives the SDK's operation,
+/// attempt and read timeouts: they bound the call until its first answer, not the
+/// event stream that follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_outlives_the_sdk_timeouts_on_emulators() {
+    let Some(endpoint) = std::env::var_os("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    let body = async {
+        use futures_util::StreamExt;
+        let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest())
+            .await
+            .into_builder()
+            // Without the environment's per-service endpoints (AWS_ENDPOINT_URL_KINESIS
+            // points at kinesalite, which has no fan-out).
+            .service_config(NoServiceEnv)
+            .endpoint_url(endpoint.into_string().unwrap())
+            .build();
+        let timeouts = AwsTimeouts {
+            connect: Duration::from_secs(1),
+            read: Duration::from_secs(1),
+            attempt: Duration::from_secs(2),
+            operation: Duration::from_secs(2),
+        };
+        let aws = Aws::from_config_with(&config, timeouts).unwrap();
+        let kinesis = aws.kinesis();
+        let stream = unique("wire-efo");
+        kinesis.create_stream(&stream, 1).await.unwrap();
+        let arn = kinesis
+            .register_consumer(&stream, "wire-efo")
+            .await
+            .unwrap();
+        let shard = open_shards(kinesis.as_ref(), &stream).await[0]
+            .shard_id
+            .clone();
+        let mut events = kinesis
+            .subscribe_to_shard(
+                &arn,
+                &shard,
+                &shardflow::kinesis::StartingPosition::TrimHorizon,
+            )
+            .await
+            .unwrap();
+        // Three operation timeouts long, records written as it goes.
+        let started = Instant::now();
+        let mut next_value = 0;
+        let mut received = 0;
+        while started.elapsed() < timeouts.operation * 3 {
+            produce(kinesis.as_ref(), &stream, next_value..next_value + 1).await;
+            next_value += 1;
+            let event = tokio::time::timeout(LIMIT, events.next())
+                .await
+                .expect("an event in time")
+                .expect("the subscription is still open");
+            received += event
+                .expect("no error on the open subscription")
+                .records
+                .len();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(received > 0, "records arrived over the subscription");
+        eprintln!(
+            "subscription open for {:?}, {received} records",
+            started.elapsed()
+        );
+    };
+    tokio::time::timeout(LIMIT, body)
+        .await
+        .expect("the test did not finish in time");
+}
