@@ -112,6 +112,51 @@ async fn a_hung_renewal_costs_the_worker_no_other_lease() {
         .expect("the worker stops");
 }
 
+/// A renewal that landed but whose answer never came times out (an unknown outcome);
+/// the next renewal adopts it, so the worker keeps the lease and the shard is still read.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_that_landed_but_timed_out_is_adopted() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("lost-answer", 1).await.unwrap();
+    produce(kinesis.as_ref(), "lost-answer", 0..100).await;
+    let faulty = FaultyMemory::new(memory.clone());
+    let recorder = Recorder::default();
+    let consumer = test_consumer(faulty.clone(), "lost-answer", "g-lost-answer", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    recorder.wait_for(100, LIMIT).await;
+    let shard = open_shards(kinesis.as_ref(), "lost-answer").await[0]
+        .shard_id
+        .clone();
+    let table = memory.table("g-lost-answer");
+    let before = row_of(&table.rows(), &shard).counter;
+    *faulty.faults.lose_answer_of_next_renewal_of.lock().unwrap() = Some(shard.clone());
+    // Five lease durations.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert!(faulty
+        .faults
+        .lose_answer_of_next_renewal_of
+        .lock()
+        .unwrap()
+        .is_none());
+    let row = row_of(&table.rows(), &shard).clone();
+    assert_eq!(row.owner.as_deref(), Some("w1"), "the lease is kept");
+    assert!(
+        row.counter >= before + 10,
+        "renewals went on: {before} -> {}",
+        row.counter
+    );
+    produce(kinesis.as_ref(), "lost-answer", 100..200).await;
+    recorder.wait_for(200, LIMIT).await;
+    tokio::time::timeout(LIMIT, run.stop())
+        .await
+        .expect("the worker stops");
+    let shards = kinesis.list_shards("lost-answer").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 200, &shards);
+}
+
 /// A GetRecords call that never returns is abandoned after the read call timeout; the
 /// shard goes on from the last delivered record and nothing is lost.
 #[tokio::test(start_paused = true)]

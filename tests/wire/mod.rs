@@ -287,6 +287,9 @@ pub struct FaultyMemory {
 pub struct MemoryFaults {
     /// Renewals of this lease never return.
     pub hang_renewals_of: Mutex<Option<String>>,
+    /// The next renewal of this lease is written, then its answer never comes (an
+    /// ambiguous outcome: it landed, the caller times out).
+    pub lose_answer_of_next_renewal_of: Mutex<Option<String>>,
     /// This many of the next GetRecords calls never return.
     pub hang_get_records: AtomicUsize,
     /// GetRecords calls that were left hanging.
@@ -366,7 +369,19 @@ impl LeaseStore for FaultyStore {
         if hang.as_deref() == Some(expected.key.as_str()) {
             return std::future::pending().await;
         }
-        self.inner.renew(expected).await
+        let lose = {
+            let mut lose = self.faults.lose_answer_of_next_renewal_of.lock().unwrap();
+            if lose.as_deref() == Some(expected.key.as_str()) {
+                lose.take()
+            } else {
+                None
+            }
+        };
+        let renewed = self.inner.renew(expected).await;
+        if lose.is_some() {
+            return std::future::pending().await;
+        }
+        renewed
     }
     async fn checkpoint(
         &self,
