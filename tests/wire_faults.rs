@@ -188,6 +188,31 @@ async fn a_hung_get_records_is_abandoned_and_the_shard_continues() {
     }
 }
 
+/// An enhanced fan-out subscription that goes silent (no event, not even a heartbeat)
+/// is taken as hung and renewed; the shard goes on and nothing is lost.
+#[tokio::test(start_paused = true)]
+async fn a_silent_subscription_is_renewed_and_the_shard_continues() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("silent", 1).await.unwrap();
+    produce(kinesis.as_ref(), "silent", 0..100).await;
+    let faulty = FaultyMemory::new(memory.clone());
+    faulty.faults.hang_subscriptions.store(1, Ordering::SeqCst);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(faulty.clone(), "silent", "g-silent", "w1")
+        .fan_out("silent-efo")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    recorder.wait_for(100, LIMIT).await;
+    assert_eq!(faulty.faults.hung_subscriptions.load(Ordering::SeqCst), 1);
+    tokio::time::timeout(LIMIT, run.stop())
+        .await
+        .expect("the worker stops");
+    let shards = kinesis.list_shards("silent").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 100, &shards);
+}
+
 /// A lease table that disappears while the group runs ends `run` with a typed error
 /// naming the table, within a lease duration plus a lease round (plus the drain).
 #[tokio::test(start_paused = true)]

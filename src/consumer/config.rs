@@ -341,7 +341,9 @@ impl ConsumerBuilder {
     /// The deadline of each call a shard reader makes (GetShardIterator, GetRecords,
     /// ListShards, the start of a SubscribeToShard; not the subscription's events)
     /// (default 10 s). A call past it is abandoned and retried with backoff from the last
-    /// delivered record, so one hung call cannot stall a shard for ever.
+    /// delivered record, so one hung call cannot stall a shard for ever. An enhanced
+    /// fan-out subscription that sends no event for three times this (Kinesis sends a
+    /// heartbeat at least every 5 s) is taken as hung and renewed.
     pub fn read_call_timeout(mut self, d: Duration) -> Self {
         self.read_call_timeout = d;
         self

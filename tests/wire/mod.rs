@@ -16,10 +16,12 @@ use aws_smithy_runtime_api::client::result::ConnectorError;
 use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
 use aws_smithy_runtime_api::http::{Response, StatusCode};
 use aws_smithy_types::body::SdkBody;
+use futures_util::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    Subscription,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
@@ -292,6 +294,10 @@ pub struct MemoryFaults {
     pub lose_answer_of_next_renewal_of: Mutex<Option<String>>,
     /// This many of the next GetRecords calls never return.
     pub hang_get_records: AtomicUsize,
+    /// This many of the next subscriptions never send an event.
+    pub hang_subscriptions: AtomicUsize,
+    /// Subscriptions that were left silent.
+    pub hung_subscriptions: AtomicUsize,
     /// GetRecords calls that were left hanging.
     pub hung_get_records: AtomicUsize,
     /// Every lease store call fails with `TableMissing`.
@@ -467,5 +473,37 @@ impl KinesisApi for FaultyKinesis {
         self.inner
             .merge_shards(stream, shard_id, adjacent_shard_id)
             .await
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.inner.register_consumer(stream, name).await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        let events = self
+            .inner
+            .subscribe_to_shard(consumer_arn, shard_id, from)
+            .await?;
+        let hang = self
+            .faults
+            .hang_subscriptions
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if hang {
+            self.faults
+                .hung_subscriptions
+                .fetch_add(1, Ordering::SeqCst);
+            // Open, but silent for ever (the real subscription is kept alive meanwhile).
+            return Ok(Box::pin(futures_util::stream::pending::<()>().map(
+                move |_| {
+                    let _keep = &events;
+                    unreachable!()
+                },
+            )));
+        }
+        Ok(events)
     }
 }
