@@ -1,5 +1,9 @@
 //! A payment pipeline: the full layer stack under `Consumer::run`.
 //!
+//! The rule it keeps: every good order is charged exactly once, and every bad order
+//! (undecodable, or declined) is written to the dead-letter stream instead of being
+//! charged, even though payment calls fail and are retried on the way.
+//!
 //! Orders arrive as JSON on the `orders` stream. The stack, outermost first:
 //! - `dead_letter`: what still fails below is written to the `orders-dlq` stream by the
 //!   producer (the raw record, with its error logged); the record counts as handled
@@ -9,6 +13,10 @@
 //! - `retry`: a flaky payment provider is retried with backoff; a declined card is
 //!   permanent and goes straight to the dead-letter stream.
 //!
+//! It prints one `charged order ID` line per charge, so a double charge shows as a
+//! repeated line, then a summary; `tests/examples.rs` runs it and checks the rule from
+//! that output.
+//!
 //! Runs on the embedded backend; set `AWS_ENDPOINT_URL_KINESIS` (or
 //! `SHARDFLOW_BACKEND=aws`) to run it against an emulator or AWS.
 //!
@@ -16,7 +24,7 @@
 //! cargo run --example pipeline
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -79,8 +87,7 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
         ProducerRecord::new(dead.payload, dead.headers.partition_key)
     });
 
-    let charged: Arc<Mutex<HashSet<u64>>> = Arc::default();
-    let finished = Arc::new(Notify::new());
+    let ledger = Ledger::default();
     let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let handler = ServiceBuilder::new()
         .dead_letter(sink)
@@ -96,10 +103,9 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
                 }),
         )
         .service_fn({
-            let (charged, finished, attempts) =
-                (charged.clone(), finished.clone(), attempts.clone());
+            let (ledger, attempts) = (ledger.clone(), attempts.clone());
             move |msg: Message<Order>| {
-                let (charged, finished) = (charged.clone(), finished.clone());
+                let ledger = ledger.clone();
                 // Every 7th call times out once; negative amounts are declined.
                 let call = attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 async move {
@@ -109,11 +115,7 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
                     if call % 7 == 3 {
                         return Err(PaymentError::Timeout);
                     }
-                    charged
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(msg.payload.id);
-                    finished.notify_one();
+                    ledger.charge(&msg.payload);
                     Ok(())
                 }
             }
@@ -125,17 +127,19 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
         .backend(backend.clone())
         .idle_read_interval(Duration::from_millis(50))
         .build()?;
-    let shutdown = consumer.shutdown_handle();
-    let running = tokio::spawn(async move { consumer.run(handler).await });
+    let running = consumer.run(handler).spawn();
 
     // Good orders are charged; the bad ones (every 50th has bad JSON, every 40th is
     // declined) end up in the dead-letter stream.
     let bad: HashSet<u64> = (0..ORDERS).filter(|i| i % 50 == 0 || i % 40 == 0).collect();
     let good = ORDERS as usize - bad.len();
+    println!(
+        "{ORDERS} orders: {good} good, {} bad (every 50th bad JSON, every 40th declined)",
+        bad.len()
+    );
     loop {
-        let notified = finished.notified();
-        let done = charged.lock().unwrap_or_else(|p| p.into_inner()).len();
-        if done >= good && count(kinesis.as_ref(), &dlq).await? >= bad.len() {
+        let notified = ledger.charged.notified();
+        if ledger.orders_charged() >= good && count(kinesis.as_ref(), &dlq).await? >= bad.len() {
             break;
         }
         tokio::select! {
@@ -143,17 +147,43 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
-    shutdown.shutdown();
-    running.await??;
+    running.shutdown().await?;
     producer.close().await;
 
-    let charged = charged.lock().unwrap_or_else(|p| p.into_inner()).len();
     let dead = count(kinesis.as_ref(), &dlq).await?;
-    println!("{ORDERS} orders: {charged} charged, {dead} in the dead-letter stream");
-    if charged != good || dead != bad.len() {
-        return Err(format!("expected {good} charged and {} dead-lettered", bad.len()).into());
-    }
+    println!(
+        "{} orders charged ({} more than once), {dead} in the dead-letter stream",
+        ledger.orders_charged(),
+        ledger.charged_more_than_once()
+    );
     Ok(())
+}
+
+/// The payment side effect: charges per order, so a second charge of an order is seen.
+#[derive(Clone, Default)]
+struct Ledger {
+    charges: Arc<Mutex<HashMap<u64, u32>>>,
+    charged: Arc<Notify>,
+}
+
+impl Ledger {
+    fn charge(&self, order: &Order) {
+        let mut charges = self.charges.lock().unwrap_or_else(|p| p.into_inner());
+        *charges.entry(order.id).or_default() += 1;
+        println!("charged order {}", order.id);
+        self.charged.notify_one();
+    }
+
+    /// Orders charged at least once.
+    fn orders_charged(&self) -> usize {
+        self.charges.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Orders charged twice or more (the rule says none).
+    fn charged_more_than_once(&self) -> usize {
+        let charges = self.charges.lock().unwrap_or_else(|p| p.into_inner());
+        charges.values().filter(|n| **n > 1).count()
+    }
 }
 
 async fn write_orders(

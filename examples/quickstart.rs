@@ -56,7 +56,6 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
         .backend(backend.clone())
         .idle_read_interval(Duration::from_millis(50))
         .build()?;
-    let shutdown = consumer.shutdown_handle();
 
     // A small layer stack: a timeout around a handler that counts per shard.
     let handler = ServiceBuilder::new()
@@ -75,7 +74,8 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
                 async { Ok::<_, Infallible>(()) }
             }
         });
-    let running = tokio::spawn(async move { consumer.run(handler).await });
+    // Runs in the background until `shutdown()`; dropping `running` would stop it too.
+    let running = consumer.run(handler).spawn();
 
     wait_for(&handled, &progress, RECORDS / 4).await;
     let shards = kinesis.list_shards(&stream).await?;
@@ -95,8 +95,8 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
     produce(&backend, &stream, RECORDS / 2..RECORDS).await?;
     wait_for(&handled, &progress, RECORDS).await;
 
-    shutdown.shutdown();
-    running.await??;
+    // Stop reading, let in-flight handlers finish, commit, release: then the result.
+    running.shutdown().await?;
 
     println!("handled per shard:");
     for (shard, n) in per_shard.lock().unwrap_or_else(|p| p.into_inner()).iter() {

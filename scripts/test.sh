@@ -5,9 +5,11 @@
 # .cache/emulators with `npm ci` from scripts/emulators/package-lock.json (every
 # transitive version pinned; re-installed when that lockfile changes), starts them on free
 # loopback ports, points the AWS SDK at them and runs the whole workspace's tests, then the
-# doc tests. The emulators are stopped on exit, whatever happens. kinesis-local
-# (kinesis-mock) also runs, for the enhanced fan-out tests only (kinesalite has no
-# SubscribeToShard): its endpoint is SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
+# doc tests. The emulators are stopped on exit, whatever happens; their logs
+# (.cache/emulators/NAME.PID.log) are deleted after a passing run and kept, with their
+# paths printed, after a failing one. kinesis-local (kinesis-mock) also runs, for the
+# enhanced fan-out tests only (kinesalite has no SubscribeToShard): its endpoint is
+# SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
 #
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
@@ -100,8 +102,18 @@ cleanup() {
     for pid in "${pids[@]}"; do
         wait "$pid" 2>/dev/null || true
     done
+    # A failed run (a test, or an emulator that would not start) keeps the emulators'
+    # logs: what they said is often the first clue to a failing emulator test.
+    if (( status != 0 )); then
+        keep_logs=1
+    fi
     if (( keep_logs == 0 )); then
         rm -f "${logs[@]}"
+    elif (( ${#logs[@]} > 0 )); then
+        log "emulator logs kept:"
+        for logfile in "${logs[@]}"; do
+            if [[ -f "$logfile" ]]; then log "  $logfile"; fi
+        done
     fi
     log "finished in $(( $(date +%s) - started_at )) s (exit status $status)"
     exit "$status"

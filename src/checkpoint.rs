@@ -10,10 +10,11 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::lease::Checkpoint;
+use crate::lease::{Checkpoint, HeldLease};
 use crate::sequence::Position;
 
 /// What a unit of delivery covers: records up to a position, or the end of the shard.
@@ -94,12 +95,18 @@ impl Watermark {
     }
 
     /// Marks a unit handled up to and including `position` (a batch that failed midway).
+    /// A position at or past the unit's last record acknowledges the whole unit and no
+    /// more: it never covers records of later units.
     pub(crate) fn ack_through(&mut self, id: u64, generation: u64, position: Position) -> bool {
         match self.unit(id, generation) {
-            Some(unit) if unit.partial.as_ref().is_none_or(|p| *p < position) => {
-                unit.partial = Some(position)
-            }
-            _ => return false,
+            Some(unit) => match &unit.last {
+                Mark::At(last) if position >= *last => unit.done = true,
+                _ if unit.partial.as_ref().is_none_or(|p| *p < position) => {
+                    unit.partial = Some(position)
+                }
+                _ => return false,
+            },
+            None => return false,
         }
         self.advance()
     }
@@ -162,7 +169,6 @@ impl Watermark {
 }
 
 /// A shard's watermark, shared between the shard task and the acknowledgement handles.
-#[derive(Debug)]
 pub(crate) struct ShardProgress {
     watermark: Mutex<Watermark>,
     /// Woken when the watermark moves or a batch fails.
@@ -173,16 +179,33 @@ pub(crate) struct ShardProgress {
     accepting: AtomicBool,
     /// A lock-free copy of the watermark's generation, checked per record.
     generation: AtomicU64,
+    /// The shard's lease and how old its last renewal may be when a batch starts.
+    lease: Arc<HeldLease>,
+    fresh_for: Duration,
+}
+
+impl std::fmt::Debug for ShardProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardProgress")
+            .field("watermark", &self.watermark)
+            .field("accepting", &self.accepting)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShardProgress {
-    pub(crate) fn new(start: Checkpoint) -> Arc<Self> {
+    /// Progress starting at `start`; batches start only while `lease` was renewed within
+    /// `fresh_for` (see [`AckHandle::wait_start`]).
+    pub(crate) fn new(start: Checkpoint, lease: Arc<HeldLease>, fresh_for: Duration) -> Arc<Self> {
         Arc::new(ShardProgress {
             watermark: Mutex::new(Watermark::new(start)),
             changed: Notify::new(),
             failed: Mutex::new(None),
             accepting: AtomicBool::new(true),
             generation: AtomicU64::new(0),
+            lease,
+            fresh_for,
         })
     }
 
@@ -223,7 +246,8 @@ impl ShardProgress {
         self.changed.notify_one();
     }
 
-    /// Takes the failure flag: `Some(generation)` once a batch of that generation failed.
+    /// Takes the failure flag: `Some(generation)` once a batch of that generation failed
+    /// (the newest generation that failed, when several did).
     pub(crate) fn take_failure(&self) -> Option<u64> {
         self.failed
             .lock()
@@ -266,6 +290,21 @@ impl AckHandle {
             && self.progress.generation.load(Ordering::SeqCst) == self.generation
     }
 
+    /// Waits until the batch may start, then says whether it may: a batch queued before
+    /// a long pause (a stalled process, a GC-like stop) starts only once a renewal proved
+    /// the lease is still ours, like a fresh read; false (see [`AckHandle::should_start`])
+    /// when the shard drains, restarted or lost its lease meanwhile.
+    pub async fn wait_start(&self) -> bool {
+        if !self.progress.lease.is_fresh(self.progress.fresh_for) {
+            tracing::info!("lease not renewed recently; holding a queued batch until it is");
+            self.progress
+                .lease
+                .wait_fresh(self.progress.fresh_for)
+                .await;
+        }
+        self.should_start() && !self.progress.lease.lost().is_cancelled()
+    }
+
     /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
     /// stays unhandled and is delivered again later.
     pub fn abandon(&self) {
@@ -273,13 +312,23 @@ impl AckHandle {
         self.progress.changed.notify_one();
     }
 
-    /// The batch failed: the shard stops and reads again from its watermark.
+    /// The batch failed: whatever of it was not acknowledged is given up (see
+    /// [`AckHandle::abandon`]), and the shard stops and reads again from its watermark.
+    /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
-        *self
-            .progress
-            .failed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(self.generation);
+        // Given up first, so the drain that the failure starts does not wait for it.
+        self.progress.lock().abandon(self.id, self.generation);
+        {
+            let mut failed = self
+                .progress
+                .failed
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Keep the newest generation: a stale nack must not hide the current failure.
+            if failed.is_none_or(|g| g < self.generation) {
+                *failed = Some(self.generation);
+            }
+        }
         self.progress.changed.notify_one();
     }
 

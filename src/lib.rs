@@ -19,7 +19,7 @@ pub mod sequence;
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
     BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
-    InitialPosition, Run, ShutdownHandle,
+    InitialPosition, Run, Running, ShutdownHandle,
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, Message};

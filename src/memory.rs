@@ -113,6 +113,8 @@ struct KinesisState {
     rng: SmallRng,
     iterator_ttl: Duration,
     retention: Option<Duration>,
+    /// Added to every read call (see [`MemoryKinesis::set_latency`]).
+    latency: Duration,
     epoch: Instant,
     /// Registered enhanced fan-out consumers: ARN to stream name.
     consumers: HashMap<String, String>,
@@ -123,6 +125,12 @@ struct KinesisState {
     /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
     /// fail.
     interruptions: u64,
+    /// See [`MemoryKinesis::set_cut_short_reads`].
+    cut_short: f64,
+    /// Shards the next ListShards answers leave out, and how many answers still do.
+    stale_list_shards: HashMap<String, u32>,
+    /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
+    shard_not_found: HashMap<String, u32>,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
@@ -143,6 +151,7 @@ impl Default for MemoryKinesis {
                 faults: KinesisFaults::default(),
                 rng: SmallRng::seed_from_u64(0),
                 iterator_ttl: Duration::from_secs(300),
+                latency: Duration::ZERO,
                 retention: None,
                 epoch: Instant::now(),
                 consumers: HashMap::new(),
@@ -151,6 +160,9 @@ impl Default for MemoryKinesis {
                 heartbeat_interval: Duration::from_secs(5),
                 report_shard_end: true,
                 interruptions: 0,
+                cut_short: 0.0,
+                stale_list_shards: HashMap::new(),
+                shard_not_found: HashMap::new(),
             })),
             changes: watch::channel(()).0,
         }
@@ -165,6 +177,21 @@ pub fn partition_hash(partition_key: &str) -> u128 {
 }
 
 impl MemoryKinesis {
+    /// Waits for the configured call latency ([`KinesisFaults::latency`]).
+    async fn delay(&self) {
+        let latency = lock(&self.state).latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+    }
+
+    /// Makes every ListShards, GetShardIterator and GetRecords call take `latency`
+    /// (a simulated round trip for scale figures under tokio's paused clock; zero by
+    /// default).
+    pub fn set_latency(&self, latency: Duration) {
+        lock(&self.state).latency = latency;
+    }
+
     /// Switches fault injection on (or off, with `KinesisFaults::default()`).
     pub fn set_faults(&self, faults: KinesisFaults) {
         let mut s = lock(&self.state);
@@ -221,6 +248,43 @@ impl MemoryKinesis {
         self.changes.send_replace(());
     }
 
+    /// Probability that a GetRecords page (or a subscription event with records) of a
+    /// closed shard that does not reach the shard's end comes without a next iterator
+    /// (without a continuation): a read cut short. Records remain after it, so a reader
+    /// must not take it for the end of the shard. Drawn from the generator seeded by
+    /// [`MemoryKinesis::set_faults`].
+    pub fn set_cut_short_reads(&self, probability: f64) {
+        lock(&self.state).cut_short = probability;
+    }
+
+    /// Makes the next `answers` ListShards calls leave `shard_id` out, as a stale
+    /// (eventually consistent) answer may: the shard still exists and keeps its records.
+    pub fn omit_from_list_shards(&self, shard_id: &str, answers: u32) {
+        lock(&self.state)
+            .stale_list_shards
+            .insert(shard_id.to_owned(), answers);
+    }
+
+    /// Makes the next `calls` GetShardIterator or SubscribeToShard calls for `shard_id`
+    /// answer NotFound (ResourceNotFoundException), as a lagging service node may: the
+    /// shard still exists.
+    pub fn shard_not_found(&self, shard_id: &str, calls: u32) {
+        lock(&self.state)
+            .shard_not_found
+            .insert(shard_id.to_owned(), calls);
+    }
+
+    /// Counts one use of a one-off fault for `shard_id`; whether it applies this time.
+    fn use_fault(faults: &mut HashMap<String, u32>, shard_id: &str) -> bool {
+        match faults.get_mut(shard_id) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Removes a shard entirely, as Kinesis does once a closed shard is past retention.
     pub fn remove_shard(&self, stream: &str, shard_id: &str) {
         if let Some(st) = lock(&self.state).streams.get_mut(stream) {
@@ -241,6 +305,10 @@ impl MemoryKinesis {
     fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
         let probability = fault(&s.faults);
         probability > 0.0 && s.rng.gen_bool(probability.min(1.0))
+    }
+
+    fn draw_cut_short(s: &mut KinesisState) -> bool {
+        s.cut_short > 0.0 && s.rng.gen_bool(s.cut_short.min(1.0))
     }
 
     fn sequence(s: &mut KinesisState) -> SequenceNumber {
@@ -348,12 +416,20 @@ impl MemoryKinesis {
 #[async_trait]
 impl KinesisApi for MemoryKinesis {
     async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        let s = lock(&self.state);
+        self.delay().await;
+        let mut s = lock(&self.state);
+        let s = &mut *s;
         let st = s
             .streams
             .get(stream)
             .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
-        Ok(st.shards.iter().map(|sh| sh.info.clone()).collect())
+        let stale = &mut s.stale_list_shards;
+        Ok(st
+            .shards
+            .iter()
+            .filter(|sh| !Self::use_fault(stale, &sh.info.shard_id))
+            .map(|sh| sh.info.clone())
+            .collect())
     }
 
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
@@ -370,9 +446,15 @@ impl KinesisApi for MemoryKinesis {
         shard_id: &str,
         from: &StartingPosition,
     ) -> Result<String, KinesisError> {
+        self.delay().await;
         let mut s = lock(&self.state);
         if Self::draw(&mut s, |f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
+        }
+        if Self::use_fault(&mut s.shard_not_found, shard_id) {
+            return Err(KinesisError::NotFound(format!(
+                "shard {shard_id} of {stream} (injected)"
+            )));
         }
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
@@ -383,6 +465,7 @@ impl KinesisApi for MemoryKinesis {
     }
 
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.delay().await;
         let mut s = lock(&self.state);
         let (stream, shard_id, index, issued) = Self::parse_iterator(iterator)
             .ok_or_else(|| KinesisError::Invalid(format!("bad shard iterator {iterator:?}")))?;
@@ -402,6 +485,7 @@ impl KinesisApi for MemoryKinesis {
             return Err(KinesisError::Other("injected service error".into()));
         }
         let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
+        let cut_short = Self::draw_cut_short(&mut s);
         let st = s
             .streams
             .get(stream)
@@ -417,7 +501,8 @@ impl KinesisApi for MemoryKinesis {
         let end = (start + limit.max(1) as usize).min(shard.records.len());
         let records = shard.records[start..end].to_vec();
         let at_end = end == shard.records.len();
-        let (next_iterator, child_shards) = if missing_next {
+        let cut_short = cut_short && !at_end && shard.info.is_closed();
+        let (next_iterator, child_shards) = if missing_next || cut_short {
             (None, Vec::new())
         } else if at_end && shard.info.is_closed() {
             let children = st
@@ -633,6 +718,11 @@ impl KinesisApi for MemoryKinesis {
             .get(consumer_arn)
             .cloned()
             .ok_or_else(|| KinesisError::NotFound(format!("consumer {consumer_arn}")))?;
+        if Self::use_fault(&mut s.shard_not_found, shard_id) {
+            return Err(KinesisError::NotFound(format!(
+                "shard {shard_id} of {stream} (injected)"
+            )));
+        }
         let shard = s
             .streams
             .get(&stream)
@@ -772,6 +862,8 @@ impl MemSubscription {
                 None => shard.info.starting_sequence_number.clone(),
             })
         };
+        let may_cut_short =
+            !at_shard_end && end > start && end < shard.records.len() && shard.info.is_closed();
         let child_shards = if at_shard_end {
             s.streams
                 .get(&self.stream)
@@ -792,10 +884,11 @@ impl MemSubscription {
                 "injected service error in the subscription".into(),
             )));
         }
+        let cut_short = may_cut_short && MemoryKinesis::draw_cut_short(s);
         self.next = end;
         Step::Event(Ok(SubscriptionEvent {
             records,
-            continuation,
+            continuation: continuation.filter(|_| !cut_short),
             millis_behind_latest,
             child_shards,
         }))

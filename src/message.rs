@@ -158,9 +158,10 @@ impl<T> Batch<T> {
         }
     }
 
-    /// Reports that this batch failed: the shard stops and reads again from its
-    /// checkpoint after a backoff. Later acknowledgements of batches delivered before the
-    /// restart are ignored.
+    /// Reports that this batch failed: it counts as given up at once (a restart does not
+    /// wait for it), and the shard reads again from its checkpoint after a backoff.
+    /// Later acknowledgements of batches delivered before the restart are ignored, and so
+    /// is a late `nack` of one of them.
     pub fn nack(&self) {
         if let Some(ack) = &self.ack {
             ack.nack();

@@ -468,6 +468,15 @@ async fn leases_are_fenced_on_owner_and_counter() {
         let renewed = store.renew(&taken).await.expect("renew");
         assert_eq!((renewed.owner.as_deref(), renewed.counter), (Some("w1"), 2));
 
+        // A resolved start (AT_TIMESTAMP with its time, `checkpointTimestamp`) is
+        // written and read back; a record position replaces it (REMOVE of the time).
+        let start = Checkpoint::AtTimestamp(Some(
+            SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_518_400_123),
+        ));
+        let started = store.checkpoint(&renewed, &start).await.expect("start");
+        assert_eq!(started.checkpoint, start);
+        assert_eq!(store.get(key).await.expect("get"), Some(started.clone()));
+
         // A 129-digit sequence number round-trips through the checkpoint.
         let big = SequenceNumber::new(format!("4{}", "9".repeat(128))).expect("129 digits");
         let position = Checkpoint::At(Position::new(big, 7));
@@ -593,7 +602,12 @@ async fn list_returns_every_row_with_its_parents() {
             let checkpoint = match i % 5 {
                 0 => Checkpoint::TrimHorizon,
                 1 => Checkpoint::Latest,
-                2 => Checkpoint::AtTimestamp,
+                // A KCL row keeps its time in the config; ours in the row.
+                2 if i % 2 == 0 => Checkpoint::AtTimestamp(None),
+                2 => Checkpoint::AtTimestamp(Some(
+                    SystemTime::UNIX_EPOCH
+                        + Duration::from_millis(1_764_518_400_000 + u64::from(i)),
+                )),
                 3 => Checkpoint::ShardEnd,
                 _ => Checkpoint::At(Position::new(
                     SequenceNumber::new(format!("{i}{}", "0".repeat(100))).expect("digits"),

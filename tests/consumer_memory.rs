@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt;
-use shardflow::kinesis::KinesisApi;
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+};
 use shardflow::lease::Checkpoint;
 use shardflow::lease::LeaseStore;
 use shardflow::memory::{KinesisFaults, LeaseFaults};
@@ -120,9 +122,12 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(LIMIT, wait_all).await.unwrap();
+    within(LIMIT, "every value handled", wait_all).await;
     shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
     let handled: Vec<Handled> = recorder
         .snapshot()
         .into_iter()
@@ -148,7 +153,8 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
     let shutdown = batches.shutdown_handle();
     let mut held = Vec::new();
     while held.len() < 3 {
-        held.push(batches.next().await.unwrap().unwrap());
+        let next = within(LIMIT, "the next batch", batches.next()).await;
+        held.push(next.unwrap().unwrap());
     }
     // Acknowledge the 2nd and 3rd batch, not the 1st: the checkpoint may not move.
     held[1].ack();
@@ -170,9 +176,12 @@ async fn stream_mode_checkpoints_only_the_contiguous_acked_prefix() {
         .await
         .expect("checkpoint reaches the end of the 3rd batch");
     shutdown.shutdown();
-    while let Some(batch) = batches.next().await {
-        batch.unwrap().ack();
-    }
+    within(STOP_LIMIT, "the stream ends after shutdown()", async {
+        while let Some(batch) = batches.next().await {
+            batch.unwrap().ack();
+        }
+    })
+    .await;
     assert_eq!(table.rows()[0].owner, None, "released at shutdown");
 }
 
@@ -181,10 +190,12 @@ async fn refuses_a_missing_stream_with_a_typed_error() {
     let consumer = test_consumer(Memory::new(), "missing", "g-missing", "w1")
         .build()
         .unwrap();
-    let err = consumer
+    let run = consumer
         .run(tower::service_fn(|_m: Message| async {
             Ok::<_, Infallible>(())
         }))
+        .into_future();
+    let err = within(LIMIT, "the consumer refuses the missing stream", run)
         .await
         .unwrap_err();
     assert!(
@@ -284,7 +295,9 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             }
         })
     };
-    let consumer = test_consumer(memory.clone(), "latest", "latest-group", "w1")
+    let backend = IteratorsSeen::new(memory.clone());
+    let mut iterators = backend.iterators.subscribe();
+    let consumer = test_consumer(backend, "latest", "latest-group", "w1")
         .initial_position(shardflow::InitialPosition::Latest)
         .build()
         .unwrap();
@@ -296,9 +309,16 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     };
-    tokio::time::timeout(LIMIT, taken).await.unwrap();
+    within(LIMIT, "the lease taken", taken).await;
     // The reader needs its first (LATEST) iterator before records count as "new".
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first_iterator = iterators.wait_for(|n| *n > 0);
+    within(
+        LIMIT,
+        "the reader's first (LATEST) iterator",
+        first_iterator,
+    )
+    .await
+    .unwrap();
     produce(kinesis.as_ref(), "latest", 0..100).await;
     // The restart reads from the first iterator's time minus a clock-skew margin, so
     // records written just before the start may come too: extra records, never a gap.
@@ -315,11 +335,12 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(LIMIT, all)
-        .await
-        .expect("every record written after the start");
+    within(LIMIT, "every record written after the start", all).await;
     shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(
         failed.load(Ordering::SeqCst) > 1,
         "the first record failed and came back"
@@ -363,4 +384,77 @@ async fn a_parent_past_retention_does_not_hold_its_children_back() {
     run.stop().await;
     let parent_row = table.rows().into_iter().find(|r| r.key == parent.shard_id);
     assert!(parent_row.is_none_or(|r| r.checkpoint == Checkpoint::ShardEnd));
+}
+
+/// The memory backend, counting GetShardIterator calls in a watch channel: a test awaits
+/// the reader's first iterator instead of sleeping until it probably has one.
+#[derive(Clone)]
+struct IteratorsSeen {
+    memory: Memory,
+    iterators: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+impl IteratorsSeen {
+    fn new(memory: Memory) -> Self {
+        let (iterators, _) = tokio::sync::watch::channel(0);
+        IteratorsSeen {
+            memory,
+            iterators: Arc::new(iterators),
+        }
+    }
+}
+
+impl shardflow::Backend for IteratorsSeen {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(IteratorsSeenKinesis(self.clone()))
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        self.memory.lease_store(table)
+    }
+}
+
+struct IteratorsSeenKinesis(IteratorsSeen);
+
+#[async_trait::async_trait]
+impl KinesisApi for IteratorsSeenKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.0.memory.streams().list_shards(stream).await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.0.memory.streams().is_updating(stream).await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        let iterator = self
+            .0
+            .memory
+            .streams()
+            .shard_iterator(stream, shard_id, from);
+        let iterator = iterator.await;
+        self.0.iterators.send_modify(|n| *n += 1);
+        iterator
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.0.memory.streams().get_records(iterator, limit).await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.0.memory.streams().put_records(stream, records).await
+    }
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        self.0.memory.streams().create_stream(stream, shards).await
+    }
+    async fn split_shard(&self, stream: &str, shard: &str, at: u128) -> Result<(), KinesisError> {
+        self.0.memory.streams().split_shard(stream, shard, at).await
+    }
+    async fn merge_shards(&self, stream: &str, a: &str, b: &str) -> Result<(), KinesisError> {
+        self.0.memory.streams().merge_shards(stream, a, b).await
+    }
 }

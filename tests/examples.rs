@@ -1,13 +1,23 @@
 //! The README's main example and the pipeline example run to completion on the embedded
-//! backend and verify their own totals (they exit non-zero otherwise).
+//! backend: the quickstart verifies its own totals (it exits non-zero otherwise); the
+//! pipeline's rule (each good order charged exactly once, each bad one dead-lettered) is
+//! checked here from what it prints.
 //!
 //! Each test builds its example first (`common::build_example`: a no-op when the suite
-//! already built the examples), so it always runs the current code and never skips.
+//! already built the examples), so it always runs the current code and never skips. A run
+//! that does not end within [`RUN_LIMIT`] is killed and fails the test.
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long one example may run.
+const RUN_LIMIT: Duration = Duration::from_secs(120);
 
 /// Removes the test's private directory (and its link to the example binary) at the end,
 /// passed or failed.
@@ -19,7 +29,9 @@ impl Drop for TempDir {
     }
 }
 
-fn run(name: &str) {
+/// Runs example `name` to its end (at most [`RUN_LIMIT`]) and returns its stdout; fails
+/// the test when it exits non-zero or does not end in time.
+fn run(name: &str) -> String {
     // One directory per example and process: the two tests run in parallel, and several
     // runs of this binary may too.
     let dir = TempDir(
@@ -28,27 +40,88 @@ fn run(name: &str) {
             .join(format!("{name}-{}", std::process::id())),
     );
     let path = common::build_example(name, &dir.0);
-    let out = Command::new(&path)
+    let mut child = Command::new(&path)
         .env_remove("AWS_ENDPOINT_URL_KINESIS")
         .env_remove("SHARDFLOW_BACKEND")
         .env("RUST_LOG", "error")
-        .output()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("the example starts");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    // Readers on threads: each sends what it read once its pipe closes (the example
+    // ended), so the wait below has a deadline without polling.
+    let (tx, rx) = mpsc::channel();
+    for (which, mut pipe) in [
+        (
+            "stdout",
+            Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
+        ),
+        ("stderr", Box::new(child.stderr.take().unwrap())),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = pipe.read_to_end(&mut text);
+            let _ = tx.send((which, String::from_utf8_lossy(&text).into_owned()));
+        });
+    }
+    let mut output = BTreeMap::new();
+    for _ in 0..2 {
+        match rx.recv_timeout(RUN_LIMIT) {
+            Ok((which, text)) => {
+                output.insert(which, text);
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{name} did not end within {RUN_LIMIT:?} (killed)");
+            }
+        }
+    }
+    let status = child.wait().expect("the example's exit status");
+    let (stdout, stderr) = (output["stdout"].clone(), output["stderr"].clone());
     assert!(
-        out.status.success(),
-        "{name} failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        status.success(),
+        "{name} failed ({status}): {stdout}\n{stderr}"
     );
-    eprintln!("{stdout}");
+    stdout
 }
 
 #[test]
 fn quickstart_handles_every_record() {
-    run("quickstart");
+    let stdout = run("quickstart");
+    eprintln!("{stdout}");
 }
 
 #[test]
-fn pipeline_charges_good_orders_and_dead_letters_the_rest() {
-    run("pipeline");
+fn pipeline_charges_each_good_order_once_and_dead_letters_the_rest() {
+    let stdout = run("pipeline");
+    // The example's orders 0..1000: every 50th is bad JSON, every 40th is declined.
+    let bad = |id: u64| id % 50 == 0 || id % 40 == 0;
+    let mut charges: BTreeMap<u64, u32> = BTreeMap::new();
+    for line in stdout.lines() {
+        if let Some(id) = line.strip_prefix("charged order ") {
+            let id: u64 = id.parse().expect("an order id");
+            *charges.entry(id).or_default() += 1;
+        }
+    }
+    let twice: Vec<(u64, u32)> = charges
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, n)| (*id, *n))
+        .collect();
+    assert!(twice.is_empty(), "orders charged more than once: {twice:?}");
+    let wrongly: Vec<u64> = charges.keys().copied().filter(|id| bad(*id)).collect();
+    assert!(wrongly.is_empty(), "bad orders charged: {wrongly:?}");
+    let missing: Vec<u64> = (0..1_000)
+        .filter(|id| !bad(*id) && !charges.contains_key(id))
+        .collect();
+    assert!(missing.is_empty(), "good orders never charged: {missing:?}");
+    let bad_count = (0..1_000).filter(|id| bad(*id)).count();
+    assert!(
+        stdout.contains(&format!(", {bad_count} in the dead-letter stream")),
+        "each of the {bad_count} bad orders dead-lettered once: {}",
+        stdout.lines().last().unwrap_or_default()
+    );
 }

@@ -18,6 +18,8 @@ use shardflow::{Aws, SequenceNumber};
 
 const ENDPOINT: &str = "SHARDFLOW_FANOUT_KINESIS_ENDPOINT";
 const LIMIT: Duration = Duration::from_secs(120);
+/// A whole test, remote calls included: an emulator that stops answering fails it.
+const TEST_LIMIT: Duration = Duration::from_secs(600);
 
 /// The emulators' backend: Kinesis at the fan-out emulator, DynamoDB as configured.
 async fn backend() -> Option<Aws> {
@@ -92,6 +94,16 @@ async fn collect(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscribe_to_shard_delivers_records_and_continuations() {
     let Some(aws) = backend().await else { return };
+    within(
+        TEST_LIMIT,
+        "subscribing and collecting the records",
+        body_of_subscribe_to_shard_delivers_records_and_continuations(aws),
+    )
+    .await;
+}
+
+/// The body of [`subscribe_to_shard_delivers_records_and_continuations`].
+async fn body_of_subscribe_to_shard_delivers_records_and_continuations(aws: Aws) {
     let kinesis = shardflow::Backend::kinesis(&aws);
     let stream = unique("efo-api");
     kinesis.create_stream(&stream, 1).await.unwrap();
@@ -131,6 +143,16 @@ async fn subscribe_to_shard_delivers_records_and_continuations() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fan_out_consumer_handles_records_written_before_and_during_consumption() {
     let Some(aws) = backend().await else { return };
+    within(
+        TEST_LIMIT,
+        "the fan-out consumer scenario",
+        body_of_fan_out_consumer_handles_records_written_before_and_during_consumption(aws),
+    )
+    .await;
+}
+
+/// The body of [`fan_out_consumer_handles_records_written_before_and_during_consumption`].
+async fn body_of_fan_out_consumer_handles_records_written_before_and_during_consumption(aws: Aws) {
     let kinesis = shardflow::Backend::kinesis(&aws);
     let stream = unique("efo");
     let group = format!("{stream}-group");
@@ -186,7 +208,10 @@ async fn fan_out_consumer_handles_records_written_before_and_during_consumption(
         .await
         .expect("every shard checkpointed at its last handled record");
     shutdown.shutdown();
-    run.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
 
     let shards = kinesis.list_shards(&stream).await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 1_200, &shards);
@@ -200,8 +225,8 @@ async fn fan_out_consumer_handles_records_written_before_and_during_consumption(
 async fn fan_out_reshard_while_consuming_on_emulator() {
     let Some(aws) = backend().await else { return };
     // Small: kinesis-local's PutRecords slows down as shards fill.
-    reshard_while_consuming_with(aws, &unique("efo-reshard"), 2_000, LIMIT, |b| {
-        b.fan_out("efo-reshard")
-    })
-    .await;
+    let stream = unique("efo-reshard");
+    let scenario =
+        reshard_while_consuming_with(aws, &stream, 2_000, LIMIT, |b| b.fan_out("efo-reshard"));
+    within(TEST_LIMIT, "the fan-out reshard scenario", scenario).await;
 }

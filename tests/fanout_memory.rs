@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -147,8 +148,7 @@ fn values(event: &SubscriptionEvent) -> Vec<usize> {
 }
 
 async fn next_event(events: &mut Subscription) -> SubscriptionEvent {
-    events
-        .next()
+    within(LIMIT, "the next subscription event", events.next())
         .await
         .expect("the subscription is open")
         .expect("an event, not an error")
@@ -212,7 +212,12 @@ async fn memory_subscription_pushes_records_sends_heartbeats_and_reports_the_sha
         end.child_shards,
         vec!["shardId-000000000001", "shardId-000000000002"]
     );
-    assert!(events.next().await.is_none(), "ends after the shard's end");
+    assert!(
+        within(LIMIT, "the end of the subscription", events.next())
+            .await
+            .is_none(),
+        "ends after the shard's end"
+    );
 
     // AFTER a continuation: only later records; a subscription ends after its lifetime.
     kinesis.set_subscription_lifetime(Duration::from_secs(3));
@@ -223,10 +228,13 @@ async fn memory_subscription_pushes_records_sends_heartbeats_and_reports_the_sha
         .await
         .unwrap();
     let mut count = 0;
-    while let Some(event) = events.next().await {
-        assert!(event.unwrap().continuation.is_some());
-        count += 1;
-    }
+    within(LIMIT, "the subscription ends after its lifetime", async {
+        while let Some(event) = events.next().await {
+            assert!(event.unwrap().continuation.is_some());
+            count += 1;
+        }
+    })
+    .await;
     assert_eq!(started.elapsed(), Duration::from_secs(3));
     assert_eq!(
         count, 3,
@@ -445,11 +453,13 @@ async fn a_backend_without_fan_out_refuses_to_start() {
         ..Counting::new(memory)
     };
     let recorder = Recorder::default();
-    let err = test_consumer(backend, "plain", "plain-group", "w1")
+    let run = test_consumer(backend, "plain", "plain-group", "w1")
         .fan_out("plain-efo")
         .build()
         .unwrap()
         .run(recording_handler(recorder))
+        .into_future();
+    let err = within(LIMIT, "the consumer refuses to start", run)
         .await
         .unwrap_err();
     assert!(
@@ -490,7 +500,7 @@ async fn a_second_worker_takes_over_shards_by_hand_off_without_duplicates() {
             let w2 = table
                 .rows()
                 .iter()
-                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w2"))
                 .count();
             if w2 == 2 {
                 return;

@@ -448,7 +448,10 @@ impl Group {
     {
         let deadline = Instant::now() + limit;
         loop {
-            if let Some(t) = check(self).await {
+            // A check that hangs (an emulator that stopped answering) counts as not yet.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let checked = tokio::time::timeout(left.max(TAKE), check(self)).await;
+            if let Ok(Some(t)) = checked {
                 return Some(t);
             }
             if Instant::now() >= deadline {
@@ -628,7 +631,7 @@ fn eligible(rows: &[Lease]) -> Vec<&Lease> {
 fn owned_by(rows: &[Lease], worker: &str) -> Vec<String> {
     eligible(rows)
         .into_iter()
-        .filter(|r| r.owner.as_deref() == Some(worker))
+        .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some(worker))
         .map(|r| r.key.clone())
         .collect()
 }
@@ -660,7 +663,11 @@ fn settled(rows: &[Lease], live: &[String]) -> bool {
         if r.pending_owner.is_some() {
             return false;
         }
-        match r.owner.as_deref().and_then(|o| count.get_mut(o)) {
+        match r
+            .owner
+            .as_deref()
+            .and_then(|o| count.get_mut(shardflow::lease::worker_of(o)))
+        {
             Some(n) => *n += 1,
             None => return false,
         }
@@ -730,7 +737,10 @@ impl Producer {
     /// Stops writing; returns how many values were written (0..n).
     async fn stop(self) -> u64 {
         self.stop.store(true, Ordering::SeqCst);
-        self.task.await.expect("the producer failed");
+        let stopped = tokio::time::timeout(Duration::from_secs(60), self.task).await;
+        stopped
+            .expect("the producer stops within a minute")
+            .expect("the producer failed");
         self.produced.load(Ordering::SeqCst)
     }
 }

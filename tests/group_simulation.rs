@@ -22,11 +22,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::produce;
+use common::{produce, within, STOP_LIMIT};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
 };
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{Backend, CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
 use tokio::sync::watch;
@@ -177,7 +177,7 @@ impl LeaseStore for GatedStore {
             log.takes
                 .lock()
                 .unwrap()
-                .push((at, row.key.clone(), owner.to_owned()));
+                .push((at, row.key.clone(), worker_of(owner).to_owned()));
         }
         self.backend.note_refusal(&result);
         result
@@ -360,7 +360,8 @@ async fn simulate(seed: u64) -> u64 {
         h.shutdown();
     }
     for run in runs {
-        run.await.unwrap().unwrap();
+        let what = format!("seed {seed}: a worker stops after shutdown()");
+        within(STOP_LIMIT, &what, run).await.unwrap().unwrap();
     }
 
     // Invariants.

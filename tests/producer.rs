@@ -2,11 +2,14 @@
 //! clock) and, when `SHARDFLOW_EMULATORS` is set (scripts/test.sh), against kinesalite
 //! over HTTP.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
+use common::Limited;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
@@ -216,11 +219,11 @@ async fn produce_in_order(
     let mut handle = producer.clone();
     let pending = FuturesUnordered::new();
     for (value, record) in records {
-        handle.ready().await.unwrap();
+        handle.ready().limited().await.unwrap();
         let answer = handle.call(record);
-        pending.push(async move { (value, answer.await) });
+        pending.push(async move { (value, answer.limited().await) });
     }
-    pending.collect().await
+    pending.collect::<Vec<_>>().limited().await
 }
 
 fn faults(seed: u64) -> KinesisFaults {
@@ -252,7 +255,8 @@ async fn every_record_is_stored_once_where_its_answer_says_despite_faults() {
                 async move { (i, p.oneshot(record(i, format!("key-{}", i % 101))).await) }
             })
             .buffer_unordered(n)
-            .collect()
+            .collect::<Vec<_>>()
+            .limited()
             .await;
         memory.streams().set_faults(KinesisFaults::default());
         let (at, _) = read_back(memory.streams().as_ref()).await;
@@ -271,7 +275,7 @@ async fn every_record_is_stored_once_where_its_answer_says_despite_faults() {
         assert!(refused > 1_000, "partial failures: {refused}");
         assert!(calls.iter().any(|c| c.call_failed), "no call was throttled");
         assert_eq!(sent, n + refused + thrown);
-        producer.close().await;
+        producer.close().limited().await;
     }
 }
 
@@ -310,7 +314,7 @@ async fn ordered_mode_keeps_each_keys_order_through_partial_failures() {
                 }
             }
         }
-        producer.close().await;
+        producer.close().limited().await;
     }
 }
 
@@ -362,7 +366,7 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
         limit: MAX_RECORD_BYTES,
     };
     assert_eq!(
-        producer.send(too_large.clone()).await,
+        producer.send(too_large.clone()).limited().await,
         Err(expected.clone())
     );
     // Through the Service: the reserved slot is given back (buffer is 1, and the next
@@ -370,9 +374,11 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
     for _ in 0..3 {
         let answer = producer
             .ready()
+            .limited()
             .await
             .unwrap()
             .call(too_large.clone())
+            .limited()
             .await;
         assert_eq!(answer, Err(expected.clone()));
     }
@@ -380,7 +386,7 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
     let key = "ключ";
     let over_by_key = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES - key.len() + 1], key);
     assert!(matches!(
-        producer.send(over_by_key).await,
+        producer.send(over_by_key).limited().await,
         Err(ProduceError::TooLarge { .. })
     ));
     let invalid = [
@@ -403,16 +409,16 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
         ),
     ];
     for (record, why) in invalid {
-        let answer = producer.ready().await.unwrap().call(record).await;
+        let answer = producer.ready().limited().await.unwrap().call(record).await;
         assert_eq!(answer, Err(ProduceError::InvalidRecord(why)));
     }
     assert!(recording.calls().is_empty(), "nothing may be sent");
 
     // Exactly at the limit is fine.
     let exact = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES - key.len()], key);
-    assert!(producer.send(exact).await.is_ok());
+    assert!(producer.send(exact).limited().await.is_ok());
     assert_eq!(recording.calls().len(), 1);
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -430,7 +436,8 @@ async fn batches_stay_within_500_records_and_5_mib() {
     let answers: Vec<_> = futures_util::stream::iter(0..n)
         .map(|i| producer.send(record(i, format!("k{i}"))))
         .buffer_unordered(n)
-        .collect()
+        .collect::<Vec<_>>()
+        .limited()
         .await;
     assert!(answers.iter().all(Result::is_ok));
     let calls = recording.calls();
@@ -449,7 +456,8 @@ async fn batches_stay_within_500_records_and_5_mib() {
     let answers: Vec<_> = futures_util::stream::iter(0..big)
         .map(|i| producer.send(ProducerRecord::new(vec![b'x'; 900 * 1024], format!("b{i}"))))
         .buffer_unordered(big)
-        .collect()
+        .collect::<Vec<_>>()
+        .limited()
         .await;
     assert!(answers.iter().all(Result::is_ok));
     let calls = &recording.calls()[before..];
@@ -459,7 +467,7 @@ async fn batches_stay_within_500_records_and_5_mib() {
     );
     assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), big);
     assert_eq!(calls.iter().map(|c| c.records).max(), Some(5));
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -479,14 +487,15 @@ async fn configured_limits_and_the_linger_shape_batches() {
     let answers: Vec<_> = futures_util::stream::iter(0..3)
         .map(|i| producer.send(ProducerRecord::new(vec![b'x'; 399], format!("{i}"))))
         .buffer_unordered(3)
-        .collect()
+        .collect::<Vec<_>>()
+        .limited()
         .await;
     assert!(answers.iter().all(Result::is_ok));
     let sizes: Vec<usize> = recording.calls().iter().map(|c| c.records).collect();
     assert_eq!(sizes, [2, 1]);
     assert!(start.elapsed() >= Duration::from_millis(200));
     assert!(start.elapsed() < Duration::from_millis(300));
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -523,11 +532,11 @@ async fn a_full_buffer_makes_poll_ready_pending_until_kinesis_answers() {
     );
 
     gate.add_permits(1_000);
-    producer.ready().await.unwrap();
-    let answers: Vec<_> = pending.collect().await;
+    producer.ready().limited().await.unwrap();
+    let answers: Vec<_> = pending.collect::<Vec<_>>().limited().await;
     assert!(answers.iter().all(Result::is_ok));
     assert_eq!(answers.len(), 7);
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 /// A producer with a one-hour linger and ten calls waiting in it (plus the handle that
@@ -548,7 +557,7 @@ async fn ten_waiting_for_a_long_linger() -> (
     let mut handle = producer.clone();
     let mut pending = Vec::new();
     for i in 0..10 {
-        handle.ready().await.unwrap();
+        handle.ready().limited().await.unwrap();
         pending.push(handle.call(record(i, format!("k{i}"))));
     }
     (memory, producer, handle, pending)
@@ -558,30 +567,33 @@ async fn ten_waiting_for_a_long_linger() -> (
 async fn close_flushes_what_is_buffered_without_waiting_for_the_linger() {
     let (memory, producer, mut handle, pending) = ten_waiting_for_a_long_linger().await;
     let start = Instant::now();
-    producer.close().await;
+    producer.close().limited().await;
     assert!(start.elapsed() < Duration::from_secs(1));
     for answer in pending {
-        assert!(answer.await.is_ok());
+        assert!(answer.limited().await.is_ok());
     }
     let (at, _) = read_back(memory.streams().as_ref()).await;
     assert_eq!(at.len(), 10);
 
     // Closed for every handle.
     assert!(producer.is_closed());
-    assert_eq!(handle.ready().await.err(), Some(ProduceError::Closed));
     assert_eq!(
-        producer.send(record(99, "k")).await,
+        handle.ready().limited().await.err(),
+        Some(ProduceError::Closed)
+    );
+    assert_eq!(
+        producer.send(record(99, "k")).limited().await,
         Err(ProduceError::Closed)
     );
-    producer.close().await; // twice is fine
-    producer.flush().await; // and so is a flush after close
+    producer.close().limited().await; // twice is fine
+    producer.flush().limited().await; // and so is a flush after close
 }
 
 #[tokio::test(start_paused = true)]
 async fn flush_answers_every_earlier_record_and_the_producer_stays_open() {
     let (_memory, producer, _handle, pending) = ten_waiting_for_a_long_linger().await;
     let start = Instant::now();
-    producer.flush().await;
+    producer.flush().limited().await;
     assert!(start.elapsed() < Duration::from_secs(1));
     for answer in pending {
         let answered = futures_util::FutureExt::now_or_never(answer);
@@ -589,9 +601,9 @@ async fn flush_answers_every_earlier_record_and_the_producer_stays_open() {
     }
     assert!(!producer.is_closed());
     // An empty flush returns at once.
-    producer.flush().await;
+    producer.flush().limited().await;
     assert!(start.elapsed() < Duration::from_secs(1));
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -605,13 +617,13 @@ async fn dropping_every_handle_flushes() {
         .unwrap();
     let mut pending = Vec::new();
     for i in 0..10 {
-        producer.ready().await.unwrap();
+        producer.ready().limited().await.unwrap();
         pending.push(producer.call(record(i, format!("k{i}"))));
     }
     drop(producer);
     let start = Instant::now();
     for answer in pending {
-        assert!(answer.await.is_ok());
+        assert!(answer.limited().await.is_ok());
     }
     assert!(start.elapsed() < Duration::from_secs(1));
     let (at, _) = read_back(memory.streams().as_ref()).await;
@@ -629,9 +641,9 @@ async fn call_without_poll_ready_still_waits_for_room() {
         .unwrap();
     let answers: Vec<_> = (0..20).map(|i| producer.call(record(i, "k"))).collect();
     for answer in answers {
-        assert!(answer.await.is_ok());
+        assert!(answer.limited().await.is_ok());
     }
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -650,7 +662,7 @@ async fn entries_that_keep_failing_resolve_to_failed_after_max_attempts() {
         .build()
         .unwrap();
     let start = Instant::now();
-    let answer = producer.send(record(1, "k")).await;
+    let answer = producer.send(record(1, "k")).limited().await;
     assert_eq!(
         answer,
         Err(ProduceError::Failed {
@@ -668,12 +680,12 @@ async fn entries_that_keep_failing_resolve_to_failed_after_max_attempts() {
         throttle: 1.0,
         ..Default::default()
     });
-    let answer = producer.send(record(2, "k")).await;
+    let answer = producer.send(record(2, "k")).limited().await;
     assert!(
         matches!(&answer, Err(ProduceError::Failed { code, attempts: 3, .. }) if code == "Throttled"),
         "{answer:?}"
     );
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -684,12 +696,12 @@ async fn a_missing_stream_fails_at_once() {
         .backend(memory)
         .build()
         .unwrap();
-    let answer = producer.send(record(1, "k")).await;
+    let answer = producer.send(record(1, "k")).limited().await;
     assert!(
         matches!(&answer, Err(ProduceError::Failed { code, attempts: 1, .. }) if code == "NotFound"),
         "{answer:?}"
     );
-    producer.close().await;
+    producer.close().limited().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -702,10 +714,12 @@ async fn explicit_hash_keys_pick_the_shard() {
         .unwrap();
     let low = producer
         .send(record(1, "k").with_explicit_hash_key("0"))
+        .limited()
         .await
         .unwrap();
     let high = producer
         .send(record(2, "k").with_explicit_hash_key(u128::MAX.to_string()))
+        .limited()
         .await
         .unwrap();
     assert_eq!(low.shard_id, "shardId-000000000000");
@@ -715,7 +729,7 @@ async fn explicit_hash_keys_pick_the_shard() {
     memory.streams().create_stream("dlq", 1).await.unwrap();
     let dlq = producer.for_stream("dlq").unwrap();
     assert_eq!(dlq.stream(), "dlq");
-    dlq.send(record(3, "k")).await.unwrap();
+    dlq.send(record(3, "k")).limited().await.unwrap();
     assert_eq!(
         memory
             .streams()
@@ -730,8 +744,8 @@ async fn explicit_hash_keys_pick_the_shard() {
             ..
         })
     ));
-    producer.close().await;
-    dlq.close().await;
+    producer.close().limited().await;
+    dlq.close().limited().await;
 }
 
 #[tokio::test]
@@ -790,7 +804,7 @@ async fn writes_5000_records_into_the_emulator_and_reads_them_back() {
         (0..n).map(|i| (i, record(i, format!("key-{}", i % 50)))),
     )
     .await;
-    producer.close().await;
+    producer.close().limited().await;
 
     let mut at = HashMap::new();
     for shard in api.list_shards(&stream).await.unwrap() {
@@ -853,24 +867,27 @@ async fn full_size_records_and_explicit_hash_keys_on_the_emulator() {
             producer.send(ProducerRecord::new(data, key))
         })
         .buffer_unordered(11)
-        .collect()
+        .collect::<Vec<_>>()
+        .limited()
         .await;
     for answer in &answers {
         assert!(answer.is_ok(), "{answer:?}");
     }
     let low = producer
         .send(record(1, "k").with_explicit_hash_key("0"))
+        .limited()
         .await
         .unwrap();
     let high = producer
         .send(record(2, "k").with_explicit_hash_key(u128::MAX.to_string()))
+        .limited()
         .await
         .unwrap();
     assert_ne!(low.shard_id, high.shard_id);
     let too_large = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES], "k");
     assert!(matches!(
-        producer.send(too_large).await,
+        producer.send(too_large).limited().await,
         Err(ProduceError::TooLarge { .. })
     ));
-    producer.close().await;
+    producer.close().limited().await;
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::Rng;
+use common::{within, Rng};
 use shardflow::kinesis::{PutOutcome, PutRecord};
 use shardflow::{Backend, Consumer, Memory, Message};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
@@ -190,8 +190,7 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
         .idle_read_interval(Duration::from_millis(20))
         .build()
         .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let running = tokio::spawn(async move { consumer.run(stack).await });
+    let running = consumer.run(stack).spawn();
 
     let all_finished = async {
         while seen.lock().unwrap().finished() < RECORDS as usize {
@@ -201,8 +200,9 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
     tokio::time::timeout(Duration::from_secs(60), all_finished)
         .await
         .expect("every record finishes within a minute");
-    shutdown.shutdown();
-    running.await.unwrap().unwrap();
+    within("the consumer stops", running.shutdown())
+        .await
+        .unwrap();
 
     let seen = seen.lock().unwrap();
     let letters: usize = seen.dead.values().map(Vec::len).sum();

@@ -28,7 +28,7 @@ async fn fresh_store(name: &str) -> Option<DynamoDbDedupStore> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_consumers_against_dynamodb_run_each_side_effect_once() {
-    let Some(store) = fresh_store("two-consumers").await else {
+    let Some(store) = common::within("the dedup table", fresh_store("two-consumers")).await else {
         return;
     };
     let report = common::two_consumers(store, 200, Duration::from_millis(20)).await;
@@ -41,9 +41,14 @@ async fn two_consumers_against_dynamodb_run_each_side_effect_once() {
 
 #[tokio::test]
 async fn the_dynamodb_store_follows_the_protocol() {
-    let Some(store) = fresh_store("protocol").await else {
+    let Some(store) = common::within("the dedup table", fresh_store("protocol")).await else {
         return;
     };
+    common::within("the protocol against the emulator", protocol(store)).await;
+}
+
+/// The body of [`the_dynamodb_store_follows_the_protocol`].
+async fn protocol(store: DynamoDbDedupStore) {
     // Creating an existing table is fine.
     store.ensure_table().await.expect("ensure_table twice");
 

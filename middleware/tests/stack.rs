@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{message, Rng};
+use common::{message, within, Rng};
 use serde::Deserialize;
 use shardflow::Message;
 use shardflow_middleware::dead_letter::{self, DeadLetterRecord};
@@ -155,7 +155,7 @@ async fn run(seed: u64) -> Run {
                 deliveries += 1;
                 assert!(deliveries < 50, "seed {seed} record {i} never finished");
                 let svc = stack.ready().await.expect("always ready");
-                match svc.call(msg.clone()).await {
+                match within("a call through the stack", svc.call(msg.clone())).await {
                     Ok(outcome) => break outcome,
                     // The consumer stops the shard and delivers again from the checkpoint.
                     Err(_) => redeliveries += 1,
@@ -292,13 +292,12 @@ async fn a_business_key_from_the_decoded_payload_dedups_producer_duplicates() {
     // The producer wrote order 7 twice: two records at different positions.
     for (seq, id) in [(1, 7), (2, 8), (3, 7)] {
         let svc = stack.ready().await.unwrap();
-        svc.call(message(
+        let call = svc.call(message(
             "shardId-000000000000",
             seq,
             payload(id, Kind::Good),
-        ))
-        .await
-        .unwrap();
+        ));
+        within("a call through the stack", call).await.unwrap();
     }
     assert_eq!(*effects.lock().unwrap(), HashMap::from([(7, 1), (8, 1)]));
 }
@@ -330,9 +329,8 @@ async fn dedup_above_dead_letter_makes_dead_lettering_effectively_once_too() {
     for _ in 0..2 {
         for (seq, kind) in [(1, Kind::Poison), (2, Kind::BadJson)] {
             let svc = stack.ready().await.unwrap();
-            svc.call(message("shardId-000000000000", seq, payload(seq, kind)))
-                .await
-                .unwrap();
+            let call = svc.call(message("shardId-000000000000", seq, payload(seq, kind)));
+            within("a call through the stack", call).await.unwrap();
         }
     }
     let letters = letters.lock().unwrap();

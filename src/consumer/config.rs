@@ -8,7 +8,6 @@ use tokio::sync::OnceCell;
 
 use crate::backend::Backend;
 use crate::kinesis::{KinesisApi, KinesisError};
-use crate::memory::Memory;
 
 /// The longest duration any setting accepts (one week).
 const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -22,11 +21,21 @@ pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
     #[default]
     TrimHorizon,
-    /// Only records written after the group first started. As with the KCL, a shard
-    /// whose first checkpoint was not written yet starts at the tip again after a
-    /// restart; records written in between are not read.
+    /// Only records written after the group first took the shard. The first owner
+    /// resolves "now" once, when it takes the lease, into a durable start: it writes
+    /// `AT_TIMESTAMP` with that moment minus a clock margin of a few seconds (Kinesis
+    /// arrival times are the service's clock) into the lease row before it reads
+    /// anything. Every later owner (after a hand-off, a crash, a drain timeout or a
+    /// restart before the first checkpoint) continues from that same point, so nothing
+    /// written in between is skipped; the price is that records written within the
+    /// margin before the first take are delivered too. (The KCL starts at the tip again
+    /// in that case and loses those records.)
     Latest,
-    /// Records that arrived at or after this time.
+    /// Records that arrived at or after this time. The time is written into the lease
+    /// row when it is created or first taken, so later owners continue from the same
+    /// point even if they were configured differently. A row with the `AT_TIMESTAMP`
+    /// sentinel but no time (a KCL table) uses this time; with another initial position
+    /// configured, such a row starts at TRIM_HORIZON (nothing is missed).
     AtTimestamp(SystemTime),
 }
 
@@ -100,6 +109,8 @@ pub struct Config {
     pub(crate) stream: String,
     pub(crate) group: String,
     pub(crate) worker_id: String,
+    /// This incarnation's name in `leaseOwner`: the worker id and a per-start nonce.
+    pub(crate) owner: String,
     pub(crate) lease_table: String,
     pub(crate) initial_position: InitialPosition,
     pub(crate) max_records_per_read: u32,
@@ -123,6 +134,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// How old the last lease renewal may be when records are handed out or a queued
+    /// batch starts: past it, the lease may already be someone else's.
+    pub(crate) fn lease_fresh_for(&self) -> Duration {
+        self.lease_duration.saturating_sub(self.renew_interval)
+    }
     /// The stream's name.
     pub fn stream(&self) -> &str {
         &self.stream
@@ -135,6 +151,18 @@ impl Config {
     pub fn worker_id(&self) -> &str {
         &self.worker_id
     }
+    /// The name this consumer writes into the lease table's `leaseOwner`: the worker id
+    /// and a nonce drawn when the consumer is built, e.g. `billing-7#k3f9a2`
+    /// ([`crate::lease::worker_of`] gives the worker id back). Each consumer built is a
+    /// new incarnation, so a restarted process that keeps its worker id (a StatefulSet
+    /// pod) never mistakes the old process's leases, or its writes, for its own. The
+    /// nonce is drawn from [`ConsumerBuilder::seed`] when one is set (give each start its
+    /// own seed then), else at random. Leases an older incarnation of the same worker id
+    /// still holds are treated like any other worker's: taken once they expire (their
+    /// counter did not move for the lease duration) or handed over on request.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
     /// The lease table's name.
     pub fn lease_table(&self) -> &str {
         &self.lease_table
@@ -145,8 +173,8 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). Only `stream` and `group` are required; the
-/// backend defaults to a fresh embedded [`Memory`] backend.
+/// Builds a [`Consumer`](super::Consumer). `stream`, `group` and `backend` are required
+/// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,
     group: Option<String>,
@@ -190,7 +218,7 @@ impl Default for ConsumerBuilder {
             renew_interval: None,
             take_interval: None,
             shard_sync_interval: Duration::from_secs(60),
-            max_steals_per_round: 1,
+            max_steals_per_round: usize::MAX,
             handoff_timeout: None,
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(10),
@@ -300,14 +328,20 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Leases a worker under its fair share asks others for per round (default 1).
+    /// The most leases a worker under its fair share asks others for in one round
+    /// (default: no limit beyond what it lacks of its fair share, so a fleet started
+    /// together or a new worker is balanced within a round or two; the KCL's default is
+    /// one per round).
     pub fn max_steals_per_round(mut self, n: usize) -> Self {
         self.max_steals_per_round = n;
         self
     }
 
     /// How long a requested hand-off may take before the lease is taken anyway
-    /// (default: the lease duration).
+    /// (default: the shutdown timeout plus the lease duration). It must be at least the
+    /// shutdown timeout plus the renew interval, the longest an owner may take to see the
+    /// request and drain; a shorter value is refused, so a new owner never starts on a
+    /// shard the old one still drains.
     pub fn handoff_timeout(mut self, d: Duration) -> Self {
         self.handoff_timeout = Some(d);
         self
@@ -321,7 +355,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// How long shutdown waits for in-flight handlers before releasing anyway (default 30 s).
+    /// How long shutdown (and a hand-off) waits for in-flight handlers before releasing
+    /// anyway (default 30 s).
     pub fn shutdown_timeout(mut self, d: Duration) -> Self {
         self.shutdown_timeout = d;
         self
@@ -349,13 +384,15 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Seeds the jitter of backoffs (default: random), for reproducible simulations.
+    /// Seeds the jitter of backoffs and the nonce of this incarnation's owner name (see
+    /// [`Config::owner`]) (default: random), for reproducible simulations.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
         self
     }
 
-    /// The backend: [`Aws`](crate::Aws) or [`Memory`] (default: a new, empty `Memory`).
+    /// The backend, required: [`Aws`](crate::Aws), or [`Memory`](crate::Memory) for local development
+    /// and tests. `build` refuses a builder without one.
     pub fn backend(mut self, backend: impl Backend) -> Self {
         self.backend = Some(Arc::new(backend));
         self
@@ -499,9 +536,29 @@ impl ConsumerBuilder {
                 reason: "max is smaller than min".into(),
             });
         }
+        let seed = self.seed.unwrap_or_else(rand::random);
+        // The owner asked for a hand-off sees the request at its next renewal, then drains
+        // for up to the shutdown timeout: a requester taking the lease sooner would read
+        // the shard while the old owner still handles it.
+        let shutdown_timeout = positive("shutdown_timeout", self.shutdown_timeout)?;
+        let handoff_needs = shutdown_timeout.saturating_add(renew_interval);
+        let handoff_timeout = match self.handoff_timeout {
+            None => shutdown_timeout.saturating_add(lease_duration),
+            Some(d) if d < handoff_needs => {
+                return Err(ConfigError::Invalid {
+                    field: "handoff_timeout",
+                    reason: format!(
+                        "{d:?} is shorter than the shutdown timeout plus the renew interval \
+                         ({handoff_needs:?}): a new owner would start while the old one drains"
+                    ),
+                })
+            }
+            Some(d) => positive("handoff_timeout", d)?,
+        };
         Ok(Config {
             stream,
             group,
+            owner: crate::lease::incarnation(&worker_id, seed),
             worker_id,
             lease_table,
             initial_position: self.initial_position.clone(),
@@ -515,23 +572,22 @@ impl ConsumerBuilder {
             take_interval,
             shard_sync_interval: positive("shard_sync_interval", self.shard_sync_interval)?,
             max_steals_per_round: self.max_steals_per_round,
-            handoff_timeout: positive(
-                "handoff_timeout",
-                self.handoff_timeout.unwrap_or(lease_duration),
-            )?,
+            handoff_timeout,
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
-            shutdown_timeout: positive("shutdown_timeout", self.shutdown_timeout)?,
+            shutdown_timeout,
             lease_call_timeout,
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
-            seed: self.seed.unwrap_or_else(rand::random),
+            seed,
         })
     }
 
-    pub(crate) fn take_backend(&mut self) -> Arc<dyn Backend> {
+    /// The backend, required: silently using an empty embedded one would make a
+    /// misconfigured production consumer look healthy while reading nothing.
+    pub(crate) fn take_backend(&mut self) -> Result<Arc<dyn Backend>, ConfigError> {
         self.backend
             .take()
-            .unwrap_or_else(|| Arc::new(Memory::new()))
+            .ok_or(ConfigError::Missing { field: "backend" })
     }
 }
 
@@ -616,6 +672,45 @@ mod tests {
         assert_eq!(field(base().fan_out("x".repeat(129))), "fan_out");
         assert_eq!(field(base().fan_out("billing-efo_1.v2")), "accepted");
         assert_eq!(field(base()), "accepted");
+    }
+
+    #[test]
+    fn a_new_owner_never_starts_while_the_old_one_may_still_drain() {
+        // The defaults: the hand-off waits out the drain of the old owner.
+        let c = base().validate().unwrap();
+        assert!(c.handoff_timeout >= c.shutdown_timeout + c.renew_interval);
+        let c = base()
+            .shutdown_timeout(Duration::from_secs(60))
+            .validate()
+            .unwrap();
+        assert!(c.handoff_timeout >= c.shutdown_timeout + c.renew_interval);
+        // An explicit hand-off timeout shorter than that is refused, naming the field.
+        let refused = base()
+            .lease_duration(Duration::from_secs(10))
+            .shutdown_timeout(Duration::from_secs(30))
+            .handoff_timeout(Duration::from_secs(10))
+            .validate();
+        assert!(
+            matches!(
+                refused,
+                Err(ConfigError::Invalid {
+                    field: "handoff_timeout",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        assert!(base()
+            .shutdown_timeout(Duration::from_secs(5))
+            .handoff_timeout(Duration::from_secs(9))
+            .validate()
+            .is_ok());
+    }
+
+    #[test]
+    fn a_consumer_without_a_backend_is_refused() {
+        let refused = base().build().map(|_| ());
+        assert_eq!(refused, Err(ConfigError::Missing { field: "backend" }));
     }
 
     #[test]

@@ -6,6 +6,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use futures_util::future::BoxFuture;
+use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -46,6 +48,9 @@ struct Slot {
     stop: CancellationToken,
     handoff_to: Option<String>,
 }
+
+/// How many lease takes one worker has in flight at once.
+const MAX_CONCURRENT_TAKES: usize = 32;
 
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
@@ -113,7 +118,7 @@ impl Coordinator {
     }
 
     pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
-        let worker = self.config.worker_id.clone();
+        let worker = self.config.owner.clone();
         let span = tracing::info_span!("worker", %worker, stream = %self.stream);
         async move {
             // Transient failures (throttling, a flaky network) are retried; a missing
@@ -278,7 +283,9 @@ impl Coordinator {
 
     async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
         let now = Instant::now();
-        let me = self.config.worker_id.clone();
+        // This incarnation (worker id and nonce): rows of an older incarnation of the
+        // same worker id belong to another owner, which may still be running.
+        let me = self.config.owner.clone();
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
         for row in &rows {
             let entry = self
@@ -309,16 +316,20 @@ impl Coordinator {
             })
             .collect();
 
-        // Leases the table says are ours but no task runs: handed over to us, or left
-        // by an earlier run of this worker id. Taking them bumps the counter, which
-        // fences any older incarnation.
-        for row in eligible.iter().filter(|r| r.owner.as_deref() == Some(&me)) {
-            if !self.slots.contains_key(&row.key) {
-                self.steals.remove(&row.key);
-                match self.store.take(row, &me).await {
-                    Ok(taken) => self.start(taken),
-                    Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
-                }
+        // Leases the table says are this incarnation's but no task runs: handed over to
+        // us. (Rows of an earlier run of this worker id have another owner name: like
+        // any other worker's, they are taken once expired or handed over on request, so
+        // two live incarnations never take a lease back and forth.)
+        let ours: Vec<&Lease> = eligible
+            .iter()
+            .copied()
+            .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
+            .collect();
+        for (row, result) in self.take_many(&ours).await {
+            self.steals.remove(&row.key);
+            match result {
+                Ok(taken) => self.start(taken),
+                Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
             }
         }
 
@@ -345,21 +356,32 @@ impl Coordinator {
             .collect();
         available.shuffle(&mut self.rng);
         available.sort_by_key(|r| r.owner.is_some()); // unowned first
-        for row in available {
-            if mine >= target {
+                                                      // Take up to the fair share, many at once: a fleet started together leases every
+                                                      // shard within a few store round trips, not one round trip per lease. Leases
+                                                      // another worker took first (conflicts) make room for the next candidates.
+        let mut candidates = available.into_iter();
+        let mut failure = None;
+        while mine < target {
+            let batch: Vec<&Lease> = candidates.by_ref().take(target - mine).collect();
+            if batch.is_empty() {
                 break;
             }
-            match self.store.take(row, &me).await {
-                Ok(taken) => {
-                    if let Some(old) = &row.owner {
-                        tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+            for (row, result) in self.take_many(&batch).await {
+                match result {
+                    Ok(taken) => {
+                        if let Some(old) = &row.owner {
+                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                        }
+                        self.steals.remove(&row.key);
+                        self.start(taken);
+                        mine += 1;
                     }
-                    self.steals.remove(&row.key);
-                    self.start(taken);
-                    mine += 1;
+                    Err(LeaseError::Conflict(_)) => {}
+                    Err(e) => failure = Some(e),
                 }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => return Err(e),
+            }
+            if let Some(e) = failure.take() {
+                return Err(e);
             }
         }
 
@@ -384,8 +406,17 @@ impl Coordinator {
             }
         }
 
-        // Still under the fair share: ask the most loaded worker for one of its leases.
+        // Still under the fair share: ask the most loaded workers for leases, as many as
+        // we lack in one round (bounded by `max_steals_per_round`), so a fleet started
+        // together or a worker that joins is balanced within a round or two instead of
+        // gaining one lease per round.
         let mut asked = 0;
+        let mut pool: Vec<&Lease> = eligible
+            .iter()
+            .copied()
+            .filter(|r| r.pending_owner.is_none() && !self.steals.contains_key(&r.key))
+            .collect();
+        pool.shuffle(&mut self.rng);
         while !self.updating
             && mine + self.steals.len() < target
             && asked < self.config.max_steals_per_round
@@ -403,19 +434,18 @@ impl Coordinator {
             if count < mine + self.steals.len() + 2 {
                 break;
             }
-            let candidate = eligible.iter().find(|r| {
-                r.owner.as_deref() == Some(victim.as_str())
-                    && r.pending_owner.is_none()
-                    && !self.steals.contains_key(&r.key)
-            });
-            let Some(row) = candidate else { break };
-            match self.store.request_handoff(row, &me).await {
-                Ok(_) => {
-                    tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
-                    self.steals.insert(row.key.clone(), now);
-                }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => return Err(e),
+            // A random one of the victim's leases: workers asking at the same moment
+            // then rarely ask for the same lease (the last request would win it).
+            let Some(at) = pool
+                .iter()
+                .position(|r| r.owner.as_deref() == Some(victim.as_str()))
+            else {
+                break;
+            };
+            let row = pool.swap_remove(at);
+            if self.ask_for_handoff(row).await? {
+                tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
+                self.steals.insert(row.key.clone(), now);
             }
             if let Some(n) = load.get_mut(victim.as_str()) {
                 *n -= 1;
@@ -462,34 +492,55 @@ impl Coordinator {
 
     /// Lists the shards and creates a lease for each shard that has none, parents
     /// before children so no worker can see a child without its parent.
+    ///
+    /// A shard without a row is skipped when any of its descendants (children,
+    /// grandchildren, ... in this ListShards answer) has a row or gets one in this sync:
+    /// the shard was consumed to its end and its row cleaned up (see `clean_up`), and
+    /// reading it again would deliver it twice. An open shard has no descendants, so it
+    /// always gets a row.
+    ///
+    /// At the first sync (no rows yet), LATEST skips shards that are already closed:
+    /// they hold only the past. TRIM_HORIZON and AT_TIMESTAMP take every shard, closed
+    /// or not; at AT_TIMESTAMP a parent closed after the timestamp still holds records
+    /// to read, and one closed before it yields nothing and ends at once. Children wait
+    /// for their parents either way.
     async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for shard in &shards {
+            for parent in [&shard.parent_shard_id, &shard.adjacent_parent_shard_id]
+                .into_iter()
+                .flatten()
+            {
+                children
+                    .entry(parent.as_str())
+                    .or_default()
+                    .push(shard.shard_id.as_str());
+            }
+        }
         let first = rows.is_empty();
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
             InitialPosition::Latest => Checkpoint::Latest,
-            InitialPosition::AtTimestamp(_) => Checkpoint::AtTimestamp,
+            InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
-        let mut created = Vec::new();
+        let mut created: BTreeSet<&str> = BTreeSet::new();
         for shard in &shards {
             if keys.contains(shard.shard_id.as_str()) {
                 continue;
             }
-            // A shard whose child has a row was finished and cleaned up: never again.
-            let descendant_known = shards.iter().any(|c| {
-                c.parents().contains(&shard.shard_id)
-                    && (keys.contains(c.shard_id.as_str()) || created.contains(&c.shard_id))
-            });
-            if descendant_known {
+            let consumed = descendants(&children, &shard.shard_id)
+                .any(|d| keys.contains(d) || created.contains(d));
+            if consumed {
                 continue;
             }
             let parents = shard.parents();
             let checkpoint = if first {
-                if initial != Checkpoint::TrimHorizon && shard.is_closed() {
+                if initial == Checkpoint::Latest && shard.is_closed() {
                     continue; // starting at the tip: closed shards hold only the past
                 }
                 initial.clone()
@@ -505,7 +556,7 @@ impl Coordinator {
             if self.store.create(&lease).await? {
                 tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
             }
-            created.push(shard.shard_id.clone());
+            created.insert(shard.shard_id.as_str());
         }
         self.shards = shards;
         self.last_sync = Some(Instant::now());
@@ -513,13 +564,56 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its
+    /// owner's renewals bump the counter the request is conditional on, so a conflict is
+    /// checked once against a fresh read: still the same owner and nobody else asking
+    /// means the request is sent again. Returns whether it was recorded.
+    async fn ask_for_handoff(&self, row: &Lease) -> Result<bool, LeaseError> {
+        let me = self.config.owner.as_str();
+        match self.store.request_handoff(row, me).await {
+            Ok(_) => return Ok(true),
+            Err(LeaseError::Conflict(_)) => {}
+            Err(e) => return Err(e),
+        }
+        let Some(fresh) = self.store.get(&row.key).await? else {
+            return Ok(false);
+        };
+        if fresh.owner != row.owner || fresh.pending_owner.is_some() {
+            return Ok(false);
+        }
+        match self.store.request_handoff(&fresh, me).await {
+            Ok(_) => Ok(true),
+            Err(LeaseError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes `rows` for this worker, [`MAX_CONCURRENT_TAKES`] conditional writes at a
+    /// time; returns each row with its outcome.
+    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>)> {
+        // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
+        // inference for the spawned worker future.
+        let takes: Vec<BoxFuture<'static, _>> = rows
+            .iter()
+            .map(|row| {
+                let (row, store) = ((*row).clone(), self.store.clone());
+                let me = self.config.owner.clone();
+                async move {
+                    let result = store.take(&row, &me).await;
+                    (row, result)
+                }
+                .boxed()
+            })
+            .collect();
+        futures_util::stream::iter(takes)
+            .buffer_unordered(MAX_CONCURRENT_TAKES)
+            .collect()
+            .await
+    }
+
     fn start(&mut self, row: Lease) {
         let key = row.key.clone();
-        let lease = Arc::new(HeldLease::new(
-            row,
-            self.store.clone(),
-            &self.config.worker_id,
-        ));
+        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.owner));
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
@@ -588,6 +682,29 @@ impl Coordinator {
     }
 }
 
+/// Every descendant of `shard` (children, their children, ...) in a map from parent to
+/// children, each once.
+fn descendants<'a>(
+    children: &'a BTreeMap<&'a str, Vec<&'a str>>,
+    shard: &'a str,
+) -> impl Iterator<Item = &'a str> + 'a {
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    let mut todo: Vec<&str> = vec![shard];
+    std::iter::from_fn(move || {
+        while let Some(next) = todo.pop() {
+            for child in children.get(next).into_iter().flatten() {
+                if seen.insert(child) {
+                    todo.push(child);
+                }
+            }
+            if next != shard {
+                return Some(next);
+            }
+        }
+        None
+    })
+}
+
 async fn release(lease: &HeldLease, key: &str) {
     if let Err(e) = lease.release().await {
         tracing::warn!(lease = %key, error = %e, "release failed; the lease will expire instead");
@@ -634,7 +751,7 @@ async fn renew_loop(
                 continue;
             }
             let events = events.clone();
-            let me = config.worker_id.clone();
+            let me = config.owner.clone();
             renewals.spawn(async move {
                 match lease.renew().await {
                     Ok(row) => {

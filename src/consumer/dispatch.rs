@@ -21,6 +21,10 @@ where
         let Some(ack) = batch.take_ack() else {
             continue;
         };
+        if !ack.wait_start().await {
+            ack.abandon();
+            continue;
+        }
         let mut handled = None;
         let mut outcome = Ok(());
         for message in batch.messages {
@@ -67,7 +71,7 @@ where
         let Some(ack) = batch.take_ack() else {
             continue;
         };
-        if !ack.should_start() {
+        if !ack.wait_start().await {
             ack.abandon();
             continue;
         }

@@ -2,6 +2,39 @@
 //! service per record or per batch and acknowledges on success) or `stream()` (batches
 //! the caller acknowledges).
 //!
+//! One rule for stopping, the same for consumers and producers: an explicit stop
+//! (`shutdown().await` on a consumer, `close().await` on a producer) finishes what was
+//! started and returns once it is done; dropping the handle (for a producer, its last
+//! clone) starts the same stop in the background, which nobody can wait for and which
+//! completes only while the tokio runtime is still running. For a consumer the handle is
+//! the [`Running`] that [`Run::spawn`] returns (or the future awaiting a [`Run`]) and the
+//! [`BatchStream`]; stopping means: reading stops, in-flight work finishes (at most the
+//! shutdown timeout), checkpoints are committed and leases released.
+//!
+//! ```
+//! use shardflow::{Consumer, Memory, Message};
+//! use shardflow::kinesis::KinesisApi;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let memory = Memory::new();                  // the embedded backend, said explicitly
+//! memory.streams().create_stream("orders", 2).await?;
+//! let consumer = Consumer::builder()
+//!     .stream("orders")
+//!     .group("billing")
+//!     .backend(memory.clone())
+//!     .build()?;
+//! let handler = tower::service_fn(|msg: Message| async move {
+//!     println!("{}", msg.headers.sequence_number);
+//!     Ok::<_, std::convert::Infallible>(())
+//! });
+//! let running = consumer.run(handler).spawn();
+//! // ... later:
+//! running.shutdown().await?;                   // drained, committed, released
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Inside, a `coordinator` per worker manages leases and starts a `shard` task per
 //! held lease; each shard task runs a `reader` and commits the watermark of
 //! acknowledged records.
@@ -45,7 +78,7 @@ pub enum ConsumerError {
     /// Kinesis refused (for example: the stream does not exist).
     #[error("kinesis: {0}")]
     Kinesis(#[from] KinesisError),
-    /// The worker task panicked or was cancelled.
+    /// The worker task panicked or was cancelled (or its result was already returned).
     #[error("the worker task failed: {0}")]
     Worker(String),
 }
@@ -77,7 +110,7 @@ impl ConsumerBuilder {
     /// with an error naming the field.
     pub fn build(mut self) -> Result<Consumer, ConfigError> {
         let config = self.validate()?;
-        let backend = self.take_backend();
+        let backend = self.take_backend()?;
         Ok(Consumer {
             kinesis: backend.kinesis(),
             store: backend.lease_store(&config.lease_table),
@@ -118,7 +151,8 @@ impl Consumer {
     /// Runs `service` on every record: records of a shard one at a time in sequence
     /// order, shards concurrently (one clone of the service each). `Ok` marks the
     /// record handled; an error stops the shard, which reads again from its checkpoint
-    /// after a backoff. Await the returned [`Run`]; add [`Run::until`] to stop on a signal.
+    /// after a backoff. Await the returned [`Run`] (add [`Run::until`] to stop on a
+    /// signal) or [`Run::spawn`] it and later call [`Running::shutdown`].
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
@@ -152,9 +186,9 @@ impl Consumer {
     }
 
     /// The records as a stream of batches from all held shards; call [`Batch::ack`] on
-    /// each once handled. The stream ends after a graceful shutdown (see
-    /// [`Consumer::shutdown_handle`]); keep polling it until then so in-flight batches
-    /// can be acknowledged.
+    /// each once handled. The consumer starts at once; stop it with
+    /// [`BatchStream::shutdown`], or with a [`ShutdownHandle`] while polling on until the
+    /// stream ends (so in-flight batches can still be acknowledged).
     pub fn stream(self) -> BatchStream {
         let (tx, rx) = mpsc::channel(self.config.prefetch_batches.max(1) * 4);
         let coordinator = Coordinator::new(
@@ -168,6 +202,7 @@ impl Consumer {
             rx,
             worker: Some(worker),
             shutdown: ShutdownHandle(self.shutdown),
+            starting: None,
         }
     }
 }
@@ -185,7 +220,28 @@ fn spawn_with<S: Clone + Send + 'static>(
     })
 }
 
-/// A running consumer in `run` mode; await it.
+/// A consumer in `run` mode, not started yet. Await it (it runs until stopped, then
+/// returns the run's result), or [`Run::spawn`] it to get a [`Running`] handle; add
+/// [`Run::until`] to stop on a signal.
+///
+/// Stopping follows the one rule of the [module docs](self): `shutdown().await` stops
+/// and returns the result; dropping the [`Running`] handle (or the future awaiting a
+/// `Run`) starts the same graceful stop in the background, which cannot be waited for
+/// and completes only while the tokio runtime is still running.
+///
+/// Forgetting to await or spawn it is a warning (`#[must_use]`), an error under
+/// `#![deny(unused_must_use)]`:
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// # fn main() {}
+/// # fn start(consumer: shardflow::Consumer) {
+/// consumer.run(tower::service_fn(|_m: shardflow::Message| async {
+///     Ok::<_, std::convert::Infallible>(())
+/// }));
+/// # }
+/// ```
+#[must_use = "a Run does nothing until it is awaited or spawned"]
 pub struct Run {
     consumer: Consumer,
     spawn: SpawnDispatch,
@@ -201,13 +257,14 @@ impl Run {
         self.until = Some(signal.map(|_| ()).boxed());
         self
     }
-}
 
-impl IntoFuture for Run {
-    type Output = Result<(), ConsumerError>;
-    type IntoFuture = BoxFuture<'static, Result<(), ConsumerError>>;
-
-    fn into_future(self) -> Self::IntoFuture {
+    /// Starts the consumer on the current tokio runtime and returns its handle:
+    /// [`Running::shutdown`] stops it and returns the result.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime (like `tokio::spawn`).
+    pub fn spawn(self) -> Running {
         let Run {
             consumer,
             spawn,
@@ -220,29 +277,102 @@ impl IntoFuture for Run {
             consumer.store,
             Sink::PerShard(spawn),
         );
-        async move {
-            let run = coordinator.run(shutdown.clone());
+        let token = shutdown.clone();
+        let worker = tokio::spawn(async move {
+            let run = coordinator.run(token.clone());
             tokio::pin!(run);
-            match until {
-                Some(signal) => {
-                    tokio::select! {
-                        result = &mut run => return result,
-                        _ = signal => shutdown.cancel(),
-                    }
-                    run.await
+            if let Some(signal) = until {
+                tokio::select! {
+                    result = &mut run => return result,
+                    _ = signal => token.cancel(),
                 }
-                None => run.await,
             }
+            run.await
+        });
+        Running {
+            worker: Some(worker),
+            shutdown,
         }
-        .boxed()
     }
 }
 
-/// The batches of a consumer in `stream` mode.
+impl IntoFuture for Run {
+    type Output = Result<(), ConsumerError>;
+    type IntoFuture = Running;
+
+    /// Starts the consumer (see [`Run::spawn`]); the future resolves when it stopped.
+    fn into_future(self) -> Running {
+        self.spawn()
+    }
+}
+
+/// A started consumer in `run` mode. Await it to wait until it stops (after
+/// [`Run::until`]'s signal or a [`ShutdownHandle`]), or call [`Running::shutdown`].
+///
+/// Dropping it starts a graceful shutdown in the background (the stopping rule of the [module docs](self)):
+/// nothing is left reading and renewing leases for ever, but the drop cannot wait for
+/// in-flight handlers, the final checkpoint or the release of the leases.
+#[must_use = "dropping a Running stops the consumer; await it or call shutdown()"]
+pub struct Running {
+    /// `None` once the result was returned.
+    worker: Option<JoinHandle<Result<(), ConsumerError>>>,
+    shutdown: CancellationToken,
+}
+
+impl Running {
+    /// Stops the consumer gracefully: reading stops, in-flight handlers finish (at most
+    /// the shutdown timeout), checkpoints are committed and leases released. Returns the
+    /// run's result.
+    pub async fn shutdown(self) -> Result<(), ConsumerError> {
+        self.shutdown.cancel();
+        self.await
+    }
+
+    /// A handle that stops this consumer gracefully from elsewhere.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.shutdown.clone())
+    }
+}
+
+impl Future for Running {
+    type Output = Result<(), ConsumerError>;
+
+    /// The run's result once it stopped; polled again after that (say, awaited and then
+    /// shut down), an error saying the result was already returned.
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(worker) = self.worker.as_mut() else {
+            return Poll::Ready(Err(ConsumerError::Worker(
+                "the run's result was already returned".to_owned(),
+            )));
+        };
+        let joined = std::task::ready!(worker.poll_unpin(cx));
+        self.worker = None;
+        Poll::Ready(match joined {
+            Ok(result) => result,
+            Err(e) => Err(ConsumerError::Worker(e.to_string())),
+        })
+    }
+}
+
+impl Drop for Running {
+    /// Starts the graceful shutdown in the background (harmless once it has stopped).
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// A batch received but not handed out yet: it waits until it may start.
+type Starting = (Batch, BoxFuture<'static, bool>);
+
+/// The batches of a consumer in `stream` mode. Stopping follows the rule of the [module docs](self):
+/// [`BatchStream::shutdown`] stops and returns the result; dropping the stream starts
+/// the same graceful stop in the background.
+#[must_use = "streams do nothing unless polled"]
 pub struct BatchStream {
     rx: mpsc::Receiver<Batch>,
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: ShutdownHandle,
+    starting: Option<Starting>,
 }
 
 impl BatchStream {
@@ -250,13 +380,50 @@ impl BatchStream {
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
     }
+
+    /// Stops the consumer gracefully: reading stops, batches not handed out yet are
+    /// given up (they are delivered again to whoever reads the shard next), batches
+    /// already handed out may still be acknowledged until the shutdown timeout,
+    /// checkpoints are committed and leases released. Returns the run's result.
+    pub async fn shutdown(mut self) -> Result<(), ConsumerError> {
+        self.shutdown.shutdown();
+        self.give_up_queued();
+        while let Some(batch) = self.rx.recv().await {
+            abandon(&batch);
+        }
+        match self.worker.take() {
+            Some(worker) => match worker.await {
+                Ok(result) => result,
+                Err(e) => Err(ConsumerError::Worker(e.to_string())),
+            },
+            None => Ok(()),
+        }
+    }
+
+    /// Gives up every batch received but not handed out, so no shard's drain waits for it.
+    fn give_up_queued(&mut self) {
+        if let Some((batch, _)) = self.starting.take() {
+            abandon(&batch);
+        }
+        while let Ok(batch) = self.rx.try_recv() {
+            abandon(&batch);
+        }
+    }
+}
+
+fn abandon(batch: &Batch) {
+    if let Some(ack) = &batch.ack {
+        ack.abandon();
+    }
 }
 
 impl Drop for BatchStream {
-    /// Dropping the stream shuts the consumer down gracefully (nothing is left reading
-    /// and holding leases in the background).
+    /// Dropping the stream shuts the consumer down gracefully in the background (nothing
+    /// is left reading and holding leases); batches not handed out are given up.
     fn drop(&mut self) {
         self.shutdown.shutdown();
+        self.rx.close();
+        self.give_up_queued();
     }
 }
 
@@ -265,15 +432,26 @@ impl Stream for BatchStream {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         loop {
+            if let Some((_, may_start)) = self.starting.as_mut() {
+                let may_start = std::task::ready!(may_start.poll_unpin(cx));
+                if let Some((batch, _)) = self.starting.take() {
+                    if may_start {
+                        return Poll::Ready(Some(Ok(batch)));
+                    }
+                    // Batches read before a drain, restart or lost lease are given up,
+                    // not handed out: whoever continues the shard reads them again.
+                    abandon(&batch);
+                }
+                continue;
+            }
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(batch)) => {
-                    // Batches read before a drain or restart are given up, not handed out:
-                    // they will be read again by whoever continues the shard.
-                    if let Some(ack) = &batch.ack {
-                        if !ack.should_start() {
-                            ack.abandon();
-                            continue;
-                        }
+                    // Like a fresh read, a queued batch starts only on a lease known to be
+                    // ours (it may have waited through a long pause of the process).
+                    if let Some(ack) = batch.ack.clone() {
+                        self.starting =
+                            Some((batch, async move { ack.wait_start().await }.boxed()));
+                        continue;
                     }
                     return Poll::Ready(Some(Ok(batch)));
                 }

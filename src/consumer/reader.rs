@@ -6,7 +6,6 @@
 //! iterators, fan-out from subscriptions that end (after about five minutes) or fail.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
@@ -32,16 +31,10 @@ pub(crate) struct ShardReader {
     /// The shard's hash-key range, to count KPL user records that belong elsewhere.
     pub(crate) hash_range: Option<(u128, u128)>,
     pub(crate) progress: Arc<ShardProgress>,
-    /// When the first LATEST iterator was taken (see `starting_position`).
-    pub(crate) latest_since: std::sync::Mutex<Option<SystemTime>>,
     pub(crate) out: mpsc::Sender<Batch>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
 }
-
-/// How far before the first LATEST iterator a re-read starts, for clock skew between
-/// this host and Kinesis' arrival timestamps (a few extra records, never a gap).
-const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
 
 /// The record limit of a shard's first GetRecords call (see `poll`).
 const FIRST_READ_LIMIT: u32 = 1_000;
@@ -49,10 +42,17 @@ const FIRST_READ_LIMIT: u32 = 1_000;
 /// Whether a reader goes on after handing out a read.
 #[derive(Debug, PartialEq, Eq)]
 enum Flow {
-    Continue,
+    /// The read held records not handled before; they went to the handlers.
+    Delivered,
+    /// Nothing new in the read (empty, or only records already handled).
+    NothingNew,
     /// Nobody consumes any more (shutting down) or the lease is lost.
     Stop,
 }
+
+/// How many times in a row a shard must be both refused as NotFound and left out of
+/// ListShards before it counts as gone (see [`ShardReader::gone_or`]).
+const GONE_CONFIRMATIONS: u32 = 3;
 
 impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with
@@ -80,6 +80,7 @@ impl ShardReader {
         // even when a large backlog waits; each full page doubles the next one.
         let mut limit = self.config.max_records_per_read.min(FIRST_READ_LIMIT);
         let mut just_expired = false;
+        let mut not_found = 0;
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
@@ -89,7 +90,12 @@ impl ShardReader {
                         self.pause(&e, backoff).await;
                         continue;
                     }
-                    Err(e) => return self.gone_or(e).await,
+                    Err(e) => {
+                        if self.gone_or(e, &mut not_found, backoff).await? {
+                            return Ok(());
+                        }
+                        continue;
+                    }
                 },
             };
             let page = match self.kinesis.get_records(&it, limit).await {
@@ -108,10 +114,16 @@ impl ShardReader {
                     iterator = Some(it);
                     continue;
                 }
-                Err(e) => return self.gone_or(e).await,
+                Err(e) => {
+                    if self.gone_or(e, &mut not_found, backoff).await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
             };
             backoff.reset();
             just_expired = false;
+            not_found = 0;
             let raw = page.records.len();
             let flow = self
                 .deliver(page.records, page.millis_behind_latest, &mut handled)
@@ -120,6 +132,12 @@ impl ShardReader {
                 return Ok(());
             }
             match page.next_iterator {
+                // Records came, but no way to go on: maybe the end, maybe a page cut
+                // short. Only a read right after them that finds nothing new says which.
+                None if flow == Flow::Delivered => {
+                    tracing::debug!(shard = %self.shard_id, "no next iterator after new records; reading again after them");
+                    continue;
+                }
                 None if self.confirm_end(&page.child_shards).await => {
                     self.progress.end_of_shard();
                     return Ok(());
@@ -181,6 +199,7 @@ impl ShardReader {
         let mut handled = start;
         let mut continuation: Option<SequenceNumber> = None;
         let mut closed_checked = Instant::now();
+        let mut not_found = 0;
         loop {
             let from = match &continuation {
                 Some(after) => StartingPosition::AfterSequenceNumber(after.clone()),
@@ -196,11 +215,17 @@ impl ShardReader {
                     self.pause(&e, backoff).await;
                     continue;
                 }
-                Err(e) => return self.gone_or(e).await,
+                Err(e) => {
+                    if self.gone_or(e, &mut not_found, backoff).await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
             };
             // Kinesis sends an event at least every 5 s (a heartbeat when idle): a
             // subscription silent for much longer is hung, and is renewed.
             let silence = self.config.read_call_timeout.saturating_mul(3);
+            not_found = 0;
             let failure = loop {
                 let event = match tokio::time::timeout(silence, events.next()).await {
                     Err(_) => {
@@ -222,6 +247,13 @@ impl ShardReader {
                 }
                 match event.continuation {
                     Some(after) => continuation = Some(after),
+                    // New records and no continuation: the end, or an event cut short.
+                    // Subscribe again at the last delivered record; only an event that
+                    // brings nothing new may end the shard.
+                    None if flow == Flow::Delivered => {
+                        continuation = None;
+                        break None;
+                    }
                     None if self.confirm_end(&event.child_shards).await => {
                         self.progress.end_of_shard();
                         return Ok(());
@@ -290,7 +322,7 @@ impl ShardReader {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
         }
         let Some(last) = messages.last() else {
-            return Flow::Continue;
+            return Flow::NothingNew;
         };
         // After a pause longer than the renewal margin the lease may already be
         // someone else's: hand nothing out until a renewal proves it is ours.
@@ -317,7 +349,7 @@ impl ShardReader {
             millis_behind_latest,
             ack: Some(ack),
         });
-        Flow::Continue
+        Flow::Delivered
     }
 
     fn message(
@@ -400,9 +432,11 @@ impl ShardReader {
         }
     }
 
-    /// Whether a read that reported no more records really is the shard's end: the
-    /// service named children, or ListShards shows the shard closed. A missing field
-    /// alone (an emulator's heartbeat) must never end an open shard.
+    /// Whether a read that reported no more records, and brought nothing new, really is
+    /// the shard's end: the service named children, or ListShards shows the shard
+    /// closed. A missing field alone (an emulator's heartbeat) must never end an open
+    /// shard, and a read with new records never ends one at all: the reader reads again
+    /// right after them, and only that read, if empty, is the end.
     async fn confirm_end(&self, children: &[String]) -> bool {
         let end = !children.is_empty() || self.is_closed().await;
         if end {
@@ -413,18 +447,48 @@ impl ShardReader {
 
     /// A shard that no longer exists (trimmed after a reshard, past retention) has
     /// nothing left to read: it ends, so its children are not held back for ever.
-    /// Any other error is returned as it is.
-    async fn gone_or(&self, error: KinesisError) -> Result<(), KinesisError> {
-        if matches!(error, KinesisError::NotFound(_)) {
-            if let Ok(shards) = self.kinesis.list_shards(&self.stream).await {
-                if !shards.iter().any(|s| *s.shard_id == *self.shard_id) {
+    ///
+    /// ListShards is eventually consistent, and a lagging node may answer
+    /// ResourceNotFound for a shard that exists, so one such answer proves nothing. The
+    /// shard counts as gone only after [`GONE_CONFIRMATIONS`] reads in a row (with a
+    /// backoff between them; `strikes` counts them, any successful read resets it) were
+    /// refused as NotFound while ListShards left the shard out each time. A ListShards
+    /// that lists the shard starts the count again; one that fails ends nothing.
+    ///
+    /// Returns `Ok(true)` when the shard was ended, `Ok(false)` after a backoff when the
+    /// read should be tried again, and any other error (or the stream's own NotFound) as
+    /// it is.
+    async fn gone_or(
+        &self,
+        error: KinesisError,
+        strikes: &mut u32,
+        backoff: &mut Backoff,
+    ) -> Result<bool, KinesisError> {
+        if !matches!(error, KinesisError::NotFound(_)) {
+            return Err(error);
+        }
+        match self.kinesis.list_shards(&self.stream).await {
+            Ok(shards) if shards.iter().any(|s| *s.shard_id == *self.shard_id) => {
+                *strikes = 0;
+                tracing::info!(shard = %self.shard_id, "the shard is listed but was not found; retrying");
+            }
+            Ok(_) => {
+                *strikes += 1;
+                if *strikes >= GONE_CONFIRMATIONS {
                     tracing::warn!(shard = %self.shard_id, "the shard is gone (past retention); treating it as ended");
                     self.progress.end_of_shard();
-                    return Ok(());
+                    return Ok(true);
                 }
+                tracing::info!(shard = %self.shard_id, strikes = *strikes, "the shard was not found and is not listed; confirming before ending it");
+            }
+            // The stream itself is gone: no point in waiting.
+            Err(e @ KinesisError::NotFound(_)) => return Err(e),
+            Err(e) => {
+                tracing::debug!(shard = %self.shard_id, error = %e, "could not check whether the shard is gone; retrying");
             }
         }
-        Err(error)
+        self.pause(&error, backoff).await;
+        Ok(false)
     }
 
     /// Whether ListShards reports the shard closed (an error counts as "not known to be").
@@ -455,25 +519,11 @@ impl ShardReader {
     fn starting_position(&self, handled: &Checkpoint) -> Result<StartingPosition, KinesisError> {
         Ok(match handled {
             Checkpoint::TrimHorizon => StartingPosition::TrimHorizon,
-            // The first iterator starts at the tip; any later one (after a handler
-            // failure, an expired iterator or a renewed subscription, before a record was
-            // delivered) starts at the time of the first, so nothing written meanwhile is
-            // skipped.
-            Checkpoint::Latest => {
-                let mut pinned = self.latest_since.lock().unwrap_or_else(|p| p.into_inner());
-                match *pinned {
-                    Some(since) => StartingPosition::AtTimestamp(since),
-                    None => {
-                        *pinned = Some(
-                            SystemTime::now()
-                                .checked_sub(LATEST_CLOCK_MARGIN)
-                                .unwrap_or(SystemTime::UNIX_EPOCH),
-                        );
-                        StartingPosition::Latest
-                    }
-                }
-            }
-            Checkpoint::AtTimestamp => match &self.config.initial_position {
+            // The shard task resolves LATEST into a timestamp in the lease row before
+            // reading (see `ShardTask::durable_start`); a reader never starts from it.
+            Checkpoint::Latest => StartingPosition::Latest,
+            Checkpoint::AtTimestamp(Some(t)) => StartingPosition::AtTimestamp(*t),
+            Checkpoint::AtTimestamp(None) => match &self.config.initial_position {
                 InitialPosition::AtTimestamp(t) => StartingPosition::AtTimestamp(*t),
                 _ => StartingPosition::TrimHorizon,
             },

@@ -2,6 +2,7 @@
 //! from the watermark after a handler failure, and drains on stop.
 
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -13,7 +14,7 @@ use crate::kinesis::KinesisApi;
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
 
-use super::config::{CheckpointPolicy, Config};
+use super::config::{CheckpointPolicy, Config, InitialPosition};
 use super::reader::ShardReader;
 
 /// How a shard task ended.
@@ -42,6 +43,11 @@ pub(crate) struct ShardTask {
     pub(crate) stop: CancellationToken,
 }
 
+/// How far before the moment a LATEST lease is first taken its durable start lies, for
+/// clock skew between this host and Kinesis' arrival timestamps (a few extra records,
+/// never a gap).
+const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
+
 /// Attempts at the checkpoint written before a shard is left.
 const FINAL_COMMIT_ATTEMPTS: usize = 5;
 
@@ -57,9 +63,27 @@ impl ShardTask {
         if row.checkpoint == Checkpoint::ShardEnd {
             return ShardExit::Ended;
         }
-        let progress = ShardProgress::new(row.checkpoint.clone());
-        let mut committed = row.checkpoint;
         let seed = self.config.seed ^ hash(&shard_id);
+        let start = match self
+            .durable_start(
+                row.checkpoint,
+                &mut Backoff::new(
+                    self.config.retry_min,
+                    self.config.retry_max,
+                    seed.rotate_left(13),
+                ),
+            )
+            .await
+        {
+            Ok(start) => start,
+            Err(exit) => return exit,
+        };
+        let progress = ShardProgress::new(
+            start.clone(),
+            self.lease.clone(),
+            self.config.lease_fresh_for(),
+        );
+        let mut committed = start;
         let reader = ShardReader {
             config: self.config.clone(),
             kinesis: self.kinesis.clone(),
@@ -67,7 +91,6 @@ impl ShardTask {
             shard_id: shard_id.clone(),
             hash_range: self.hash_range,
             progress: progress.clone(),
-            latest_since: std::sync::Mutex::new(None),
             out: self.out.clone(),
             lease: self.lease.clone(),
             lease_lost: self.lease.lost().clone(),
@@ -164,6 +187,54 @@ impl ShardTask {
                     }
                     progress.reset();
                     progress.set_accepting(true);
+                }
+            }
+        }
+    }
+
+    /// The start every owner of the shard continues from, written into the lease row
+    /// before anything is read: LATEST becomes AT_TIMESTAMP of now minus a clock margin,
+    /// and an `AT_TIMESTAMP` row without a time gets the configured one. Nothing else
+    /// needs resolving. A failed write is retried (nothing is delivered meanwhile) until
+    /// it lands, the lease is lost or the task is stopped.
+    async fn durable_start(
+        &self,
+        stored: Checkpoint,
+        backoff: &mut Backoff,
+    ) -> Result<Checkpoint, ShardExit> {
+        let resolved = match (&stored, &self.config.initial_position) {
+            (Checkpoint::Latest, _) => {
+                let since = SystemTime::now()
+                    .checked_sub(LATEST_CLOCK_MARGIN)
+                    .unwrap_or(SystemTime::UNIX_EPOCH);
+                // Whole milliseconds, as the lease table stores them.
+                let at = Checkpoint::AtTimestamp(Some(since));
+                let millis = at.timestamp_millis();
+                at.with_timestamp_millis(millis)
+            }
+            (Checkpoint::AtTimestamp(None), InitialPosition::AtTimestamp(t)) => {
+                Checkpoint::AtTimestamp(Some(*t))
+            }
+            _ => return Ok(stored),
+        };
+        loop {
+            match self.lease.checkpoint(&resolved).await {
+                Ok(row) => {
+                    tracing::info!(from = %stored, start = %row.checkpoint, "wrote the shard's durable start");
+                    return Ok(row.checkpoint);
+                }
+                Err(LeaseError::Conflict(key)) => {
+                    tracing::info!(lease = %key, "lease lost before the start was written");
+                    return Err(ShardExit::Lost);
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(error = %e, ?delay, "could not write the shard's start; retrying before reading");
+                    tokio::select! {
+                        _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
+                        _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
                 }
             }
         }

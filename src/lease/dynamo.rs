@@ -9,10 +9,11 @@
 //! | attribute | type | meaning |
 //! |---|---|---|
 //! | `leaseKey` | S, **hash key** | the shard id |
-//! | `leaseOwner` | S, absent when unowned | the worker holding the lease |
+//! | `leaseOwner` | S, absent when unowned | the worker incarnation holding the lease: `<worker id>#<nonce>` (see [`worker_of`](super::worker_of)) |
 //! | `leaseCounter` | N | bumped by every take, renewal and release: the fencing token |
 //! | `checkpoint` | S | the sequence number's digits, or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
 //! | `checkpointSubSequenceNumber` | N | the user record within a KPL aggregate (0 for plain records) |
+//! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
 //!
@@ -34,7 +35,7 @@
 //! |---|---|
 //! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1 REMOVE pendingOwner` |
 //! | `renew` | `SET leaseCounter = counter + 1` |
-//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber` (counter kept) |
+//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber` and `SET` or `REMOVE checkpointTimestamp` (counter kept) |
 //! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner` (a pending hand-off request is kept, so the requester can take it) |
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
 //! | `delete` | DeleteItem under the same condition |
@@ -64,6 +65,8 @@ const COUNTER: &str = "leaseCounter";
 const CHECKPOINT: &str = "checkpoint";
 /// The checkpoint's sub-sequence number.
 const SUB_SEQUENCE: &str = "checkpointSubSequenceNumber";
+/// The start time of an `AT_TIMESTAMP` checkpoint, epoch milliseconds.
+const TIMESTAMP: &str = "checkpointTimestamp";
 /// The parent shards.
 const PARENTS: &str = "parentShardId";
 /// The worker asking for a hand-off.
@@ -278,6 +281,9 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
             AttributeValue::N(sub_sequence.to_string()),
         ),
     ]);
+    if let Some(millis) = lease.checkpoint.timestamp_millis() {
+        item.insert(TIMESTAMP.to_owned(), AttributeValue::N(millis.to_string()));
+    }
     if let Some(owner) = &lease.owner {
         item.insert(OWNER.to_owned(), AttributeValue::S(owner.clone()));
     }
@@ -310,6 +316,10 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
         Some(n) => parse_number(&key, SUB_SEQUENCE, &n)?,
         None => 0,
     };
+    let timestamp = match number(item, TIMESTAMP, &key)? {
+        Some(n) => Some(parse_number(&key, TIMESTAMP, &n)?),
+        None => None,
+    };
     let parents = match item.get(PARENTS) {
         None => Vec::new(),
         Some(AttributeValue::Ss(set)) => {
@@ -326,7 +336,8 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
     Ok(Lease {
         owner: string(item, OWNER, &key)?,
         counter,
-        checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?,
+        checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?
+            .with_timestamp_millis(timestamp),
         parents,
         pending_owner: string(item, PENDING_OWNER, &key)?,
         key,
@@ -510,15 +521,27 @@ impl LeaseStore for DynamoLeaseStore {
         checkpoint: &Checkpoint,
     ) -> Result<Lease, LeaseError> {
         let (value, sub_sequence) = checkpoint.as_attribute();
+        let mut values = vec![
+            (":checkpoint", AttributeValue::S(value)),
+            (":sub", AttributeValue::N(sub_sequence.to_string())),
+        ];
+        let update = match checkpoint.timestamp_millis() {
+            Some(millis) => {
+                values.push((":timestamp", AttributeValue::N(millis.to_string())));
+                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp"
+            }
+            None => "SET #checkpoint = :checkpoint, #sub = :sub REMOVE #timestamp",
+        };
         self.fenced_update(
             "checkpoint",
             expected,
-            "SET #checkpoint = :checkpoint, #sub = :sub",
-            &[("#checkpoint", CHECKPOINT), ("#sub", SUB_SEQUENCE)],
-            vec![
-                (":checkpoint", AttributeValue::S(value)),
-                (":sub", AttributeValue::N(sub_sequence.to_string())),
+            update,
+            &[
+                ("#checkpoint", CHECKPOINT),
+                ("#sub", SUB_SEQUENCE),
+                ("#timestamp", TIMESTAMP),
             ],
+            values,
             || Lease {
                 checkpoint: checkpoint.clone(),
                 ..expected.clone()
@@ -603,6 +626,44 @@ mod tests {
         ));
         let item = item_from_lease(&lease);
         assert_eq!(lease_from_item(&item).unwrap(), lease);
+    }
+
+    #[test]
+    fn an_incarnation_owner_and_a_timestamp_start_round_trip() {
+        let mut lease = Lease::new(
+            "shardId-000000000003",
+            Vec::new(),
+            Checkpoint::AtTimestamp(Some(
+                std::time::SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_518_400_123),
+            )),
+        );
+        lease.owner = Some(crate::lease::incarnation("billing-7", 42));
+        lease.counter = 3;
+        let item = item_from_lease(&lease);
+        assert_eq!(
+            item.get(TIMESTAMP),
+            Some(&AttributeValue::N("1764518400123".into()))
+        );
+        assert_eq!(
+            item.get(CHECKPOINT),
+            Some(&AttributeValue::S("AT_TIMESTAMP".into()))
+        );
+        let back = lease_from_item(&item).unwrap();
+        assert_eq!(back, lease);
+        let owner = back.owner.unwrap();
+        assert!(owner.starts_with("billing-7#"), "{owner}");
+        assert_eq!(crate::lease::worker_of(&owner), "billing-7");
+    }
+
+    #[test]
+    fn a_kcl_at_timestamp_row_has_no_timestamp_and_a_plain_owner() {
+        let mut item = item_from_lease(&Lease::new("s", Vec::new(), Checkpoint::TrimHorizon));
+        item.insert(CHECKPOINT.into(), AttributeValue::S("AT_TIMESTAMP".into()));
+        item.insert(OWNER.into(), AttributeValue::S("kcl-worker".into()));
+        let lease = lease_from_item(&item).unwrap();
+        assert_eq!(lease.checkpoint, Checkpoint::AtTimestamp(None));
+        assert_eq!(crate::lease::worker_of("kcl-worker"), "kcl-worker");
+        assert!(!item_from_lease(&lease).contains_key(TIMESTAMP));
     }
 
     #[test]

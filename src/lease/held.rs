@@ -15,7 +15,8 @@ use super::{Checkpoint, Lease, LeaseError, LeaseStore};
 pub struct HeldLease {
     row: Mutex<Lease>,
     store: Arc<dyn LeaseStore>,
-    worker: String,
+    /// This incarnation's owner name (worker id and nonce).
+    owner: String,
     lost: CancellationToken,
     /// When the last successful renewal (or the take) was sent: what other workers'
     /// expiry timers are at least as late as.
@@ -24,12 +25,12 @@ pub struct HeldLease {
 }
 
 impl HeldLease {
-    /// Wraps a row this worker just took (its owner is `worker`).
-    pub fn new(row: Lease, store: Arc<dyn LeaseStore>, worker: &str) -> Self {
+    /// Wraps a row this incarnation just took (its owner is `owner`).
+    pub fn new(row: Lease, store: Arc<dyn LeaseStore>, owner: &str) -> Self {
         HeldLease {
             row: Mutex::new(row),
             store,
-            worker: worker.to_owned(),
+            owner: owner.to_owned(),
             lost: CancellationToken::new(),
             renewed_at: std::sync::Mutex::new(Instant::now()),
             renewed: Notify::new(),
@@ -82,12 +83,23 @@ impl HeldLease {
         Ok(row)
     }
 
-    /// Commits a checkpoint, fenced by owner and counter.
+    /// Commits a checkpoint, fenced by owner and counter. A checkpoint behind the one in
+    /// the row as last read or written (a record position before the stored one, a start
+    /// sentinel after records were handled) is never written: the row is returned as it
+    /// is, so the checkpoint can only move forward. (The stores' conditions cannot
+    /// compare positions: DynamoDB's numbers hold 38 digits, sequence numbers up to 129;
+    /// fencing on the counter leaves this row as the only one we write over.)
     pub async fn checkpoint(&self, checkpoint: &Checkpoint) -> Result<Lease, LeaseError> {
         let cp = checkpoint.clone();
         self.write(move |store, row| {
             let cp = cp.clone();
-            Box::pin(async move { store.checkpoint(&row, &cp).await })
+            Box::pin(async move {
+                if cp.progress_cmp(&row.checkpoint) == Some(std::cmp::Ordering::Less) {
+                    tracing::warn!(lease = %row.key, stored = %row.checkpoint, refused = %cp, "not moving the checkpoint backwards");
+                    return Ok(row);
+                }
+                store.checkpoint(&row, &cp).await
+            })
         })
         .await
     }
@@ -119,7 +131,9 @@ impl HeldLease {
     /// (after a release or transfer). On a conflict the row is read back: if the only
     /// change is our own renewal that landed although we saw an error (same owner,
     /// counter one higher), the row is adopted and the write tried once more; any other
-    /// change means someone else wrote, and the lease is lost.
+    /// change means someone else wrote, and the lease is lost. The owner is this
+    /// incarnation's own name (worker id and nonce), so a take by another process with
+    /// the same worker id is never mistaken for our renewal.
     async fn write<F>(&self, op: F) -> Result<Lease, LeaseError>
     where
         F: Fn(
@@ -128,7 +142,7 @@ impl HeldLease {
         ) -> futures_util::future::BoxFuture<'static, Result<Lease, LeaseError>>,
     {
         let mut row = self.row.lock().await;
-        if self.lost.is_cancelled() || row.owner.as_deref() != Some(&self.worker) {
+        if self.lost.is_cancelled() || row.owner.as_deref() != Some(&self.owner) {
             return Err(LeaseError::Conflict(row.key.clone()));
         }
         let mut adopted = false;

@@ -11,8 +11,10 @@ mod held;
 
 pub use held::HeldLease;
 
+use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 
@@ -23,10 +25,15 @@ use crate::sequence::{Position, SequenceNumber};
 pub enum Checkpoint {
     /// Nothing handled yet; start at the oldest retained record.
     TrimHorizon,
-    /// Nothing handled yet; start at the tip of the shard.
+    /// Nothing handled yet; start at the tip of the shard. Only ever in a row nobody
+    /// took yet: the first owner resolves it into [`Checkpoint::AtTimestamp`] of the
+    /// moment it took the lease (see [`crate::InitialPosition::Latest`]).
     Latest,
-    /// Nothing handled yet; start at the consumer's configured timestamp.
-    AtTimestamp,
+    /// Nothing handled yet; start at the records that arrived at or after this time
+    /// (the `AT_TIMESTAMP` sentinel plus our `checkpointTimestamp` attribute). `None`
+    /// (a KCL row, which keeps the time in its config) means the consumer's configured
+    /// timestamp; the first owner writes it into the row.
+    AtTimestamp(Option<SystemTime>),
     /// Every record up to and including this position is handled.
     At(Position),
     /// The shard is closed and every record of it is handled.
@@ -39,7 +46,7 @@ impl Checkpoint {
         match self {
             Checkpoint::TrimHorizon => ("TRIM_HORIZON".into(), 0),
             Checkpoint::Latest => ("LATEST".into(), 0),
-            Checkpoint::AtTimestamp => ("AT_TIMESTAMP".into(), 0),
+            Checkpoint::AtTimestamp(_) => ("AT_TIMESTAMP".into(), 0),
             Checkpoint::ShardEnd => ("SHARD_END".into(), 0),
             Checkpoint::At(p) => (p.sequence.as_str().to_owned(), p.sub_sequence),
         }
@@ -50,7 +57,7 @@ impl Checkpoint {
         Ok(match value {
             "TRIM_HORIZON" => Checkpoint::TrimHorizon,
             "LATEST" => Checkpoint::Latest,
-            "AT_TIMESTAMP" => Checkpoint::AtTimestamp,
+            "AT_TIMESTAMP" => Checkpoint::AtTimestamp(None),
             "SHARD_END" => Checkpoint::ShardEnd,
             digits => Checkpoint::At(Position::new(
                 SequenceNumber::from_str(digits)
@@ -58,6 +65,48 @@ impl Checkpoint {
                 sub_sequence,
             )),
         })
+    }
+
+    /// The `checkpointTimestamp` attribute: epoch milliseconds of an
+    /// [`Checkpoint::AtTimestamp`] start, if it has one.
+    pub fn timestamp_millis(&self) -> Option<u64> {
+        match self {
+            Checkpoint::AtTimestamp(Some(t)) => Some(
+                t.duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Adds the `checkpointTimestamp` attribute (epoch milliseconds) to a parsed
+    /// `AT_TIMESTAMP` sentinel; any other checkpoint ignores it.
+    pub fn with_timestamp_millis(self, millis: Option<u64>) -> Self {
+        match (self, millis) {
+            (Checkpoint::AtTimestamp(_), Some(ms)) => Checkpoint::AtTimestamp(
+                SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms)),
+            ),
+            (other, _) => other,
+        }
+    }
+
+    /// How far this checkpoint is along the shard, where that is known: every start
+    /// sentinel is before every record, records are ordered by position, and
+    /// SHARD_END is after them all. Two different start sentinels are not ordered.
+    pub fn progress_cmp(&self, other: &Checkpoint) -> Option<Ordering> {
+        fn rank(c: &Checkpoint) -> u8 {
+            match c {
+                Checkpoint::TrimHorizon | Checkpoint::Latest | Checkpoint::AtTimestamp(_) => 0,
+                Checkpoint::At(_) => 1,
+                Checkpoint::ShardEnd => 2,
+            }
+        }
+        match (self, other) {
+            (Checkpoint::At(a), Checkpoint::At(b)) => Some(a.cmp(b)),
+            _ if self == other => Some(Ordering::Equal),
+            _ if rank(self) == 0 && rank(other) == 0 => None,
+            _ => Some(rank(self).cmp(&rank(other))),
+        }
     }
 
     /// Whether the record at `position` is already covered (handled) by this checkpoint.
@@ -74,9 +123,40 @@ impl fmt::Display for Checkpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Checkpoint::At(p) => write!(f, "{p}"),
+            Checkpoint::AtTimestamp(Some(_)) => {
+                write!(
+                    f,
+                    "AT_TIMESTAMP({} ms)",
+                    self.timestamp_millis().unwrap_or(0)
+                )
+            }
             other => f.write_str(&other.as_attribute().0),
         }
     }
+}
+
+/// Separates the worker id from the incarnation's nonce in `leaseOwner`.
+pub const INCARNATION_SEPARATOR: char = '#';
+
+/// The worker id inside an owner: `leaseOwner` names a process incarnation,
+/// `<worker id>#<nonce>` (e.g. `billing-7#k3f9a2`), so a restarted process that keeps
+/// its name is a new owner. An owner without a nonce (a KCL worker) is its own worker id.
+pub fn worker_of(owner: &str) -> &str {
+    owner
+        .rsplit_once(INCARNATION_SEPARATOR)
+        .map_or(owner, |(worker, _)| worker)
+}
+
+/// The owner name of one incarnation of `worker`: the worker id and a nonce of six
+/// base-36 characters drawn from `seed`.
+pub(crate) fn incarnation(worker: &str, seed: u64) -> String {
+    use rand::{Rng, SeedableRng};
+    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x1ca7_10b5_0f11_fe00);
+    let nonce: String = (0..6)
+        .map(|_| char::from(DIGITS[rng.gen_range(0..DIGITS.len())]))
+        .collect();
+    format!("{worker}{INCARNATION_SEPARATOR}{nonce}")
 }
 
 /// One shard's lease row.
@@ -84,7 +164,7 @@ impl fmt::Display for Checkpoint {
 pub struct Lease {
     /// The shard id (`leaseKey`).
     pub key: String,
-    /// The worker holding it (`leaseOwner`), if any.
+    /// The worker incarnation holding it (`leaseOwner`, see [`worker_of`]), if any.
     pub owner: Option<String>,
     /// Bumped by every renewal, take and release (`leaseCounter`): the fencing token.
     pub counter: u64,

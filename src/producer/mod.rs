@@ -82,9 +82,13 @@
 //!
 //! [`Producer::flush`] waits until every record handed over before it was answered.
 //! [`Producer::close`] stops accepting records (on every handle), writes what is
-//! buffered and returns once all of it was answered. Dropping every handle does the
-//! same in the background; but the task lives on the tokio runtime, so `close().await`
-//! before the runtime ends (e.g. before `main` returns).
+//! buffered and returns once all of it was answered.
+//!
+//! One rule for stopping, the same for consumers and producers: an explicit stop
+//! (`shutdown().await` on a consumer, `close().await` on a producer) finishes what was
+//! started and returns once it is done; dropping the handle (for a producer, its last
+//! clone) starts the same stop in the background, which nobody can wait for and which
+//! completes only while the tokio runtime is still running.
 //!
 //! # As a dead-letter sink
 //!

@@ -60,10 +60,39 @@ impl Recorder {
             }
         };
         if tokio::time::timeout(limit, wait).await.is_err() {
+            // Most tests write the values 0, 1, 2, ...: name the first ones still missing.
+            let seen: HashSet<usize> = self.snapshot().iter().map(|h| h.value).collect();
+            let missing: Vec<usize> = (0..n).filter(|v| !seen.contains(v)).take(10).collect();
             panic!(
-                "only {} of {n} records handled within {limit:?}",
+                "only {} of {n} records handled within {limit:?}; the first values of 0..{n} \
+                 not handled: {missing:?}",
                 self.count()
             );
+        }
+    }
+
+    /// Waits until every one of `values` was handled; panics after `limit`, naming the
+    /// values still missing.
+    pub async fn wait_for_values(&self, values: &[usize], limit: Duration) {
+        let missing = || -> Vec<usize> {
+            let seen: HashSet<usize> = self.snapshot().iter().map(|h| h.value).collect();
+            values
+                .iter()
+                .copied()
+                .filter(|v| !seen.contains(v))
+                .collect()
+        };
+        let wait = async {
+            loop {
+                let notified = self.changed.notified();
+                if missing().is_empty() {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if tokio::time::timeout(limit, wait).await.is_err() {
+            panic!("values {:?} not handled within {limit:?}", missing());
         }
     }
 
@@ -87,16 +116,46 @@ pub fn recording_handler(
 
 /// Writes records with values `range`, partition keys `pk-{value % 64}`.
 pub async fn produce(kinesis: &dyn KinesisApi, stream: &str, range: std::ops::Range<usize>) {
-    let values: Vec<usize> = range.collect();
-    for chunk in values.chunks(500) {
-        let mut pending: Vec<PutRecord> = chunk
-            .iter()
-            .map(|v| PutRecord {
-                data: Bytes::from(v.to_string()),
-                partition_key: format!("pk-{}", v % 64),
-                explicit_hash_key: None,
-            })
-            .collect();
+    let records: Vec<PutRecord> = range
+        .map(|v| PutRecord {
+            data: Bytes::from(v.to_string()),
+            partition_key: format!("pk-{}", v % 64),
+            explicit_hash_key: None,
+        })
+        .collect();
+    put_all(kinesis, stream, records).await;
+}
+
+/// Writes one sentinel record into each of `shards` (by explicit hash key), with values
+/// `first, first + 1, ...` in the order of `shards`, and returns those values.
+///
+/// A check that nothing was redelivered waits for the sentinels instead of sleeping:
+/// within a shard records arrive in sequence order, so a redelivered record would have
+/// come before its shard's sentinel.
+pub async fn produce_sentinels(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    shards: &[ShardInfo],
+    first: usize,
+) -> Vec<usize> {
+    let values: Vec<usize> = (first..first + shards.len()).collect();
+    let records = shards
+        .iter()
+        .zip(&values)
+        .map(|(shard, v)| PutRecord {
+            data: Bytes::from(v.to_string()),
+            partition_key: format!("sentinel-{v}"),
+            explicit_hash_key: Some(shard.starting_hash_key.to_string()),
+        })
+        .collect();
+    put_all(kinesis, stream, records).await;
+    values
+}
+
+/// Writes `records`, retrying what a partial failure refused, until every one is stored.
+async fn put_all(kinesis: &dyn KinesisApi, stream: &str, records: Vec<PutRecord>) {
+    for chunk in records.chunks(500) {
+        let mut pending: Vec<PutRecord> = chunk.to_vec();
         // Retry only what failed (partial failures), until everything is stored.
         for _ in 0..100 {
             if pending.is_empty() {
@@ -358,7 +417,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
             let rows = store.list().await.unwrap();
             if rows
                 .iter()
-                .filter(|r| r.owner.as_deref() == Some("w2"))
+                .filter(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w2"))
                 .count()
                 >= open_count
             {
@@ -370,14 +429,17 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     tokio::time::timeout(limit, taken)
         .await
         .expect("the restarted worker takes every open shard");
-    // Absence of redelivery needs a window: several read rounds (20 ms idle interval).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // One sentinel per open shard: once each arrived, a redelivered record (earlier in
+    // its shard) would have arrived too. Closed shards are at SHARD_END and not read.
+    let open = open_shards(kinesis.as_ref(), stream).await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), stream, &open, total).await;
+    again.wait_for_values(&sentinels, limit).await;
     run.stop().await;
+    let mut after_restart: Vec<usize> = again.snapshot().iter().map(|h| h.value).collect();
+    after_restart.sort_unstable();
     assert_eq!(
-        again.count(),
-        0,
-        "records redelivered after a restart: {:?}",
-        &again.snapshot()[..again.count().min(3)]
+        after_restart, sentinels,
+        "after a restart only the sentinels, each once (anything else was redelivered)"
     );
 }
 
@@ -511,7 +573,10 @@ pub async fn kpl_aggregates_resume_inside_an_aggregate<B: Backend + Clone>(
         .await
         .expect("every user record handled");
     stop.shutdown();
-    second.await.unwrap().unwrap();
+    within(STOP_LIMIT, "the second run stops", second)
+        .await
+        .unwrap()
+        .unwrap();
 
     let seen = seen.lock().unwrap().clone();
     let mut values: Vec<usize> = seen
@@ -548,11 +613,49 @@ pub struct Running {
     task: tokio::task::JoinHandle<Result<(), shardflow::ConsumerError>>,
 }
 
+/// How long a graceful shutdown (drain, checkpoint, release) may take in a test.
+pub const STOP_LIMIT: Duration = Duration::from_secs(60);
+
 impl Running {
-    /// Shuts down gracefully and waits until the run returned without error.
+    /// Shuts down gracefully and waits (at most [`STOP_LIMIT`]) until the run returned
+    /// without error.
     pub async fn stop(self) {
         self.shutdown.shutdown();
-        self.task.await.unwrap().unwrap();
+        within(STOP_LIMIT, "the consumer stops after shutdown()", self.task)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// How long one wait marked [`Limited::limited`] may take (virtual time under a paused
+/// clock) before the test fails.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(120);
+
+/// `.limited()` on anything awaitable: the wait fails the test after [`WAIT_LIMIT`],
+/// naming the line it was written on, instead of hanging it.
+pub trait Limited: std::future::IntoFuture + Sized {
+    #[track_caller]
+    fn limited(self) -> impl std::future::Future<Output = Self::Output> {
+        let at = std::panic::Location::caller();
+        let fut = self.into_future();
+        async move {
+            match tokio::time::timeout(WAIT_LIMIT, fut).await {
+                Ok(out) => out,
+                Err(_) => panic!("the wait at {at} was not done within {WAIT_LIMIT:?}"),
+            }
+        }
+    }
+}
+
+impl<F: std::future::IntoFuture> Limited for F {}
+
+/// Awaits `fut`, panicking with `what` if it is not done within `limit`: a test that
+/// waits fails with a message instead of hanging.
+pub async fn within<F: std::future::Future>(limit: Duration, what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: not done within {limit:?}"),
     }
 }
 

@@ -24,6 +24,18 @@ pub fn message(shard: &str, sequence: u64, payload: impl Into<Bytes>) -> Message
     )
 }
 
+/// How long one wait in a test may take (virtual time under a paused clock).
+pub const LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Awaits `fut`, panicking with `what` if it is not done within [`LIMIT`]: a test that
+/// waits fails with a message instead of hanging.
+pub async fn within<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(LIMIT, fut).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: not done within {LIMIT:?}"),
+    }
+}
+
 /// splitmix64: a tiny seeded generator, so every run draws the same faults.
 pub struct Rng(u64);
 
@@ -134,7 +146,10 @@ where
         redeliveries: 0,
     };
     for consumer in consumers {
-        let (handled, duplicates, redeliveries) = consumer.await.expect("consumer task");
+        let (handled, duplicates, redeliveries) =
+            within("a consumer handles every record", consumer)
+                .await
+                .expect("consumer task");
         report.handled += handled;
         report.duplicates += duplicates;
         report.redeliveries += redeliveries;

@@ -1,0 +1,181 @@
+//! A fleet of workers of one consumer group, as tasks in one process on the embedded
+//! backend, for balance and scale figures in simulated time (run it under tokio's paused
+//! clock: the store and stream latencies are then exact, and 2 cores cannot distort
+//! them). Shared by `tests/group_balance.rs` and `benches/scale.rs`.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutRecord};
+use shardflow::memory::LeaseFaults;
+use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub const STREAM: &str = "fleet";
+pub const GROUP: &str = "fleet-group";
+
+/// The shape of a fleet.
+#[derive(Clone, Debug)]
+pub struct Fleet {
+    pub shards: u32,
+    pub workers: usize,
+    /// Every lease-store call takes this long.
+    pub store_latency: Duration,
+    /// Every ListShards, GetShardIterator and GetRecords call takes this long.
+    pub read_latency: Duration,
+    pub seed: u64,
+}
+
+impl Fleet {
+    /// Realistic latencies: 8 ms per DynamoDB call, 25 ms per Kinesis call.
+    pub fn new(shards: u32, workers: usize) -> Self {
+        Fleet {
+            shards,
+            workers,
+            store_latency: Duration::from_millis(8),
+            read_latency: Duration::from_millis(25),
+            seed: 11,
+        }
+    }
+}
+
+/// A started fleet: the backend, the workers and which shards delivered a record.
+pub struct Running {
+    pub memory: Memory,
+    pub fleet: Fleet,
+    pub started: Instant,
+    /// Shards that delivered at least one record.
+    pub delivered: Arc<Mutex<HashSet<String>>>,
+    workers: Vec<(
+        String,
+        ShutdownHandle,
+        JoinHandle<Result<(), ConsumerError>>,
+    )>,
+}
+
+/// The owner of each lease as the table says: worker id -> leases held.
+pub fn leases_per_owner(memory: &Memory) -> BTreeMap<String, usize> {
+    let mut per_owner = BTreeMap::new();
+    for row in memory.table(GROUP).rows() {
+        if let Some(owner) = row.owner {
+            *per_owner.entry(owner).or_default() += 1;
+        }
+    }
+    per_owner
+}
+
+/// Creates the stream with one record in every shard and starts every worker at once
+/// with the default configuration.
+pub async fn start(fleet: Fleet) -> Running {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis
+        .create_stream(STREAM, fleet.shards)
+        .await
+        .expect("create the stream");
+    let shards = kinesis.list_shards(STREAM).await.expect("list shards");
+    let records: Vec<PutRecord> = shards
+        .iter()
+        .map(|s| PutRecord {
+            data: Bytes::from_static(b"x"),
+            partition_key: s.shard_id.clone(),
+            explicit_hash_key: Some(s.starting_hash_key.to_string()),
+        })
+        .collect();
+    for chunk in records.chunks(500) {
+        kinesis
+            .put_records(STREAM, chunk)
+            .await
+            .expect("put records");
+    }
+    kinesis.set_latency(fleet.read_latency);
+    memory.table(GROUP).set_faults(LeaseFaults {
+        latency: fleet.store_latency,
+        ..LeaseFaults::default()
+    });
+    let delivered: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for i in 0..fleet.workers {
+        let id = format!("w{i:03}");
+        let consumer = Consumer::builder()
+            .stream(STREAM)
+            .group(GROUP)
+            .worker_id(&id)
+            .backend(memory.clone())
+            .seed(fleet.seed.wrapping_add(i as u64))
+            .build()
+            .expect("a valid configuration");
+        let seen = delivered.clone();
+        let handler = tower::service_fn(move |msg: Message| {
+            seen.lock()
+                .unwrap()
+                .insert(msg.headers.shard_id.to_string());
+            async { Ok::<_, Infallible>(()) }
+        });
+        let shutdown = consumer.shutdown_handle();
+        let task = tokio::spawn(consumer.run(handler).into_future());
+        workers.push((id, shutdown, task));
+    }
+    Running {
+        memory,
+        fleet,
+        started,
+        delivered,
+        workers,
+    }
+}
+
+impl Running {
+    /// Whether every worker holds its fair share: between floor and ceil of
+    /// shards / workers (so within one of each other).
+    pub fn balanced(&self) -> bool {
+        let per_owner = leases_per_owner(&self.memory);
+        let n = self.fleet.shards as usize;
+        let live = self.workers.len();
+        let (low, high) = (n / live, n.div_ceil(live));
+        per_owner.len() == live
+            && per_owner.values().sum::<usize>() == n
+            && per_owner.values().all(|c| (low..=high).contains(c))
+    }
+
+    /// Whether every shard delivered its record.
+    pub fn all_delivered(&self) -> bool {
+        self.delivered.lock().unwrap().len() == self.fleet.shards as usize
+    }
+
+    /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
+    /// time since the fleet started, or `None` after `limit`.
+    pub async fn until(&self, limit: Duration, done: impl Fn(&Self) -> bool) -> Option<Duration> {
+        let deadline = self.started + limit;
+        loop {
+            if done(self) {
+                return Some(self.started.elapsed());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops every worker gracefully.
+    pub async fn stop(self) {
+        for (_, shutdown, _) in &self.workers {
+            shutdown.shutdown();
+        }
+        for (id, _, task) in self.workers {
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {id} failed: {e}"),
+                Err(e) => panic!("worker {id} panicked: {e}"),
+            }
+        }
+    }
+}

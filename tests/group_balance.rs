@@ -1,0 +1,47 @@
+//! A fleet started together balances at once: every worker of a consumer group started
+//! at the same moment holds its fair share of the leases within three take rounds (the
+//! default take interval is the lease duration, 10 s), and every shard delivers its
+//! first record right away. Simulated time (tokio's paused clock) with realistic
+//! latencies: 8 ms per lease-store call, 25 ms per Kinesis call.
+
+mod fleet;
+
+use std::time::Duration;
+
+use fleet::{leases_per_owner, Fleet};
+
+/// Three rounds at the default take interval (10 s), plus one renewal interval for the
+/// last hand-offs to be seen and carried out.
+const BALANCED_WITHIN: Duration = Duration::from_secs(34);
+
+async fn starts_balanced(shards: u32, workers: usize) {
+    let running = fleet::start(Fleet::new(shards, workers)).await;
+    let reading = running
+        .until(Duration::from_secs(60), |r| r.all_delivered())
+        .await;
+    let balanced = running.until(BALANCED_WITHIN, |r| r.balanced()).await;
+    let per_owner = leases_per_owner(&running.memory);
+    eprintln!(
+        "{shards} shards x {workers} workers: every shard delivered after {reading:?}, balanced after {balanced:?}; leases per worker {:?}",
+        per_owner.values().collect::<Vec<_>>()
+    );
+    assert!(
+        reading.is_some_and(|t| t <= Duration::from_secs(5)),
+        "every shard should deliver within 5 s of the start, got {reading:?}"
+    );
+    assert!(
+        balanced.is_some(),
+        "not balanced within {BALANCED_WITHIN:?}: leases per worker {per_owner:?}"
+    );
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_hundred_shards_and_four_workers_balance_within_three_rounds() {
+    starts_balanced(200, 4).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn five_hundred_shards_and_ten_workers_balance_within_three_rounds() {
+    starts_balanced(500, 10).await;
+}

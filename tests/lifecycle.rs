@@ -1,0 +1,409 @@
+//! Stopping and settling on the embedded backend under tokio's paused clock: nacks in
+//! stream mode, acknowledgements clamped to their batch, dropped runs, and batches that
+//! waited through a long pause of the process.
+
+mod common;
+
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::*;
+use futures_util::StreamExt;
+use shardflow::kinesis::KinesisApi;
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::{Backend, Batch, BatchStream, Memory, Message};
+use tokio::sync::watch;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+async fn stream_with(name: &str, records: usize) -> Memory {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream(name, 1).await.unwrap();
+    produce(kinesis.as_ref(), name, 0..records).await;
+    memory
+}
+
+fn first_value(batch: &Batch) -> usize {
+    std::str::from_utf8(&batch.messages[0].payload)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// The next batch whose first record is `value`; batches before it are handled (acked).
+async fn next_starting_at(batches: &mut BatchStream, value: usize, limit: Duration) -> Batch {
+    let find = async {
+        loop {
+            let batch = batches.next().await.expect("stream open").unwrap();
+            if first_value(&batch) == value {
+                return batch;
+            }
+            batch.ack();
+        }
+    };
+    tokio::time::timeout(limit, find)
+        .await
+        .unwrap_or_else(|_| panic!("record {value} not delivered again within {limit:?}"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_nacked_batch_comes_again_without_waiting_for_the_shutdown_timeout() {
+    let memory = stream_with("nack", 30).await;
+    let consumer = test_consumer(memory.clone(), "nack", "nack-group", "w1")
+        .max_records_per_read(10)
+        .prefetch_batches(2)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let first = next_starting_at(&mut batches, 0, LIMIT).await;
+    first.nack();
+    drop(first);
+    // Well under the 30 s shutdown timeout: the nacked batch does not hold the drain.
+    let again = next_starting_at(&mut batches, 0, Duration::from_secs(5)).await;
+    again.ack();
+    tokio::time::timeout(LIMIT, batches.shutdown())
+        .await
+        .expect("shutdown finishes")
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_late_nack_of_an_old_delivery_does_not_hide_the_current_failure() {
+    let memory = stream_with("stale", 30).await;
+    let consumer = test_consumer(memory.clone(), "stale", "stale-group", "w1")
+        .max_records_per_read(10)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let old = next_starting_at(&mut batches, 0, LIMIT).await;
+    old.nack();
+    let current = next_starting_at(&mut batches, 0, LIMIT).await;
+    // The current delivery fails, and a late nack of the old one arrives right after.
+    current.nack();
+    old.nack();
+    drop((old, current));
+    let again = next_starting_at(&mut batches, 0, LIMIT).await;
+    again.ack();
+    tokio::time::timeout(LIMIT, batches.shutdown())
+        .await
+        .expect("shutdown finishes")
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn ack_through_past_its_batch_never_covers_records_of_later_batches() {
+    let memory = stream_with("clamp", 30).await;
+    let consumer = test_consumer(memory.clone(), "clamp", "clamp-group", "w1")
+        .max_records_per_read(10)
+        .prefetch_batches(2)
+        .shutdown_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let mut first = next_starting_at(&mut batches, 0, LIMIT).await;
+    let second = next_starting_at(&mut batches, 10, LIMIT).await;
+    let end_of_first = first.messages.last().unwrap().position();
+    let end_of_second = second.messages.last().unwrap().position();
+    // A position beyond the first batch: only the first batch counts as handled.
+    first.take_ack().unwrap().ack_through(end_of_second);
+    drop(second);
+    tokio::time::timeout(LIMIT, batches.shutdown())
+        .await
+        .expect("shutdown finishes")
+        .unwrap();
+    let rows = memory.table("clamp-group").rows();
+    assert_eq!(rows[0].checkpoint, Checkpoint::At(end_of_first));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_running_consumer_stops_it_and_releases_its_leases() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("drop", 2).await.unwrap();
+    produce(kinesis.as_ref(), "drop", 0..40).await;
+    let consumer = test_consumer(memory.clone(), "drop", "drop-group", "w1")
+        .build()
+        .unwrap();
+    let recorder = Recorder::default();
+    let run = consumer
+        .run(recording_handler(recorder.clone()))
+        .into_future();
+    tokio::select! {
+        result = run => panic!("the consumer stopped by itself: {result:?}"),
+        _ = recorder.wait_for(40, LIMIT) => {}
+    }
+    // The run was dropped without a shutdown: it stops in the background, commits and
+    // releases every lease (so another worker takes them at once).
+    let table = memory.table("drop-group");
+    let released = async {
+        loop {
+            let rows = table.rows();
+            if rows.len() == 2 && rows.iter().all(|r| r.owner.is_none()) {
+                return rows;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let rows = tokio::time::timeout(LIMIT, released)
+        .await
+        .expect("leases released after the drop");
+    assert!(rows
+        .iter()
+        .all(|r| matches!(r.checkpoint, Checkpoint::At(_))));
+}
+
+/// A backend whose lease calls hang while `frozen` is true: a worker whose lease
+/// renewals stall (a stopped process, a long GC pause) while others go on.
+#[derive(Clone)]
+struct Freezable {
+    memory: Memory,
+    frozen: watch::Receiver<bool>,
+}
+
+impl Backend for Freezable {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.memory.kinesis()
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(FreezableStore {
+            inner: self.memory.lease_store(table),
+            frozen: self.frozen.clone(),
+        })
+    }
+}
+
+struct FreezableStore {
+    inner: Arc<dyn LeaseStore>,
+    frozen: watch::Receiver<bool>,
+}
+
+impl FreezableStore {
+    async fn thaw(&self) {
+        let _ = self.frozen.clone().wait_for(|frozen| !frozen).await;
+    }
+}
+
+#[async_trait]
+impl LeaseStore for FreezableStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.thaw().await;
+        self.inner.ensure_table().await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.thaw().await;
+        self.inner.list().await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.thaw().await;
+        self.inner.get(key).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.thaw().await;
+        self.inner.create(lease).await
+    }
+    async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
+        self.thaw().await;
+        self.inner.take(expected, owner).await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.thaw().await;
+        self.inner.renew(expected).await
+    }
+    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.thaw().await;
+        self.inner.checkpoint(expected, at).await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.thaw().await;
+        self.inner.release(expected).await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.thaw().await;
+        self.inner.request_handoff(expected, worker).await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.thaw().await;
+        self.inner.delete(expected).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_queued_before_a_long_pause_does_not_start_on_a_lease_taken_meanwhile() {
+    let memory = stream_with("pause", 20).await;
+    let (freeze, frozen) = watch::channel(false);
+    let a_backend = Freezable {
+        memory: memory.clone(),
+        frozen,
+    };
+    // Worker a: its handler stalls on record 9, the last of its first batch, while the
+    // second batch waits in its queue.
+    let (unstall, stalled) = watch::channel(false);
+    let a_seen = Recorder::default();
+    let a_handler = {
+        let a_seen = a_seen.clone();
+        tower::service_fn(move |msg: Message| {
+            a_seen.record(&msg);
+            let mut stalled = stalled.clone();
+            let stall = msg.payload.as_ref() == b"9";
+            async move {
+                if stall {
+                    let _ = stalled.wait_for(|go| *go).await;
+                }
+                Ok::<_, std::convert::Infallible>(())
+            }
+        })
+    };
+    let a = test_consumer(a_backend, "pause", "pause-group", "a")
+        .max_records_per_read(10)
+        .prefetch_batches(2)
+        .build()
+        .unwrap()
+        .run(a_handler)
+        .spawn();
+    a_seen.wait_for(10, LIMIT).await;
+    // The whole of a stalls: its lease calls hang too. Worker b takes the shard once the
+    // lease expired and handles every record.
+    freeze.send_replace(true);
+    let b_seen = Recorder::default();
+    let b = test_consumer(memory.clone(), "pause", "pause-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+    b_seen.wait_for(20, LIMIT).await;
+    // a wakes up: the batch it had queued must not start on a lease that is b's now.
+    freeze.send_replace(false);
+    unstall.send_replace(true);
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+    let late: Vec<usize> = a_seen
+        .snapshot()
+        .iter()
+        .map(|h| h.value)
+        .filter(|v| *v >= 10)
+        .collect();
+    assert_eq!(late, Vec::<usize>::new(), "a handled records of b's lease");
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_stream_mode_a_batch_queued_before_a_long_pause_is_not_handed_out_on_a_lost_lease() {
+    let memory = stream_with("pause-stream", 20).await;
+    let (freeze, frozen) = watch::channel(false);
+    let a_backend = Freezable {
+        memory: memory.clone(),
+        frozen,
+    };
+    let mut a = test_consumer(a_backend, "pause-stream", "pause-stream-group", "a")
+        .max_records_per_read(10)
+        .prefetch_batches(2)
+        .build()
+        .unwrap()
+        .stream();
+    // a holds its first batch through a long pause while the second waits in its queue.
+    let first = next_starting_at(&mut a, 0, LIMIT).await;
+    freeze.send_replace(true);
+    let b_seen = Recorder::default();
+    let b = test_consumer(memory.clone(), "pause-stream", "pause-stream-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+    b_seen.wait_for(20, LIMIT).await;
+    // a wakes up: the queued batch is b's now and must not be handed out.
+    freeze.send_replace(false);
+    first.ack();
+    if let Ok(next) = tokio::time::timeout(Duration::from_secs(5), a.next()).await {
+        let batch = next.expect("stream open").unwrap();
+        assert_ne!(first_value(&batch), 10, "a handed out a batch of b's lease");
+    }
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hand_off_waits_for_the_old_owner_to_drain_with_the_default_timeouts() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("handoff", 2).await.unwrap();
+    produce(kinesis.as_ref(), "handoff", 0..40).await;
+    // Worker a owns both shards; the first record it handles of each takes 20 s: within
+    // the 30 s shutdown timeout, but longer than the lease duration.
+    let a_seen = Recorder::default();
+    let a_handler = {
+        let a_seen = a_seen.clone();
+        let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        tower::service_fn(move |msg: Message| {
+            a_seen.record(&msg);
+            let slow = started
+                .lock()
+                .unwrap()
+                .insert(msg.headers.shard_id.to_string());
+            async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+                Ok::<_, std::convert::Infallible>(())
+            }
+        })
+    };
+    let a = test_consumer(memory.clone(), "handoff", "handoff-group", "a")
+        .build()
+        .unwrap()
+        .run(a_handler)
+        .spawn();
+    a_seen.wait_for(2, LIMIT).await;
+    // Worker b joins and asks for its fair share: a drains, commits and hands over.
+    let b_seen = Recorder::default();
+    let b = test_consumer(memory.clone(), "handoff", "handoff-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+    let handled = || {
+        let mut values: Vec<usize> = a_seen.snapshot().iter().map(|h| h.value).collect();
+        values.extend(b_seen.snapshot().iter().map(|h| h.value));
+        values.sort_unstable();
+        values
+    };
+    let all_handled = async {
+        loop {
+            let mut values = handled();
+            values.dedup();
+            if values.len() == 40 && b_seen.count() > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, all_handled)
+        .await
+        .expect("every record handled, and b got a shard");
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+    assert_eq!(
+        handled(),
+        (0..40).collect::<Vec<_>>(),
+        "a planned hand-off duplicates nothing"
+    );
+}
