@@ -6,13 +6,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use futures_util::future::{join_all, BoxFuture};
+use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -23,6 +23,7 @@ use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
 use super::config::{Config, InitialPosition};
+use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -78,6 +79,8 @@ pub(crate) struct Coordinator {
     /// Lease rounds run so far.
     rounds: u64,
     rng: SmallRng,
+    /// Since when every lease round found the lease table missing (see `run`).
+    table_missing_since: Option<Instant>,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
 }
@@ -90,6 +93,11 @@ impl Coordinator {
         sink: Sink,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        // Every remote call the worker and its shards make has a deadline.
+        let kinesis: Arc<dyn KinesisApi> =
+            Arc::new(BoundedKinesis::new(kinesis, config.read_call_timeout));
+        let store: Arc<dyn LeaseStore> =
+            Arc::new(BoundedLeaseStore::new(store, config.lease_call_timeout));
         Coordinator {
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
@@ -106,6 +114,7 @@ impl Coordinator {
             need_sync: true,
             updating: false,
             rounds: 0,
+            table_missing_since: None,
             events_tx,
             events_rx,
         }
@@ -161,7 +170,7 @@ impl Coordinator {
             ));
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
+            let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something) and while hand-offs we asked for are under
                 // way, look again after one renewal interval (when the owners have seen
@@ -171,7 +180,7 @@ impl Coordinator {
                 let settling = self.rounds < 2 || !self.steals.is_empty();
                 tokio::select! {
                     biased;
-                    _ = shutdown.cancelled() => break,
+                    _ = shutdown.cancelled() => break Ok(()),
                     Some(event) = self.events_rx.recv() => {
                         if self.on_event(event).await {
                             self.round().await;
@@ -180,11 +189,25 @@ impl Coordinator {
                     _ = take_tick.tick() => self.round().await,
                     _ = settle, if settling => self.round().await,
                 }
-            }
+                // A lease table deleted under a running group is not re-created (that
+                // would restart every shard at its initial position): once lease rounds
+                // found it missing for a whole lease duration, the worker stops (its
+                // shards drain; their checkpoint writes fail, nothing is written
+                // elsewhere) and `run` ends with the error. With the default timings that
+                // is within lease_duration + take_interval of the deletion, plus the drain.
+                if let Some(since) = self.table_missing_since {
+                    if since.elapsed() >= self.config.lease_duration {
+                        tracing::error!(table = %self.config.lease_table, "the lease table is missing; stopping the worker");
+                        break Err(ConsumerError::Lease(LeaseError::TableMissing {
+                            table: self.config.lease_table.clone(),
+                        }));
+                    }
+                }
+            };
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            Ok(())
+            outcome
         }
         .instrument(span)
         .await
@@ -253,8 +276,14 @@ impl Coordinator {
             }
         }
         let rows = match self.store.list().await {
-            Ok(rows) => rows,
+            Ok(rows) => {
+                self.table_missing_since = None;
+                rows
+            }
             Err(e) => {
+                if matches!(e, LeaseError::TableMissing { .. }) {
+                    self.table_missing_since.get_or_insert_with(Instant::now);
+                }
                 tracing::warn!(error = %e, "listing leases failed; will retry");
                 return;
             }
@@ -731,7 +760,10 @@ async fn release(lease: &HeldLease, key: &str) {
 }
 
 /// Renews every held lease on its own timer, independent of reading and handling, and
-/// passes hand-off requests it finds on the rows to the coordinator.
+/// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
+/// in its own task under the lease call deadline, so one slow or hung renewal never
+/// delays the others; a lease whose previous renewal is still in flight is skipped for
+/// that tick rather than renewed twice at once.
 async fn renew_loop(
     config: Arc<Config>,
     held: HeldSet,
@@ -743,28 +775,47 @@ async fn renew_loop(
         config.renew_interval,
     );
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // Dropped (aborting what still runs) when the loop ends.
+    let mut renewals: JoinSet<String> = JoinSet::new();
+    let mut in_flight: BTreeSet<String> = BTreeSet::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            Some(done) = renewals.join_next() => {
+                if let Ok(key) = done {
+                    in_flight.remove(&key);
+                }
+                continue;
+            }
             _ = tick.tick() => {}
         }
         let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let results = join_all(leases.iter().map(|(_, l)| l.renew())).await;
-        for ((key, _), result) in leases.into_iter().zip(results) {
-            match result {
-                Ok(row) => {
-                    if let Some(to) = row.pending_owner.filter(|w| *w != config.owner) {
-                        let _ = events.send(Event::HandoffRequested(key, to));
+        for (key, lease) in leases {
+            if !in_flight.insert(key.clone()) {
+                tracing::debug!(lease = %key, "the previous renewal is still in flight");
+                continue;
+            }
+            let events = events.clone();
+            let me = config.owner.clone();
+            renewals.spawn(async move {
+                match lease.renew().await {
+                    Ok(row) => {
+                        if let Some(to) = row.pending_owner.filter(|w| *w != me) {
+                            let _ = events.send(Event::HandoffRequested(key.clone(), to));
+                        }
+                    }
+                    Err(LeaseError::Conflict(_)) => {
+                        tracing::info!(lease = %key, "lease lost at renewal")
+                    }
+                    Err(e) => {
+                        tracing::warn!(lease = %key, error = %e, "renewal failed; will retry")
                     }
                 }
-                Err(LeaseError::Conflict(_)) => {
-                    tracing::info!(lease = %key, "lease lost at renewal")
-                }
-                Err(e) => tracing::warn!(lease = %key, error = %e, "renewal failed; will retry"),
-            }
+                key
+            });
         }
     }
 }

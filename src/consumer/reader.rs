@@ -222,12 +222,20 @@ impl ShardReader {
                     continue;
                 }
             };
+            // Kinesis sends an event at least every 5 s (a heartbeat when idle): a
+            // subscription silent for much longer is hung, and is renewed.
+            let silence = self.config.read_call_timeout.saturating_mul(3);
             not_found = 0;
             let failure = loop {
-                let event = match events.next().await {
-                    None => break None,
-                    Some(Err(e)) => break Some(e),
-                    Some(Ok(event)) => event,
+                let event = match tokio::time::timeout(silence, events.next()).await {
+                    Err(_) => {
+                        break Some(KinesisError::Other(format!(
+                            "no subscription event within {silence:?}"
+                        )))
+                    }
+                    Ok(None) => break None,
+                    Ok(Some(Err(e))) => break Some(e),
+                    Ok(Some(Ok(event))) => event,
                 };
                 backoff.reset();
                 let idle = event.records.is_empty() && event.millis_behind_latest == Some(0);
