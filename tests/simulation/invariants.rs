@@ -88,6 +88,9 @@ pub fn missing(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, Sequen
 }
 
 pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
+    // The checkpoint invariants first: when records are lost, they usually say how.
+    check_commits(memory, log, start)?;
+    check_order(log)?;
     let lost = missing(memory, log, start);
     if !lost.is_empty() {
         return Err(format!(
@@ -96,8 +99,7 @@ pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
             &lost[..lost.len().min(5)]
         ));
     }
-    check_order(log)?;
-    check_commits(memory, log, start)
+    Ok(())
 }
 
 fn check_order(log: &Log) -> Result<(), String> {

@@ -423,15 +423,16 @@ impl Sim {
         match position {
             1 => self.start = Start::Latest,
             2 => {
-                // A closed shard exists when the group first syncs its shards.
+                // The timestamp falls before a reshard, so a shard closed before the
+                // group first syncs still holds records at or after it.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                self.start = Start::AtTimestamp(SystemTime::now());
+                let n = self.rng.gen_range(20..100);
+                self.produce(n).await;
                 if self.features.has(Feature::Reshard) {
                     self.reshard().await;
                     self.record_generations().await;
                 }
-                let n = self.rng.gen_range(20..100);
-                self.produce(n).await;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                self.start = Start::AtTimestamp(SystemTime::now());
                 let n = self.rng.gen_range(20..100);
                 self.produce(n).await;
             }
@@ -442,7 +443,8 @@ impl Sim {
             self.start, self.checkpoint
         ));
 
-        let first = self.rng.gen_range(1..=2);
+        let latest = matches!(self.start, Start::Latest);
+        let first = if latest { 2 } else { self.rng.gen_range(1..=2) };
         for w in 0..first {
             let stream_mode = self.features.has(Feature::StreamMode) && self.rng.gen_bool(0.3);
             self.join(format!("w{w}"), stream_mode);
@@ -458,9 +460,17 @@ impl Sim {
         for _ in 0..others {
             events.push(self.rng.gen_range(1..=6));
         }
+        if self.features.has(Feature::Kill) || self.features.has(Feature::Freeze) {
+            events.push(7);
+        }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
             events.swap(i, j);
+        }
+        // Under LATEST, often lose an owner before its first checkpoint.
+        if latest && events.contains(&7) && self.rng.gen_bool(0.5) {
+            events.retain(|e| *e != 7);
+            events.insert(0, 7);
         }
         for event in events {
             let pause = Duration::from_millis(self.rng.gen_range(100..3_000));
@@ -494,6 +504,7 @@ impl Sim {
                 break;
             }
             if waited >= HANDLED_WITHIN {
+                invariants::check(&self.memory, &self.log, &self.start)?;
                 return Err(format!(
                     "lost: {} required records not handled within {HANDLED_WITHIN:?}, e.g. {:?}",
                     missing.len(),
@@ -578,42 +589,58 @@ impl Sim {
                     self.stats.leaves += 1;
                 }
             }
-            4 => {
-                let alive = self.alive();
-                if self.features.has(Feature::Kill) && alive.len() >= 2 {
-                    let i = alive[self.rng.gen_range(0..alive.len())];
-                    let w = &self.workers[i];
-                    w.control.kill();
-                    w.task.abort();
-                    self.log.note(format!("kill {}", w.incarnation));
-                    self.stats.kills += 1;
-                }
-            }
-            5 => {
-                let alive = self.alive();
-                if self.features.has(Feature::Freeze) && alive.len() >= 2 {
-                    let i = alive[self.rng.gen_range(0..alive.len())];
-                    let millis = self
-                        .rng
-                        .gen_range(LEASE.as_millis() as u64 * 3 / 2..LEASE.as_millis() as u64 * 3);
-                    let w = &self.workers[i];
-                    w.control.freeze(true);
-                    let control = w.control.clone();
-                    let log = self.log.clone();
-                    let incarnation = w.incarnation.clone();
-                    log.note(format!("freeze {incarnation} for {millis} ms"));
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(millis)).await;
-                        control.freeze(false);
-                        log.note(format!("wake {incarnation}"));
-                    });
-                    self.stats.freezes += 1;
+            4 => self.kill_one(),
+            5 => self.freeze_one(),
+            7 => {
+                // Records arrive, and at once (before they are read) a worker dies or
+                // freezes past its lease.
+                let n = self.rng.gen_range(20..100);
+                self.produce(n).await;
+                let kill = self.features.has(Feature::Kill)
+                    && (!self.features.has(Feature::Freeze) || self.rng.gen_bool(0.5));
+                if kill {
+                    self.kill_one();
+                } else {
+                    self.freeze_one();
                 }
             }
             _ => {
                 // A quiet period longer than a lease.
                 tokio::time::sleep(LEASE).await;
             }
+        }
+    }
+
+    fn kill_one(&mut self) {
+        let alive = self.alive();
+        if self.features.has(Feature::Kill) && alive.len() >= 2 {
+            let i = alive[self.rng.gen_range(0..alive.len())];
+            let w = &self.workers[i];
+            w.control.kill();
+            w.task.abort();
+            self.log.note(format!("kill {}", w.incarnation));
+            self.stats.kills += 1;
+        }
+    }
+
+    fn freeze_one(&mut self) {
+        let alive = self.alive();
+        if self.features.has(Feature::Freeze) && alive.len() >= 2 {
+            let i = alive[self.rng.gen_range(0..alive.len())];
+            let lease = LEASE.as_millis() as u64;
+            let millis = self.rng.gen_range(lease * 3 / 2..lease * 3);
+            let w = &self.workers[i];
+            w.control.freeze(true);
+            let control = w.control.clone();
+            let log = self.log.clone();
+            let incarnation = w.incarnation.clone();
+            log.note(format!("freeze {incarnation} for {millis} ms"));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(millis)).await;
+                control.freeze(false);
+                log.note(format!("wake {incarnation}"));
+            });
+            self.stats.freezes += 1;
         }
     }
 
