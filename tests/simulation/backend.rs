@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
+use futures_util::FutureExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use shardflow::kinesis::{
@@ -140,6 +141,19 @@ impl SimBackend {
         }
     }
 
+    /// Whether the shard a memory iterator (`stream|shard|index|issued`) reads is closed.
+    fn is_closed(&self, iterator: &str) -> bool {
+        let Some(shard) = iterator.rsplitn(4, '|').nth(2) else {
+            return false;
+        };
+        self.memory
+            .streams()
+            .list_shards(super::STREAM)
+            .now_or_never()
+            .and_then(Result::ok)
+            .is_some_and(|all| all.iter().any(|s| s.shard_id == shard && s.is_closed()))
+    }
+
     fn row(&self, key: &str) -> Option<Lease> {
         self.memory
             .table(&self.table)
@@ -204,12 +218,14 @@ impl KinesisApi for SimBackend {
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         self.enter_kinesis().await?;
         let mut page = self.memory.streams().get_records(iterator, limit).await?;
-        // The memory backend drops next iterators on open shards only; this drops them
-        // anywhere, including a closed shard's pages before its end.
-        if page.next_iterator.is_some()
-            && page.child_shards.is_empty()
-            && self.chance(Feature::MissingNextIteratorAnywhere, 0.03)
-        {
+        // Pages without a next iterator (an emulator bug): on open shards always (the
+        // reader must read on), on closed shards before their end only with the feature.
+        let drop_next = if self.is_closed(iterator) {
+            self.chance(Feature::MissingNextIteratorAnywhere, 0.1)
+        } else {
+            self.rng.lock().unwrap().gen_bool(0.02)
+        };
+        if page.next_iterator.is_some() && page.child_shards.is_empty() && drop_next {
             self.log.missing_iterators.fetch_add(1, Ordering::SeqCst);
             page.next_iterator = None;
         }

@@ -92,7 +92,21 @@ impl Feature {
 }
 
 /// The features on by default: those today's library passes. Each one left out waits
-/// for the fix of a known bug (see the report of issue 8 and `tests/group_simulation.rs`).
+/// for the fix of a known bug it reproduces (issue 8); switch it on with
+/// `SHARDFLOW_SIM_FEATURES=+name` (or `all`) once the fix is merged:
+/// - `deep-reshard`, `merge-back`: a finished shard's lease is deleted, then its
+///   child's too, and the next sync re-creates the grandparent at TRIM_HORIZON (the
+///   shard is read again, its checkpoint moves back from SHARD_END, a second owner
+///   commits at counter 1);
+/// - `latest`: the LATEST start is not durable across a change of owner before the
+///   first checkpoint (records written in between are never handled);
+/// - `at-timestamp`: the first sync skips shards already closed;
+/// - `same-id-while-alive`: two processes with one worker id both commit;
+/// - `stale-list-shards`: an answer without a child re-creates its finished parents;
+/// - `missing-next-iterator-anywhere`: a closed shard's page without next iterator
+///   ends the shard early;
+/// - `hung-calls`: no deadlines (a hung call stalls until the wrapper's cap);
+/// - `stream-nack`, `stream-drop`: stream-mode nack and shutdown bugs.
 pub const DEFAULT_FEATURES: &[Feature] = &[
     Feature::Reshard,
     Feature::Kill,

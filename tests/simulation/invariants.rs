@@ -203,8 +203,33 @@ fn check_commits(memory: &Memory, log: &Log, start: &Start) -> Result<(), String
                         .is_none_or(|at| *at >= c.at)
                 })
                 .map(|(s, _)| s.to_string());
+            let earlier: Vec<String> = commits
+                .iter()
+                .filter(|e| e.key == c.key && e.at < c.at)
+                .map(|e| format!("{} {} (counter {})", e.incarnation, e.checkpoint, e.counter))
+                .collect();
+            let readers: Vec<String> = log
+                .delivered
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|e| e.shard == c.key)
+                .fold(Vec::<(String, String, String)>::new(), |mut runs, e| {
+                    match runs.last_mut() {
+                        Some(r) if r.0 == e.incarnation => r.2 = e.sequence.to_string(),
+                        _ => runs.push((
+                            e.incarnation.clone(),
+                            e.sequence.to_string(),
+                            e.sequence.to_string(),
+                        )),
+                    }
+                    runs
+                })
+                .into_iter()
+                .map(|(i, a, b)| format!("{i} {}..{}", &a[a.len() - 4..], &b[b.len() - 4..]))
+                .collect();
             return Err(format!(
-                "invariant checkpoint-after-handling: {} checkpointed {} at {} before record {unhandled:?} was handled{}",
+                "invariant checkpoint-after-handling: {} checkpointed {} at {} before record {unhandled:?} was handled{}; earlier commits of the lease: {earlier:?}; deliveries (incarnation first..last, last 4 digits): {readers:?}",
                 c.incarnation,
                 c.key,
                 c.checkpoint,
