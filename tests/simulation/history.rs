@@ -35,6 +35,11 @@ pub enum Feature {
     StreamNack,
     /// Stream-mode consumers that drop a batch (then leave).
     StreamDrop,
+    /// Stream-mode consumers that `ack_through` part of a batch (then ack it whole),
+    /// or a position past the batch (a user mistake the library must clamp).
+    StreamAckThrough,
+    /// A `run`-mode worker whose `Run` future is dropped (not shut down): it must stop.
+    DropRun,
     /// PutRecords lands, then the caller sees an error.
     AmbiguousPut,
     /// Lease writes land, then the caller sees an error (memory backend fault).
@@ -48,7 +53,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 17] = [
+    pub const ALL: [Feature; 19] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -61,6 +66,8 @@ impl Feature {
         Feature::StreamMode,
         Feature::StreamNack,
         Feature::StreamDrop,
+        Feature::StreamAckThrough,
+        Feature::DropRun,
         Feature::AmbiguousPut,
         Feature::AmbiguousLease,
         Feature::MissingNextIteratorAnywhere,
@@ -82,6 +89,8 @@ impl Feature {
             Feature::StreamMode => "stream-mode",
             Feature::StreamNack => "stream-nack",
             Feature::StreamDrop => "stream-drop",
+            Feature::StreamAckThrough => "stream-ack-through",
+            Feature::DropRun => "drop-run",
             Feature::AmbiguousPut => "ambiguous-put",
             Feature::AmbiguousLease => "ambiguous-lease",
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",

@@ -91,6 +91,20 @@ pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
     // The checkpoint invariants first: when records are lost, they usually say how.
     check_commits(memory, log, start)?;
     check_order(log)?;
+    for (incarnation, by) in log.dropped_runs.lock().unwrap().iter() {
+        if let Some(late) = log
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|e| e.incarnation == *incarnation && e.at > *by)
+        {
+            return Err(format!(
+                "invariant dropped-run-stops: {incarnation} still received record {} of {} well after its Run was dropped",
+                late.sequence, late.shard
+            ));
+        }
+    }
     let lost = missing(memory, log, start);
     if !lost.is_empty() {
         return Err(format!(

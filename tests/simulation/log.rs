@@ -57,6 +57,9 @@ pub struct Log {
     pub nacks: AtomicU64,
     pub dropped_batches: AtomicU64,
     pub history: Mutex<Vec<String>>,
+    /// Incarnations whose `Run` was dropped, with the tick by which they must have
+    /// stopped delivering.
+    pub dropped_runs: Mutex<Vec<(String, u64)>>,
     /// Lease rows deleted (finished shards cleaned up).
     pub deleted: Mutex<std::collections::HashSet<String>>,
 }

@@ -21,9 +21,13 @@ use std::time::{Duration, SystemTime};
 use futures_util::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use shardflow::checkpoint::AckHandle;
 use shardflow::kinesis::{KinesisApi, ShardInfo};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
-use shardflow::{CheckpointPolicy, Consumer, InitialPosition, Memory, Message, ShutdownHandle};
+use shardflow::{
+    CheckpointPolicy, Consumer, InitialPosition, Memory, Message, Position, SequenceNumber,
+    ShutdownHandle,
+};
 use tokio::task::JoinHandle;
 
 use backend::{Control, SimBackend};
@@ -102,14 +106,17 @@ struct Worker {
     task: JoinHandle<Result<(), String>>,
     left: bool,
     stream_mode: bool,
+    /// Its `Run` future was dropped (the task aborted) without a shutdown.
+    dropped: bool,
 }
 
 impl Worker {
     fn alive(&self) -> bool {
         !self.left && !self.control.is_dead() && !self.task.is_finished()
     }
+    /// Its process surely ended (a dropped `Run` may still be running inside).
     fn gone(&self) -> bool {
-        self.control.is_dead() || self.task.is_finished()
+        self.control.is_dead() || (self.task.is_finished() && !self.dropped)
     }
 }
 
@@ -390,6 +397,7 @@ impl Sim {
             task,
             left: false,
             stream_mode,
+            dropped: false,
         });
     }
 
@@ -464,6 +472,9 @@ impl Sim {
         if self.features.has(Feature::Kill) || self.features.has(Feature::Freeze) {
             events.push(7);
         }
+        if self.features.has(Feature::DropRun) && self.rng.gen_bool(0.5) {
+            events.push(8);
+        }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
             events.swap(i, j);
@@ -521,7 +532,7 @@ impl Sim {
             }
         }
         for w in std::mem::take(&mut self.workers) {
-            if w.control.is_dead() {
+            if w.control.is_dead() || w.dropped {
                 w.task.abort();
                 continue;
             }
@@ -603,6 +614,29 @@ impl Sim {
                     self.kill_one();
                 } else {
                     self.freeze_one();
+                }
+            }
+            8 => {
+                // The Run future is dropped, without a shutdown: the worker must stop.
+                let runners: Vec<usize> = self
+                    .alive()
+                    .into_iter()
+                    .filter(|i| !self.workers[*i].stream_mode)
+                    .collect();
+                if self.alive().len() >= 2 && !runners.is_empty() {
+                    let i = runners[self.rng.gen_range(0..runners.len())];
+                    let w = &mut self.workers[i];
+                    w.task.abort();
+                    w.left = true;
+                    w.dropped = true;
+                    let log = self.log.clone();
+                    let incarnation = w.incarnation.clone();
+                    log.note(format!("drop the Run of {incarnation}"));
+                    tokio::spawn(async move {
+                        tokio::time::sleep(LEASE * 5).await;
+                        let by = log.tick();
+                        log.dropped_runs.lock().unwrap().push((incarnation, by));
+                    });
                 }
             }
             _ => {
@@ -708,7 +742,7 @@ async fn stream_worker(
 ) -> Result<(), String> {
     let shutdown = consumer.shutdown_handle();
     let mut stream = consumer.stream();
-    let mut held: Vec<shardflow::Batch> = Vec::new();
+    let mut held: Vec<(shardflow::Batch, Option<AckHandle>)> = Vec::new();
     let hold = rng.gen_range(1..=4);
     let mut ended = false;
     let mut result = Ok(());
@@ -716,12 +750,13 @@ async fn stream_worker(
         let mut tick = false;
         if !ended {
             match tokio::time::timeout(Duration::from_millis(100), stream.next()).await {
-                Ok(Some(Ok(batch))) => {
+                Ok(Some(Ok(mut batch))) => {
                     control.gate().await;
                     for m in &batch.messages {
                         log.deliver(&incarnation, m);
                     }
-                    held.push(batch);
+                    let ack = batch.take_ack();
+                    held.push((batch, ack));
                 }
                 Ok(Some(Err(e))) => {
                     result = Err(e.to_string());
@@ -735,20 +770,47 @@ async fn stream_worker(
         control.gate().await;
         while !held.is_empty() && (held.len() > hold || tick) {
             tick = false;
-            let batch = held.swap_remove(rng.gen_range(0..held.len()));
+            let (batch, ack) = held.swap_remove(rng.gen_range(0..held.len()));
+            let Some(ack) = ack else { continue };
             if features.has(Feature::StreamNack) && rng.gen_bool(0.05) {
                 log.nacks.fetch_add(1, Ordering::SeqCst);
-                batch.nack();
+                ack.nack();
             } else if features.has(Feature::StreamDrop) && rng.gen_bool(0.03) {
                 log.dropped_batches.fetch_add(1, Ordering::SeqCst);
                 log.note(format!("{incarnation} drops a batch and leaves"));
-                drop(batch);
+                drop((batch, ack));
                 shutdown.shutdown();
+            } else if features.has(Feature::StreamAckThrough) && rng.gen_bool(0.1) {
+                let last = batch.messages.len() - 1;
+                if rng.gen_bool(0.5) {
+                    // Part of the batch now, the whole of it later.
+                    let k = rng.gen_range(0..=last);
+                    for m in &batch.messages[..=k] {
+                        log.handle(&incarnation, m);
+                    }
+                    ack.ack_through(batch.messages[k].position());
+                    held.push((batch, Some(ack)));
+                } else {
+                    // Past the batch (a user mistake): only its own records are handled.
+                    for m in &batch.messages {
+                        log.handle(&incarnation, m);
+                    }
+                    log.note(format!(
+                        "{incarnation} acks {} through a position past its batch",
+                        batch.shard_id
+                    ));
+                    let digits = batch.messages[last].headers.sequence_number.as_str().len();
+                    if let Ok(beyond) = SequenceNumber::new("9".repeat(digits)) {
+                        ack.ack_through(Position::new(beyond, 0));
+                    }
+                    // Acknowledged whole later, like the partial case.
+                    held.push((batch, Some(ack)));
+                }
             } else {
                 for m in &batch.messages {
                     log.handle(&incarnation, m);
                 }
-                batch.ack();
+                ack.ack();
             }
         }
     }
