@@ -143,7 +143,7 @@ impl SimBackend {
 
     /// Whether the shard a memory iterator (`stream|shard|index|issued`) reads is closed.
     fn is_closed(&self, iterator: &str) -> bool {
-        let Some(shard) = iterator.rsplitn(4, '|').nth(2) else {
+        let Some(shard) = iterator.rsplit('|').nth(2) else {
             return false;
         };
         self.memory
