@@ -121,7 +121,6 @@ impl Worker {
 }
 
 struct Sim {
-    seed: u64,
     features: Features,
     memory: Memory,
     log: Arc<Log>,
@@ -198,7 +197,6 @@ impl Sim {
             _ => CheckpointPolicy::Interval(Duration::from_secs(3)),
         };
         Sim {
-            seed,
             features,
             memory,
             log,
@@ -704,7 +702,6 @@ impl Sim {
         s.ambiguous_puts = log.ambiguous_puts.load(Ordering::SeqCst);
         s.nacks = log.nacks.load(Ordering::SeqCst);
         s.dropped_batches = log.dropped_batches.load(Ordering::SeqCst);
-        let _ = self.seed;
         s
     }
 }
