@@ -287,7 +287,8 @@ impl SimStore {
         let log = &self.backend.log;
         log.commits.lock().unwrap().push(Commit {
             at: log.tick(),
-            worker: self.backend.worker.clone(),
+            // The owner name the write was fenced on (worker id and the process's nonce).
+            worker: row.owner.clone().unwrap_or_default(),
             incarnation: self.backend.incarnation.clone(),
             key: row.key.clone(),
             counter: row.counter,

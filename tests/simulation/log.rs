@@ -34,6 +34,7 @@ pub struct Take {
 #[derive(Clone, Debug)]
 pub struct Commit {
     pub at: u64,
+    /// The lease owner the write was fenced on.
     pub worker: String,
     pub incarnation: String,
     pub key: String,
