@@ -1,0 +1,135 @@
+//! Findings of the hostile review of the consumer's correctness (issue 8): each test is a
+//! history that loses, duplicates or reorders records, moves a checkpoint back or hangs
+//! on the current code. A test stays `#[ignore = "finding: ..."]` until its fix lands.
+//! Embedded backend, tokio's paused clock, fixed seeds, every wait bounded.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::Memory;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Splits the only shard of `stream` in the middle of its hash range, with records
+/// `0..before` in the parent and `before..total` in the children; returns every shard.
+async fn split_with_records(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    before: usize,
+    total: usize,
+) -> (ShardInfo, Vec<ShardInfo>) {
+    kinesis.create_stream(stream, 1).await.unwrap();
+    let parent = open_shards(kinesis, stream).await.remove(0);
+    produce(kinesis, stream, 0..before).await;
+    kinesis
+        .split_shard(stream, &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    produce(kinesis, stream, before..total).await;
+    let shards = kinesis.list_shards(stream).await.unwrap();
+    (parent, shards)
+}
+
+fn assert_no_value_twice(handled: &[Handled]) {
+    let mut seen = HashSet::new();
+    let twice: Vec<usize> = handled
+        .iter()
+        .filter(|h| !seen.insert(h.value))
+        .map(|h| h.value)
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "{} records handled twice, e.g. {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+}
+
+/// Finding 1 (loss + order), `coordinator.rs` sync_shards / balance: the first sync of a
+/// new group gets a ListShards answer that leaves out a closed parent (a stale,
+/// eventually consistent answer, as the reader's `gone_or` already allows for). Its
+/// children get rows whose parent has none, so `balance` treats the parent as finished
+/// and reads the children at once; the next sync then sees the parent's descendants
+/// with rows and skips it as "consumed": the parent's records are never handled.
+#[tokio::test(start_paused = true)]
+#[ignore = "finding: a stale first ListShards without a closed parent loses the parent's records"]
+async fn a_parent_left_out_of_the_first_list_shards_is_still_read_first() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    let (parent, shards) = split_with_records(kinesis.as_ref(), "f1", 50, 100).await;
+    // The start-up sync's answer is stale: the parent is missing from it.
+    kinesis.omit_from_list_shards(&parent.shard_id, 1);
+    let recorder = Recorder::default();
+    let run = start(
+        test_consumer(memory.clone(), "f1", "f1-group", "w1")
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    recorder.wait_for(100, LIMIT).await;
+    run.stop().await;
+    assert_exactly_once_in_order(&recorder.snapshot(), 100, &shards);
+}
+
+/// Finding 2 (duplicates), `coordinator.rs` sync_shards after clean_up: once a parent
+/// was read to its end and its row cleaned up, a ListShards answer that still lists the
+/// parent but not yet (or no longer) its children makes `sync_shards` create the
+/// parent's row again, at the initial position: the parent is read a second time from
+/// TRIM_HORIZON, and while it runs its children are no longer eligible.
+#[tokio::test(start_paused = true)]
+#[ignore = "finding: a stale ListShards without the children re-creates a cleaned-up parent and re-reads it"]
+async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    let (parent, shards) = split_with_records(kinesis.as_ref(), "f2", 50, 100).await;
+    let table = memory.table("f2-group");
+    let recorder = Recorder::default();
+    let run = start(
+        test_consumer(memory.clone(), "f2", "f2-group", "w1")
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    recorder.wait_for(100, LIMIT).await;
+    // The finished parent's row is cleaned up once both children started.
+    within(LIMIT, "the parent's row is cleaned up", async {
+        while table.rows().iter().any(|r| r.key == parent.shard_id) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    // One stale answer (the next sync's) without the children.
+    let children: Vec<&ShardInfo> = shards.iter().filter(|s| !s.is_closed()).collect();
+    for child in &children {
+        kinesis.omit_from_list_shards(&child.shard_id, 1);
+    }
+    // The stale answer is used by one of the next syncs; ten sync intervals of virtual
+    // time (absence can only be checked over a window).
+    let back = tokio::time::timeout(Duration::from_secs(5), async {
+        while !table.rows().iter().any(|r| r.key == parent.shard_id) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    // A restart (or any failover of the children): the group goes on from its table.
+    run.stop().await;
+    let run = start(
+        test_consumer(memory.clone(), "f2", "f2-group", "w2")
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    let open = open_shards(kinesis.as_ref(), "f2").await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), "f2", &open, 100).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    run.stop().await;
+    assert_no_value_twice(&recorder.snapshot());
+    assert!(
+        back.is_err(),
+        "the cleaned-up parent's row was created again"
+    );
+}
