@@ -134,7 +134,7 @@ async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
     );
 }
 
-/// Finding 3 (loss), `reader.rs` poll/subscribe: after a read cut short (records but no
+/// Finding 3 (loss, fixed), `reader.rs` poll/subscribe: after a read cut short (records but no
 /// next iterator / continuation) the reader reads again AT the last delivered record;
 /// with one record per read (`max_records_per_read(1)`, or one record per fan-out
 /// event) that read holds only the record already delivered, so it "brings nothing
@@ -158,13 +158,11 @@ async fn one_record_reads_cut_short_do_not_end_a_closed_shard(fan_out: bool) {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: a one-record read cut short on a closed shard ends it with records left"]
 async fn one_record_pages_cut_short_do_not_end_a_closed_shard() {
     one_record_reads_cut_short_do_not_end_a_closed_shard(false).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: a one-record fan-out event cut short on a closed shard ends it with records left"]
 async fn one_record_events_cut_short_do_not_end_a_closed_shard() {
     one_record_reads_cut_short_do_not_end_a_closed_shard(true).await;
 }
