@@ -48,8 +48,8 @@ struct Slot {
     handoff_to: Option<String>,
 }
 
-/// How many lease takes one worker has in flight at once.
-const MAX_CONCURRENT_TAKES: usize = 32;
+/// How many lease writes (takes, creates) one worker has in flight at once.
+const MAX_CONCURRENT_WRITES: usize = 32;
 
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
@@ -75,6 +75,8 @@ pub(crate) struct Coordinator {
     need_sync: bool,
     /// The stream was UPDATING at the last check: no discovery, no steals.
     updating: bool,
+    /// Lease rounds run so far.
+    rounds: u64,
     rng: SmallRng,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
@@ -103,6 +105,7 @@ impl Coordinator {
             last_sync: None,
             need_sync: true,
             updating: false,
+            rounds: 0,
             events_tx,
             events_rx,
         }
@@ -159,6 +162,13 @@ impl Coordinator {
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             loop {
+                // Right after the start (workers started together only see each other
+                // once each took something) and while hand-offs we asked for are under
+                // way, look again after one renewal interval (when the owners have seen
+                // the requests) rather than a whole take interval: a fleet started
+                // together balances in a few seconds.
+                let settle = tokio::time::sleep(self.config.renew_interval);
+                let settling = self.rounds < 2 || !self.steals.is_empty();
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break,
@@ -168,6 +178,7 @@ impl Coordinator {
                         }
                     }
                     _ = take_tick.tick() => self.round().await,
+                    _ = settle, if settling => self.round().await,
                 }
             }
             self.shutdown().await;
@@ -227,6 +238,7 @@ impl Coordinator {
 
     /// One lease round: discover shards if due, then take, steal and clean up.
     async fn round(&mut self) {
+        self.rounds += 1;
         let sync_due = self
             .last_sync
             .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
@@ -501,6 +513,7 @@ impl Coordinator {
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
+        let mut to_create = Vec::new();
         for shard in &shards {
             if keys.contains(shard.shard_id.as_str()) {
                 continue;
@@ -524,15 +537,50 @@ impl Coordinator {
             } else {
                 initial.clone()
             };
-            let lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
-            if self.store.create(&lease).await? {
-                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
-            }
+            to_create.push(Lease::new(shard.shard_id.clone(), parents, checkpoint));
             created.insert(shard.shard_id.as_str());
         }
+        self.create_leases(to_create).await?;
         self.shards = shards;
         self.last_sync = Some(Instant::now());
         self.need_sync = false;
+        Ok(())
+    }
+
+    /// Creates `leases` (in parent-before-child order), many at once but never a child
+    /// before its parents: in waves, each holding the leases whose parents are not
+    /// waiting to be created, so no worker can see a child without its parent. A fleet
+    /// started on a new table then creates thousands of rows in a few round trips.
+    async fn create_leases(&mut self, mut leases: Vec<Lease>) -> Result<(), LeaseError> {
+        while !leases.is_empty() {
+            let waiting: BTreeSet<String> = leases.iter().map(|l| l.key.clone()).collect();
+            let (mut wave, later): (Vec<Lease>, Vec<Lease>) = leases
+                .into_iter()
+                .partition(|l| l.parents.iter().all(|p| !waiting.contains(p)));
+            leases = later;
+            // Workers that start together then mostly create different rows first.
+            wave.shuffle(&mut self.rng);
+            let creates: Vec<BoxFuture<'static, _>> = wave
+                .into_iter()
+                .map(|lease| {
+                    let store = self.store.clone();
+                    async move {
+                        let created = store.create(&lease).await;
+                        (lease, created)
+                    }
+                    .boxed()
+                })
+                .collect();
+            let results: Vec<_> = futures_util::stream::iter(creates)
+                .buffer_unordered(MAX_CONCURRENT_WRITES)
+                .collect()
+                .await;
+            for (lease, created) in results {
+                if created? {
+                    tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                }
+            }
+        }
         Ok(())
     }
 
@@ -560,7 +608,7 @@ impl Coordinator {
         }
     }
 
-    /// Takes `rows` for this worker, [`MAX_CONCURRENT_TAKES`] conditional writes at a
+    /// Takes `rows` for this worker, [`MAX_CONCURRENT_WRITES`] conditional writes at a
     /// time; returns each row with its outcome and when its take was sent.
     async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
         // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
@@ -579,7 +627,7 @@ impl Coordinator {
             })
             .collect();
         futures_util::stream::iter(takes)
-            .buffer_unordered(MAX_CONCURRENT_TAKES)
+            .buffer_unordered(MAX_CONCURRENT_WRITES)
             .collect()
             .await
     }
