@@ -337,10 +337,10 @@ impl Coordinator {
             .copied()
             .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
             .collect();
-        for (row, result) in self.take_many(&ours).await {
+        for (row, result, sent) in self.take_many(&ours).await {
             self.steals.remove(&row.key);
             match result {
-                Ok(taken) => self.start(taken),
+                Ok(taken) => self.start(taken, sent),
                 Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
             }
         }
@@ -378,14 +378,14 @@ impl Coordinator {
             if batch.is_empty() {
                 break;
             }
-            for (row, result) in self.take_many(&batch).await {
+            for (row, result, sent) in self.take_many(&batch).await {
                 match result {
                     Ok(taken) => {
                         if let Some(old) = &row.owner {
                             tracing::info!(lease = %row.key, from = %old, "took an expired lease");
                         }
                         self.steals.remove(&row.key);
-                        self.start(taken);
+                        self.start(taken, sent);
                         mine += 1;
                     }
                     Err(LeaseError::Conflict(_)) => {}
@@ -410,9 +410,10 @@ impl Coordinator {
             let asked = *self.steals.entry(row.key.clone()).or_insert(now);
             if now.duration_since(asked) >= self.config.handoff_timeout {
                 tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
+                let sent = Instant::now();
                 if let Ok(taken) = self.store.take(row, &me).await {
                     self.steals.remove(&row.key);
-                    self.start(taken);
+                    self.start(taken, sent);
                     mine += 1;
                 }
             }
@@ -637,8 +638,8 @@ impl Coordinator {
     }
 
     /// Takes `rows` for this worker, [`MAX_CONCURRENT_WRITES`] conditional writes at a
-    /// time; returns each row with its outcome.
-    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>)> {
+    /// time; returns each row with its outcome and when its take was sent.
+    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
         // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
         // inference for the spawned worker future.
         let takes: Vec<BoxFuture<'static, _>> = rows
@@ -647,8 +648,9 @@ impl Coordinator {
                 let (row, store) = ((*row).clone(), self.store.clone());
                 let me = self.config.owner.clone();
                 async move {
+                    let sent = Instant::now();
                     let result = store.take(&row, &me).await;
-                    (row, result)
+                    (row, result, sent)
                 }
                 .boxed()
             })
@@ -659,9 +661,15 @@ impl Coordinator {
             .await
     }
 
-    fn start(&mut self, row: Lease) {
+    /// Starts the shard task of a lease whose take was sent at `sent`.
+    fn start(&mut self, row: Lease, sent: Instant) {
         let key = row.key.clone();
-        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.owner));
+        let lease = Arc::new(HeldLease::taken_at(
+            row,
+            self.store.clone(),
+            &self.config.owner,
+            sent,
+        ));
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
