@@ -180,12 +180,32 @@ impl LeaseStore for GatedStore {
         self.backend.gate().await;
         let result = self.inner.take(expected, owner).await;
         let log = &self.backend.log;
-        if let Ok(row) = &result {
+        // A take that landed although its caller saw an error (a failure after the
+        // write) counts too: the taker may find out and adopt it.
+        let landed = match &result {
+            Ok(_) => true,
+            Err(LeaseError::Conflict(_)) => false,
+            Err(_) => {
+                // The store's own faults hit this read too: read until it answers.
+                let mut row = None;
+                for _ in 0..20 {
+                    if let Ok(r) = self.inner.get(&expected.key).await {
+                        row = r;
+                        break;
+                    }
+                }
+                row.is_some_and(|row| {
+                    row.owner.as_deref() == Some(owner)
+                        && row.counter == expected.counter.saturating_add(1)
+                })
+            }
+        };
+        if landed {
             let at = log.tick.fetch_add(1, Ordering::SeqCst);
             log.takes
                 .lock()
                 .unwrap()
-                .push((at, row.key.clone(), worker_of(owner).to_owned()));
+                .push((at, expected.key.clone(), worker_of(owner).to_owned()));
         }
         self.backend.note_refusal(&result);
         result

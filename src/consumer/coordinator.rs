@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
 
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
-use crate::kinesis::{KinesisApi, ShardInfo};
+use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
 use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
@@ -48,6 +49,11 @@ struct Slot {
     stop: CancellationToken,
     handoff_to: Option<String>,
 }
+
+/// How many more ListShards answers a shard sync asks for when a parent is unknown
+/// (see `Coordinator::confirm_listing`), and how long it waits before each.
+const STALE_LIST_RETRIES: usize = 2;
+const STALE_LIST_PAUSE: Duration = Duration::from_millis(50);
 
 /// How many lease writes (takes, creates) one worker has in flight at once.
 const MAX_CONCURRENT_WRITES: usize = 32;
@@ -475,29 +481,55 @@ impl Coordinator {
     /// because their children have rows.
     async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        for row in rows
-            .iter()
-            .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
-        {
-            let children: Vec<&ShardInfo> = self
-                .shards
-                .iter()
-                .filter(|s| s.parents().contains(&row.key))
-                .collect();
-            let started = !children.is_empty()
+        let started = |children: &[&ShardInfo]| {
+            !children.is_empty()
                 && children.iter().all(|c| {
                     by_key.get(c.shard_id.as_str()).is_some_and(|l| {
                         matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
                     })
-                });
-            if started {
-                match self.store.delete(row).await {
-                    Ok(()) => {
-                        tracing::debug!(lease = %row.key, "removed the finished shard's lease")
-                    }
-                    Err(e) => {
-                        tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease")
-                    }
+                })
+        };
+        let children_in = |shards: &'_ [ShardInfo], key: &str| -> Vec<ShardInfo> {
+            shards
+                .iter()
+                .filter(|s| s.parents().iter().any(|p| p == key))
+                .cloned()
+                .collect()
+        };
+        let finished: Vec<&Lease> = rows
+            .iter()
+            .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
+            .filter(|r| started(&children_in(&self.shards, &r.key).iter().collect::<Vec<_>>()))
+            .collect();
+        if finished.is_empty() {
+            return;
+        }
+        // A ListShards answer that left a child out would let a parent go before that
+        // child started, and the child (its parent's row gone) would never be read: a
+        // second answer must show every child started too.
+        let fresh = match self.kinesis.list_shards(&self.stream).await {
+            Ok(fresh) => fresh,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not confirm the children of finished leases");
+                return;
+            }
+        };
+        for row in finished {
+            let mut children = children_in(&self.shards, &row.key);
+            for child in children_in(&fresh, &row.key) {
+                if !children.iter().any(|c| c.shard_id == child.shard_id) {
+                    children.push(child);
+                }
+            }
+            if !started(&children.iter().collect::<Vec<_>>()) {
+                continue;
+            }
+            match self.store.delete(row).await {
+                Ok(()) => {
+                    tracing::debug!(lease = %row.key, "removed the finished shard's lease")
+                }
+                Err(e) => {
+                    tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease")
                 }
             }
         }
@@ -518,10 +550,13 @@ impl Coordinator {
     /// to read, and one closed before it yields nothing and ends at once. Children wait
     /// for their parents either way.
     async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
+        // Decisions below are as old as the older of the two listings.
+        let listed_at = Instant::now();
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
-        shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+        self.confirm_listing(&mut shards, &keys).await?;
+        shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for shard in &shards {
@@ -536,9 +571,13 @@ impl Coordinator {
             }
         }
         let first = rows.is_empty();
+        let latest = matches!(self.config.initial_position, InitialPosition::Latest);
+        // LATEST is resolved once, here, into the time the lease is created (less the
+        // clock margin): every owner, the first included, continues from that time, so
+        // no change of owner before the first checkpoint can skip a record.
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
-            InitialPosition::Latest => Checkpoint::Latest,
+            InitialPosition::Latest => Checkpoint::latest_from(SystemTime::now()),
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
@@ -553,8 +592,20 @@ impl Coordinator {
                 continue;
             }
             let parents = shard.parents();
+            // After the first sync, a closed shard without a row whose parents have no
+            // row either was consumed and cleaned up (its row goes only after all its
+            // children started) or skipped as the past: a stale ListShards answer that
+            // lists it without its children must not bring it back.
+            if !first
+                && shard.is_closed()
+                && !parents
+                    .iter()
+                    .any(|p| keys.contains(p.as_str()) || created.contains(p.as_str()))
+            {
+                continue;
+            }
             let checkpoint = if first {
-                if initial == Checkpoint::Latest && shard.is_closed() {
+                if latest && shard.is_closed() {
                     continue; // starting at the tip: closed shards hold only the past
                 }
                 initial.clone()
@@ -569,18 +620,65 @@ impl Coordinator {
             to_create.push(Lease::new(shard.shard_id.clone(), parents, checkpoint));
             created.insert(shard.shard_id.as_str());
         }
-        self.create_leases(to_create).await?;
+        let complete = self.create_leases(to_create, listed_at).await?;
         self.shards = shards;
         self.last_sync = Some(Instant::now());
-        self.need_sync = false;
+        self.need_sync = !complete;
         Ok(())
     }
 
-    /// Creates `leases` (in parent-before-child order), many at once but never a child
+    /// Confirms a ListShards answer where it may be stale: when a shard without a row
+    /// names a parent that is neither listed nor in the table, the parent may have
+    /// been trimmed (past retention) or the answer may have left it out. Two more
+    /// answers, a moment apart, are merged in before the parent is taken for gone; a
+    /// child created without its parent would be read before it (lost order, and
+    /// the parent's records never read). Tables where every shard has a row never pay
+    /// for this.
+    async fn confirm_listing(
+        &self,
+        shards: &mut Vec<ShardInfo>,
+        keys: &BTreeSet<&str>,
+    ) -> Result<(), KinesisError> {
+        for _ in 0..STALE_LIST_RETRIES {
+            let listed: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+            let unknown_parent = shards
+                .iter()
+                .filter(|s| !keys.contains(s.shard_id.as_str()))
+                .flat_map(|s| [&s.parent_shard_id, &s.adjacent_parent_shard_id])
+                .flatten()
+                .any(|p| !listed.contains(p.as_str()) && !keys.contains(p.as_str()));
+            if !unknown_parent {
+                break;
+            }
+            tokio::time::sleep(STALE_LIST_PAUSE).await;
+            let again = self.kinesis.list_shards(&self.stream).await?;
+            let missing: Vec<ShardInfo> = again
+                .into_iter()
+                .filter(|s| !listed.contains(s.shard_id.as_str()))
+                .collect();
+            if !missing.is_empty() {
+                tracing::info!(shards = ?missing.iter().map(|s| &s.shard_id).collect::<Vec<_>>(), "a ListShards answer left shards out; using a newer one");
+            }
+            shards.extend(missing);
+        }
+        Ok(())
+    }
+
+    /// Creates `leases` (in parent-before-child order); returns whether all were sent, many at once but never a child
     /// before its parents: in waves, each holding the leases whose parents are not
     /// waiting to be created, so no worker can see a child without its parent. A fleet
     /// started on a new table then creates thousands of rows in a few round trips.
-    async fn create_leases(&mut self, mut leases: Vec<Lease>) -> Result<(), LeaseError> {
+    ///
+    /// Every decision was taken on the rows listed at `listed_at`. A worker paused
+    /// after that (GC, SIGSTOP) could create a row that meanwhile was finished and
+    /// cleaned up, and the shard would be read again: a create is not sent once the
+    /// listing is older than a renewal interval (the next sync decides again).
+    async fn create_leases(
+        &mut self,
+        mut leases: Vec<Lease>,
+        listed_at: Instant,
+    ) -> Result<bool, LeaseError> {
+        let max_age = self.config.renew_interval;
         while !leases.is_empty() {
             let waiting: BTreeSet<String> = leases.iter().map(|l| l.key.clone()).collect();
             let (mut wave, later): (Vec<Lease>, Vec<Lease>) = leases
@@ -594,8 +692,11 @@ impl Coordinator {
                 .map(|lease| {
                     let store = self.store.clone();
                     async move {
+                        if listed_at.elapsed() > max_age {
+                            return (lease, None);
+                        }
                         let created = store.create(&lease).await;
-                        (lease, created)
+                        (lease, Some(created))
                     }
                     .boxed()
                 })
@@ -604,13 +705,24 @@ impl Coordinator {
                 .buffer_unordered(MAX_CONCURRENT_WRITES)
                 .collect()
                 .await;
+            let mut complete = true;
             for (lease, created) in results {
-                if created? {
-                    tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                match created {
+                    Some(created) => {
+                        if created? {
+                            tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                        }
+                    }
+                    None => complete = false,
                 }
             }
+            if !complete {
+                // No child after a parent that was not created; decide again.
+                tracing::info!("the shard listing is too old to create leases from; syncing again");
+                return Ok(false);
+            }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its
@@ -649,7 +761,23 @@ impl Coordinator {
                 let me = self.config.owner.clone();
                 async move {
                     let sent = Instant::now();
-                    let result = store.take(&row, &me).await;
+                    let result = match store.take(&row, &me).await {
+                        // An unknown outcome (a timeout, a lost reply): if the take
+                        // landed, the row is ours and nobody else will take it while
+                        // its counter moves, so find out rather than take it again.
+                        Err(e) if !matches!(e, LeaseError::Conflict(_)) => {
+                            match store.get(&row.key).await {
+                                Ok(Some(cur))
+                                    if cur.owner.as_deref() == Some(me.as_str())
+                                        && cur.counter == row.counter.saturating_add(1) =>
+                                {
+                                    Ok(cur)
+                                }
+                                _ => Err(e),
+                            }
+                        }
+                        result => result,
+                    };
                     (row, result, sent)
                 }
                 .boxed()

@@ -2,7 +2,7 @@
 //! from the watermark after a handler failure, and drains on stop.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -42,11 +42,6 @@ pub(crate) struct ShardTask {
     /// Cancelled to stop gracefully (shutdown or hand-off).
     pub(crate) stop: CancellationToken,
 }
-
-/// How far before the moment a LATEST lease is first taken its durable start lies, for
-/// clock skew between this host and Kinesis' arrival timestamps (a few extra records,
-/// never a gap).
-const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
 
 /// Attempts at the checkpoint written before a shard is left.
 const FINAL_COMMIT_ATTEMPTS: usize = 5;
@@ -203,15 +198,9 @@ impl ShardTask {
         backoff: &mut Backoff,
     ) -> Result<Checkpoint, ShardExit> {
         let resolved = match (&stored, &self.config.initial_position) {
-            (Checkpoint::Latest, _) => {
-                let since = SystemTime::now()
-                    .checked_sub(LATEST_CLOCK_MARGIN)
-                    .unwrap_or(SystemTime::UNIX_EPOCH);
-                // Whole milliseconds, as the lease table stores them.
-                let at = Checkpoint::AtTimestamp(Some(since));
-                let millis = at.timestamp_millis();
-                at.with_timestamp_millis(millis)
-            }
+            // A row with the LATEST sentinel (a KCL table; shardflow itself resolves
+            // LATEST when it creates the row).
+            (Checkpoint::Latest, _) => Checkpoint::latest_from(SystemTime::now()),
             (Checkpoint::AtTimestamp(None), InitialPosition::AtTimestamp(t)) => {
                 Checkpoint::AtTimestamp(Some(*t))
             }

@@ -20,6 +20,11 @@ use async_trait::async_trait;
 
 use crate::sequence::{Position, SequenceNumber};
 
+/// How far before the moment LATEST is resolved its durable start lies, for clock
+/// skew between this host and Kinesis' arrival timestamps (a few extra records, never a
+/// gap).
+pub const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
+
 /// How far a shard has been handled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Checkpoint {
@@ -65,6 +70,18 @@ impl Checkpoint {
                 sub_sequence,
             )),
         })
+    }
+
+    /// The durable start that `InitialPosition::Latest` resolves to when resolved at
+    /// `now`: AT_TIMESTAMP of `now` less [`LATEST_CLOCK_MARGIN`], in whole milliseconds
+    /// as the lease table stores them.
+    pub fn latest_from(now: SystemTime) -> Self {
+        let since = now
+            .checked_sub(LATEST_CLOCK_MARGIN)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        let at = Checkpoint::AtTimestamp(Some(since));
+        let millis = at.timestamp_millis();
+        at.with_timestamp_millis(millis)
     }
 
     /// The `checkpointTimestamp` attribute: epoch milliseconds of an
