@@ -2,6 +2,37 @@
 //! each shard's checkpoint committed to DynamoDB only after its records were handled.
 //!
 //! Start with [`Consumer::builder`]; the README has a tour.
+//!
+//! # Testing your handlers
+//!
+//! A handler is a `tower` service over [`Message`]; unit-test it with a hand-built
+//! message ([`Message::for_test`], or [`Headers::builder`] to set the metadata), no
+//! consumer needed:
+//!
+//! ```
+//! use bytes::Bytes;
+//! use shardflow::{Headers, Message};
+//! use tower::{service_fn, Service, ServiceExt};
+//!
+//! async fn count_bytes(msg: Message) -> Result<usize, std::convert::Infallible> {
+//!     Ok(msg.payload.len())
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let mut handler = service_fn(count_bytes);
+//! let msg = Message::for_test(Bytes::from_static(b"hello"));
+//! assert_eq!(handler.ready().await.unwrap().call(msg).await, Ok(5));
+//!
+//! // The metadata, when the handler looks at it:
+//! let msg = Headers::builder()
+//!     .shard_id("shardId-000000000007")
+//!     .sequence_number(42)
+//!     .partition_key("customer-1")
+//!     .message(Bytes::from_static(b"{}"));
+//! assert_eq!(msg.headers.sequence_number.as_str(), "42");
+//! # }
+//! ```
 
 pub mod aggregation;
 pub mod backend;
@@ -22,6 +53,6 @@ pub use consumer::{
     InitialPosition, Run, Running, ShutdownHandle,
 };
 pub use memory::Memory;
-pub use message::{Batch, Headers, Message};
+pub use message::{Batch, Headers, HeadersBuilder, Message};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -12,7 +12,13 @@ use crate::checkpoint::AckHandle;
 use crate::sequence::{Position, SequenceNumber};
 
 /// Where a record came from and what Kinesis said about it.
+///
+/// These are the Kinesis record's metadata (filled in by the consumer), not user
+/// key-values: Kinesis records carry no user headers. The struct is `#[non_exhaustive]`
+/// so that metadata can be added later; build one for a test with [`Headers::builder`]
+/// (or [`Message::for_test`]).
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct Headers {
     /// The stream's name.
     pub stream: Arc<str>,
@@ -37,6 +43,86 @@ impl Headers {
     /// The record's position in its shard: sequence and sub-sequence number.
     pub fn position(&self) -> Position {
         Position::new(self.sequence_number.clone(), self.sub_sequence_number)
+    }
+
+    /// Starts building headers by hand, for unit tests of handlers. The defaults: stream
+    /// `test-stream`, shard `shardId-000000000000`, sequence number 1, sub-sequence 0,
+    /// partition key `partition-key`, no explicit hash key, no arrival time, and a
+    /// `lease_lost` token that is not cancelled.
+    pub fn builder() -> HeadersBuilder {
+        HeadersBuilder {
+            headers: Headers {
+                stream: Arc::from("test-stream"),
+                shard_id: Arc::from("shardId-000000000000"),
+                sequence_number: SequenceNumber::from(1),
+                sub_sequence_number: 0,
+                partition_key: "partition-key".to_owned(),
+                explicit_hash_key: None,
+                approximate_arrival: None,
+                lease_lost: CancellationToken::new(),
+            },
+        }
+    }
+}
+
+/// Builds [`Headers`] by hand (see [`Headers::builder`]); for unit tests of handlers.
+#[derive(Debug, Clone)]
+pub struct HeadersBuilder {
+    headers: Headers,
+}
+
+impl HeadersBuilder {
+    /// The stream's name.
+    pub fn stream(mut self, stream: impl Into<Arc<str>>) -> Self {
+        self.headers.stream = stream.into();
+        self
+    }
+
+    /// The shard's id.
+    pub fn shard_id(mut self, shard_id: impl Into<Arc<str>>) -> Self {
+        self.headers.shard_id = shard_id.into();
+        self
+    }
+
+    /// The sequence number (a `u64` or a parsed [`SequenceNumber`]).
+    pub fn sequence_number(mut self, sequence_number: impl Into<SequenceNumber>) -> Self {
+        self.headers.sequence_number = sequence_number.into();
+        self
+    }
+
+    /// The user record's index inside a KPL aggregate.
+    pub fn sub_sequence_number(mut self, sub_sequence_number: u64) -> Self {
+        self.headers.sub_sequence_number = sub_sequence_number;
+        self
+    }
+
+    /// The partition key.
+    pub fn partition_key(mut self, partition_key: impl Into<String>) -> Self {
+        self.headers.partition_key = partition_key.into();
+        self
+    }
+
+    /// The explicit hash key.
+    pub fn explicit_hash_key(mut self, explicit_hash_key: impl Into<String>) -> Self {
+        self.headers.explicit_hash_key = Some(explicit_hash_key.into());
+        self
+    }
+
+    /// When Kinesis accepted the record.
+    pub fn approximate_arrival(mut self, at: SystemTime) -> Self {
+        self.headers.approximate_arrival = Some(at);
+        self
+    }
+
+    /// The headers built so far. Their `lease_lost` token can be cancelled to test a
+    /// handler's reaction to a lost lease.
+    pub fn build(self) -> Headers {
+        self.headers
+    }
+
+    /// A message with these headers and `payload`.
+    pub fn message<T>(self, payload: T) -> Message<T> {
+        Message::new(self.headers, payload)
     }
 }
 
@@ -67,6 +153,12 @@ impl<T> Message<T> {
     /// Builds a message from its parts.
     pub fn new(headers: Headers, payload: T) -> Self {
         Message { headers, payload }
+    }
+
+    /// A message with `payload` and the default test headers of [`Headers::builder`]:
+    /// for unit tests of handlers. Use [`Headers::builder`] to set the metadata.
+    pub fn for_test(payload: T) -> Self {
+        Headers::builder().message(payload)
     }
 
     /// Replaces the payload, keeping the headers (what a decode layer does).

@@ -79,6 +79,15 @@ impl PartialOrd for SequenceNumber {
     }
 }
 
+impl From<u64> for SequenceNumber {
+    /// Any `u64` is a valid sequence number (handy for hand-built test messages).
+    fn from(n: u64) -> Self {
+        // `to_string` of a u64 is decimal digits without leading zeros (or "0"), at
+        // most 20 of them: already the normal form `new` would produce.
+        SequenceNumber(n.to_string())
+    }
+}
+
 impl FromStr for SequenceNumber {
     type Err = SequenceNumberError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
