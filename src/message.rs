@@ -34,6 +34,11 @@ pub struct Headers {
     pub explicit_hash_key: Option<String>,
     /// When Kinesis accepted the record (approximate).
     pub approximate_arrival: Option<SystemTime>,
+    /// How far the read that brought this record was behind the tip of its shard, in
+    /// milliseconds, as Kinesis reported it (`MillisBehindLatest`): the consumer's lag.
+    /// The same for every record of one read (it is reported per read, not per record),
+    /// and the same as [`Batch::millis_behind_latest`]; `None` when Kinesis did not say.
+    pub millis_behind_latest: Option<i64>,
     /// Cancelled when this worker loses the shard's lease: in-flight work may finish,
     /// but can stop early because the checkpoint will no longer move for it.
     pub lease_lost: CancellationToken,
@@ -59,6 +64,7 @@ impl Headers {
                 partition_key: "partition-key".to_owned(),
                 explicit_hash_key: None,
                 approximate_arrival: None,
+                millis_behind_latest: None,
                 lease_lost: CancellationToken::new(),
             },
         }
@@ -114,6 +120,12 @@ impl HeadersBuilder {
         self
     }
 
+    /// The lag of the read that brought the record, in milliseconds.
+    pub fn millis_behind_latest(mut self, millis: i64) -> Self {
+        self.headers.millis_behind_latest = Some(millis);
+        self
+    }
+
     /// The headers built so far. Their `lease_lost` token can be cancelled to test a
     /// handler's reaction to a lost lease.
     pub fn build(self) -> Headers {
@@ -136,6 +148,7 @@ impl fmt::Debug for Headers {
             .field("sub_sequence_number", &self.sub_sequence_number)
             .field("partition_key_len", &self.partition_key.len())
             .field("approximate_arrival", &self.approximate_arrival)
+            .field("millis_behind_latest", &self.millis_behind_latest)
             .finish()
     }
 }

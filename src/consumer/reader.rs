@@ -310,6 +310,10 @@ impl ShardReader {
                 } => self.push_user_records(record, user_records, handled, &mut messages),
             }
         }
+        // The lag is reported per read: every record of it carries the same value.
+        for message in &mut messages {
+            message.headers.millis_behind_latest = millis_behind_latest;
+        }
         if raw > messages.len() {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
         }
@@ -361,6 +365,7 @@ impl ShardReader {
                 partition_key,
                 explicit_hash_key,
                 approximate_arrival,
+                millis_behind_latest: None,
                 lease_lost: self.lease_lost.clone(),
             },
             payload,
