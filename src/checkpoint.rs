@@ -86,10 +86,12 @@ impl Watermark {
 
     /// Marks a unit handled. Stale (pre-reset) or repeated acknowledgements are ignored.
     /// Returns whether the watermark moved.
+    /// A unit given up ([`Watermark::abandon`], a nack) stays given up: a later
+    /// acknowledgement of it is ignored, so its records are delivered again.
     pub(crate) fn ack(&mut self, id: u64, generation: u64) -> bool {
         match self.unit(id, generation) {
-            Some(unit) => unit.done = true,
-            None => return false,
+            Some(unit) if !unit.abandoned => unit.done = true,
+            _ => return false,
         }
         self.advance()
     }
@@ -99,6 +101,7 @@ impl Watermark {
     /// more: it never covers records of later units.
     pub(crate) fn ack_through(&mut self, id: u64, generation: u64, position: Position) -> bool {
         match self.unit(id, generation) {
+            Some(unit) if unit.abandoned => return false,
             Some(unit) => match &unit.last {
                 Mark::At(last) if position >= *last => unit.done = true,
                 _ if unit.partial.as_ref().is_none_or(|p| *p < position) => {
@@ -363,6 +366,15 @@ mod tests {
         assert!(w.ack(c, 0));
         assert_eq!(w.acked(), &Checkpoint::At(at(30)));
         assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_given_up_batch_stays_given_up() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        let a = w.register(Mark::At(at(10)), false);
+        w.abandon(a, 0);
+        assert!(!w.ack(a, 0) && !w.ack_through(a, 0, at(5)));
+        assert_eq!(w.acked(), &Checkpoint::TrimHorizon);
     }
 
     #[test]

@@ -221,6 +221,11 @@ impl<T> fmt::Debug for Message<T> {
 /// checkpoint may then pass them. A batch dropped without `ack` holds the checkpoint
 /// back (its records are delivered again after a restart or hand-off);
 /// [`Batch::nack`] asks for redelivery from the checkpoint right away.
+///
+/// In `consumer.run_batches(service)` mode the service's `Ok` acknowledges the batch and
+/// an error gives it up; `ack` and `nack` inside the service work as above (`ack` early,
+/// `nack` wins over a later `Ok`). A batch built with [`Batch::new`] (a test) has no
+/// handle: `ack` and `nack` do nothing.
 pub struct Batch<T = Bytes> {
     /// The stream's name.
     pub stream: Arc<str>,
@@ -265,8 +270,9 @@ impl<T> Batch<T> {
 
     /// Reports that this batch failed: it counts as given up at once (a restart does not
     /// wait for it), and the shard reads again from its checkpoint after a backoff.
-    /// Later acknowledgements of batches delivered before the restart are ignored, and so
-    /// is a late `nack` of one of them.
+    /// A later `ack` of this batch is ignored (its records are delivered again), and so
+    /// are acknowledgements of batches delivered before the restart, and a late `nack`
+    /// of one of them.
     pub fn nack(&self) {
         if let Some(ack) = &self.ack {
             ack.nack();
