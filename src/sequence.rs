@@ -18,6 +18,7 @@ pub struct SequenceNumber(String);
 
 /// Why a string is not a sequence number.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SequenceNumberError {
     /// The string was empty.
     #[error("a sequence number cannot be empty")]

@@ -86,6 +86,7 @@ impl FanOut {
 
 /// A configuration value the builder refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A required field was not set.
     #[error("`{field}` is required")]

@@ -67,6 +67,7 @@ use coordinator::{Coordinator, Sink, SpawnDispatch};
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConsumerError {
     /// The configuration was refused.
     #[error(transparent)]
@@ -86,8 +87,8 @@ impl ConsumerError {
     /// Whether the same call may succeed later (throttling, network, service errors).
     pub fn is_transient(&self) -> bool {
         match self {
-            ConsumerError::Lease(e) => matches!(e, LeaseError::Throttled(_) | LeaseError::Other(_)),
-            ConsumerError::Kinesis(e) => e.is_retryable(),
+            ConsumerError::Lease(e) => e.is_transient(),
+            ConsumerError::Kinesis(e) => e.is_transient(),
             _ => false,
         }
     }

@@ -86,7 +86,7 @@ impl ShardReader {
                 Some(it) => it,
                 None => match self.iterator_after(&handled).await {
                     Ok(it) => it,
-                    Err(e) if e.is_retryable() => {
+                    Err(e) if e.is_transient() => {
                         self.pause(&e, backoff).await;
                         continue;
                     }
@@ -109,7 +109,7 @@ impl ShardReader {
                     }
                     continue;
                 }
-                Err(e) if e.is_retryable() => {
+                Err(e) if e.is_transient() => {
                     self.pause(&e, backoff).await;
                     iterator = Some(it);
                     continue;
@@ -192,7 +192,7 @@ impl ShardReader {
                 .await
             {
                 Ok(arn) => break arn,
-                Err(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Err(e) if e.is_transient() => self.pause(&e, backoff).await,
                 Err(e) => return Err(e),
             }
         };
@@ -211,7 +211,7 @@ impl ShardReader {
                 .await
             {
                 Ok(events) => events,
-                Err(e) if e.is_retryable() => {
+                Err(e) if e.is_transient() => {
                     self.pause(&e, backoff).await;
                     continue;
                 }
@@ -272,7 +272,7 @@ impl ShardReader {
                 None => {
                     tracing::debug!(shard = %self.shard_id, after = ?continuation, "subscription ended; renewing it")
                 }
-                Some(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Some(e) if e.is_transient() => self.pause(&e, backoff).await,
                 Some(e) => return Err(e),
             }
         }

@@ -139,6 +139,7 @@ pub enum PutOutcome {
 
 /// Errors of the Kinesis calls, classified by what the caller should do.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KinesisError {
     /// Throttled (ProvisionedThroughputExceeded, LimitExceeded, KMS throttling): back off and retry.
     #[error("throttled by Kinesis: {0}")]
@@ -162,8 +163,8 @@ pub enum KinesisError {
 }
 
 impl KinesisError {
-    /// Whether retrying the same call later can succeed.
-    pub fn is_retryable(&self) -> bool {
+    /// Whether the same call may succeed later (throttling, network, service errors).
+    pub fn is_transient(&self) -> bool {
         matches!(self, KinesisError::Throttled(_) | KinesisError::Other(_))
     }
 }

@@ -193,6 +193,7 @@ impl Lease {
 
 /// Errors of the lease store.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LeaseError {
     /// The conditional write failed: someone else changed the lease (it was taken,
     /// renewed by another owner, or released). The caller no longer holds it.
@@ -207,6 +208,14 @@ pub enum LeaseError {
     /// The table is missing or another failure; retry with backoff.
     #[error("lease store call failed: {0}")]
     Other(String),
+}
+
+impl LeaseError {
+    /// Whether the same call may succeed later (throttling, network, service errors).
+    /// A [`LeaseError::Conflict`] is not: the lease changed and must be read again.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, LeaseError::Throttled(_) | LeaseError::Other(_))
+    }
 }
 
 /// Where leases and checkpoints live. Every write is conditional: `expected` is the
