@@ -339,7 +339,7 @@ impl fmt::Debug for Deaggregated {
 }
 
 /// Whether `data` starts with the aggregation magic bytes (it may still be corrupt).
-pub fn has_magic(data: &[u8]) -> bool {
+pub(crate) fn has_magic(data: &[u8]) -> bool {
     data.starts_with(&MAGIC)
 }
 
@@ -433,7 +433,7 @@ fn table_entry(table: &[String], index: u64) -> Option<&String> {
 
 /// Parses a hash key as Kinesis writes it: decimal digits only (leading zeros allowed),
 /// at most `2^128 - 1`. `None` for anything else.
-pub fn parse_hash_key(s: &str) -> Option<u128> {
+pub(crate) fn parse_hash_key(s: &str) -> Option<u128> {
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
         return None; // u128::from_str would also take a leading '+'
     }

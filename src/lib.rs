@@ -3,6 +3,23 @@
 //!
 //! Start with [`Consumer::builder`]; the README has a tour.
 //!
+//! # The public surface
+//!
+//! | Item | What it is for |
+//! |------|----------------|
+//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
+//! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
+//! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
+//! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
+//! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
+//! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
+//! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
+//! | [`kinesis`] ([`kinesis::KinesisApi`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend |
+//! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
+//! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
+//! | [`aggregation`] | KPL aggregation and de-aggregation |
+//! | [`backend`], [`message`], [`producer`], [`sequence`] | the modules of the items above |
+//!
 //! # Testing your handlers
 //!
 //! A handler is a `tower` service over [`Message`]; unit-test it with a hand-built
@@ -37,7 +54,7 @@
 pub mod aggregation;
 pub mod backend;
 mod backoff;
-pub mod checkpoint;
+mod checkpoint;
 pub mod consumer;
 pub mod kinesis;
 pub mod lease;
@@ -48,6 +65,7 @@ pub mod producer;
 pub mod sequence;
 
 pub use backend::{Aws, Backend};
+pub use checkpoint::AckHandle;
 pub use consumer::{
     BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
     InitialPosition, Run, Running, ShutdownHandle,

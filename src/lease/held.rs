@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
 
 /// A held lease: the row as last written by us, and the "lease lost" signal.
-pub struct HeldLease {
+pub(crate) struct HeldLease {
     row: Mutex<Lease>,
     store: Arc<dyn LeaseStore>,
     /// This incarnation's owner name (worker id and nonce).
@@ -170,5 +170,35 @@ impl HeldLease {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+    use crate::memory::Memory;
+    use crate::sequence::{Position, SequenceNumber};
+
+    /// A held lease never writes a checkpoint behind the row it last read or wrote.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_lease_never_moves_its_checkpoint_back() {
+        let memory = Memory::new();
+        let store = memory.lease_store("held");
+        let at = |n: u64| {
+            Checkpoint::At(Position::new(
+                SequenceNumber::new(n.to_string()).unwrap(),
+                0,
+            ))
+        };
+        let row = Lease::new("s", Vec::new(), at(10));
+        assert!(store.create(&row).await.unwrap());
+        let taken = store.take(&row, "w#a").await.unwrap();
+        let held = HeldLease::new(taken, store.clone(), "w#a");
+        held.checkpoint(&at(5)).await.unwrap();
+        held.checkpoint(&Checkpoint::TrimHorizon).await.unwrap();
+        assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(10));
+        held.checkpoint(&at(12)).await.unwrap();
+        assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(12));
     }
 }

@@ -9,7 +9,7 @@
 pub mod dynamo;
 mod held;
 
-pub use held::HeldLease;
+pub(crate) use held::HeldLease;
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -42,7 +42,7 @@ pub enum Checkpoint {
 
 impl Checkpoint {
     /// The KCL's string form of the `checkpoint` attribute: a sentinel or the digits.
-    pub fn as_attribute(&self) -> (String, u64) {
+    pub(crate) fn as_attribute(&self) -> (String, u64) {
         match self {
             Checkpoint::TrimHorizon => ("TRIM_HORIZON".into(), 0),
             Checkpoint::Latest => ("LATEST".into(), 0),
@@ -53,7 +53,7 @@ impl Checkpoint {
     }
 
     /// Parses the `checkpoint` and `checkpointSubSequenceNumber` attributes.
-    pub fn from_attribute(value: &str, sub_sequence: u64) -> Result<Self, LeaseError> {
+    pub(crate) fn from_attribute(value: &str, sub_sequence: u64) -> Result<Self, LeaseError> {
         Ok(match value {
             "TRIM_HORIZON" => Checkpoint::TrimHorizon,
             "LATEST" => Checkpoint::Latest,
@@ -69,7 +69,7 @@ impl Checkpoint {
 
     /// The `checkpointTimestamp` attribute: epoch milliseconds of an
     /// [`Checkpoint::AtTimestamp`] start, if it has one.
-    pub fn timestamp_millis(&self) -> Option<u64> {
+    pub(crate) fn timestamp_millis(&self) -> Option<u64> {
         match self {
             Checkpoint::AtTimestamp(Some(t)) => Some(
                 t.duration_since(SystemTime::UNIX_EPOCH)
@@ -81,7 +81,7 @@ impl Checkpoint {
 
     /// Adds the `checkpointTimestamp` attribute (epoch milliseconds) to a parsed
     /// `AT_TIMESTAMP` sentinel; any other checkpoint ignores it.
-    pub fn with_timestamp_millis(self, millis: Option<u64>) -> Self {
+    pub(crate) fn with_timestamp_millis(self, millis: Option<u64>) -> Self {
         match (self, millis) {
             (Checkpoint::AtTimestamp(_), Some(ms)) => Checkpoint::AtTimestamp(
                 SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms)),
