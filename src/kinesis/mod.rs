@@ -48,7 +48,13 @@ impl ShardInfo {
     }
 }
 
-/// Where a shard iterator starts.
+/// Where one shard iterator (GetShardIterator, SubscribeToShard) starts: a request
+/// parameter of the [`KinesisApi`] trait, for backends and tools.
+///
+/// Consumers do not use it: they say where a group starts with
+/// [`crate::InitialPosition`], which the consumer resolves once into a durable start
+/// in the lease row and then into a `StartingPosition` for every read (mostly
+/// `AfterSequenceNumber` of the checkpoint).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StartingPosition {
     /// The oldest record still retained.
