@@ -98,7 +98,7 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
                 .max_attempts(4)
                 .initial_delay(Duration::from_millis(5))
                 .classify(|e: &PaymentError| match e {
-                    PaymentError::Timeout => ErrorClass::Retryable,
+                    PaymentError::Timeout => ErrorClass::Transient,
                     PaymentError::Declined => ErrorClass::Permanent,
                 }),
         )

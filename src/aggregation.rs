@@ -170,6 +170,7 @@ mod proto {
 /// delivered whole as a plain record (see the module docs); the error says what to count.
 /// No variant carries payload bytes or keys, so errors can be logged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AggregationError {
     /// Too short to hold a body and the MD5 trailer after the magic bytes.
     #[error("aggregated record too short: {len} bytes, needs more than {}", MAGIC.len() + DIGEST_LEN)]
@@ -338,7 +339,7 @@ impl fmt::Debug for Deaggregated {
 }
 
 /// Whether `data` starts with the aggregation magic bytes (it may still be corrupt).
-pub fn has_magic(data: &[u8]) -> bool {
+pub(crate) fn has_magic(data: &[u8]) -> bool {
     data.starts_with(&MAGIC)
 }
 
@@ -432,7 +433,7 @@ fn table_entry(table: &[String], index: u64) -> Option<&String> {
 
 /// Parses a hash key as Kinesis writes it: decimal digits only (leading zeros allowed),
 /// at most `2^128 - 1`. `None` for anything else.
-pub fn parse_hash_key(s: &str) -> Option<u128> {
+pub(crate) fn parse_hash_key(s: &str) -> Option<u128> {
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
         return None; // u128::from_str would also take a leading '+'
     }
@@ -459,6 +460,7 @@ pub fn belongs_to_shard(user: &UserRecord, start: u128, end: u128) -> bool {
 /// Why [`Aggregator::add`] refused a user record. The record comes back unchanged
 /// ([`AggregatorError::into_record`]) so the caller can send it on its own.
 #[derive(thiserror::Error)]
+#[non_exhaustive]
 pub enum AggregatorError {
     /// The record alone, aggregated, would exceed the size limit.
     #[error("a user record of {size} bytes aggregated exceeds the limit of {max_size} bytes")]

@@ -45,7 +45,7 @@ struct Unit {
 
 /// The contiguous low-watermark of acknowledged records of one shard.
 #[derive(Debug)]
-pub struct Watermark {
+pub(crate) struct Watermark {
     front_id: u64,
     pending: VecDeque<Unit>,
     acked: Checkpoint,
@@ -86,10 +86,12 @@ impl Watermark {
 
     /// Marks a unit handled. Stale (pre-reset) or repeated acknowledgements are ignored.
     /// Returns whether the watermark moved.
+    /// A unit given up ([`Watermark::abandon`], a nack) stays given up: a later
+    /// acknowledgement of it is ignored, so its records are delivered again.
     pub(crate) fn ack(&mut self, id: u64, generation: u64) -> bool {
         match self.unit(id, generation) {
-            Some(unit) => unit.done = true,
-            None => return false,
+            Some(unit) if !unit.abandoned => unit.done = true,
+            _ => return false,
         }
         self.advance()
     }
@@ -99,6 +101,7 @@ impl Watermark {
     /// more: it never covers records of later units.
     pub(crate) fn ack_through(&mut self, id: u64, generation: u64, position: Position) -> bool {
         match self.unit(id, generation) {
+            Some(unit) if unit.abandoned => return false,
             Some(unit) => match &unit.last {
                 Mark::At(last) if position >= *last => unit.done = true,
                 _ if unit.partial.as_ref().is_none_or(|p| *p < position) => {
@@ -163,6 +166,7 @@ impl Watermark {
     }
 
     /// How many delivered units are not acknowledged yet.
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.pending.len()
     }
@@ -285,7 +289,7 @@ impl AckHandle {
 
     /// Whether the batch may still be started: false once the shard drains or restarted
     /// after a failure. Work not started then must be given up with [`AckHandle::abandon`].
-    pub fn should_start(&self) -> bool {
+    pub(crate) fn should_start(&self) -> bool {
         self.progress.accepting.load(Ordering::SeqCst)
             && self.progress.generation.load(Ordering::SeqCst) == self.generation
     }
@@ -294,7 +298,7 @@ impl AckHandle {
     /// a long pause (a stalled process, a GC-like stop) starts only once a renewal proved
     /// the lease is still ours, like a fresh read; false (see [`AckHandle::should_start`])
     /// when the shard drains, restarted or lost its lease meanwhile.
-    pub async fn wait_start(&self) -> bool {
+    pub(crate) async fn wait_start(&self) -> bool {
         if !self.progress.lease.is_fresh(self.progress.fresh_for) {
             tracing::info!("lease not renewed recently; holding a queued batch until it is");
             self.progress
@@ -307,13 +311,14 @@ impl AckHandle {
 
     /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
     /// stays unhandled and is delivered again later.
-    pub fn abandon(&self) {
+    pub(crate) fn abandon(&self) {
         self.progress.lock().abandon(self.id, self.generation);
         self.progress.changed.notify_one();
     }
 
-    /// The batch failed: whatever of it was not acknowledged is given up (see
-    /// [`AckHandle::abandon`]), and the shard stops and reads again from its watermark.
+    /// The batch failed: whatever of it was not acknowledged (see
+    /// [`AckHandle::ack_through`]) is given up for good (a later `ack` is ignored), and
+    /// the shard stops and reads again from its watermark.
     /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
         {
@@ -341,12 +346,6 @@ impl AckHandle {
         }
         self.progress.changed.notify_one();
     }
-
-    /// Whether the batch still counts: false once the shard restarted from its
-    /// checkpoint after a failure (the records will come again).
-    pub fn is_current(&self) -> bool {
-        self.progress.generation.load(Ordering::SeqCst) == self.generation
-    }
 }
 
 #[cfg(test)]
@@ -373,6 +372,15 @@ mod tests {
         assert!(w.ack(c, 0));
         assert_eq!(w.acked(), &Checkpoint::At(at(30)));
         assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_given_up_batch_stays_given_up() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        let a = w.register(Mark::At(at(10)), false);
+        w.abandon(a, 0);
+        assert!(!w.ack(a, 0) && !w.ack_through(a, 0, at(5)));
+        assert_eq!(w.acked(), &Checkpoint::TrimHorizon);
     }
 
     #[test]

@@ -2,11 +2,59 @@
 //! each shard's checkpoint committed to DynamoDB only after its records were handled.
 //!
 //! Start with [`Consumer::builder`]; the README has a tour.
+//!
+//! # The public surface
+//!
+//! | Item | What it is for |
+//! |------|----------------|
+//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
+//! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
+//! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
+//! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
+//! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
+//! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
+//! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
+//! | [`kinesis`] ([`kinesis::KinesisApi`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend |
+//! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
+//! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
+//! | [`aggregation`] | KPL aggregation and de-aggregation |
+//! | [`backend`], [`message`], [`producer`], [`sequence`] | the modules of the items above |
+//!
+//! # Testing your handlers
+//!
+//! A handler is a `tower` service over [`Message`]; unit-test it with a hand-built
+//! message ([`Message::for_test`], or [`Headers::builder`] to set the metadata), no
+//! consumer needed:
+//!
+//! ```
+//! use bytes::Bytes;
+//! use shardflow::{Headers, Message};
+//! use tower::{service_fn, Service, ServiceExt};
+//!
+//! async fn count_bytes(msg: Message) -> Result<usize, std::convert::Infallible> {
+//!     Ok(msg.payload.len())
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let mut handler = service_fn(count_bytes);
+//! let msg = Message::for_test(Bytes::from_static(b"hello"));
+//! assert_eq!(handler.ready().await.unwrap().call(msg).await, Ok(5));
+//!
+//! // The metadata, when the handler looks at it:
+//! let msg = Headers::builder()
+//!     .shard_id("shardId-000000000007")
+//!     .sequence_number(42)
+//!     .partition_key("customer-1")
+//!     .message(Bytes::from_static(b"{}"));
+//! assert_eq!(msg.headers.sequence_number.as_str(), "42");
+//! # }
+//! ```
 
 pub mod aggregation;
 pub mod backend;
 mod backoff;
-pub mod checkpoint;
+mod checkpoint;
 pub mod consumer;
 pub mod kinesis;
 pub mod lease;
@@ -17,11 +65,12 @@ pub mod producer;
 pub mod sequence;
 
 pub use backend::{Aws, AwsTimeouts, Backend};
+pub use checkpoint::AckHandle;
 pub use consumer::{
     BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
     InitialPosition, Run, Running, ShutdownHandle,
 };
 pub use memory::Memory;
-pub use message::{Batch, Headers, Message};
+pub use message::{Batch, Headers, HeadersBuilder, Message};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

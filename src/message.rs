@@ -12,7 +12,13 @@ use crate::checkpoint::AckHandle;
 use crate::sequence::{Position, SequenceNumber};
 
 /// Where a record came from and what Kinesis said about it.
+///
+/// These are the Kinesis record's metadata (filled in by the consumer), not user
+/// key-values: Kinesis records carry no user headers. The struct is `#[non_exhaustive]`
+/// so that metadata can be added later; build one for a test with [`Headers::builder`]
+/// (or [`Message::for_test`]).
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct Headers {
     /// The stream's name.
     pub stream: Arc<str>,
@@ -28,6 +34,11 @@ pub struct Headers {
     pub explicit_hash_key: Option<String>,
     /// When Kinesis accepted the record (approximate).
     pub approximate_arrival: Option<SystemTime>,
+    /// How far the read that brought this record was behind the tip of its shard, in
+    /// milliseconds, as Kinesis reported it (`MillisBehindLatest`): the consumer's lag.
+    /// The same for every record of one read (it is reported per read, not per record),
+    /// and the same as [`Batch::millis_behind_latest`]; `None` when Kinesis did not say.
+    pub millis_behind_latest: Option<i64>,
     /// Cancelled when this worker loses the shard's lease: in-flight work may finish,
     /// but can stop early because the checkpoint will no longer move for it.
     pub lease_lost: CancellationToken,
@@ -37,6 +48,93 @@ impl Headers {
     /// The record's position in its shard: sequence and sub-sequence number.
     pub fn position(&self) -> Position {
         Position::new(self.sequence_number.clone(), self.sub_sequence_number)
+    }
+
+    /// Starts building headers by hand, for unit tests of handlers. The defaults: stream
+    /// `test-stream`, shard `shardId-000000000000`, sequence number 1, sub-sequence 0,
+    /// partition key `partition-key`, no explicit hash key, no arrival time, and a
+    /// `lease_lost` token that is not cancelled.
+    pub fn builder() -> HeadersBuilder {
+        HeadersBuilder {
+            headers: Headers {
+                stream: Arc::from("test-stream"),
+                shard_id: Arc::from("shardId-000000000000"),
+                sequence_number: SequenceNumber::from(1),
+                sub_sequence_number: 0,
+                partition_key: "partition-key".to_owned(),
+                explicit_hash_key: None,
+                approximate_arrival: None,
+                millis_behind_latest: None,
+                lease_lost: CancellationToken::new(),
+            },
+        }
+    }
+}
+
+/// Builds [`Headers`] by hand (see [`Headers::builder`]); for unit tests of handlers.
+#[derive(Debug, Clone)]
+pub struct HeadersBuilder {
+    headers: Headers,
+}
+
+impl HeadersBuilder {
+    /// The stream's name.
+    pub fn stream(mut self, stream: impl Into<Arc<str>>) -> Self {
+        self.headers.stream = stream.into();
+        self
+    }
+
+    /// The shard's id.
+    pub fn shard_id(mut self, shard_id: impl Into<Arc<str>>) -> Self {
+        self.headers.shard_id = shard_id.into();
+        self
+    }
+
+    /// The sequence number (a `u64` or a parsed [`SequenceNumber`]).
+    pub fn sequence_number(mut self, sequence_number: impl Into<SequenceNumber>) -> Self {
+        self.headers.sequence_number = sequence_number.into();
+        self
+    }
+
+    /// The user record's index inside a KPL aggregate.
+    pub fn sub_sequence_number(mut self, sub_sequence_number: u64) -> Self {
+        self.headers.sub_sequence_number = sub_sequence_number;
+        self
+    }
+
+    /// The partition key.
+    pub fn partition_key(mut self, partition_key: impl Into<String>) -> Self {
+        self.headers.partition_key = partition_key.into();
+        self
+    }
+
+    /// The explicit hash key.
+    pub fn explicit_hash_key(mut self, explicit_hash_key: impl Into<String>) -> Self {
+        self.headers.explicit_hash_key = Some(explicit_hash_key.into());
+        self
+    }
+
+    /// When Kinesis accepted the record.
+    pub fn approximate_arrival(mut self, at: SystemTime) -> Self {
+        self.headers.approximate_arrival = Some(at);
+        self
+    }
+
+    /// The lag of the read that brought the record, in milliseconds.
+    pub fn millis_behind_latest(mut self, millis: i64) -> Self {
+        self.headers.millis_behind_latest = Some(millis);
+        self
+    }
+
+    /// The headers built so far. Their `lease_lost` token can be cancelled to test a
+    /// handler's reaction to a lost lease.
+    pub fn build(self) -> Headers {
+        self.headers
+    }
+
+    /// A message with these headers and `payload`.
+    pub fn message<T>(self, payload: T) -> Message<T> {
+        Message::new(self.headers, payload)
     }
 }
 
@@ -50,6 +148,7 @@ impl fmt::Debug for Headers {
             .field("sub_sequence_number", &self.sub_sequence_number)
             .field("partition_key_len", &self.partition_key.len())
             .field("approximate_arrival", &self.approximate_arrival)
+            .field("millis_behind_latest", &self.millis_behind_latest)
             .finish()
     }
 }
@@ -67,6 +166,12 @@ impl<T> Message<T> {
     /// Builds a message from its parts.
     pub fn new(headers: Headers, payload: T) -> Self {
         Message { headers, payload }
+    }
+
+    /// A message with `payload` and the default test headers of [`Headers::builder`]:
+    /// for unit tests of handlers. Use [`Headers::builder`] to set the metadata.
+    pub fn for_test(payload: T) -> Self {
+        Headers::builder().message(payload)
     }
 
     /// Replaces the payload, keeping the headers (what a decode layer does).
@@ -116,6 +221,11 @@ impl<T> fmt::Debug for Message<T> {
 /// checkpoint may then pass them. A batch dropped without `ack` holds the checkpoint
 /// back (its records are delivered again after a restart or hand-off);
 /// [`Batch::nack`] asks for redelivery from the checkpoint right away.
+///
+/// In `consumer.run_batches(service)` mode the service's `Ok` acknowledges the batch and
+/// an error gives it up; `ack` and `nack` inside the service work as above (`ack` early,
+/// `nack` wins over a later `Ok`). A batch built with [`Batch::new`] (a test) has no
+/// handle: `ack` and `nack` do nothing.
 pub struct Batch<T = Bytes> {
     /// The stream's name.
     pub stream: Arc<str>,
@@ -160,8 +270,9 @@ impl<T> Batch<T> {
 
     /// Reports that this batch failed: it counts as given up at once (a restart does not
     /// wait for it), and the shard reads again from its checkpoint after a backoff.
-    /// Later acknowledgements of batches delivered before the restart are ignored, and so
-    /// is a late `nack` of one of them.
+    /// A later `ack` of this batch is ignored (its records are delivered again), and so
+    /// are acknowledgements of batches delivered before the restart, and a late `nack`
+    /// of one of them.
     pub fn nack(&self) {
         if let Some(ack) = &self.ack {
             ack.nack();

@@ -18,6 +18,7 @@ pub struct SequenceNumber(String);
 
 /// Why a string is not a sequence number.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SequenceNumberError {
     /// The string was empty.
     #[error("a sequence number cannot be empty")]
@@ -76,6 +77,15 @@ impl Ord for SequenceNumber {
 impl PartialOrd for SequenceNumber {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
+    }
+}
+
+impl From<u64> for SequenceNumber {
+    /// Any `u64` is a valid sequence number (handy for hand-built test messages).
+    fn from(n: u64) -> Self {
+        // `to_string` of a u64 is decimal digits without leading zeros (or "0"), at
+        // most 20 of them: already the normal form `new` would produce.
+        SequenceNumber(n.to_string())
     }
 }
 

@@ -92,6 +92,7 @@ fn reason_name(e: &AggregationError) -> &'static str {
         }
         AggregationError::InvalidExplicitHashKey { .. } => "invalid_explicit_hash_key",
         AggregationError::NoRecords => "no_records",
+        other => panic!("give the new variant a name here: {other:?}"),
     }
 }
 

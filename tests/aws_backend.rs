@@ -973,7 +973,7 @@ async fn wire_errors_are_classified() {
             "{:?}",
             results[6]
         );
-        assert!(results[6].is_retryable());
+        assert!(results[6].is_transient());
         // The fake has run out of answers: HTTP 500 again.
         assert!(
             matches!(shard_iterator, Err(KinesisError::Other(_))),

@@ -458,3 +458,30 @@ impl KinesisApi for IteratorsSeenKinesis {
         self.0.memory.streams().merge_shards(stream, a, b).await
     }
 }
+
+/// Record mode sees the consumer's lag too: every message carries the
+/// `millis_behind_latest` of the read that brought it (before, only `Batch` had it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_mode_messages_carry_the_lag_of_their_read() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("lag", 1).await.unwrap();
+    produce(kinesis.as_ref(), "lag", 0..300).await;
+    let (seen, mut lags) = tokio::sync::mpsc::unbounded_channel();
+    let handler = tower::service_fn(move |msg: Message| {
+        let _ = seen.send(msg.headers.millis_behind_latest);
+        async { Ok::<_, Infallible>(()) }
+    });
+    let consumer = test_consumer(memory.clone(), "lag", "lag-group", "w1")
+        .max_records_per_read(100)
+        .build()
+        .unwrap();
+    let running = consumer.run(handler).spawn();
+    for i in 0..300 {
+        let lag = within(LIMIT, "the next record", lags.recv()).await.unwrap();
+        assert!(lag.is_some(), "record {i} has no millis_behind_latest");
+    }
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+}

@@ -56,7 +56,7 @@ async fn collect(
     'subscribe: loop {
         let mut events = match kinesis.subscribe_to_shard(arn, shard, &from).await {
             Ok(events) => events,
-            Err(e) if e.is_retryable() && refused < 50 => {
+            Err(e) if e.is_transient() && refused < 50 => {
                 refused += 1;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
@@ -70,7 +70,7 @@ async fn collect(
                 .expect("the subscription is open");
             let event = match event {
                 Ok(event) => event,
-                Err(e) if e.is_retryable() && values.is_empty() && refused < 50 => {
+                Err(e) if e.is_transient() && values.is_empty() && refused < 50 => {
                     refused += 1;
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     continue 'subscribe;

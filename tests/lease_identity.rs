@@ -18,8 +18,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use common::{produce, recording_handler, test_consumer, Recorder};
 use shardflow::kinesis::KinesisApi;
-use shardflow::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
-use shardflow::sequence::{Position, SequenceNumber};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, CheckpointPolicy, InitialPosition, Memory, Message};
 
 /// Virtual time (the clock is paused): generous, and never a real wait.
@@ -462,26 +461,4 @@ async fn two_incarnations_of_one_worker_id_never_move_a_checkpoint_back() {
     assert!(problems.is_empty(), "{problems:#?}");
     let writers: BTreeSet<usize> = commits.iter().map(|c| c.writer).collect();
     assert_eq!(writers.len(), 2, "both processes held leases");
-}
-
-/// A held lease never writes a checkpoint behind the row it last read or wrote.
-#[tokio::test(start_paused = true)]
-async fn a_held_lease_never_moves_its_checkpoint_back() {
-    let memory = Memory::new();
-    let store = memory.lease_store("held");
-    let at = |n: u64| {
-        Checkpoint::At(Position::new(
-            SequenceNumber::new(n.to_string()).unwrap(),
-            0,
-        ))
-    };
-    let row = Lease::new("s", Vec::new(), at(10));
-    assert!(store.create(&row).await.unwrap());
-    let taken = store.take(&row, "w#a").await.unwrap();
-    let held = HeldLease::new(taken, store.clone(), "w#a");
-    held.checkpoint(&at(5)).await.unwrap();
-    held.checkpoint(&Checkpoint::TrimHorizon).await.unwrap();
-    assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(10));
-    held.checkpoint(&at(12)).await.unwrap();
-    assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(12));
 }

@@ -407,3 +407,51 @@ async fn a_hand_off_waits_for_the_old_owner_to_drain_with_the_default_timeouts()
         "a planned hand-off duplicates nothing"
     );
 }
+
+/// In `run_batches` the batch a handler receives can be nacked: the nack wins over the
+/// handler's `Ok`, and the records come again (before, the handle was taken out first,
+/// so `nack` silently did nothing and `Ok` acknowledged records the handler gave up).
+/// Afterwards every record is handled and the checkpoint reaches the last one.
+#[tokio::test(start_paused = true)]
+async fn in_batch_mode_a_nack_from_the_handler_redelivers_even_when_it_returns_ok() {
+    let memory = stream_with("bnack", 30).await;
+    let (seen, mut delivered) = tokio::sync::mpsc::unbounded_channel();
+    let nacks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = tower::service_fn(move |batch: Batch| {
+        let first = first_value(&batch);
+        // The handler gives up the first delivery of the first read, and returns Ok.
+        if first == 0 && nacks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            batch.nack();
+        }
+        let last = batch.messages.last().map(|m| m.position());
+        let last_value: usize = std::str::from_utf8(&batch.messages[batch.len() - 1].payload)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let _ = seen.send((first, last_value, last));
+        async { Ok::<_, std::convert::Infallible>(()) }
+    });
+    let consumer = test_consumer(memory.clone(), "bnack", "bnack-group", "w1")
+        .max_records_per_read(10)
+        .build()
+        .unwrap();
+    let running = consumer.run_batches(handler).spawn();
+    let mut firsts = Vec::new();
+    // Until record 0 came a second time, and then the last record (29).
+    let end = loop {
+        let (first, last_value, last) = tokio::time::timeout(LIMIT, delivered.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no delivery within {LIMIT:?}; so far {firsts:?}"))
+            .expect("handler alive");
+        firsts.push(first);
+        if firsts.iter().filter(|&&f| f == 0).count() == 2 && last_value == 29 {
+            break last;
+        }
+    };
+    tokio::time::timeout(LIMIT, running.shutdown())
+        .await
+        .expect("shutdown finishes")
+        .unwrap();
+    let rows = memory.table("bnack-group").rows();
+    assert_eq!(rows[0].checkpoint, Checkpoint::At(end.unwrap()));
+}

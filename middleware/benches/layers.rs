@@ -23,7 +23,6 @@ use shardflow_middleware::{
     Backoff, BatchConfig, Batching, DecodeLayer, DedupStore, MemoryDedupStore, RetryLayer,
     ServiceBuilderExt,
 };
-use tokio_util::sync::CancellationToken;
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 
 #[derive(Clone, serde::Deserialize)]
@@ -39,22 +38,19 @@ const RUNS: usize = 5;
 fn records(count: u64) -> Vec<Message<Bytes>> {
     let stream: Arc<str> = Arc::from("orders");
     let shard: Arc<str> = Arc::from("shardId-000000000000");
-    let lease_lost = CancellationToken::new();
     (0..count)
         .map(|i| {
-            let headers = Headers {
-                stream: stream.clone(),
-                shard_id: shard.clone(),
-                sequence_number: SequenceNumber::new(format!(
-                    "49590338271490256608559692538361571095921575989136588898{i:010}"
-                ))
-                .expect("digits"),
-                sub_sequence_number: 0,
-                partition_key: format!("customer-{}", i % 1000),
-                explicit_hash_key: None,
-                approximate_arrival: None,
-                lease_lost: lease_lost.clone(),
-            };
+            let headers = Headers::builder()
+                .stream(stream.clone())
+                .shard_id(shard.clone())
+                .sequence_number(
+                    SequenceNumber::new(format!(
+                        "49590338271490256608559692538361571095921575989136588898{i:010}"
+                    ))
+                    .expect("digits"),
+                )
+                .partition_key(format!("customer-{}", i % 1000))
+                .build();
             let payload = format!(r#"{{"id":{i},"amount":4200,"currency":"EUR"}}"#);
             Message::new(headers, Bytes::from(payload))
         })

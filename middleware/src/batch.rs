@@ -149,6 +149,7 @@ impl BatchConfig {
 
 /// A batch's failure, as seen by each of its messages.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BatchError {
     /// The bulk handler failed for the batch this message was in.
     #[error("the batch of {size} messages failed")]

@@ -1,23 +1,16 @@
 //! Hand-made messages for the unit tests.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
-use shardflow::{Headers, Message, SequenceNumber};
-use tokio_util::sync::CancellationToken;
+use shardflow::{Headers, Message};
 
 /// Headers of record `sequence` in shard `shardId-000000000000` of stream `orders`.
 pub(crate) fn headers(sequence: u64) -> Headers {
-    Headers {
-        stream: Arc::from("orders"),
-        shard_id: Arc::from("shardId-000000000000"),
-        sequence_number: SequenceNumber::new(sequence.to_string()).expect("digits"),
-        sub_sequence_number: 0,
-        partition_key: format!("pk-{sequence}"),
-        explicit_hash_key: None,
-        approximate_arrival: None,
-        lease_lost: CancellationToken::new(),
-    }
+    Headers::builder()
+        .stream("orders")
+        .shard_id("shardId-000000000000")
+        .sequence_number(sequence)
+        .partition_key(format!("pk-{sequence}"))
+        .build()
 }
 
 /// A message with the given sequence number and payload.

@@ -178,7 +178,7 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
                 .jitter_seed(14)
                 .classify(|e: &Failure| match e {
                     Failure::Poison => ErrorClass::Permanent,
-                    Failure::Flaky => ErrorClass::Retryable,
+                    Failure::Flaky => ErrorClass::Transient,
                 }),
         )
         .service(handler);

@@ -127,7 +127,7 @@ async fn run(seed: u64) -> Run {
         .jitter_seed(seed)
         .classify(|e: &HandlerError| match e {
             HandlerError::Poison(_) => ErrorClass::Permanent,
-            HandlerError::Flaky => ErrorClass::Retryable,
+            HandlerError::Flaky => ErrorClass::Transient,
         });
     let mut stack = ServiceBuilder::new()
         .dead_letter(sink)

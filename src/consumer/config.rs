@@ -15,7 +15,13 @@ const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// The most batches a shard may read ahead.
 const MAX_PREFETCH: usize = 1_024;
 
-/// Where a consumer group starts on a shard that has no checkpoint yet.
+/// Where a consumer group starts on a shard that has no checkpoint yet: the one way
+/// users say where to start ([`ConsumerBuilder::initial_position`]).
+///
+/// Not to be confused with [`crate::kinesis::StartingPosition`], the position of one
+/// shard-iterator request on the [`crate::kinesis::KinesisApi`] trait: the consumer
+/// turns an `InitialPosition` into a durable start in the lease row, then into
+/// `StartingPosition`s (mostly `AfterSequenceNumber` of the checkpoint) for each read.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
@@ -86,6 +92,7 @@ impl FanOut {
 
 /// A configuration value the builder refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A required field was not set.
     #[error("`{field}` is required")]

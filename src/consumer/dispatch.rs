@@ -61,7 +61,10 @@ where
     }
 }
 
-/// Calls `service` once per batch; `Ok` acknowledges the whole batch.
+/// Calls `service` once per batch; `Ok` acknowledges the whole batch, an error gives it
+/// up. The batch keeps (a clone of) its acknowledgement handle, so the handler's own
+/// `ack` (earlier than its return) and `nack` (give up, redeliver) mean what they say;
+/// `Ok` after a `nack` does not acknowledge (a given-up batch stays given up).
 pub(crate) async fn batches<S>(mut batches: mpsc::Receiver<Batch>, mut service: S)
 where
     S: Service<Batch>,
@@ -76,6 +79,7 @@ where
             continue;
         }
         let shard = batch.shard_id.clone();
+        batch.ack = Some(ack.clone());
         let result = match service.ready().await {
             Ok(ready) => ready.call(batch).await,
             Err(e) => Err(e),

@@ -68,6 +68,7 @@ use coordinator::{Coordinator, Sink, SpawnDispatch};
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConsumerError {
     /// The configuration was refused.
     #[error(transparent)]
@@ -87,11 +88,8 @@ impl ConsumerError {
     /// Whether the same call may succeed later (throttling, network, service errors).
     pub fn is_transient(&self) -> bool {
         match self {
-            ConsumerError::Lease(e) => matches!(
-                e,
-                LeaseError::Throttled(_) | LeaseError::TimedOut { .. } | LeaseError::Other(_)
-            ),
-            ConsumerError::Kinesis(e) => e.is_retryable(),
+            ConsumerError::Lease(e) => e.is_transient(),
+            ConsumerError::Kinesis(e) => e.is_transient(),
             _ => false,
         }
     }
@@ -165,7 +163,22 @@ impl Consumer {
     }
 
     /// Like [`Consumer::run`], with the service called once per batch (one GetRecords
-    /// read of one shard): `Ok` acknowledges the whole batch.
+    /// read of one shard), a shard's batches one at a time in order.
+    ///
+    /// The service's result is the verdict: `Ok` acknowledges the whole batch; an error
+    /// gives it up and the shard reads again from its checkpoint after a backoff. The
+    /// [`Batch`] the service receives still has its acknowledgement handle, with the same
+    /// meaning as in [`Consumer::stream`]: [`Batch::ack`] marks it handled before the
+    /// service returns (harmless: `Ok` would do the same), and [`Batch::nack`] gives it
+    /// up at once, so it is delivered again even if the service then returns `Ok`. An
+    /// acknowledgement cannot be put off past the service's return (`Ok` acknowledges
+    /// even when the handle was moved out with [`Batch::take_ack`]): to acknowledge
+    /// later, use [`Consumer::stream`].
+    ///
+    /// Of the `shardflow-middleware` layers, only `batch` (`Batching`, which re-chunks a
+    /// read for a bulk handler) is a `Service<Batch>`; `decode`, `dedup`, `retry` and
+    /// `dead_letter` wrap a `Service<Message>` and so work in [`Consumer::run`] mode (or
+    /// below `Batching`'s bulk handler, which receives `Vec<Message>`, not at all).
     pub fn run_batches<S>(self, service: S) -> Run
     where
         S: Service<Batch> + Clone + Send + 'static,

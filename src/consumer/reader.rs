@@ -91,7 +91,7 @@ impl ShardReader {
                 Some(it) => it,
                 None => match self.iterator_after(&handled, after_delivered).await {
                     Ok(it) => it,
-                    Err(e) if e.is_retryable() => {
+                    Err(e) if e.is_transient() => {
                         self.pause(&e, backoff).await;
                         continue;
                     }
@@ -114,7 +114,7 @@ impl ShardReader {
                     }
                     continue;
                 }
-                Err(e) if e.is_retryable() => {
+                Err(e) if e.is_transient() => {
                     self.pause(&e, backoff).await;
                     iterator = Some(it);
                     continue;
@@ -199,7 +199,7 @@ impl ShardReader {
                 .await
             {
                 Ok(arn) => break arn,
-                Err(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Err(e) if e.is_transient() => self.pause(&e, backoff).await,
                 Err(e) => return Err(e),
             }
         };
@@ -218,7 +218,7 @@ impl ShardReader {
                 .await
             {
                 Ok(events) => events,
-                Err(e) if e.is_retryable() => {
+                Err(e) if e.is_transient() => {
                     self.pause(&e, backoff).await;
                     continue;
                 }
@@ -292,7 +292,7 @@ impl ShardReader {
                 None => {
                     tracing::debug!(shard = %self.shard_id, after = ?continuation, "subscription ended; renewing it")
                 }
-                Some(e) if e.is_retryable() => self.pause(&e, backoff).await,
+                Some(e) if e.is_transient() => self.pause(&e, backoff).await,
                 Some(e) => return Err(e),
             }
         }
@@ -329,6 +329,10 @@ impl ShardReader {
                     user_records,
                 } => self.push_user_records(record, user_records, handled, &mut messages),
             }
+        }
+        // The lag is reported per read: every record of it carries the same value.
+        for message in &mut messages {
+            message.headers.millis_behind_latest = millis_behind_latest;
         }
         if raw > messages.len() {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
@@ -381,6 +385,7 @@ impl ShardReader {
                 partition_key,
                 explicit_hash_key,
                 approximate_arrival,
+                millis_behind_latest: None,
                 lease_lost: self.lease_lost.clone(),
             },
             payload,

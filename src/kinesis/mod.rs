@@ -48,7 +48,13 @@ impl ShardInfo {
     }
 }
 
-/// Where a shard iterator starts.
+/// Where one shard iterator (GetShardIterator, SubscribeToShard) starts: a request
+/// parameter of the [`KinesisApi`] trait, for backends and tools.
+///
+/// Consumers do not use it: they say where a group starts with
+/// [`crate::InitialPosition`], which the consumer resolves once into a durable start
+/// in the lease row and then into a `StartingPosition` for every read (mostly
+/// `AfterSequenceNumber` of the checkpoint).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StartingPosition {
     /// The oldest record still retained.
@@ -139,6 +145,7 @@ pub enum PutOutcome {
 
 /// Errors of the Kinesis calls, classified by what the caller should do.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KinesisError {
     /// Throttled (ProvisionedThroughputExceeded, LimitExceeded, KMS throttling): back off and retry.
     #[error("throttled by Kinesis: {0}")]
@@ -162,8 +169,8 @@ pub enum KinesisError {
 }
 
 impl KinesisError {
-    /// Whether retrying the same call later can succeed.
-    pub fn is_retryable(&self) -> bool {
+    /// Whether the same call may succeed later (throttling, network, service errors).
+    pub fn is_transient(&self) -> bool {
         matches!(self, KinesisError::Throttled(_) | KinesisError::Other(_))
     }
 }

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
 
 /// A held lease: the row as last written by us, and the "lease lost" signal.
-pub struct HeldLease {
+pub(crate) struct HeldLease {
     row: Mutex<Lease>,
     store: Arc<dyn LeaseStore>,
     /// This incarnation's owner name (worker id and nonce).
@@ -25,12 +25,6 @@ pub struct HeldLease {
 }
 
 impl HeldLease {
-    /// Wraps a row this incarnation just took (its owner is `owner`), counting it as
-    /// renewed now; see [`HeldLease::taken_at`] when the take was sent earlier.
-    pub fn new(row: Lease, store: Arc<dyn LeaseStore>, owner: &str) -> Self {
-        Self::taken_at(row, store, owner, Instant::now())
-    }
-
     /// Wraps a row this incarnation took with a take sent at `sent`. Other workers'
     /// expiry timers run from when the take landed, which may be long before its answer
     /// came back: the lease is fresh (see [`HeldLease::is_fresh`]) only as measured from
@@ -179,5 +173,35 @@ impl HeldLease {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+    use crate::memory::Memory;
+    use crate::sequence::{Position, SequenceNumber};
+
+    /// A held lease never writes a checkpoint behind the row it last read or wrote.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_lease_never_moves_its_checkpoint_back() {
+        let memory = Memory::new();
+        let store = memory.lease_store("held");
+        let at = |n: u64| {
+            Checkpoint::At(Position::new(
+                SequenceNumber::new(n.to_string()).unwrap(),
+                0,
+            ))
+        };
+        let row = Lease::new("s", Vec::new(), at(10));
+        assert!(store.create(&row).await.unwrap());
+        let taken = store.take(&row, "w#a").await.unwrap();
+        let held = HeldLease::taken_at(taken, store.clone(), "w#a", Instant::now());
+        held.checkpoint(&at(5)).await.unwrap();
+        held.checkpoint(&Checkpoint::TrimHorizon).await.unwrap();
+        assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(10));
+        held.checkpoint(&at(12)).await.unwrap();
+        assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(12));
     }
 }

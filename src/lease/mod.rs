@@ -9,7 +9,7 @@
 pub mod dynamo;
 mod held;
 
-pub use held::HeldLease;
+pub(crate) use held::HeldLease;
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -47,7 +47,7 @@ pub enum Checkpoint {
 
 impl Checkpoint {
     /// The KCL's string form of the `checkpoint` attribute: a sentinel or the digits.
-    pub fn as_attribute(&self) -> (String, u64) {
+    pub(crate) fn as_attribute(&self) -> (String, u64) {
         match self {
             Checkpoint::TrimHorizon => ("TRIM_HORIZON".into(), 0),
             Checkpoint::Latest => ("LATEST".into(), 0),
@@ -58,7 +58,7 @@ impl Checkpoint {
     }
 
     /// Parses the `checkpoint` and `checkpointSubSequenceNumber` attributes.
-    pub fn from_attribute(value: &str, sub_sequence: u64) -> Result<Self, LeaseError> {
+    pub(crate) fn from_attribute(value: &str, sub_sequence: u64) -> Result<Self, LeaseError> {
         Ok(match value {
             "TRIM_HORIZON" => Checkpoint::TrimHorizon,
             "LATEST" => Checkpoint::Latest,
@@ -86,7 +86,7 @@ impl Checkpoint {
 
     /// The `checkpointTimestamp` attribute: epoch milliseconds of an
     /// [`Checkpoint::AtTimestamp`] start, if it has one.
-    pub fn timestamp_millis(&self) -> Option<u64> {
+    pub(crate) fn timestamp_millis(&self) -> Option<u64> {
         match self {
             Checkpoint::AtTimestamp(Some(t)) => Some(
                 t.duration_since(SystemTime::UNIX_EPOCH)
@@ -98,7 +98,7 @@ impl Checkpoint {
 
     /// Adds the `checkpointTimestamp` attribute (epoch milliseconds) to a parsed
     /// `AT_TIMESTAMP` sentinel; any other checkpoint ignores it.
-    pub fn with_timestamp_millis(self, millis: Option<u64>) -> Self {
+    pub(crate) fn with_timestamp_millis(self, millis: Option<u64>) -> Self {
         match (self, millis) {
             (Checkpoint::AtTimestamp(_), Some(ms)) => Checkpoint::AtTimestamp(
                 SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms)),
@@ -210,6 +210,7 @@ impl Lease {
 
 /// Errors of the lease store.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LeaseError {
     /// The conditional write failed: someone else changed the lease (it was taken,
     /// renewed by another owner, or released). The caller no longer holds it.
@@ -241,6 +242,17 @@ pub enum LeaseError {
     /// Another failure (network, service error); retry with backoff.
     #[error("lease store call failed: {0}")]
     Other(String),
+}
+
+impl LeaseError {
+    /// Whether the same call may succeed later (throttling, network, service errors).
+    /// A [`LeaseError::Conflict`] is not: the lease changed and must be read again.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            LeaseError::Throttled(_) | LeaseError::TimedOut { .. } | LeaseError::Other(_)
+        )
+    }
 }
 
 /// Where leases and checkpoints live. Every write is conditional: `expected` is the

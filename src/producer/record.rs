@@ -118,6 +118,7 @@ pub struct Stored {
 
 /// Why a record was refused before it was buffered.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum InvalidRecord {
     /// The partition key is empty.
     #[error("the partition key is empty")]
@@ -137,6 +138,7 @@ pub enum InvalidRecord {
 
 /// How a produce call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ProduceError {
     /// The record (payload plus partition key) is larger than Kinesis accepts. Refused
     /// before anything was sent.
@@ -169,9 +171,49 @@ pub enum ProduceError {
     Closed,
 }
 
+impl ProduceError {
+    /// Whether sending the same record again later may succeed: Kinesis did not store
+    /// it for a reason that passes with time (throttling, an internal or network
+    /// failure, KMS throttling). A refused record, a missing stream, a KMS key that is
+    /// disabled or not allowed, or a closed producer is not.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ProduceError::Failed { code, .. } => {
+                !matches!(
+                    code.as_str(),
+                    "NotFound" | "Invalid" | "Unsupported" | "ExpiredIterator"
+                ) && super::worker::entry_error_is_transient(code)
+            }
+            _ => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transient_produce_errors_are_the_ones_that_pass_with_time() {
+        let failed = |code: &str| ProduceError::Failed {
+            code: code.to_owned(),
+            message: String::new(),
+            attempts: 3,
+        };
+        for code in [
+            "ProvisionedThroughputExceededException",
+            "InternalFailure",
+            "KMSThrottlingException",
+            "Throttled",
+            "ServiceError",
+        ] {
+            assert!(failed(code).is_transient(), "{code}");
+        }
+        for code in ["KMSAccessDeniedException", "NotFound", "Invalid"] {
+            assert!(!failed(code).is_transient(), "{code}");
+        }
+        assert!(!ProduceError::Closed.is_transient());
+    }
 
     #[test]
     fn hash_keys_follow_the_kinesis_pattern() {

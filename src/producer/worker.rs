@@ -415,7 +415,7 @@ impl Worker {
                     }),
                 ),
                 PutOutcome::Failed { code, message } => {
-                    if entry_error_is_retryable(&code) && meta.attempts < self.settings.max_attempts
+                    if entry_error_is_transient(&code) && meta.attempts < self.settings.max_attempts
                     {
                         resent += 1;
                         let delay = self.backoff(meta.attempts, jitter);
@@ -453,7 +453,7 @@ impl Worker {
         jitter: f64,
         now: Instant,
     ) {
-        let retryable = error.is_retryable();
+        let retryable = error.is_transient();
         if retryable {
             self.call_failures = self.call_failures.saturating_add(1);
             let pause = self.backoff(self.call_failures, jitter);
@@ -555,7 +555,7 @@ async fn sleep_until(deadline: Option<Instant>) {
 
 /// PutRecords entry errors: throughput and internal failures pass with time; KMS
 /// errors other than throttling (key disabled, not found, access denied) do not.
-fn entry_error_is_retryable(code: &str) -> bool {
+pub(super) fn entry_error_is_transient(code: &str) -> bool {
     !code.starts_with("KMS") || code == "KMSThrottlingException"
 }
 
@@ -604,12 +604,12 @@ mod tests {
 
     #[test]
     fn kms_errors_other_than_throttling_are_permanent() {
-        assert!(entry_error_is_retryable(
+        assert!(entry_error_is_transient(
             "ProvisionedThroughputExceededException"
         ));
-        assert!(entry_error_is_retryable("InternalFailure"));
-        assert!(entry_error_is_retryable("KMSThrottlingException"));
-        assert!(!entry_error_is_retryable("KMSAccessDeniedException"));
-        assert!(!entry_error_is_retryable("KMSDisabledException"));
+        assert!(entry_error_is_transient("InternalFailure"));
+        assert!(entry_error_is_transient("KMSThrottlingException"));
+        assert!(!entry_error_is_transient("KMSAccessDeniedException"));
+        assert!(!entry_error_is_transient("KMSDisabledException"));
     }
 }

@@ -21,9 +21,9 @@ use std::time::{Duration, SystemTime};
 use futures_util::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use shardflow::checkpoint::AckHandle;
 use shardflow::kinesis::{KinesisApi, ShardInfo};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
+use shardflow::AckHandle;
 use shardflow::{
     CheckpointPolicy, Consumer, InitialPosition, Memory, Message, Position, SequenceNumber,
     ShutdownHandle,

@@ -102,6 +102,7 @@ impl<R> Outcome<R> {
 /// Why the dedup layer could not decide whether to run the handler. Always transient:
 /// the record must be delivered again, never dead-lettered.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DedupError {
     /// The store failed before the handler ran.
     #[error("the dedup store is unavailable")]
@@ -112,6 +113,14 @@ pub enum DedupError {
         /// How long this call waited.
         waited: Duration,
     },
+}
+
+impl DedupError {
+    /// Always true: the record must come again (never dead-lettered); the name is the
+    /// one every error type of the workspace uses for "may succeed later".
+    pub fn is_transient(&self) -> bool {
+        true
+    }
 }
 
 /// How a record becomes its dedup key.

@@ -33,6 +33,7 @@ pub enum Commit {
 
 /// Why a dedup store could not answer.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The backend failed (network, throttling, permissions...).
     #[error("dedup store failed to {operation}")]
@@ -49,6 +50,13 @@ pub enum StoreError {
         /// The store's capacity.
         capacity: usize,
     },
+}
+
+impl StoreError {
+    /// Always true: a backend failure or a full store passes with time.
+    pub fn is_transient(&self) -> bool {
+        true
+    }
 }
 
 /// Where the idempotent receiver keeps its keys.

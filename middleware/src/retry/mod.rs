@@ -6,7 +6,7 @@
 //! shard waits while its record is retried, which keeps per-shard order.
 //!
 //! A retry is scheduled only when the [`Classify`] policy calls the error
-//! [`Retryable`](ErrorClass::Retryable), the [`Backoff`]'s attempts and elapsed time allow
+//! [`Transient`](ErrorClass::Transient), the [`Backoff`]'s attempts and elapsed time allow
 //! it, and the shard's lease is still held (once `lease_lost` fires, the new owner will
 //! handle the record: the error goes up at once, even in the middle of a backoff wait).
 //!

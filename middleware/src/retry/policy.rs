@@ -6,16 +6,19 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use shardflow::Headers;
 
-/// Whether a failed attempt is worth another try.
+/// Whether a failed attempt is worth another try. "Transient" is the one name the
+/// workspace uses for "may succeed later" (see the `is_transient` methods of the
+/// error types).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ErrorClass {
     /// Try again after a delay (a timeout, a throttle, a dependency that was down).
-    Retryable,
+    Transient,
     /// Trying again cannot help (invalid input, a rule the record breaks): give up now.
     Permanent,
 }
 
-/// Says whether an error is [`ErrorClass::Retryable`] or [`ErrorClass::Permanent`].
+/// Says whether an error is [`ErrorClass::Transient`] or [`ErrorClass::Permanent`].
 ///
 /// Implemented by [`RetryAll`] (the default) and by every `Fn(&E) -> ErrorClass`.
 pub trait Classify<E> {
@@ -30,7 +33,7 @@ pub struct RetryAll;
 
 impl<E> Classify<E> for RetryAll {
     fn classify(&self, _error: &E) -> ErrorClass {
-        ErrorClass::Retryable
+        ErrorClass::Transient
     }
 }
 
@@ -68,7 +71,7 @@ where
 ///     .initial_delay(Duration::from_millis(50))
 ///     .classify(|e: &std::io::Error| match e.kind() {
 ///         std::io::ErrorKind::InvalidData => ErrorClass::Permanent,
-///         _ => ErrorClass::Retryable,
+///         _ => ErrorClass::Transient,
 ///     });
 /// # let _ = policy;
 /// ```

@@ -85,7 +85,7 @@ async fn permanent_errors_are_not_retried() {
     let (calls, handler) = flaky(u32::MAX, || Failure::Invalid);
     let policy = exact().max_attempts(5).classify(|e: &Failure| match e {
         Failure::Invalid => ErrorClass::Permanent,
-        Failure::Flaky => ErrorClass::Retryable,
+        Failure::Flaky => ErrorClass::Transient,
     });
     let svc = RetryLayer::new(policy).layer(handler);
     let start = Instant::now();

@@ -5,21 +5,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use shardflow::{Headers, Message, SequenceNumber};
-use tokio_util::sync::CancellationToken;
 
 /// Record `sequence` of shard `shard` in stream `orders`.
 pub fn message(shard: &str, sequence: u64, payload: impl Into<Bytes>) -> Message<Bytes> {
     Message::new(
-        Headers {
-            stream: Arc::from("orders"),
-            shard_id: Arc::from(shard),
-            sequence_number: SequenceNumber::new(format!("4959{sequence:020}")).expect("digits"),
-            sub_sequence_number: 0,
-            partition_key: format!("pk-{sequence}"),
-            explicit_hash_key: None,
-            approximate_arrival: None,
-            lease_lost: CancellationToken::new(),
-        },
+        Headers::builder()
+            .stream("orders")
+            .shard_id(shard)
+            .sequence_number(SequenceNumber::new(format!("4959{sequence:020}")).expect("digits"))
+            .partition_key(format!("pk-{sequence}"))
+            .build(),
         payload.into(),
     )
 }
