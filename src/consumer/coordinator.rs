@@ -70,6 +70,8 @@ pub(crate) struct Coordinator {
     /// not moved for the lease duration is expired (no clocks compared across hosts).
     seen: BTreeMap<String, (u64, Instant)>,
     steals: BTreeMap<String, Instant>,
+    /// Leases of a live non-shardflow owner already warned about.
+    warned: BTreeSet<String>,
     shards: Vec<ShardInfo>,
     last_sync: Option<Instant>,
     need_sync: bool,
@@ -99,6 +101,7 @@ impl Coordinator {
             held: Arc::default(),
             seen: BTreeMap::new(),
             steals: BTreeMap::new(),
+            warned: BTreeSet::new(),
             shards: Vec::new(),
             last_sync: None,
             need_sync: true,
@@ -123,6 +126,16 @@ impl Coordinator {
                 let attempt = match self.store.ensure_table().await {
                     Ok(()) => self.sync_shards().await,
                     Err(e) => Err(e.into()),
+                };
+                // A consumer of another stream may have created its rows on the same
+                // table at the same moment (both saw it empty): look once more after
+                // our own rows are in.
+                let attempt = match attempt {
+                    Ok(()) => match self.store.list().await {
+                        Ok(rows) => self.check_stream(&rows),
+                        Err(e) => Err(e.into()),
+                    },
+                    Err(e) => Err(e),
                 };
                 // Enhanced fan-out: register the stream consumer once, before any read,
                 // so that a backend without fan-out refuses to start.
@@ -386,7 +399,21 @@ impl Coordinator {
             .iter()
             .copied()
             .filter(|r| r.pending_owner.is_none() && !self.steals.contains_key(&r.key))
+            // A live KCL worker would never answer a hand-off request, and sharing a
+            // table with one (a mixed fleet) is not supported: its leases are taken
+            // only once they expire (the KCL fleet stopped).
+            .filter(|r| !r.has_foreign_owner())
             .collect();
+        for row in eligible.iter().filter(|r| {
+            r.has_foreign_owner() && !expired(r, &self.seen) && self.warned.insert(r.key.clone())
+        }) {
+            tracing::warn!(
+                lease = %row.key,
+                owner = ?row.owner,
+                "the lease is held by a live worker that is not shardflow (a KCL worker?); \
+                 a mixed fleet is not supported: stop the KCL fleet, its leases are taken once they expire"
+            );
+        }
         pool.shuffle(&mut self.rng);
         while !self.updating
             && mine + self.steals.len() < target
@@ -479,6 +506,7 @@ impl Coordinator {
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
+        self.check_stream(&rows)?;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -523,7 +551,9 @@ impl Coordinator {
             } else {
                 initial.clone()
             };
-            let lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
+            let mut lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
+            lease.stream = Some(self.stream.to_string());
+            lease.hash_range = Some((shard.starting_hash_key, shard.ending_hash_key));
             if self.store.create(&lease).await? {
                 tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
             }
@@ -533,6 +563,23 @@ impl Coordinator {
         self.last_sync = Some(Instant::now());
         self.need_sync = false;
         Ok(())
+    }
+
+    /// Refuses a table whose rows name another stream. Rows without a stream (written
+    /// by the KCL) are accepted: a KCL table is taken over as it is.
+    fn check_stream(&self, rows: &[Lease]) -> Result<(), ConsumerError> {
+        match rows
+            .iter()
+            .find(|r| r.stream.as_deref().is_some_and(|s| s != &*self.stream))
+        {
+            Some(row) => Err(ConsumerError::TableOfAnotherStream {
+                table: self.config.lease_table.clone(),
+                stream: self.stream.to_string(),
+                other_stream: row.stream.clone().unwrap_or_default(),
+                lease: row.key.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its

@@ -52,7 +52,7 @@ use aws_sdk_dynamodb::types::{
     ScalarAttributeType, TableStatus,
 };
 
-use super::{Checkpoint, Lease, LeaseError, LeaseStore};
+use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::kinesis::aws::describe_sdk_error;
 
 /// The hash key: the shard id.
@@ -71,6 +71,25 @@ const TIMESTAMP: &str = "checkpointTimestamp";
 const PARENTS: &str = "parentShardId";
 /// The worker asking for a hand-off.
 const PENDING_OWNER: &str = "pendingOwner";
+/// The stream the row belongs to (shardflow's).
+const STREAM: &str = "streamName";
+/// Owner changes since the last checkpoint (the KCL's).
+const OWNER_SWITCHES: &str = "ownerSwitchesSinceCheckpoint";
+/// The child shards of an ended shard (the KCL's).
+const CHILDREN: &str = "childShardIds";
+/// The lowest hash key of the shard (the KCL's, a decimal string).
+const STARTING_HASH: &str = "startingHashKey";
+/// The highest hash key of the shard (the KCL's, a decimal string).
+const ENDING_HASH: &str = "endingHashKey";
+/// KCL 3: the worker still processing during a graceful hand-off to `leaseOwner`.
+const CHECKPOINT_OWNER: &str = "checkpointOwner";
+/// The KCL's two-phase checkpoint: shardflow never writes it and removes it with
+/// every checkpoint it stores, as the KCL does when it checkpoints.
+const PENDING_CHECKPOINT: &str = "pendingCheckpoint";
+/// The pending checkpoint's sub-sequence number.
+const PENDING_SUB_SEQUENCE: &str = "pendingCheckpointSubSequenceNumber";
+/// The application state saved with a pending checkpoint (B; some KCL 3 versions write N).
+const PENDING_STATE: &str = "pendingCheckpointState";
 
 /// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
 const ACTIVE_WAIT: Duration = Duration::from_secs(60);
@@ -291,6 +310,33 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
     if let Some(pending) = &lease.pending_owner {
         item.insert(PENDING_OWNER.to_owned(), AttributeValue::S(pending.clone()));
     }
+    // The KCL's reader refuses a row without it (it is a non-null field there).
+    item.insert(
+        OWNER_SWITCHES.to_owned(),
+        AttributeValue::N(lease.owner_switches.to_string()),
+    );
+    if let Some(stream) = &lease.stream {
+        item.insert(STREAM.to_owned(), AttributeValue::S(stream.clone()));
+    }
+    if !lease.children.is_empty() {
+        item.insert(
+            CHILDREN.to_owned(),
+            AttributeValue::Ss(lease.children.clone()),
+        );
+    }
+    if let Some((start, end)) = lease.hash_range {
+        item.insert(
+            STARTING_HASH.to_owned(),
+            AttributeValue::S(start.to_string()),
+        );
+        item.insert(ENDING_HASH.to_owned(), AttributeValue::S(end.to_string()));
+    }
+    if let Some(checkpoint_owner) = &lease.checkpoint_owner {
+        item.insert(
+            CHECKPOINT_OWNER.to_owned(),
+            AttributeValue::S(checkpoint_owner.clone()),
+        );
+    }
     item
 }
 
@@ -315,25 +361,31 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
         Some(n) => Some(parse_number(&key, TIMESTAMP, &n)?),
         None => None,
     };
-    let parents = match item.get(PARENTS) {
-        None => Vec::new(),
-        Some(AttributeValue::Ss(set)) => {
-            let mut parents = set.clone();
-            parents.sort();
-            parents
-        }
-        Some(_) => {
-            return Err(LeaseError::Corrupt(format!(
-                "lease {key}: {PARENTS} is not a string set"
-            )))
-        }
+    let owner_switches = match number(item, OWNER_SWITCHES, &key)? {
+        Some(n) => parse_number(&key, OWNER_SWITCHES, &n)?,
+        None => 0,
+    };
+    let hash_range = match (
+        string(item, STARTING_HASH, &key)?,
+        string(item, ENDING_HASH, &key)?,
+    ) {
+        (Some(start), Some(end)) => Some((
+            parse_hash_key(&key, STARTING_HASH, &start)?,
+            parse_hash_key(&key, ENDING_HASH, &end)?,
+        )),
+        _ => None,
     };
     Ok(Lease {
+        parents: string_set(item, PARENTS, &key)?,
+        children: string_set(item, CHILDREN, &key)?,
+        stream: string(item, STREAM, &key)?,
+        checkpoint_owner: string(item, CHECKPOINT_OWNER, &key)?,
+        owner_switches,
+        hash_range,
         owner: string(item, OWNER, &key)?,
         counter,
         checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?
             .with_timestamp_millis(timestamp),
-        parents,
         pending_owner: string(item, PENDING_OWNER, &key)?,
         key,
     })
@@ -352,6 +404,32 @@ fn string(
             "lease {key}: {name} is not a string"
         ))),
     }
+}
+
+/// A string set attribute, sorted (a set has no order); empty when absent.
+fn string_set(
+    item: &HashMap<String, AttributeValue>,
+    name: &str,
+    key: &str,
+) -> Result<Vec<String>, LeaseError> {
+    match item.get(name) {
+        None => Ok(Vec::new()),
+        Some(AttributeValue::Ss(set)) => {
+            let mut values = set.clone();
+            values.sort();
+            Ok(values)
+        }
+        Some(_) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {name} is not a string set"
+        ))),
+    }
+}
+
+/// Parses a hash key (a decimal string of up to 2^128 - 1).
+fn parse_hash_key(key: &str, name: &str, digits: &str) -> Result<u128, LeaseError> {
+    digits
+        .parse::<u128>()
+        .map_err(|e| LeaseError::Corrupt(format!("lease {key}: {name} {digits:?}: {e}")))
 }
 
 /// A number attribute's digits, if present.
@@ -464,19 +542,30 @@ impl LeaseStore for DynamoLeaseStore {
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         let next = next_counter(expected)?;
+        let switch = owner_switch(expected, new_owner);
         self.fenced_update(
             "take",
             expected,
-            "SET #owner = :new_owner, #counter = :next REMOVE #pending",
-            &[("#pending", PENDING_OWNER)],
+            "SET #owner = :new_owner, #counter = :next, \
+             #switches = if_not_exists(#switches, :zero) + :switch \
+             REMOVE #pending, #checkpoint_owner",
+            &[
+                ("#pending", PENDING_OWNER),
+                ("#switches", OWNER_SWITCHES),
+                ("#checkpoint_owner", CHECKPOINT_OWNER),
+            ],
             vec![
                 (":new_owner", AttributeValue::S(new_owner.to_owned())),
                 (":next", AttributeValue::N(next.to_string())),
+                (":zero", AttributeValue::N("0".into())),
+                (":switch", AttributeValue::N(switch.to_string())),
             ],
             || Lease {
                 owner: Some(new_owner.to_owned()),
                 counter: next,
                 pending_owner: None,
+                owner_switches: expected.owner_switches.saturating_add(switch),
+                checkpoint_owner: None,
                 ..expected.clone()
             },
         )
@@ -509,12 +598,19 @@ impl LeaseStore for DynamoLeaseStore {
             (":checkpoint", AttributeValue::S(value)),
             (":sub", AttributeValue::N(sub_sequence.to_string())),
         ];
+        values.push((":zero", AttributeValue::N("0".into())));
+        // As the KCL's checkpoint does: reset the owner switches and drop a pending
+        // (two-phase) checkpoint, which this checkpoint supersedes.
         let update = match checkpoint.timestamp_millis() {
             Some(millis) => {
                 values.push((":timestamp", AttributeValue::N(millis.to_string())));
-                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp"
+                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp, \
+                 #switches = :zero REMOVE #pcp, #pcp_sub, #pcp_state"
             }
-            None => "SET #checkpoint = :checkpoint, #sub = :sub REMOVE #timestamp",
+            None => {
+                "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero \
+                 REMOVE #timestamp, #pcp, #pcp_sub, #pcp_state"
+            }
         };
         self.fenced_update(
             "checkpoint",
@@ -524,10 +620,15 @@ impl LeaseStore for DynamoLeaseStore {
                 ("#checkpoint", CHECKPOINT),
                 ("#sub", SUB_SEQUENCE),
                 ("#timestamp", TIMESTAMP),
+                ("#switches", OWNER_SWITCHES),
+                ("#pcp", PENDING_CHECKPOINT),
+                ("#pcp_sub", PENDING_SUB_SEQUENCE),
+                ("#pcp_state", PENDING_STATE),
             ],
             values,
             || Lease {
                 checkpoint: checkpoint.clone(),
+                owner_switches: 0,
                 ..expected.clone()
             },
         )
@@ -539,12 +640,13 @@ impl LeaseStore for DynamoLeaseStore {
         self.fenced_update(
             "release",
             expected,
-            "SET #counter = :next REMOVE #owner",
-            &[],
+            "SET #counter = :next REMOVE #owner, #checkpoint_owner",
+            &[("#checkpoint_owner", CHECKPOINT_OWNER)],
             vec![(":next", AttributeValue::N(next.to_string()))],
             || Lease {
                 owner: None,
                 counter: next,
+                checkpoint_owner: None,
                 ..expected.clone()
             },
         )
