@@ -762,6 +762,202 @@ mod tests {
         assert_eq!(lease_from_item(&item).unwrap(), lease);
     }
 
+    /// An item in DynamoDB JSON (`{"name": {"S": "..."}}`), as in `tests/fixtures/kcl/`.
+    fn item_from_json(json: &str) -> HashMap<String, AttributeValue> {
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect()
+        };
+        value
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(name, typed)| {
+                let (kind, v) = typed.as_object().unwrap().iter().next().unwrap();
+                let attribute = match kind.as_str() {
+                    "S" => AttributeValue::S(v.as_str().unwrap().to_owned()),
+                    "N" => AttributeValue::N(v.as_str().unwrap().to_owned()),
+                    "B" => AttributeValue::B(aws_sdk_dynamodb::primitives::Blob::new(
+                        v.as_str().unwrap().as_bytes(),
+                    )),
+                    "SS" => AttributeValue::Ss(strings(v)),
+                    other => panic!("type {other} is not in the KCL's rows"),
+                };
+                (name.clone(), attribute)
+            })
+            .collect()
+    }
+
+    fn fixture(name: &str) -> HashMap<String, AttributeValue> {
+        let path = format!("{}/tests/fixtures/kcl/{name}", env!("CARGO_MANIFEST_DIR"));
+        item_from_json(&std::fs::read_to_string(&path).unwrap())
+    }
+
+    /// Reads `item` the way the KCL's `fromDynamoRecord` does (2.x and 3.x): the same
+    /// names with the same types, and the attributes it requires present (its `Lease`
+    /// refuses a null counter, owner switches or checkpoint).
+    fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
+        let key = format!("{item:?}");
+        for required in [KEY, COUNTER, OWNER_SWITCHES, CHECKPOINT, SUB_SEQUENCE] {
+            assert!(item.contains_key(required), "{required} missing: {key}");
+        }
+        for (name, value) in item {
+            let ok = match name.as_str() {
+                KEY | OWNER | CHECKPOINT | PENDING_CHECKPOINT | STARTING_HASH | ENDING_HASH
+                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER => {
+                    matches!(value, AttributeValue::S(_))
+                }
+                COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
+                | "throughputKBps" => {
+                    matches!(value, AttributeValue::N(n) if n.parse::<f64>().is_ok())
+                }
+                PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),
+                PENDING_STATE => matches!(value, AttributeValue::B(_) | AttributeValue::N(_)),
+                other => panic!("{other} is neither the KCL's nor shardflow's: {key}"),
+            };
+            assert!(ok, "{name} has the wrong type for the KCL: {key}");
+        }
+        if let Some(AttributeValue::S(checkpoint)) = item.get(CHECKPOINT) {
+            assert!(
+                ["TRIM_HORIZON", "LATEST", "SHARD_END", "AT_TIMESTAMP"]
+                    .contains(&checkpoint.as_str())
+                    || checkpoint.bytes().all(|b| b.is_ascii_digit()),
+                "{checkpoint}"
+            );
+        }
+    }
+
+    #[test]
+    fn kcl_rows_parse_with_every_attribute() {
+        let lease = lease_from_item(&fixture("kcl2_checkpointed.json")).unwrap();
+        assert_eq!(lease.key, "shardId-000000000002");
+        assert_eq!(
+            lease.owner.as_deref(),
+            Some("7f3c2a10-5b1e-4f7a-9a51-2d6c0e8f4b21")
+        );
+        assert!(lease.has_foreign_owner());
+        assert_eq!(lease.counter, 4187);
+        assert_eq!(lease.owner_switches, 1);
+        assert_eq!(lease.parents, vec!["shardId-000000000000".to_owned()]);
+        assert_eq!(
+            lease.hash_range,
+            Some((0, 85_070_591_730_234_615_865_843_651_857_942_052_863))
+        );
+        assert_eq!(lease.stream, None);
+        assert_eq!(
+            lease.checkpoint.to_string(),
+            "49654231871269856788003409185127350380960574536328806434"
+        );
+
+        let end = lease_from_item(&fixture("kcl2_shard_end.json")).unwrap();
+        assert_eq!(end.checkpoint, Checkpoint::ShardEnd);
+        assert_eq!(end.owner, None);
+        assert_eq!(
+            end.children,
+            vec![
+                "shardId-000000000002".to_owned(),
+                "shardId-000000000003".to_owned()
+            ]
+        );
+        assert_eq!(end.hash_range.map(|r| r.1), Some(u128::MAX >> 1));
+
+        // A pending checkpoint is not ours to act on: the committed one counts.
+        let pending = lease_from_item(&fixture("kcl2_pending_checkpoint.json")).unwrap();
+        assert_eq!(
+            pending.checkpoint,
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("49654231871269856788003409185127350380960574536328806001")
+                    .unwrap(),
+                3
+            ))
+        );
+        assert_eq!(pending.hash_range.map(|r| r.1), Some(u128::MAX));
+
+        let unowned = lease_from_item(&fixture("kcl2_trim_horizon_unowned.json")).unwrap();
+        assert_eq!(unowned.checkpoint, Checkpoint::TrimHorizon);
+        assert_eq!((unowned.owner.as_deref(), unowned.hash_range), (None, None));
+        assert!(!unowned.has_foreign_owner());
+
+        let handoff = lease_from_item(&fixture("kcl3_handoff.json")).unwrap();
+        assert_eq!(handoff.owner.as_deref(), Some("worker-next"));
+        assert_eq!(handoff.checkpoint_owner.as_deref(), Some("worker-current"));
+        assert_eq!(handoff.checkpoint, Checkpoint::Latest);
+        assert!(handoff.has_foreign_owner());
+
+        let merged = lease_from_item(&fixture("kcl3_at_timestamp.json")).unwrap();
+        assert_eq!(merged.checkpoint, Checkpoint::AtTimestamp(None));
+        assert_eq!(
+            merged.parents,
+            vec![
+                "shardId-000000000002".to_owned(),
+                "shardId-000000000003".to_owned()
+            ]
+        );
+    }
+
+    #[test]
+    fn the_fixtures_and_what_shardflow_writes_read_as_the_kcl_reads_them() {
+        for name in [
+            "kcl2_checkpointed.json",
+            "kcl2_shard_end.json",
+            "kcl2_pending_checkpoint.json",
+            "kcl2_trim_horizon_unowned.json",
+            "kcl3_handoff.json",
+            "kcl3_at_timestamp.json",
+        ] {
+            let item = fixture(name);
+            assert_kcl_reads(&item);
+            let lease = lease_from_item(&item).unwrap();
+            // A row shardflow creates from it keeps every attribute the lease holds.
+            let written = item_from_lease(&lease);
+            assert_kcl_reads(&written);
+            assert_eq!(lease_from_item(&written).unwrap(), lease, "{name}");
+            for kept in [
+                KEY,
+                OWNER,
+                COUNTER,
+                OWNER_SWITCHES,
+                CHECKPOINT,
+                SUB_SEQUENCE,
+                PARENTS,
+                CHILDREN,
+                STARTING_HASH,
+                ENDING_HASH,
+                CHECKPOINT_OWNER,
+            ] {
+                let sorted = |v: Option<&AttributeValue>| match v {
+                    Some(AttributeValue::Ss(set)) => {
+                        let mut set = set.clone();
+                        set.sort();
+                        Some(AttributeValue::Ss(set))
+                    }
+                    other => other.cloned(),
+                };
+                assert_eq!(
+                    sorted(written.get(kept)),
+                    sorted(item.get(kept)),
+                    "{name}: {kept}"
+                );
+            }
+        }
+        // A row shardflow creates for a new shard.
+        let mut fresh = Lease::new("shardId-000000000009", Vec::new(), Checkpoint::TrimHorizon);
+        fresh.stream = Some("orders".into());
+        fresh.hash_range = Some((0, u128::MAX));
+        let item = item_from_lease(&fresh);
+        assert_kcl_reads(&item);
+        assert_eq!(item.get(STREAM), Some(&AttributeValue::S("orders".into())));
+        assert_eq!(
+            item.get(ENDING_HASH),
+            Some(&AttributeValue::S(u128::MAX.to_string()))
+        );
+        assert_eq!(lease_from_item(&item).unwrap(), fresh);
+    }
+
     #[test]
     fn a_malformed_item_is_corrupt_not_a_panic() {
         let mut item = item_from_lease(&Lease::new("s", Vec::new(), Checkpoint::Latest));
