@@ -16,6 +16,13 @@
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
+//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
+//! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
+//! | `childShardIds` | SS, optional | the KCL's: an ended shard's children; read and kept |
+//! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
+//! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
+//! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
+//! | `throughputKBps` | N | KCL 3: not used, kept |
 //!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
 //! DynamoDB Number holds. No condition compares them; fencing is on the counter.
@@ -33,10 +40,10 @@
 //!
 //! | call | update |
 //! |---|---|
-//! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1 REMOVE pendingOwner` |
+//! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1, ownerSwitchesSinceCheckpoint += (1 if the owner changes) REMOVE pendingOwner, checkpointOwner` |
 //! | `renew` | `SET leaseCounter = counter + 1` |
-//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber` and `SET` or `REMOVE checkpointTimestamp` (counter kept) |
-//! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner` (a pending hand-off request is kept, so the requester can take it) |
+//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber, ownerSwitchesSinceCheckpoint = 0` and `SET` or `REMOVE checkpointTimestamp`, `REMOVE pendingCheckpoint*` (counter kept) |
+//! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner, checkpointOwner` (a pending hand-off request is kept, so the requester can take it) |
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
 //! | `delete` | DeleteItem under the same condition |
 //!
