@@ -1081,6 +1081,15 @@ impl LeaseStore for MemoryLeaseStore {
         .await
     }
 
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.stream.get_or_insert_with(|| stream.to_owned());
+            })
+        })
+        .await
+    }
+
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |_| ())?;

@@ -326,6 +326,8 @@ async fn migration() {
             .unwrap();
         assert_eq!(item["checkpoint"], s(&last.1), "{item:?}");
         assert_eq!(item["ownerSwitchesSinceCheckpoint"], n("0"), "{item:?}");
+        // Claimed for the stream: a consumer of another stream is refused from now on.
+        assert_eq!(item.get("streamName"), Some(&s(&stream)), "{item:?}");
         assert_eq!(
             item["startingHashKey"],
             s(&shard.starting_hash_key.to_string())

@@ -98,3 +98,48 @@ async fn a_second_stream_under_the_same_group_is_refused_on_emulators() {
     )
     .await;
 }
+
+/// A KCL table (rows without `streamName`) taken over by a consumer of "orders" names
+/// "orders" afterwards, so a consumer of "refunds" under the same group is refused too.
+#[tokio::test(start_paused = true)]
+async fn a_kcl_table_taken_over_is_claimed_for_its_stream() {
+    use shardflow::lease::{Checkpoint, Lease};
+    let memory = Memory::new();
+    let kinesis = memory.kinesis();
+    kinesis.create_stream("orders", 2).await.unwrap();
+    kinesis.create_stream("refunds", 2).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
+    let first = test_consumer(memory.clone(), "orders", "billing", "w1")
+        .build()
+        .unwrap();
+    let table = first.config().lease_table().to_owned();
+    let store = memory.lease_store(&table);
+    store.ensure_table().await.unwrap();
+    for shard in kinesis.list_shards("orders").await.unwrap() {
+        let row = Lease::new(shard.shard_id, Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&row).await.unwrap(), "a KCL row, no stream");
+    }
+    let recorder = Recorder::default();
+    let running = start(first, &recorder);
+    recorder.wait_for(RECORDS, Duration::from_secs(120)).await;
+    running.stop().await;
+    for row in store.list().await.unwrap() {
+        assert_eq!(row.stream.as_deref(), Some("orders"), "{row:?}");
+    }
+
+    let second = test_consumer(memory.clone(), "refunds", "billing", "w2")
+        .build()
+        .unwrap();
+    let result = within(
+        Duration::from_secs(120),
+        "the consumer of the other stream returns",
+        second
+            .run(recording_handler(Recorder::default()))
+            .into_future(),
+    )
+    .await;
+    assert!(
+        matches!(result, Err(ConsumerError::TableOfAnotherStream { .. })),
+        "{result:?}"
+    );
+}

@@ -507,6 +507,7 @@ impl Coordinator {
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
         let rows = self.store.list().await?;
         self.check_stream(&rows)?;
+        self.claim_rows(&rows, &shards).await;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -579,6 +580,22 @@ impl Coordinator {
                 lease: row.key.clone(),
             }),
             None => Ok(()),
+        }
+    }
+
+    /// Records our stream in the rows of our shards that name none (a KCL table taken
+    /// over), so that a consumer of another stream is refused on this table from now on.
+    /// A row that changed meanwhile (a live owner's renewal) is tried again at the next
+    /// sync.
+    async fn claim_rows(&self, rows: &[Lease], shards: &[ShardInfo]) {
+        let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        for row in rows
+            .iter()
+            .filter(|r| r.stream.is_none() && ids.contains(r.key.as_str()))
+        {
+            if let Err(e) = self.store.claim_for_stream(row, &self.stream).await {
+                tracing::debug!(lease = %row.key, error = %e, "could not record the stream in the row");
+            }
         }
     }
 

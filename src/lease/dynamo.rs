@@ -16,7 +16,7 @@
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
-//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
+//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
 //! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
 //! | `childShardIds` | SS, optional | the KCL's: an ended shard's children; read and kept |
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
@@ -45,6 +45,7 @@
 //! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber, ownerSwitchesSinceCheckpoint = 0` and `SET` or `REMOVE checkpointTimestamp`, `REMOVE pendingCheckpoint*` (counter kept) |
 //! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner, checkpointOwner` (a pending hand-off request is kept, so the requester can take it) |
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
+//! | `claim_for_stream` | `SET streamName = if_not_exists(streamName, stream)` (counter kept) |
 //! | `delete` | DeleteItem under the same condition |
 //!
 //! Reads (`get`, `list`) are strongly consistent.
@@ -669,6 +670,21 @@ impl LeaseStore for DynamoLeaseStore {
             vec![(":pending", AttributeValue::S(worker.to_owned()))],
             || Lease {
                 pending_owner: Some(worker.to_owned()),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.fenced_update(
+            "claim_for_stream",
+            expected,
+            "SET #stream = if_not_exists(#stream, :stream)",
+            &[("#stream", STREAM)],
+            vec![(":stream", AttributeValue::S(stream.to_owned()))],
+            || Lease {
+                stream: Some(expected.stream.clone().unwrap_or_else(|| stream.to_owned())),
                 ..expected.clone()
             },
         )
