@@ -143,3 +143,51 @@ async fn a_kcl_table_taken_over_is_claimed_for_its_stream() {
         "{result:?}"
     );
 }
+
+/// Two consumers of two streams start at the same moment on an empty table (both see
+/// it empty and create rows): neither reads the other's rows; each is refused in its
+/// first lease round, before it took a lease, or (shard ids are the same) keeps only
+/// its own rows. Lease-store latency interleaves their start-ups.
+#[tokio::test(start_paused = true)]
+async fn two_streams_starting_together_on_an_empty_table_are_not_mixed() {
+    use shardflow::memory::LeaseFaults;
+    let memory = Memory::new();
+    let kinesis = memory.kinesis();
+    kinesis.create_stream("orders", 2).await.unwrap();
+    kinesis.create_stream("refunds", 2).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
+    produce(kinesis.as_ref(), "refunds", RECORDS..2 * RECORDS).await;
+    memory.table("billing").set_faults(LeaseFaults {
+        latency: Duration::from_millis(5),
+        ..LeaseFaults::default()
+    });
+    let orders = Recorder::default();
+    let refunds = Recorder::default();
+    let a = test_consumer(memory.clone(), "orders", "billing", "w1")
+        .build()
+        .unwrap();
+    let b = test_consumer(memory.clone(), "refunds", "billing", "w2")
+        .build()
+        .unwrap();
+    let (a_stop, b_stop) = (a.shutdown_handle(), b.shutdown_handle());
+    let a = tokio::spawn(a.run(recording_handler(orders.clone())).into_future());
+    let b = tokio::spawn(b.run(recording_handler(refunds.clone())).into_future());
+    // Both have started and run lease rounds (virtual time).
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    a_stop.shutdown();
+    b_stop.shutdown();
+    let a = within(Duration::from_secs(120), "orders stops", a)
+        .await
+        .unwrap();
+    let b = within(Duration::from_secs(120), "refunds stops", b)
+        .await
+        .unwrap();
+    let refused = [&a, &b]
+        .iter()
+        .filter(|r| matches!(r, Err(ConsumerError::TableOfAnotherStream { .. })))
+        .count();
+    assert!(refused >= 1, "orders: {a:?}, refunds: {b:?}");
+    // Whatever ran read only its own stream.
+    assert!(orders.snapshot().iter().all(|h| h.value < RECORDS));
+    assert!(refunds.snapshot().iter().all(|h| h.value >= RECORDS));
+}

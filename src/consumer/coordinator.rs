@@ -127,16 +127,6 @@ impl Coordinator {
                     Ok(()) => self.sync_shards().await,
                     Err(e) => Err(e.into()),
                 };
-                // A consumer of another stream may have created its rows on the same
-                // table at the same moment (both saw it empty): look once more after
-                // our own rows are in.
-                let attempt = match attempt {
-                    Ok(()) => match self.store.list().await {
-                        Ok(rows) => self.check_stream(&rows),
-                        Err(e) => Err(e.into()),
-                    },
-                    Err(e) => Err(e),
-                };
                 // Enhanced fan-out: register the stream consumer once, before any read,
                 // so that a backend without fan-out refuses to start.
                 let attempt = match (attempt, &self.config.fan_out) {
@@ -171,22 +161,25 @@ impl Coordinator {
             ));
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
+            let mut result = Ok(());
+            while result.is_ok() {
+                result = tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break,
                     Some(event) = self.events_rx.recv() => {
                         if self.on_event(event).await {
-                            self.round().await;
+                            self.round().await
+                        } else {
+                            Ok(())
                         }
                     }
                     _ = take_tick.tick() => self.round().await,
-                }
+                };
             }
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            Ok(())
+            result
         }
         .instrument(span)
         .await
@@ -238,8 +231,11 @@ impl Coordinator {
         }
     }
 
-    /// One lease round: discover shards if due, then take, steal and clean up.
-    async fn round(&mut self) {
+    /// One lease round: discover shards if due, then take, steal and clean up. Fails
+    /// only when the table turns out to hold another stream's rows: a consumer of that
+    /// stream created them at the moment this one started (both saw the table empty).
+    /// The first round runs right after start-up, before any lease is taken.
+    async fn round(&mut self) -> Result<(), ConsumerError> {
         let sync_due = self
             .last_sync
             .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
@@ -257,12 +253,14 @@ impl Coordinator {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(error = %e, "listing leases failed; will retry");
-                return;
+                return Ok(());
             }
         };
+        self.check_stream(&rows)?;
         if let Err(e) = self.balance(rows).await {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
+        Ok(())
     }
 
     async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
