@@ -1090,6 +1090,21 @@ impl LeaseStore for MemoryLeaseStore {
         .await
     }
 
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                let mut children = children.to_vec();
+                children.sort();
+                row.children = children;
+            })
+        })
+        .await
+    }
+
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |_| ())?;

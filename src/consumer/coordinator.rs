@@ -506,6 +506,7 @@ impl Coordinator {
         let rows = self.store.list().await?;
         self.check_stream(&rows)?;
         self.claim_rows(&rows, &shards).await;
+        self.record_children(&rows, &shards).await;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
         let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -593,6 +594,28 @@ impl Coordinator {
         {
             if let Err(e) = self.store.claim_for_stream(row, &self.stream).await {
                 tracing::debug!(lease = %row.key, error = %e, "could not record the stream in the row");
+            }
+        }
+    }
+
+    /// Writes `childShardIds` into our rows at SHARD_END that have none, as the KCL does
+    /// when a shard ends, so a KCL application that takes the table back finds them.
+    async fn record_children(&self, rows: &[Lease], shards: &[ShardInfo]) {
+        for row in rows
+            .iter()
+            .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.children.is_empty())
+        {
+            let mut children: Vec<String> = shards
+                .iter()
+                .filter(|s| s.parents().contains(&row.key))
+                .map(|s| s.shard_id.clone())
+                .collect();
+            if children.is_empty() {
+                continue;
+            }
+            children.sort();
+            if let Err(e) = self.store.record_children(row, &children).await {
+                tracing::debug!(lease = %row.key, error = %e, "could not record the children");
             }
         }
     }

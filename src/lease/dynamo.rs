@@ -18,7 +18,7 @@
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
 //! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
 //! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
-//! | `childShardIds` | SS, optional | the KCL's: an ended shard's children; read and kept |
+//! | `childShardIds` | SS, optional | the KCL's: an ended shard's children, written after it reached `SHARD_END` (`record_children`) |
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
 //! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
 //! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
@@ -46,6 +46,7 @@
 //! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner, checkpointOwner` (a pending hand-off request is kept, so the requester can take it) |
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
 //! | `claim_for_stream` | `SET streamName = if_not_exists(streamName, stream)` (counter kept) |
+//! | `record_children` | `SET childShardIds` of a row at `SHARD_END` (counter kept) |
 //! | `delete` | DeleteItem under the same condition |
 //!
 //! Reads (`get`, `list`) are strongly consistent.
@@ -685,6 +686,28 @@ impl LeaseStore for DynamoLeaseStore {
             vec![(":stream", AttributeValue::S(stream.to_owned()))],
             || Lease {
                 stream: Some(expected.stream.clone().unwrap_or_else(|| stream.to_owned())),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        if children.is_empty() {
+            return Ok(expected.clone()); // DynamoDB refuses an empty set
+        }
+        self.fenced_update(
+            "record_children",
+            expected,
+            "SET #children = :children",
+            &[("#children", CHILDREN)],
+            vec![(":children", AttributeValue::Ss(children.to_vec()))],
+            || Lease {
+                children: children.to_vec(),
                 ..expected.clone()
             },
         )

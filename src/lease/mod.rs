@@ -295,4 +295,17 @@ pub trait LeaseStore: Send + Sync + 'static {
         let _ = stream;
         Ok(expected.clone())
     }
+
+    /// Records an ended shard's children (`childShardIds`, as the KCL does when a shard
+    /// ends) if the row still matches `expected` (the counter is kept), so a KCL
+    /// application that takes the table back finds them. A store that cannot record
+    /// them (the default) keeps the row as it is.
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        let _ = children;
+        Ok(expected.clone())
+    }
 }
