@@ -2,7 +2,11 @@
 //! official SDK) and [`Memory`](crate::memory::Memory) (embedded, in-process).
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use aws_smithy_types::timeout::TimeoutConfig;
+
+use crate::consumer::ConfigError;
 use crate::kinesis::KinesisApi;
 use crate::lease::LeaseStore;
 
@@ -14,9 +18,96 @@ pub trait Backend: Send + Sync + 'static {
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore>;
 }
 
+/// The timeouts of the SDK clients [`Aws`] builds. The SDK has none by default (a hung
+/// connection waits for ever), so every client `Aws` builds gets these.
+///
+/// * `connect`: establishing a connection (default 3 s);
+/// * `read`: from sending a request to the first byte of its answer (default 10 s);
+/// * `attempt`: one HTTP attempt, answer read whole (default 10 s);
+/// * `operation`: a whole call, all retries included (default 30 s).
+///
+/// A long-lived SubscribeToShard (enhanced fan-out) is not cut by them: they end when the
+/// call has returned its initial answer, and its events then stream without a deadline.
+/// GetRecords answers within a few seconds on AWS (at most 10 MB); a `read` or `attempt`
+/// much below 5 s risks timing out healthy large reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AwsTimeouts {
+    /// Establishing a TCP (and TLS) connection.
+    pub connect: Duration,
+    /// From a sent request to the first byte of its answer.
+    pub read: Duration,
+    /// One attempt, including reading the answer.
+    pub attempt: Duration,
+    /// One call, across all of its retries.
+    pub operation: Duration,
+}
+
+/// The longest timeout [`AwsTimeouts`] accepts (15 minutes): beyond it the worker's
+/// leases would long have expired.
+const MAX_AWS_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
+impl Default for AwsTimeouts {
+    fn default() -> Self {
+        AwsTimeouts {
+            connect: Duration::from_secs(3),
+            read: Duration::from_secs(10),
+            attempt: Duration::from_secs(10),
+            operation: Duration::from_secs(30),
+        }
+    }
+}
+
+impl AwsTimeouts {
+    /// Checks the values: each greater than zero and at most 15 minutes, and no attempt
+    /// longer than the operation it is part of. The error names the field
+    /// (`timeouts.connect`, `timeouts.read`, `timeouts.attempt`, `timeouts.operation`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (field, d) in [
+            ("timeouts.connect", self.connect),
+            ("timeouts.read", self.read),
+            ("timeouts.attempt", self.attempt),
+            ("timeouts.operation", self.operation),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: "must be greater than zero".into(),
+                });
+            }
+            if d > MAX_AWS_TIMEOUT {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: format!("{d:?} is longer than the limit of {MAX_AWS_TIMEOUT:?}"),
+                });
+            }
+        }
+        if self.attempt > self.operation {
+            return Err(ConfigError::Invalid {
+                field: "timeouts.attempt",
+                reason: format!(
+                    "{:?} is longer than the operation timeout {:?}",
+                    self.attempt, self.operation
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn timeout_config(&self) -> TimeoutConfig {
+        TimeoutConfig::builder()
+            .connect_timeout(self.connect)
+            .read_timeout(self.read)
+            .operation_attempt_timeout(self.attempt)
+            .operation_timeout(self.operation)
+            .build()
+    }
+}
+
 /// Kinesis and DynamoDB through `aws-sdk-kinesis` and `aws-sdk-dynamodb`, configured by
 /// `aws-config`: regions, credentials and endpoints (`AWS_ENDPOINT_URL`,
 /// `AWS_ENDPOINT_URL_KINESIS`, `AWS_ENDPOINT_URL_DYNAMODB`) work the standard way.
+/// The clients get [`AwsTimeouts`] (the defaults, or those given to the `_with`
+/// constructors); [`Aws::from_clients`] uses the caller's clients as they are.
 #[derive(Clone, Debug)]
 pub struct Aws {
     kinesis: aws_sdk_kinesis::Client,
@@ -24,21 +115,55 @@ pub struct Aws {
 }
 
 impl Aws {
-    /// Loads the standard AWS configuration from the environment and profile files.
+    /// Loads the standard AWS configuration from the environment and profile files, with
+    /// the default [`AwsTimeouts`].
     pub async fn from_env() -> Self {
         let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
-        Self::from_config(&config)
+        Self::build(&config, &AwsTimeouts::default())
     }
 
-    /// Builds the clients from an already loaded configuration.
+    /// Like [`Aws::from_env`], with these timeouts; refuses invalid ones with an error
+    /// naming the field.
+    pub async fn from_env_with(timeouts: AwsTimeouts) -> Result<Self, ConfigError> {
+        timeouts.validate()?;
+        let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+        Ok(Self::build(&config, &timeouts))
+    }
+
+    /// Builds the clients from an already loaded configuration (its HTTP client, retry
+    /// settings and interceptors are kept), with the default [`AwsTimeouts`].
     pub fn from_config(config: &aws_config::SdkConfig) -> Self {
+        Self::build(config, &AwsTimeouts::default())
+    }
+
+    /// Like [`Aws::from_config`], with these timeouts; refuses invalid ones with an
+    /// error naming the field.
+    pub fn from_config_with(
+        config: &aws_config::SdkConfig,
+        timeouts: AwsTimeouts,
+    ) -> Result<Self, ConfigError> {
+        timeouts.validate()?;
+        Ok(Self::build(config, &timeouts))
+    }
+
+    fn build(config: &aws_config::SdkConfig, timeouts: &AwsTimeouts) -> Self {
+        let timeouts = timeouts.timeout_config();
         Aws {
-            kinesis: aws_sdk_kinesis::Client::new(config),
-            dynamodb: aws_sdk_dynamodb::Client::new(config),
+            kinesis: aws_sdk_kinesis::Client::from_conf(
+                aws_sdk_kinesis::config::Builder::from(config)
+                    .timeout_config(timeouts.clone())
+                    .build(),
+            ),
+            dynamodb: aws_sdk_dynamodb::Client::from_conf(
+                aws_sdk_dynamodb::config::Builder::from(config)
+                    .timeout_config(timeouts)
+                    .build(),
+            ),
         }
     }
 
-    /// Uses clients the caller built (custom retry, timeouts, interceptors).
+    /// Uses clients the caller built (custom retry, timeouts, interceptors) as they are:
+    /// no [`AwsTimeouts`] are added, so give them timeouts of your own.
     pub fn from_clients(
         kinesis: aws_sdk_kinesis::Client,
         dynamodb: aws_sdk_dynamodb::Client,
@@ -67,5 +192,51 @@ impl Backend for Aws {
             self.dynamodb.clone(),
             table,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_bad_timeouts_naming_the_field() {
+        let field = |t: AwsTimeouts| match t.validate() {
+            Err(ConfigError::Invalid { field, .. }) | Err(ConfigError::Missing { field }) => field,
+            Ok(()) => "accepted",
+        };
+        let ok = AwsTimeouts::default();
+        assert_eq!(field(ok), "accepted");
+        let zero = Duration::ZERO;
+        let absurd = Duration::from_secs(24 * 3600);
+        assert_eq!(
+            field(AwsTimeouts {
+                connect: zero,
+                ..ok
+            }),
+            "timeouts.connect"
+        );
+        assert_eq!(field(AwsTimeouts { read: absurd, ..ok }), "timeouts.read");
+        assert_eq!(
+            field(AwsTimeouts {
+                attempt: zero,
+                ..ok
+            }),
+            "timeouts.attempt"
+        );
+        assert_eq!(
+            field(AwsTimeouts {
+                operation: absurd,
+                ..ok
+            }),
+            "timeouts.operation"
+        );
+        assert_eq!(
+            field(AwsTimeouts {
+                attempt: Duration::from_secs(60),
+                ..ok
+            }),
+            "timeouts.attempt"
+        );
     }
 }

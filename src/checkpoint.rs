@@ -316,8 +316,18 @@ impl AckHandle {
     /// [`AckHandle::abandon`]), and the shard stops and reads again from its watermark.
     /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
-        // Given up first, so the drain that the failure starts does not wait for it.
-        self.progress.lock().abandon(self.id, self.generation);
+        {
+            let mut watermark = self.progress.lock();
+            // Given up first, so the drain that the failure starts does not wait for it.
+            watermark.abandon(self.id, self.generation);
+            // Nothing more of this generation may start: a record after the failed one
+            // must not reach the handler before the restart delivers the failed one
+            // again. Decided under the watermark's lock, so a restart that already began
+            // a new generation (and accepts again) is never stopped by a late nack.
+            if watermark.generation() == self.generation {
+                self.progress.set_accepting(false);
+            }
+        }
         {
             let mut failed = self
                 .progress

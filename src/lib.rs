@@ -16,7 +16,7 @@ pub mod message;
 pub mod producer;
 pub mod sequence;
 
-pub use backend::{Aws, Backend};
+pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
     BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
     InitialPosition, Run, Running, ShutdownHandle,

@@ -11,8 +11,16 @@
 //! - checkpoints of a shard never go backwards.
 //!
 //! `SHARDFLOW_SIM_SEEDS=N` runs N seeds instead of the default.
+//!
+//! Beside this fixed scenario, `generated_histories_keep_the_invariants` runs the
+//! history generator of `tests/simulation/` (random reshard trees, every initial
+//! position, workers joining, leaving, dying, freezing and coming back under the same
+//! name, stream-mode consumers, ambiguous writes, hung calls). `SHARDFLOW_SIM_SEED=K`
+//! replays one seed, `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
+//! as `+latest,+hung-calls`; see `tests/simulation/history.rs`).
 
 mod common;
+mod simulation;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::convert::Infallible;
@@ -474,4 +482,82 @@ async fn consumer_group_simulation_keeps_the_invariants() {
     // The woken zombie really tried to write with its stale leases (and was refused).
     assert!(refused > 0, "the zombie never attempted a fenced write");
     println!("{refused} writes of woken zombies refused over {seeds} seeds");
+}
+
+/// Seeds the generator runs by default: enough to hit each feature many times while
+/// staying well under a minute of wall time on two cores.
+const DEFAULT_GENERATED_SEEDS: u64 = 300;
+
+#[test]
+fn generated_histories_keep_the_invariants() {
+    use simulation::history::Features;
+    let features = Features::from_env();
+    let seeds: Vec<u64> = match std::env::var("SHARDFLOW_SIM_SEED") {
+        Ok(k) => vec![k.parse().expect("SHARDFLOW_SIM_SEED is a number")],
+        Err(_) => {
+            let n = std::env::var("SHARDFLOW_SIM_SEEDS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(DEFAULT_GENERATED_SEEDS);
+            (0..n).collect()
+        }
+    };
+    let verbose = seeds.len() == 1;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = Mutex::new(Vec::new());
+    let totals = Mutex::new(simulation::Stats::default());
+    let started = std::time::Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(2));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(&seed) = seeds.get(i) else { return };
+                // A runtime per seed: every task of a history ends with it.
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .start_paused(true)
+                    .build()
+                    .unwrap();
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    runtime.block_on(simulation::simulate(seed, features))
+                }));
+                drop(runtime);
+                match outcome {
+                    Ok(Ok(stats)) => {
+                        if verbose {
+                            println!("seed {seed}: {stats:?}");
+                        }
+                        totals.lock().unwrap().add(&stats);
+                    }
+                    Ok(Err(e)) => failures.lock().unwrap().push((seed, e)),
+                    Err(_) => failures
+                        .lock()
+                        .unwrap()
+                        .push((seed, "the history panicked (see above)".to_owned())),
+                }
+            });
+        }
+    });
+    let mut failures = failures.into_inner().unwrap();
+    failures.sort_by_key(|f| f.0);
+    println!(
+        "{} seeds with features [{features}] in {:.1?}: {} failed; totals {:?}",
+        seeds.len(),
+        started.elapsed(),
+        failures.len(),
+        totals.into_inner().unwrap()
+    );
+    for (seed, e) in &failures {
+        println!(
+            "seed {seed} failed: {e}\n  replay: SHARDFLOW_SIM_FEATURES={features} SHARDFLOW_SIM_SEED={seed} cargo test --test group_simulation generated -- --nocapture"
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} seeds failed; first: seed {}",
+        failures.len(),
+        seeds.len(),
+        failures[0].0
+    );
 }

@@ -128,6 +128,8 @@ pub struct Config {
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) shutdown_timeout: Duration,
+    pub(crate) lease_call_timeout: Duration,
+    pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
 }
 
@@ -193,6 +195,8 @@ pub struct ConsumerBuilder {
     retry_min: Duration,
     retry_max: Duration,
     shutdown_timeout: Duration,
+    lease_call_timeout: Option<Duration>,
+    read_call_timeout: Duration,
     seed: Option<u64>,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
@@ -219,6 +223,8 @@ impl Default for ConsumerBuilder {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(30),
+            lease_call_timeout: None,
+            read_call_timeout: Duration::from_secs(10),
             seed: None,
             backend: None,
         }
@@ -356,6 +362,28 @@ impl ConsumerBuilder {
         self
     }
 
+    /// The deadline of every lease table call (renewal, checkpoint, take, list, ...),
+    /// whatever the backend (default: half the renewal margin, `(lease_duration -
+    /// renew_interval) / 2`; must be shorter than that margin). Renewals run concurrently
+    /// and each has its own deadline, so one hung call never costs the worker its other
+    /// leases. A call past its deadline is [`LeaseError::TimedOut`](crate::lease::LeaseError::TimedOut):
+    /// its outcome is unknown, and a renewal that landed anyway is adopted by the next one.
+    pub fn lease_call_timeout(mut self, d: Duration) -> Self {
+        self.lease_call_timeout = Some(d);
+        self
+    }
+
+    /// The deadline of each call a shard reader makes (GetShardIterator, GetRecords,
+    /// ListShards, the start of a SubscribeToShard; not the subscription's events)
+    /// (default 10 s). A call past it is abandoned and retried with backoff from the last
+    /// delivered record, so one hung call cannot stall a shard for ever. An enhanced
+    /// fan-out subscription that sends no event for three times this (Kinesis sends a
+    /// heartbeat at least every 5 s) is taken as hung and renewed.
+    pub fn read_call_timeout(mut self, d: Duration) -> Self {
+        self.read_call_timeout = d;
+        self
+    }
+
     /// Seeds the jitter of backoffs and the nonce of this incarnation's owner name (see
     /// [`Config::owner`]) (default: random), for reproducible simulations.
     pub fn seed(mut self, seed: u64) -> Self {
@@ -486,6 +514,21 @@ impl ConsumerBuilder {
             "take_interval",
             self.take_interval.unwrap_or(lease_duration),
         )?;
+        // Renewals and checkpoints must answer (or be given up) well before a lease that
+        // was not renewed looks expired to the others.
+        let renewal_margin = lease_duration - renew_interval;
+        let lease_call_timeout = positive(
+            "lease_call_timeout",
+            self.lease_call_timeout.unwrap_or(renewal_margin / 2),
+        )?;
+        if lease_call_timeout >= renewal_margin {
+            return Err(ConfigError::Invalid {
+                field: "lease_call_timeout",
+                reason: format!(
+                    "{lease_call_timeout:?} is not shorter than the renewal margin {renewal_margin:?} (lease_duration - renew_interval): a hung renewal would lose the lease"
+                ),
+            });
+        }
         let retry_min = positive("retry_backoff", self.retry_min)?;
         if self.retry_max < retry_min {
             return Err(ConfigError::Invalid {
@@ -533,6 +576,8 @@ impl ConsumerBuilder {
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
             shutdown_timeout,
+            lease_call_timeout,
+            read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
         })
     }
@@ -604,6 +649,22 @@ mod tests {
             field(base().checkpoint(CheckpointPolicy::Interval(Duration::ZERO))),
             "checkpoint"
         );
+        assert_eq!(
+            field(base().lease_call_timeout(Duration::ZERO)),
+            "lease_call_timeout"
+        );
+        assert_eq!(
+            field(base().lease_call_timeout(Duration::from_secs(60))),
+            "lease_call_timeout"
+        );
+        assert_eq!(
+            field(base().read_call_timeout(Duration::ZERO)),
+            "read_call_timeout"
+        );
+        assert_eq!(
+            field(base().read_call_timeout(Duration::MAX)),
+            "read_call_timeout"
+        );
         assert_eq!(field(base().group("ab")), "lease_table");
         assert_eq!(field(base().worker_id(" ")), "worker_id");
         assert_eq!(field(base().fan_out("")), "fan_out");
@@ -660,6 +721,7 @@ mod tests {
             .unwrap();
         assert_eq!(c.renew_interval, Duration::from_secs(3));
         assert_eq!(c.take_interval, Duration::from_secs(9));
+        assert_eq!(c.lease_call_timeout, Duration::from_secs(3));
         assert_eq!(c.lease_table, "billing");
         assert_eq!(c.fan_out_consumer(), None, "polling by default");
     }

@@ -6,13 +6,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use futures_util::future::{join_all, BoxFuture};
+use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -23,6 +23,7 @@ use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
 use super::config::{Config, InitialPosition};
+use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -48,8 +49,8 @@ struct Slot {
     handoff_to: Option<String>,
 }
 
-/// How many lease takes one worker has in flight at once.
-const MAX_CONCURRENT_TAKES: usize = 32;
+/// How many lease writes (takes, creates) one worker has in flight at once.
+const MAX_CONCURRENT_WRITES: usize = 32;
 
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
@@ -77,7 +78,11 @@ pub(crate) struct Coordinator {
     need_sync: bool,
     /// The stream was UPDATING at the last check: no discovery, no steals.
     updating: bool,
+    /// Lease rounds run so far.
+    rounds: u64,
     rng: SmallRng,
+    /// Since when every lease round found the lease table missing (see `run`).
+    table_missing_since: Option<Instant>,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
 }
@@ -90,6 +95,11 @@ impl Coordinator {
         sink: Sink,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        // Every remote call the worker and its shards make has a deadline.
+        let kinesis: Arc<dyn KinesisApi> =
+            Arc::new(BoundedKinesis::new(kinesis, config.read_call_timeout));
+        let store: Arc<dyn LeaseStore> =
+            Arc::new(BoundedLeaseStore::new(store, config.lease_call_timeout));
         Coordinator {
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
@@ -106,6 +116,8 @@ impl Coordinator {
             last_sync: None,
             need_sync: true,
             updating: false,
+            rounds: 0,
+            table_missing_since: None,
             events_tx,
             events_rx,
         }
@@ -161,11 +173,17 @@ impl Coordinator {
             ));
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let mut result = Ok(());
-            while result.is_ok() {
-                result = tokio::select! {
+            let outcome = loop {
+                // Right after the start (workers started together only see each other
+                // once each took something) and while hand-offs we asked for are under
+                // way, look again after one renewal interval (when the owners have seen
+                // the requests) rather than a whole take interval: a fleet started
+                // together balances in a few seconds.
+                let settle = tokio::time::sleep(self.config.renew_interval);
+                let settling = self.rounds < 2 || !self.steals.is_empty();
+                let round = tokio::select! {
                     biased;
-                    _ = shutdown.cancelled() => break,
+                    _ = shutdown.cancelled() => break Ok(()),
                     Some(event) = self.events_rx.recv() => {
                         if self.on_event(event).await {
                             self.round().await
@@ -174,12 +192,30 @@ impl Coordinator {
                         }
                     }
                     _ = take_tick.tick() => self.round().await,
+                    _ = settle, if settling => self.round().await,
                 };
-            }
+                if let Err(e) = round {
+                    break Err(e);
+                }
+                // A lease table deleted under a running group is not re-created (that
+                // would restart every shard at its initial position): once lease rounds
+                // found it missing for a whole lease duration, the worker stops (its
+                // shards drain; their checkpoint writes fail, nothing is written
+                // elsewhere) and `run` ends with the error. With the default timings that
+                // is within lease_duration + take_interval of the deletion, plus the drain.
+                if let Some(since) = self.table_missing_since {
+                    if since.elapsed() >= self.config.lease_duration {
+                        tracing::error!(table = %self.config.lease_table, "the lease table is missing; stopping the worker");
+                        break Err(ConsumerError::Lease(LeaseError::TableMissing {
+                            table: self.config.lease_table.clone(),
+                        }));
+                    }
+                }
+            };
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            result
+            outcome
         }
         .instrument(span)
         .await
@@ -236,6 +272,7 @@ impl Coordinator {
     /// stream created them at the moment this one started (both saw the table empty).
     /// The first round runs right after start-up, before any lease is taken.
     async fn round(&mut self) -> Result<(), ConsumerError> {
+        self.rounds += 1;
         let sync_due = self
             .last_sync
             .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
@@ -250,8 +287,14 @@ impl Coordinator {
             }
         }
         let rows = match self.store.list().await {
-            Ok(rows) => rows,
+            Ok(rows) => {
+                self.table_missing_since = None;
+                rows
+            }
             Err(e) => {
+                if matches!(e, LeaseError::TableMissing { .. }) {
+                    self.table_missing_since.get_or_insert_with(Instant::now);
+                }
                 tracing::warn!(error = %e, "listing leases failed; will retry");
                 return Ok(());
             }
@@ -307,10 +350,10 @@ impl Coordinator {
             .copied()
             .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
             .collect();
-        for (row, result) in self.take_many(&ours).await {
+        for (row, result, sent) in self.take_many(&ours).await {
             self.steals.remove(&row.key);
             match result {
-                Ok(taken) => self.start(taken),
+                Ok(taken) => self.start(taken, sent),
                 Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
             }
         }
@@ -348,14 +391,14 @@ impl Coordinator {
             if batch.is_empty() {
                 break;
             }
-            for (row, result) in self.take_many(&batch).await {
+            for (row, result, sent) in self.take_many(&batch).await {
                 match result {
                     Ok(taken) => {
                         if let Some(old) = &row.owner {
                             tracing::info!(lease = %row.key, from = %old, "took an expired lease");
                         }
                         self.steals.remove(&row.key);
-                        self.start(taken);
+                        self.start(taken, sent);
                         mine += 1;
                     }
                     Err(LeaseError::Conflict(_)) => {}
@@ -380,9 +423,10 @@ impl Coordinator {
             let asked = *self.steals.entry(row.key.clone()).or_insert(now);
             if now.duration_since(asked) >= self.config.handoff_timeout {
                 tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
+                let sent = Instant::now();
                 if let Ok(taken) = self.store.take(row, &me).await {
                     self.steals.remove(&row.key);
-                    self.start(taken);
+                    self.start(taken, sent);
                     mine += 1;
                 }
             }
@@ -528,6 +572,7 @@ impl Coordinator {
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
+        let mut to_create = Vec::new();
         for shard in &shards {
             if keys.contains(shard.shard_id.as_str()) {
                 continue;
@@ -554,11 +599,10 @@ impl Coordinator {
             let mut lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
             lease.stream = Some(self.stream.to_string());
             lease.hash_range = Some((shard.starting_hash_key, shard.ending_hash_key));
-            if self.store.create(&lease).await? {
-                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
-            }
+            to_create.push(lease);
             created.insert(shard.shard_id.as_str());
         }
+        self.create_leases(to_create).await?;
         self.shards = shards;
         self.last_sync = Some(Instant::now());
         self.need_sync = false;
@@ -620,6 +664,43 @@ impl Coordinator {
         }
     }
 
+    /// Creates `leases` (in parent-before-child order), many at once but never a child
+    /// before its parents: in waves, each holding the leases whose parents are not
+    /// waiting to be created, so no worker can see a child without its parent. A fleet
+    /// started on a new table then creates thousands of rows in a few round trips.
+    async fn create_leases(&mut self, mut leases: Vec<Lease>) -> Result<(), LeaseError> {
+        while !leases.is_empty() {
+            let waiting: BTreeSet<String> = leases.iter().map(|l| l.key.clone()).collect();
+            let (mut wave, later): (Vec<Lease>, Vec<Lease>) = leases
+                .into_iter()
+                .partition(|l| l.parents.iter().all(|p| !waiting.contains(p)));
+            leases = later;
+            // Workers that start together then mostly create different rows first.
+            wave.shuffle(&mut self.rng);
+            let creates: Vec<BoxFuture<'static, _>> = wave
+                .into_iter()
+                .map(|lease| {
+                    let store = self.store.clone();
+                    async move {
+                        let created = store.create(&lease).await;
+                        (lease, created)
+                    }
+                    .boxed()
+                })
+                .collect();
+            let results: Vec<_> = futures_util::stream::iter(creates)
+                .buffer_unordered(MAX_CONCURRENT_WRITES)
+                .collect()
+                .await;
+            for (lease, created) in results {
+                if created? {
+                    tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its
     /// owner's renewals bump the counter the request is conditional on, so a conflict is
     /// checked once against a fresh read: still the same owner and nobody else asking
@@ -644,9 +725,9 @@ impl Coordinator {
         }
     }
 
-    /// Takes `rows` for this worker, [`MAX_CONCURRENT_TAKES`] conditional writes at a
-    /// time; returns each row with its outcome.
-    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>)> {
+    /// Takes `rows` for this worker, [`MAX_CONCURRENT_WRITES`] conditional writes at a
+    /// time; returns each row with its outcome and when its take was sent.
+    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
         // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
         // inference for the spawned worker future.
         let takes: Vec<BoxFuture<'static, _>> = rows
@@ -655,21 +736,28 @@ impl Coordinator {
                 let (row, store) = ((*row).clone(), self.store.clone());
                 let me = self.config.owner.clone();
                 async move {
+                    let sent = Instant::now();
                     let result = store.take(&row, &me).await;
-                    (row, result)
+                    (row, result, sent)
                 }
                 .boxed()
             })
             .collect();
         futures_util::stream::iter(takes)
-            .buffer_unordered(MAX_CONCURRENT_TAKES)
+            .buffer_unordered(MAX_CONCURRENT_WRITES)
             .collect()
             .await
     }
 
-    fn start(&mut self, row: Lease) {
+    /// Starts the shard task of a lease whose take was sent at `sent`.
+    fn start(&mut self, row: Lease, sent: Instant) {
         let key = row.key.clone();
-        let lease = Arc::new(HeldLease::new(row, self.store.clone(), &self.config.owner));
+        let lease = Arc::new(HeldLease::taken_at(
+            row,
+            self.store.clone(),
+            &self.config.owner,
+            sent,
+        ));
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
@@ -768,7 +856,10 @@ async fn release(lease: &HeldLease, key: &str) {
 }
 
 /// Renews every held lease on its own timer, independent of reading and handling, and
-/// passes hand-off requests it finds on the rows to the coordinator.
+/// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
+/// in its own task under the lease call deadline, so one slow or hung renewal never
+/// delays the others; a lease whose previous renewal is still in flight is skipped for
+/// that tick rather than renewed twice at once.
 async fn renew_loop(
     config: Arc<Config>,
     held: HeldSet,
@@ -780,28 +871,47 @@ async fn renew_loop(
         config.renew_interval,
     );
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // Dropped (aborting what still runs) when the loop ends.
+    let mut renewals: JoinSet<String> = JoinSet::new();
+    let mut in_flight: BTreeSet<String> = BTreeSet::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            Some(done) = renewals.join_next() => {
+                if let Ok(key) = done {
+                    in_flight.remove(&key);
+                }
+                continue;
+            }
             _ = tick.tick() => {}
         }
         let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let results = join_all(leases.iter().map(|(_, l)| l.renew())).await;
-        for ((key, _), result) in leases.into_iter().zip(results) {
-            match result {
-                Ok(row) => {
-                    if let Some(to) = row.pending_owner.filter(|w| *w != config.owner) {
-                        let _ = events.send(Event::HandoffRequested(key, to));
+        for (key, lease) in leases {
+            if !in_flight.insert(key.clone()) {
+                tracing::debug!(lease = %key, "the previous renewal is still in flight");
+                continue;
+            }
+            let events = events.clone();
+            let me = config.owner.clone();
+            renewals.spawn(async move {
+                match lease.renew().await {
+                    Ok(row) => {
+                        if let Some(to) = row.pending_owner.filter(|w| *w != me) {
+                            let _ = events.send(Event::HandoffRequested(key.clone(), to));
+                        }
+                    }
+                    Err(LeaseError::Conflict(_)) => {
+                        tracing::info!(lease = %key, "lease lost at renewal")
+                    }
+                    Err(e) => {
+                        tracing::warn!(lease = %key, error = %e, "renewal failed; will retry")
                     }
                 }
-                Err(LeaseError::Conflict(_)) => {
-                    tracing::info!(lease = %key, "lease lost at renewal")
-                }
-                Err(e) => tracing::warn!(lease = %key, error = %e, "renewal failed; will retry"),
-            }
+                key
+            });
         }
     }
 }

@@ -41,6 +41,7 @@
 
 mod config;
 mod coordinator;
+mod deadline;
 mod dispatch;
 mod reader;
 mod shard;
@@ -103,7 +104,10 @@ impl ConsumerError {
     /// Whether the same call may succeed later (throttling, network, service errors).
     pub fn is_transient(&self) -> bool {
         match self {
-            ConsumerError::Lease(e) => matches!(e, LeaseError::Throttled(_) | LeaseError::Other(_)),
+            ConsumerError::Lease(e) => matches!(
+                e,
+                LeaseError::Throttled(_) | LeaseError::TimedOut { .. } | LeaseError::Other(_)
+            ),
             ConsumerError::Kinesis(e) => e.is_retryable(),
             _ => false,
         }

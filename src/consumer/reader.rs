@@ -81,10 +81,15 @@ impl ShardReader {
         let mut limit = self.config.max_records_per_read.min(FIRST_READ_LIMIT);
         let mut just_expired = false;
         let mut not_found = 0;
+        // After new records came without a next iterator, the next read starts right
+        // AFTER them (not AT the last one): only an empty read there proves the end. A
+        // read AT the last record holds that record again, and with one record per read
+        // it would bring "nothing new" although the shard goes on.
+        let mut after_delivered = false;
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
-                None => match self.iterator_after(&handled).await {
+                None => match self.iterator_after(&handled, after_delivered).await {
                     Ok(it) => it,
                     Err(e) if e.is_retryable() => {
                         self.pause(&e, backoff).await;
@@ -124,6 +129,7 @@ impl ShardReader {
             backoff.reset();
             just_expired = false;
             not_found = 0;
+            after_delivered = false;
             let raw = page.records.len();
             let flow = self
                 .deliver(page.records, page.millis_behind_latest, &mut handled)
@@ -136,6 +142,7 @@ impl ShardReader {
                 // short. Only a read right after them that finds nothing new says which.
                 None if flow == Flow::Delivered => {
                     tracing::debug!(shard = %self.shard_id, "no next iterator after new records; reading again after them");
+                    after_delivered = true;
                     continue;
                 }
                 None if self.confirm_end(&page.child_shards).await => {
@@ -222,12 +229,20 @@ impl ShardReader {
                     continue;
                 }
             };
+            // Kinesis sends an event at least every 5 s (a heartbeat when idle): a
+            // subscription silent for much longer is hung, and is renewed.
+            let silence = self.config.read_call_timeout.saturating_mul(3);
             not_found = 0;
             let failure = loop {
-                let event = match events.next().await {
-                    None => break None,
-                    Some(Err(e)) => break Some(e),
-                    Some(Ok(event)) => event,
+                let event = match tokio::time::timeout(silence, events.next()).await {
+                    Err(_) => {
+                        break Some(KinesisError::Other(format!(
+                            "no subscription event within {silence:?}"
+                        )))
+                    }
+                    Ok(None) => break None,
+                    Ok(Some(Err(e))) => break Some(e),
+                    Ok(Some(Ok(event))) => event,
                 };
                 backoff.reset();
                 let idle = event.records.is_empty() && event.millis_behind_latest == Some(0);
@@ -240,10 +255,15 @@ impl ShardReader {
                 match event.continuation {
                     Some(after) => continuation = Some(after),
                     // New records and no continuation: the end, or an event cut short.
-                    // Subscribe again at the last delivered record; only an event that
-                    // brings nothing new may end the shard.
+                    // Subscribe again right AFTER the last delivered record (every record
+                    // of this event was delivered whole); only an event that brings
+                    // nothing new may end the shard, and one AT that record would always
+                    // hold it again.
                     None if flow == Flow::Delivered => {
-                        continuation = None;
+                        continuation = match &handled {
+                            Checkpoint::At(p) => Some(p.sequence.clone()),
+                            _ => None,
+                        };
                         break None;
                     }
                     None if self.confirm_end(&event.child_shards).await => {
@@ -530,8 +550,18 @@ impl ShardReader {
         })
     }
 
-    async fn iterator_after(&self, handled: &Checkpoint) -> Result<String, KinesisError> {
-        let from = self.starting_position(handled)?;
+    /// An iterator AT the last handled record (the filter drops it; an aggregate handled
+    /// in part is read again whole), or right AFTER it when `after` (every record up to
+    /// it was delivered whole).
+    async fn iterator_after(
+        &self,
+        handled: &Checkpoint,
+        after: bool,
+    ) -> Result<String, KinesisError> {
+        let from = match handled {
+            Checkpoint::At(p) if after => StartingPosition::AfterSequenceNumber(p.sequence.clone()),
+            _ => self.starting_position(handled)?,
+        };
         self.kinesis
             .shard_iterator(&self.stream, &self.shard_id, &from)
             .await

@@ -136,7 +136,7 @@ impl DynamoLeaseStore {
         {
             Ok(out) => out,
             Err(e) if e.code() == Some("ResourceNotFoundException") => return Ok(None),
-            Err(e) => return Err(classify("DescribeTable", None, e)),
+            Err(e) => return Err(classify(&self.table, "DescribeTable", None, e)),
         };
         let Some(table) = out.table else {
             return Ok(None);
@@ -187,7 +187,7 @@ impl DynamoLeaseStore {
                 Ok(())
             }
             Err(e) if e.code() == Some("ResourceInUseException") => Ok(()),
-            Err(e) => Err(classify("CreateTable", None, e)),
+            Err(e) => Err(classify(&self.table, "CreateTable", None, e)),
         }
     }
 
@@ -222,7 +222,7 @@ impl DynamoLeaseStore {
         let out = request
             .send()
             .await
-            .map_err(|e| classify(op, Some(&expected.key), e))?;
+            .map_err(|e| classify(&self.table, op, Some(&expected.key), e))?;
         match out.attributes {
             Some(item) if !item.is_empty() => lease_from_item(&item),
             _ => Ok(after()),
@@ -268,12 +268,17 @@ fn next_counter(expected: &Lease) -> Result<u64, LeaseError> {
 }
 
 /// Classifies an SDK error: a failed condition is a conflict on `key`, throttling is
-/// throttling, everything else is [`LeaseError::Other`] with the whole cause chain.
-fn classify<E>(op: &str, key: Option<&str>, err: SdkError<E>) -> LeaseError
+/// throttling, a missing table (ResourceNotFoundException) is
+/// [`LeaseError::TableMissing`] naming `table`, everything else is [`LeaseError::Other`]
+/// with the whole cause chain.
+fn classify<E>(table: &str, op: &str, key: Option<&str>, err: SdkError<E>) -> LeaseError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
     match (err.code(), key) {
+        (Some("ResourceNotFoundException"), _) => LeaseError::TableMissing {
+            table: table.to_owned(),
+        },
         (Some("ConditionalCheckFailedException"), Some(key)) => {
             LeaseError::Conflict(key.to_owned())
         }
@@ -505,9 +510,20 @@ impl LeaseStore for DynamoLeaseStore {
                 .set_exclusive_start_key(start.take())
                 .send()
                 .await
-                .map_err(|e| classify("Scan", None, e))?;
+                .map_err(|e| classify(&self.table, "Scan", None, e))?;
             for item in out.items.unwrap_or_default() {
-                leases.push(lease_from_item(&item)?);
+                // One row that does not parse must not stop balancing for the whole
+                // group: it is skipped (its shard is not read until the row is fixed).
+                match lease_from_item(&item) {
+                    Ok(lease) => leases.push(lease),
+                    Err(e) => {
+                        let key = match item.get(KEY) {
+                            Some(AttributeValue::S(k)) => k.as_str(),
+                            _ => "?",
+                        };
+                        tracing::warn!(table = %self.table, lease = %key, error = %e, "skipping a lease row that does not parse");
+                    }
+                }
             }
             match out.last_evaluated_key {
                 Some(key) if !key.is_empty() => start = Some(key),
@@ -525,7 +541,7 @@ impl LeaseStore for DynamoLeaseStore {
             .consistent_read(true)
             .send()
             .await
-            .map_err(|e| classify("GetItem", None, e))?;
+            .map_err(|e| classify(&self.table, "GetItem", None, e))?;
         match out.item {
             Some(item) if !item.is_empty() => lease_from_item(&item).map(Some),
             _ => Ok(None),
@@ -545,7 +561,7 @@ impl LeaseStore for DynamoLeaseStore {
         match result {
             Ok(_) => Ok(true),
             Err(e) if e.code() == Some("ConditionalCheckFailedException") => Ok(false),
-            Err(e) => Err(classify("PutItem", Some(&lease.key), e)),
+            Err(e) => Err(classify(&self.table, "PutItem", Some(&lease.key), e)),
         }
     }
 
@@ -731,7 +747,7 @@ impl LeaseStore for DynamoLeaseStore {
         request
             .send()
             .await
-            .map_err(|e| classify("DeleteItem", Some(&expected.key), e))?;
+            .map_err(|e| classify(&self.table, "DeleteItem", Some(&expected.key), e))?;
         Ok(())
     }
 }

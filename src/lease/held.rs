@@ -25,14 +25,23 @@ pub struct HeldLease {
 }
 
 impl HeldLease {
-    /// Wraps a row this incarnation just took (its owner is `owner`).
+    /// Wraps a row this incarnation just took (its owner is `owner`), counting it as
+    /// renewed now; see [`HeldLease::taken_at`] when the take was sent earlier.
     pub fn new(row: Lease, store: Arc<dyn LeaseStore>, owner: &str) -> Self {
+        Self::taken_at(row, store, owner, Instant::now())
+    }
+
+    /// Wraps a row this incarnation took with a take sent at `sent`. Other workers'
+    /// expiry timers run from when the take landed, which may be long before its answer
+    /// came back: the lease is fresh (see [`HeldLease::is_fresh`]) only as measured from
+    /// the send, like a renewal.
+    pub fn taken_at(row: Lease, store: Arc<dyn LeaseStore>, owner: &str, sent: Instant) -> Self {
         HeldLease {
             row: Mutex::new(row),
             store,
             owner: owner.to_owned(),
             lost: CancellationToken::new(),
-            renewed_at: std::sync::Mutex::new(Instant::now()),
+            renewed_at: std::sync::Mutex::new(sent),
             renewed: Notify::new(),
         }
     }

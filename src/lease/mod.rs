@@ -241,7 +241,24 @@ pub enum LeaseError {
     /// A row that does not parse.
     #[error("corrupt lease row: {0}")]
     Corrupt(String),
-    /// The table is missing or another failure; retry with backoff.
+    /// The lease table does not exist (deleted while the group runs). Re-creating it
+    /// would restart every shard at its initial position, so it is never done after
+    /// start-up: a worker whose table stays missing stops with this error.
+    #[error("the lease table {table} does not exist")]
+    TableMissing {
+        /// The table's name.
+        table: String,
+    },
+    /// The call did not answer within its deadline. Its outcome is unknown: a write may
+    /// have landed (see [`HeldLease`] for how a renewal that landed is adopted).
+    #[error("lease store call {op} did not answer within {after:?}")]
+    TimedOut {
+        /// The call (`renew`, `checkpoint`, `list`, ...).
+        op: &'static str,
+        /// The deadline it missed.
+        after: std::time::Duration,
+    },
+    /// Another failure (network, service error); retry with backoff.
     #[error("lease store call failed: {0}")]
     Other(String),
 }

@@ -52,11 +52,14 @@ pub struct Running {
     pub started: Instant,
     /// Shards that delivered at least one record.
     pub delivered: Arc<Mutex<HashSet<String>>>,
-    workers: Vec<(
-        String,
-        ShutdownHandle,
-        JoinHandle<Result<(), ConsumerError>>,
-    )>,
+    workers: Vec<Worker>,
+}
+
+/// One started worker: its id, its shutdown handle and its task.
+struct Worker {
+    id: String,
+    shutdown: ShutdownHandle,
+    task: JoinHandle<Result<(), ConsumerError>>,
 }
 
 /// The owner of each lease as the table says: worker id -> leases held.
@@ -121,7 +124,7 @@ pub async fn start(fleet: Fleet) -> Running {
         });
         let shutdown = consumer.shutdown_handle();
         let task = tokio::spawn(consumer.run(handler).into_future());
-        workers.push((id, shutdown, task));
+        workers.push(Worker { id, shutdown, task });
     }
     Running {
         memory,
@@ -167,10 +170,10 @@ impl Running {
 
     /// Stops every worker gracefully.
     pub async fn stop(self) {
-        for (_, shutdown, _) in &self.workers {
-            shutdown.shutdown();
+        for worker in &self.workers {
+            worker.shutdown.shutdown();
         }
-        for (id, _, task) in self.workers {
+        for Worker { id, task, .. } in self.workers {
             match task.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => panic!("worker {id} failed: {e}"),

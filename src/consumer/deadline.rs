@@ -1,0 +1,235 @@
+//! Deadlines on every remote call the consumer makes, whatever the backend: the lease
+//! store and the reader's Kinesis calls are wrapped here once, so no caller can wait for
+//! ever on a call that never answers (a hung connection, a stuck service). The SDK's own
+//! timeouts ([`AwsTimeouts`](crate::AwsTimeouts)) bound the AWS backend as well; these
+//! bounds hold for any backend and are tied to the lease timings.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    Subscription,
+};
+use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+
+/// A lease store whose every call ends within `timeout` ([`LeaseError::TimedOut`]
+/// otherwise). `ensure_table` is not bounded here: it waits for a table being created
+/// and has its own limit.
+pub(crate) struct BoundedLeaseStore {
+    inner: Arc<dyn LeaseStore>,
+    timeout: Duration,
+}
+
+impl BoundedLeaseStore {
+    pub(crate) fn new(inner: Arc<dyn LeaseStore>, timeout: Duration) -> Self {
+        BoundedLeaseStore { inner, timeout }
+    }
+
+    async fn bound<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, LeaseError>>,
+    ) -> Result<T, LeaseError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(op, after = ?self.timeout, "lease store call timed out");
+                Err(LeaseError::TimedOut {
+                    op,
+                    after: self.timeout,
+                })
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseStore for BoundedLeaseStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.inner.ensure_table().await
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.bound("list", self.inner.list()).await
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.bound("get", self.inner.get(key)).await
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.bound("create", self.inner.create(lease)).await
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.bound("take", self.inner.take(expected, new_owner))
+            .await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.bound("renew", self.inner.renew(expected)).await
+    }
+
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        self.bound("checkpoint", self.inner.checkpoint(expected, checkpoint))
+            .await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.bound("release", self.inner.release(expected)).await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.bound(
+            "request_handoff",
+            self.inner.request_handoff(expected, worker),
+        )
+        .await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.bound("delete", self.inner.delete(expected)).await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.bound(
+            "claim_for_stream",
+            self.inner.claim_for_stream(expected, stream),
+        )
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.bound(
+            "record_children",
+            self.inner.record_children(expected, children),
+        )
+        .await
+    }
+}
+
+/// The Kinesis calls of the readers and the coordinator, each ending within `timeout`
+/// (a retryable [`KinesisError::Other`] otherwise, so the reader backs off and reads
+/// again from its last delivered record). Calls that wait on purpose (creating a stream,
+/// registering a fan-out consumer, resharding) and the events of a subscription (a
+/// long-lived stream) are passed through unbounded.
+pub(crate) struct BoundedKinesis {
+    inner: Arc<dyn KinesisApi>,
+    timeout: Duration,
+}
+
+impl BoundedKinesis {
+    pub(crate) fn new(inner: Arc<dyn KinesisApi>, timeout: Duration) -> Self {
+        BoundedKinesis { inner, timeout }
+    }
+
+    async fn bound<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, KinesisError>>,
+    ) -> Result<T, KinesisError> {
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(KinesisError::Other(format!(
+                    "{op} did not answer within {:?}",
+                    self.timeout
+                )))
+            })
+    }
+}
+
+#[async_trait]
+impl KinesisApi for BoundedKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.bound("ListShards", self.inner.list_shards(stream))
+            .await
+    }
+
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.bound("DescribeStreamSummary", self.inner.is_updating(stream))
+            .await
+    }
+
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.bound(
+            "GetShardIterator",
+            self.inner.shard_iterator(stream, shard_id, from),
+        )
+        .await
+    }
+
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.bound("GetRecords", self.inner.get_records(iterator, limit))
+            .await
+    }
+
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.bound("PutRecords", self.inner.put_records(stream, records))
+            .await
+    }
+
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        self.inner.create_stream(stream, shards).await
+    }
+
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        self.inner
+            .split_shard(stream, shard_id, new_starting_hash_key)
+            .await
+    }
+
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        self.inner
+            .merge_shards(stream, shard_id, adjacent_shard_id)
+            .await
+    }
+
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.inner.register_consumer(stream, name).await
+    }
+
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.bound(
+            "SubscribeToShard",
+            self.inner.subscribe_to_shard(consumer_arn, shard_id, from),
+        )
+        .await
+    }
+}

@@ -1,0 +1,199 @@
+//! The switchable features of a generated history.
+//!
+//! `SHARDFLOW_SIM_FEATURES` picks them: unset or `default` = [`DEFAULT_FEATURES`] (what
+//! today's library passes), `all` = every feature, or a comma-separated list of names
+//! where `+name` / `-name` add to / remove from the default set (`latest,hung-calls`
+//! alone means exactly those).
+
+use std::fmt;
+
+/// One switchable part of the generator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Feature {
+    /// Splits and merges of the stream's first shards (children of generation 1),
+    /// records written in every generation.
+    Reshard,
+    /// Reshards of children too: 3+ generations.
+    DeepReshard,
+    /// 1 → 2 → 1: a split whose two children are merged back.
+    MergeBack,
+    /// Initial position LATEST.
+    Latest,
+    /// Initial position AT_TIMESTAMP (with closed shards at the first sync).
+    AtTimestamp,
+    /// Workers killed: no drain, no release, none of their calls lands again.
+    Kill,
+    /// Workers frozen past their lease, then woken.
+    Freeze,
+    /// A gone worker (left or killed) restarted under the same id.
+    RestartSameId,
+    /// A worker started under the id of a frozen one (two live processes, one id).
+    SameIdWhileAlive,
+    /// Consumers in `stream()` mode that ack out of order.
+    StreamMode,
+    /// Stream-mode consumers that nack.
+    StreamNack,
+    /// Stream-mode consumers that drop a batch (then leave).
+    StreamDrop,
+    /// Stream-mode consumers that `ack_through` part of a batch (then ack it whole),
+    /// or a position past the batch (a user mistake the library must clamp).
+    StreamAckThrough,
+    /// A `run`-mode worker whose `Run` future is dropped (not shut down): it must stop.
+    DropRun,
+    /// PutRecords lands, then the caller sees an error.
+    AmbiguousPut,
+    /// Lease writes land, then the caller sees an error (memory backend fault).
+    AmbiguousLease,
+    /// GetRecords pages without a next iterator on any shard, closed ones too.
+    MissingNextIteratorAnywhere,
+    /// ListShards answers that omit a shard once or repeat an old list.
+    StaleListShards,
+    /// Calls that never return (cut by the wrapper's generous cap).
+    HungCalls,
+}
+
+impl Feature {
+    pub const ALL: [Feature; 19] = [
+        Feature::Reshard,
+        Feature::DeepReshard,
+        Feature::MergeBack,
+        Feature::Latest,
+        Feature::AtTimestamp,
+        Feature::Kill,
+        Feature::Freeze,
+        Feature::RestartSameId,
+        Feature::SameIdWhileAlive,
+        Feature::StreamMode,
+        Feature::StreamNack,
+        Feature::StreamDrop,
+        Feature::StreamAckThrough,
+        Feature::DropRun,
+        Feature::AmbiguousPut,
+        Feature::AmbiguousLease,
+        Feature::MissingNextIteratorAnywhere,
+        Feature::StaleListShards,
+        Feature::HungCalls,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::Reshard => "reshard",
+            Feature::DeepReshard => "deep-reshard",
+            Feature::MergeBack => "merge-back",
+            Feature::Latest => "latest",
+            Feature::AtTimestamp => "at-timestamp",
+            Feature::Kill => "kill",
+            Feature::Freeze => "freeze",
+            Feature::RestartSameId => "restart-same-id",
+            Feature::SameIdWhileAlive => "same-id-while-alive",
+            Feature::StreamMode => "stream-mode",
+            Feature::StreamNack => "stream-nack",
+            Feature::StreamDrop => "stream-drop",
+            Feature::StreamAckThrough => "stream-ack-through",
+            Feature::DropRun => "drop-run",
+            Feature::AmbiguousPut => "ambiguous-put",
+            Feature::AmbiguousLease => "ambiguous-lease",
+            Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
+            Feature::StaleListShards => "stale-list-shards",
+            Feature::HungCalls => "hung-calls",
+        }
+    }
+}
+
+/// The features on by default: those today's library passes. Each one left out waits
+/// for the fix of a known bug it reproduces (issue 8); switch it on with
+/// `SHARDFLOW_SIM_FEATURES=+name` (or `all`) once the fix is merged:
+/// - `deep-reshard`, `merge-back`: a finished shard's lease is deleted, then its
+///   child's too, and the next sync re-creates the grandparent at TRIM_HORIZON (the
+///   shard is read again, its checkpoint moves back from SHARD_END, a second owner
+///   commits at counter 1);
+/// - `latest`: the LATEST start is not durable across a change of owner before the
+///   first checkpoint (records written in between are never handled);
+/// - `at-timestamp`: the first sync skips shards already closed;
+/// - `same-id-while-alive`: two processes with one worker id both commit;
+/// - `stale-list-shards`: an answer without a child re-creates its finished parents;
+/// - `missing-next-iterator-anywhere`: a closed shard's page without next iterator
+///   ends the shard early;
+/// - `hung-calls`: no deadlines (a hung call stalls until the wrapper's cap);
+/// - `stream-nack`, `stream-drop`: stream-mode nack and shutdown bugs.
+pub const DEFAULT_FEATURES: &[Feature] = &[
+    Feature::Reshard,
+    Feature::Kill,
+    Feature::Freeze,
+    Feature::RestartSameId,
+    Feature::StreamMode,
+    Feature::AmbiguousPut,
+    Feature::AmbiguousLease,
+];
+
+/// A set of features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Features(u32);
+
+impl Features {
+    pub fn of(list: &[Feature]) -> Self {
+        Features(list.iter().fold(0, |m, f| m | 1 << *f as u32))
+    }
+
+    pub fn has(self, f: Feature) -> bool {
+        self.0 & (1 << f as u32) != 0
+    }
+
+    fn with(self, f: Feature, on: bool) -> Self {
+        if on {
+            Features(self.0 | 1 << f as u32)
+        } else {
+            Features(self.0 & !(1 << f as u32))
+        }
+    }
+
+    /// Parses `SHARDFLOW_SIM_FEATURES` (see the module docs).
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let spec = spec.trim();
+        if spec.is_empty() || spec == "default" {
+            return Ok(Features::of(DEFAULT_FEATURES));
+        }
+        if spec == "all" {
+            return Ok(Features::of(&Feature::ALL));
+        }
+        let items: Vec<&str> = spec.split(',').map(str::trim).collect();
+        let relative = items
+            .iter()
+            .all(|i| i.starts_with('+') || i.starts_with('-'));
+        let mut set = if relative {
+            Features::of(DEFAULT_FEATURES)
+        } else {
+            Features(0)
+        };
+        for item in items {
+            let (on, name) = match item.strip_prefix('-') {
+                Some(n) => (false, n),
+                None => (true, item.trim_start_matches('+')),
+            };
+            let f = Feature::ALL
+                .into_iter()
+                .find(|f| f.name() == name)
+                .ok_or_else(|| format!("unknown simulation feature {name:?}"))?;
+            set = set.with(f, on);
+        }
+        Ok(set)
+    }
+
+    pub fn from_env() -> Self {
+        match std::env::var("SHARDFLOW_SIM_FEATURES") {
+            Ok(spec) => Features::parse(&spec).unwrap_or_else(|e| panic!("{e}")),
+            Err(_) => Features::of(DEFAULT_FEATURES),
+        }
+    }
+}
+
+impl fmt::Display for Features {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = Feature::ALL
+            .into_iter()
+            .filter(|x| self.has(*x))
+            .map(Feature::name)
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}

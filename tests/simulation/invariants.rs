@@ -1,0 +1,270 @@
+//! The invariants checked after every history.
+//!
+//! - every required record is handled: at or after the start point (TRIM_HORIZON: all;
+//!   LATEST: written after the first take of its shard's lease as observed in the store;
+//!   AT_TIMESTAMP: arrived at or after the timestamp);
+//! - per partition key, each incarnation receives a shard's records in sequence order
+//!   within one lease tenure (a record delivered again is fine, a new one behind a later
+//!   one is not);
+//! - no checkpoint ever moves back;
+//! - no two owners (process incarnations) commit under one lease counter, and only the
+//!   worker that took a lease last commits it;
+//! - every checkpoint covers only required records some handler finished before it
+//!   was written.
+
+use std::collections::{HashMap, HashSet};
+
+use futures_util::FutureExt;
+use shardflow::kinesis::{KinesisApi, Record};
+use shardflow::lease::Checkpoint;
+use shardflow::{Memory, SequenceNumber};
+
+use super::log::Log;
+use super::{Start, STREAM};
+
+/// Every record of every shard, in shard then sequence order.
+pub fn all_records(memory: &Memory) -> Vec<(String, Record)> {
+    // The memory backend answers ListShards without faults and without awaiting.
+    let shards = memory
+        .streams()
+        .list_shards(STREAM)
+        .now_or_never()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    shards
+        .into_iter()
+        .flat_map(|s| {
+            memory
+                .streams()
+                .records(STREAM, &s.shard_id)
+                .into_iter()
+                .map(move |r| (s.shard_id.clone(), r))
+        })
+        .collect()
+}
+
+/// The records the group must handle, given where it started.
+fn required(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, SequenceNumber)> {
+    let first_take: HashMap<String, std::time::SystemTime> =
+        log.takes
+            .lock()
+            .unwrap()
+            .iter()
+            .fold(HashMap::new(), |mut m, t| {
+                m.entry(t.key.clone()).or_insert(t.time);
+                m
+            });
+    all_records(memory)
+        .into_iter()
+        .filter(|(shard, r)| {
+            let arrival = r.approximate_arrival;
+            match start {
+                Start::TrimHorizon => true,
+                Start::AtTimestamp(t) => arrival.is_some_and(|a| a >= *t),
+                Start::Latest => match first_take.get(shard) {
+                    Some(taken) => arrival.is_some_and(|a| a > *taken),
+                    // Not taken yet: wait for the take before judging.
+                    None => true,
+                },
+            }
+        })
+        .map(|(shard, r)| (shard, r.sequence_number))
+        .collect()
+}
+
+/// The required records no handler finished (yet).
+pub fn missing(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, SequenceNumber)> {
+    let handled: HashSet<(String, SequenceNumber)> = log
+        .handled
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| (e.shard.clone(), e.sequence.clone()))
+        .collect();
+    required(memory, log, start)
+        .into_iter()
+        .filter(|k| !handled.contains(k))
+        .collect()
+}
+
+pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
+    // The checkpoint invariants first: when records are lost, they usually say how.
+    check_commits(memory, log, start)?;
+    check_order(log)?;
+    for (incarnation, by) in log.dropped_runs.lock().unwrap().iter() {
+        if let Some(late) = log
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|e| e.incarnation == *incarnation && e.at > *by)
+        {
+            return Err(format!(
+                "invariant dropped-run-stops: {incarnation} still received record {} of {} well after its Run was dropped",
+                late.sequence, late.shard
+            ));
+        }
+    }
+    let lost = missing(memory, log, start);
+    if !lost.is_empty() {
+        return Err(format!(
+            "invariant no-loss: {} required records never handled, e.g. {:?}",
+            lost.len(),
+            &lost[..lost.len().min(5)]
+        ));
+    }
+    Ok(())
+}
+
+fn check_order(log: &Log) -> Result<(), String> {
+    let takes = log.takes.lock().unwrap();
+    let tenure =
+        |shard: &str, at: u64| takes.iter().filter(|t| t.key == shard && t.at < at).count();
+    type Seen = (SequenceNumber, HashSet<SequenceNumber>);
+    let mut seen: HashMap<(String, String, usize, String), Seen> = HashMap::new();
+    for e in log.delivered.lock().unwrap().iter() {
+        let key = (
+            e.incarnation.clone(),
+            e.shard.clone(),
+            tenure(&e.shard, e.at),
+            e.partition_key.clone(),
+        );
+        match seen.get_mut(&key) {
+            None => {
+                seen.insert(
+                    key,
+                    (e.sequence.clone(), HashSet::from([e.sequence.clone()])),
+                );
+            }
+            Some((max, set)) => {
+                if set.insert(e.sequence.clone()) {
+                    if e.sequence < *max {
+                        return Err(format!(
+                            "invariant order: {} got record {} of {} (key {}) after {} within one tenure",
+                            e.incarnation, e.sequence, e.shard, e.partition_key, max
+                        ));
+                    }
+                    *max = e.sequence.clone();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_commits(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
+    let commits = log.commits.lock().unwrap().clone();
+    let takes = log.takes.lock().unwrap().clone();
+    let mut first_handled: HashMap<(String, SequenceNumber), u64> = HashMap::new();
+    for e in log.handled.lock().unwrap().iter() {
+        first_handled
+            .entry((e.shard.clone(), e.sequence.clone()))
+            .or_insert(e.at);
+    }
+    // Per shard: required sequence numbers in order, with the latest tick at which all
+    // of them up to there had been handled (u64::MAX: one never was).
+    let mut per_shard: HashMap<String, Vec<(SequenceNumber, u64)>> = HashMap::new();
+    for (shard, seq) in required(memory, log, start) {
+        let at = first_handled
+            .get(&(shard.clone(), seq.clone()))
+            .copied()
+            .unwrap_or(u64::MAX);
+        per_shard.entry(shard).or_default().push((seq, at));
+    }
+    for list in per_shard.values_mut() {
+        list.sort();
+        let mut max = 0;
+        for item in list.iter_mut() {
+            max = max.max(item.1);
+            item.1 = max;
+        }
+    }
+    let mut owners: HashMap<(String, u64), String> = HashMap::new();
+    let mut last: HashMap<String, Checkpoint> = HashMap::new();
+    for c in &commits {
+        if let Some(other) = owners.insert((c.key.clone(), c.counter), c.incarnation.clone()) {
+            if other != c.incarnation {
+                return Err(format!(
+                    "invariant fencing: {other} and {} both committed {} at counter {}",
+                    c.incarnation, c.key, c.counter
+                ));
+            }
+        }
+        let taker = takes
+            .iter()
+            .filter(|t| t.at < c.at && t.key == c.key)
+            .map(|t| t.owner.as_str())
+            .next_back();
+        if taker != Some(c.worker.as_str()) {
+            return Err(format!(
+                "invariant fencing: {} committed {} at {} although the lease was last taken by {taker:?}",
+                c.incarnation, c.key, c.checkpoint
+            ));
+        }
+        let empty = Vec::new();
+        let list = per_shard.get(&c.key).unwrap_or(&empty);
+        let covered = match &c.checkpoint {
+            Checkpoint::At(p) => list.partition_point(|(s, _)| *s <= p.sequence),
+            Checkpoint::ShardEnd => list.len(),
+            _ => 0,
+        };
+        if covered > 0 && list[covered - 1].1 >= c.at {
+            let unhandled = list[..covered]
+                .iter()
+                .find(|(s, _)| {
+                    first_handled
+                        .get(&(c.key.clone(), s.clone()))
+                        .is_none_or(|at| *at >= c.at)
+                })
+                .map(|(s, _)| s.to_string());
+            let earlier: Vec<String> = commits
+                .iter()
+                .filter(|e| e.key == c.key && e.at < c.at)
+                .map(|e| format!("{} {} (counter {})", e.incarnation, e.checkpoint, e.counter))
+                .collect();
+            let readers: Vec<String> = log
+                .delivered
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|e| e.shard == c.key)
+                .fold(Vec::<(String, String, String)>::new(), |mut runs, e| {
+                    match runs.last_mut() {
+                        Some(r) if r.0 == e.incarnation => r.2 = e.sequence.to_string(),
+                        _ => runs.push((
+                            e.incarnation.clone(),
+                            e.sequence.to_string(),
+                            e.sequence.to_string(),
+                        )),
+                    }
+                    runs
+                })
+                .into_iter()
+                .map(|(i, a, b)| format!("{i} {}..{}", &a[a.len() - 4..], &b[b.len() - 4..]))
+                .collect();
+            return Err(format!(
+                "invariant checkpoint-after-handling: {} checkpointed {} at {} before record {unhandled:?} was handled{}; earlier commits of the lease: {earlier:?}; deliveries (incarnation first..last, last 4 digits): {readers:?}",
+                c.incarnation,
+                c.key,
+                c.checkpoint,
+                if c.ambiguous { " (ambiguous write)" } else { "" }
+            ));
+        }
+        if let Some(prev) = last.get(&c.key) {
+            let backwards = match (prev, &c.checkpoint) {
+                (Checkpoint::ShardEnd, cp) => *cp != Checkpoint::ShardEnd,
+                (Checkpoint::At(a), Checkpoint::At(b)) => b < a,
+                (Checkpoint::At(_), _) => c.checkpoint != Checkpoint::ShardEnd,
+                _ => false,
+            };
+            if backwards {
+                return Err(format!(
+                    "invariant monotonic-checkpoint: {} moved {} back from {prev} to {}",
+                    c.incarnation, c.key, c.checkpoint
+                ));
+            }
+        }
+        last.insert(c.key.clone(), c.checkpoint.clone());
+    }
+    Ok(())
+}

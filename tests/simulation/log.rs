@@ -1,0 +1,97 @@
+//! What happened during one history, on one global clock of events (ticks), so that
+//! "handled before checkpointed" and "delivered in order within a tenure" can be checked.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use shardflow::lease::Checkpoint;
+use shardflow::{Message, SequenceNumber};
+
+/// A record reaching a handler (run mode) or the caller (stream mode), or being
+/// handled (run mode: the handler ran; stream mode: the batch was acknowledged).
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub at: u64,
+    pub incarnation: String,
+    pub shard: String,
+    pub sequence: SequenceNumber,
+    pub partition_key: String,
+}
+
+/// A take (or hand-over) that landed in the store.
+#[derive(Clone, Debug)]
+pub struct Take {
+    pub at: u64,
+    pub time: SystemTime,
+    pub key: String,
+    pub owner: String,
+    /// The lease moved from another owner while its checkpoint was still a sentinel.
+    pub before_first_checkpoint: bool,
+}
+
+/// A checkpoint write that landed in the store.
+#[derive(Clone, Debug)]
+pub struct Commit {
+    pub at: u64,
+    /// The lease owner the write was fenced on.
+    pub worker: String,
+    pub incarnation: String,
+    pub key: String,
+    pub counter: u64,
+    pub checkpoint: Checkpoint,
+    /// The write landed but its caller saw an error.
+    pub ambiguous: bool,
+}
+
+#[derive(Default)]
+pub struct Log {
+    ticks: AtomicU64,
+    pub delivered: Mutex<Vec<Event>>,
+    pub handled: Mutex<Vec<Event>>,
+    pub takes: Mutex<Vec<Take>>,
+    pub commits: Mutex<Vec<Commit>>,
+    pub hung: AtomicU64,
+    pub stale_lists: AtomicU64,
+    pub missing_iterators: AtomicU64,
+    pub ambiguous_puts: AtomicU64,
+    pub nacks: AtomicU64,
+    pub dropped_batches: AtomicU64,
+    pub history: Mutex<Vec<String>>,
+    /// Incarnations whose `Run` was dropped, with the tick by which they must have
+    /// stopped delivering.
+    pub dropped_runs: Mutex<Vec<(String, u64)>>,
+    /// Lease rows deleted (finished shards cleaned up).
+    pub deleted: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Log {
+    pub fn tick(&self) -> u64 {
+        self.ticks.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn event(&self, incarnation: &str, msg: &Message) -> Event {
+        Event {
+            at: self.tick(),
+            incarnation: incarnation.to_owned(),
+            shard: msg.headers.shard_id.to_string(),
+            sequence: msg.headers.sequence_number.clone(),
+            partition_key: msg.headers.partition_key.clone(),
+        }
+    }
+
+    pub fn deliver(&self, incarnation: &str, msg: &Message) {
+        let e = self.event(incarnation, msg);
+        self.delivered.lock().unwrap().push(e);
+    }
+
+    pub fn handle(&self, incarnation: &str, msg: &Message) {
+        let e = self.event(incarnation, msg);
+        self.handled.lock().unwrap().push(e);
+    }
+
+    /// One line of the history, printed when a seed fails.
+    pub fn note(&self, line: String) {
+        self.history.lock().unwrap().push(line);
+    }
+}

@@ -1,0 +1,815 @@
+//! A generator of consumer-group histories on the memory backend under tokio's paused
+//! clock, seeded and replayable, and the invariants checked after each one.
+//!
+//! A history: a stream of 1–3 shards resharded (splits, merges, 1 → 2 → 1) to several
+//! generations with records written in every generation; an initial position
+//! (TRIM_HORIZON, LATEST, AT_TIMESTAMP); workers in `run` or `stream()` mode joining,
+//! leaving, killed, frozen past their lease and woken, restarted under the same id;
+//! faults on both services (see [`backend`]). Each part is a [`history::Feature`].
+
+pub mod backend;
+pub mod history;
+mod invariants;
+pub mod log;
+
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures_util::StreamExt;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use shardflow::checkpoint::AckHandle;
+use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::memory::{KinesisFaults, LeaseFaults};
+use shardflow::{
+    CheckpointPolicy, Consumer, InitialPosition, Memory, Message, Position, SequenceNumber,
+    ShutdownHandle,
+};
+use tokio::task::JoinHandle;
+
+use backend::{Control, SimBackend};
+use history::{Feature, Features};
+use log::Log;
+
+pub const STREAM: &str = "sim";
+pub const GROUP: &str = "sim-group";
+pub const LEASE: Duration = Duration::from_secs(4);
+/// Simulated time within which every required record must be handled.
+const HANDLED_WITHIN: Duration = Duration::from_secs(900);
+/// Simulated time within which a whole history (with shutdown) must end.
+pub const HISTORY_BOUND: Duration = Duration::from_secs(1_800);
+
+/// Counts over one history, summed over the seeds.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub records: usize,
+    pub handled: usize,
+    pub reshards: usize,
+    pub generations: usize,
+    pub merge_backs: usize,
+    pub joins: usize,
+    pub leaves: usize,
+    pub kills: usize,
+    pub freezes: usize,
+    pub restarts_same_id: usize,
+    pub stream_workers: usize,
+    pub handoffs_before_first_checkpoint: usize,
+    pub ambiguous_commits: usize,
+    pub hung: u64,
+    pub stale_lists: u64,
+    pub missing_iterators: u64,
+    pub ambiguous_puts: u64,
+    pub nacks: u64,
+    pub dropped_batches: u64,
+}
+
+impl Stats {
+    pub fn add(&mut self, o: &Stats) {
+        self.records += o.records;
+        self.handled += o.handled;
+        self.reshards += o.reshards;
+        self.generations = self.generations.max(o.generations);
+        self.merge_backs += o.merge_backs;
+        self.joins += o.joins;
+        self.leaves += o.leaves;
+        self.kills += o.kills;
+        self.freezes += o.freezes;
+        self.restarts_same_id += o.restarts_same_id;
+        self.stream_workers += o.stream_workers;
+        self.handoffs_before_first_checkpoint += o.handoffs_before_first_checkpoint;
+        self.ambiguous_commits += o.ambiguous_commits;
+        self.hung += o.hung;
+        self.stale_lists += o.stale_lists;
+        self.missing_iterators += o.missing_iterators;
+        self.ambiguous_puts += o.ambiguous_puts;
+        self.nacks += o.nacks;
+        self.dropped_batches += o.dropped_batches;
+    }
+}
+
+/// Where the group starts, as the invariants need it.
+#[derive(Clone, Debug)]
+pub enum Start {
+    TrimHorizon,
+    Latest,
+    AtTimestamp(SystemTime),
+}
+
+struct Worker {
+    name: String,
+    incarnation: String,
+    control: Arc<Control>,
+    shutdown: ShutdownHandle,
+    task: JoinHandle<Result<(), String>>,
+    left: bool,
+    stream_mode: bool,
+    /// Its `Run` future was dropped (the task aborted) without a shutdown.
+    dropped: bool,
+}
+
+impl Worker {
+    fn alive(&self) -> bool {
+        !self.left && !self.control.is_dead() && !self.task.is_finished()
+    }
+    /// Its process surely ended (a dropped `Run` may still be running inside).
+    fn gone(&self) -> bool {
+        self.control.is_dead() || (self.task.is_finished() && !self.dropped)
+    }
+}
+
+struct Sim {
+    features: Features,
+    memory: Memory,
+    log: Arc<Log>,
+    producer: SimBackend,
+    rng: SmallRng,
+    workers: Vec<Worker>,
+    start: Start,
+    checkpoint: CheckpointPolicy,
+    next_value: usize,
+    incarnations: u64,
+    /// The children of the last split, for 1 → 2 → 1.
+    last_split: Option<(String, String)>,
+    /// Generation of each shard (the stream's first shards are generation 0).
+    generation: std::collections::HashMap<String, usize>,
+    stats: Stats,
+}
+
+/// Runs one history and checks the invariants; `Err` says which one failed and how.
+pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
+    let mut sim = Sim::new(seed, features).await;
+    let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
+    let history = sim.log.history.lock().unwrap().join("\n  ");
+    match outcome {
+        Err(_) => Err(format!(
+            "history did not end within {HISTORY_BOUND:?} of simulated time (a hang)\n  {history}"
+        )),
+        Ok(Err(e)) => Err(format!("{e}\n  {history}")),
+        Ok(Ok(())) => {
+            invariants::check(&sim.memory, &sim.log, &sim.start)
+                .map_err(|e| format!("{e}\n  {history}"))?;
+            Ok(sim.finish_stats())
+        }
+    }
+}
+
+impl Sim {
+    async fn new(seed: u64, features: Features) -> Sim {
+        let memory = Memory::new();
+        let log = Arc::new(Log::default());
+        let mut rng = SmallRng::seed_from_u64(seed);
+        memory.streams().set_faults(KinesisFaults {
+            throttle: 0.05,
+            expire_iterator: 0.02,
+            error: 0.02,
+            put_entry_failure: 0.02,
+            // Injected by the wrapper instead, which tells open shards from closed ones.
+            missing_next_iterator: 0.0,
+            seed,
+        });
+        memory.table(GROUP).set_faults(LeaseFaults {
+            fail_before_write: 0.03,
+            fail_after_write: if features.has(Feature::AmbiguousLease) {
+                0.03
+            } else {
+                0.0
+            },
+            throttle: 0.02,
+            latency: Duration::from_millis(rng.gen_range(1..20)),
+            seed: seed ^ 0x5eed,
+        });
+        let producer = SimBackend::new(
+            memory.clone(),
+            GROUP,
+            "producer",
+            "producer",
+            Control::new(),
+            log.clone(),
+            features,
+            seed ^ 0x9e37,
+        );
+        let checkpoint = match rng.gen_range(0..3) {
+            0 => CheckpointPolicy::EveryBatch,
+            1 => CheckpointPolicy::Interval(Duration::from_millis(200)),
+            _ => CheckpointPolicy::Interval(Duration::from_secs(3)),
+        };
+        Sim {
+            features,
+            memory,
+            log,
+            producer,
+            rng,
+            workers: Vec::new(),
+            start: Start::TrimHorizon,
+            checkpoint,
+            next_value: 0,
+            incarnations: 0,
+            last_split: None,
+            generation: Default::default(),
+            stats: Stats::default(),
+        }
+    }
+
+    fn note(&self, line: String) {
+        self.log.note(line);
+    }
+
+    async fn produce(&mut self, n: usize) {
+        let range = self.next_value..self.next_value + n;
+        self.next_value += n;
+        self.note(format!("produce {n}"));
+        crate::common::produce(&self.producer, STREAM, range).await;
+    }
+
+    async fn open_shards(&self) -> Vec<ShardInfo> {
+        let mut open: Vec<ShardInfo> = self
+            .memory
+            .streams()
+            .list_shards(STREAM)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| !s.is_closed())
+            .collect();
+        open.sort_by_key(|s| s.starting_hash_key);
+        open
+    }
+
+    async fn record_generations(&mut self) {
+        let all = self
+            .memory
+            .streams()
+            .list_shards(STREAM)
+            .await
+            .unwrap_or_default();
+        for s in all {
+            if self.generation.contains_key(&s.shard_id) {
+                continue;
+            }
+            let g = s
+                .parents()
+                .iter()
+                .filter_map(|p| self.generation.get(p))
+                .max()
+                .map_or(0, |g| g + 1);
+            self.stats.generations = self.stats.generations.max(g);
+            self.generation.insert(s.shard_id, g);
+        }
+    }
+
+    /// One reshard: a merge back of the last split's children, a merge of two adjacent
+    /// open shards, or a split (preferring the newest shards, to grow generations).
+    async fn reshard(&mut self) {
+        let open = self.open_shards().await;
+        let kinesis = self.memory.streams().clone();
+        if self.features.has(Feature::MergeBack) {
+            if let Some((a, b)) = self.last_split.take() {
+                if open.iter().any(|s| s.shard_id == a) && open.iter().any(|s| s.shard_id == b) {
+                    kinesis.merge_shards(STREAM, &a, &b).await.unwrap();
+                    self.note(format!("merge back {a} + {b}"));
+                    self.stats.merge_backs += 1;
+                    self.stats.reshards += 1;
+                    return;
+                }
+            }
+        }
+        // Without deep resharding only the first shards are resharded (2 generations).
+        let open: Vec<ShardInfo> = if self.features.has(Feature::DeepReshard) {
+            open
+        } else {
+            open.into_iter()
+                .filter(|s| self.generation.get(&s.shard_id) == Some(&0))
+                .collect()
+        };
+        if open.is_empty() {
+            return;
+        }
+        let pairs: Vec<usize> = (0..open.len() - 1)
+            .filter(|i| {
+                open[*i].ending_hash_key.checked_add(1) == Some(open[i + 1].starting_hash_key)
+            })
+            .collect();
+        let merge = !pairs.is_empty() && (open.len() >= 4 || self.rng.gen_bool(0.3));
+        if merge {
+            let i = pairs[self.rng.gen_range(0..pairs.len())];
+            let (a, b) = (&open[i].shard_id, &open[i + 1].shard_id);
+            kinesis.merge_shards(STREAM, a, b).await.unwrap();
+            self.note(format!("merge {a} + {b}"));
+        } else {
+            let newest = open
+                .iter()
+                .max_by_key(|s| self.generation.get(&s.shard_id).copied().unwrap_or(0))
+                .cloned();
+            let s = match newest {
+                Some(s) if self.rng.gen_bool(0.7) => s,
+                _ => open[self.rng.gen_range(0..open.len())].clone(),
+            };
+            let at = s.starting_hash_key + (s.ending_hash_key - s.starting_hash_key) / 2;
+            kinesis.split_shard(STREAM, &s.shard_id, at).await.unwrap();
+            let after = self.open_shards().await;
+            let children: Vec<String> = after
+                .iter()
+                .filter(|c| c.parent_shard_id.as_deref() == Some(s.shard_id.as_str()))
+                .map(|c| c.shard_id.clone())
+                .collect();
+            if let [a, b] = children.as_slice() {
+                self.last_split = Some((a.clone(), b.clone()));
+            }
+            self.note(format!("split {} into {children:?}", s.shard_id));
+        }
+        self.stats.reshards += 1;
+    }
+
+    fn consumer(&mut self, backend: SimBackend) -> Consumer {
+        let position = match &self.start {
+            Start::TrimHorizon => InitialPosition::TrimHorizon,
+            Start::Latest => InitialPosition::Latest,
+            Start::AtTimestamp(t) => InitialPosition::AtTimestamp(*t),
+        };
+        Consumer::builder()
+            .stream(STREAM)
+            .group(GROUP)
+            .worker_id(backend.worker.clone())
+            .backend(backend)
+            .initial_position(position)
+            .lease_duration(LEASE)
+            .take_interval(Duration::from_secs(1))
+            .shard_sync_interval(Duration::from_secs(2))
+            .idle_read_interval(Duration::from_millis(100))
+            .max_records_per_read(self.rng.gen_range(5..60))
+            .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
+            .checkpoint(self.checkpoint.clone())
+            .shutdown_timeout(Duration::from_secs(5))
+            .seed(self.rng.gen())
+            .build()
+            .unwrap()
+    }
+
+    /// Starts a worker called `name` (a new incarnation), in run or stream mode.
+    fn join(&mut self, name: String, stream_mode: bool) {
+        self.incarnations += 1;
+        let incarnation = format!("{name}#{}", self.incarnations);
+        let control = Control::new();
+        let backend = SimBackend::new(
+            self.memory.clone(),
+            GROUP,
+            &name,
+            &incarnation,
+            control.clone(),
+            self.log.clone(),
+            self.features,
+            self.rng.gen(),
+        );
+        let consumer = self.consumer(backend);
+        let shutdown = consumer.shutdown_handle();
+        let log = self.log.clone();
+        let task = if stream_mode {
+            self.stats.stream_workers += 1;
+            let rng = SmallRng::seed_from_u64(self.rng.gen());
+            tokio::spawn(stream_worker(
+                consumer,
+                incarnation.clone(),
+                control.clone(),
+                log,
+                rng,
+                self.features,
+            ))
+        } else {
+            let service = handler(log, incarnation.clone(), control.clone());
+            let run = consumer.run(service).into_future();
+            tokio::spawn(async move { run.await.map_err(|e| e.to_string()) })
+        };
+        self.note(format!(
+            "join {incarnation} ({})",
+            if stream_mode { "stream" } else { "run" }
+        ));
+        self.stats.joins += 1;
+        self.workers.push(Worker {
+            name,
+            incarnation,
+            control,
+            shutdown,
+            task,
+            left: false,
+            stream_mode,
+            dropped: false,
+        });
+    }
+
+    fn alive(&self) -> Vec<usize> {
+        (0..self.workers.len())
+            .filter(|i| self.workers[*i].alive() && !self.workers[*i].control.is_frozen())
+            .collect()
+    }
+
+    async fn run(&mut self) -> Result<(), String> {
+        let kinesis = self.memory.streams().clone();
+        let shards = if self.features.has(Feature::MergeBack) {
+            1
+        } else {
+            self.rng.gen_range(1..=3)
+        };
+        kinesis
+            .create_stream(STREAM, shards)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.record_generations().await;
+        let mut positions = vec![0];
+        if self.features.has(Feature::Latest) {
+            positions.push(1);
+        }
+        if self.features.has(Feature::AtTimestamp) {
+            positions.push(2);
+        }
+        let position = positions[self.rng.gen_range(0..positions.len())];
+        let n = self.rng.gen_range(50..200);
+        self.produce(n).await;
+        match position {
+            1 => self.start = Start::Latest,
+            2 => {
+                // The timestamp falls before a reshard, so a shard closed before the
+                // group first syncs still holds records at or after it.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                self.start = Start::AtTimestamp(SystemTime::now());
+                let n = self.rng.gen_range(20..100);
+                self.produce(n).await;
+                if self.features.has(Feature::Reshard) {
+                    self.reshard().await;
+                    self.record_generations().await;
+                }
+                let n = self.rng.gen_range(20..100);
+                self.produce(n).await;
+            }
+            _ => {}
+        }
+        self.note(format!(
+            "start {:?}, checkpoint {:?}, {shards} shards",
+            self.start, self.checkpoint
+        ));
+
+        let latest = matches!(self.start, Start::Latest);
+        let first = if latest { 2 } else { self.rng.gen_range(1..=2) };
+        for w in 0..first {
+            let stream_mode = self.features.has(Feature::StreamMode) && self.rng.gen_bool(0.3);
+            self.join(format!("w{w}"), stream_mode);
+        }
+
+        // The events: at least 3 reshards when resharding is on, then a random mix.
+        let mut events: Vec<u8> = Vec::new();
+        if self.features.has(Feature::Reshard) || self.features.has(Feature::MergeBack) {
+            let n = self.rng.gen_range(3..=5);
+            events.extend(std::iter::repeat_n(0, n));
+        }
+        let others = self.rng.gen_range(6..=12);
+        for _ in 0..others {
+            events.push(self.rng.gen_range(1..=6));
+        }
+        if self.features.has(Feature::Kill) || self.features.has(Feature::Freeze) {
+            events.push(7);
+        }
+        if self.features.has(Feature::DropRun) && self.rng.gen_bool(0.5) {
+            events.push(8);
+        }
+        for i in (1..events.len()).rev() {
+            let j = self.rng.gen_range(0..=i);
+            events.swap(i, j);
+        }
+        // Under LATEST, often lose an owner before its first checkpoint.
+        if latest && events.contains(&7) && self.rng.gen_bool(0.5) {
+            events.retain(|e| *e != 7);
+            events.insert(0, 7);
+        }
+        for event in events {
+            let pause = Duration::from_millis(self.rng.gen_range(100..3_000));
+            tokio::time::sleep(pause).await;
+            self.step(event).await;
+        }
+
+        // The end: everything is woken, one plain worker is surely there, and every
+        // required record is handled within a bound.
+        for w in &self.workers {
+            if w.control.is_frozen() {
+                w.control.freeze(false);
+            }
+        }
+        let runners = self
+            .workers
+            .iter()
+            .filter(|w| w.alive() && !w.stream_mode)
+            .count();
+        if runners == 0 || self.alive().is_empty() {
+            self.join("w-final".into(), false);
+        }
+        let n = self.rng.gen_range(20..100);
+        self.produce(n).await;
+        self.record_generations().await;
+        self.note("wait until every required record is handled".into());
+        let mut waited = Duration::ZERO;
+        loop {
+            let missing = invariants::missing(&self.memory, &self.log, &self.start);
+            if missing.is_empty() {
+                break;
+            }
+            if waited >= HANDLED_WITHIN {
+                invariants::check(&self.memory, &self.log, &self.start)?;
+                return Err(format!(
+                    "lost: {} required records not handled within {HANDLED_WITHIN:?}, e.g. {:?}",
+                    missing.len(),
+                    &missing[..missing.len().min(5)]
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            waited += Duration::from_millis(500);
+        }
+        for w in &self.workers {
+            if w.alive() {
+                w.shutdown.shutdown();
+            }
+        }
+        for w in std::mem::take(&mut self.workers) {
+            if w.control.is_dead() || w.dropped {
+                w.task.abort();
+                continue;
+            }
+            match tokio::time::timeout(Duration::from_secs(120), w.task).await {
+                Err(_) => {
+                    return Err(format!(
+                        "{} did not stop within 120 s of its shutdown",
+                        w.incarnation
+                    ))
+                }
+                Ok(Err(e)) => return Err(format!("{} panicked: {e}", w.incarnation)),
+                Ok(Ok(Err(e))) => self.note(format!("{} ended with an error: {e}", w.incarnation)),
+                Ok(Ok(Ok(()))) => {}
+            }
+        }
+        Ok(())
+    }
+
+    async fn step(&mut self, event: u8) {
+        match event {
+            0 => {
+                if self.features.has(Feature::Reshard) || self.features.has(Feature::MergeBack) {
+                    self.reshard().await;
+                    self.record_generations().await;
+                    let n = self.rng.gen_range(20..150);
+                    self.produce(n).await;
+                }
+            }
+            1 => {
+                let n = self.rng.gen_range(20..200);
+                self.produce(n).await;
+            }
+            2 => {
+                if self.workers.iter().filter(|w| w.alive()).count() >= 4 {
+                    return;
+                }
+                let stream_mode = self.features.has(Feature::StreamMode) && self.rng.gen_bool(0.3);
+                let reuse: Vec<String> = self
+                    .workers
+                    .iter()
+                    .filter(|w| {
+                        (self.features.has(Feature::RestartSameId)
+                            && w.gone()
+                            && !self.workers.iter().any(|o| o.name == w.name && !o.gone()))
+                            || (self.features.has(Feature::SameIdWhileAlive)
+                                && w.control.is_frozen())
+                    })
+                    .map(|w| w.name.clone())
+                    .collect();
+                let name = if !reuse.is_empty() && self.rng.gen_bool(0.6) {
+                    self.stats.restarts_same_id += 1;
+                    reuse[self.rng.gen_range(0..reuse.len())].clone()
+                } else {
+                    format!("w{}", self.workers.len())
+                };
+                self.join(name, stream_mode);
+            }
+            3 => {
+                let alive = self.alive();
+                if alive.len() >= 2 {
+                    let i = alive[self.rng.gen_range(0..alive.len())];
+                    let w = &mut self.workers[i];
+                    w.left = true;
+                    w.shutdown.shutdown();
+                    self.log.note(format!("leave {}", w.incarnation));
+                    self.stats.leaves += 1;
+                }
+            }
+            4 => self.kill_one(),
+            5 => self.freeze_one(),
+            7 => {
+                // Records arrive, and at once (before they are read) a worker dies or
+                // freezes past its lease.
+                let n = self.rng.gen_range(20..100);
+                self.produce(n).await;
+                let kill = self.features.has(Feature::Kill)
+                    && (!self.features.has(Feature::Freeze) || self.rng.gen_bool(0.5));
+                if kill {
+                    self.kill_one();
+                } else {
+                    self.freeze_one();
+                }
+            }
+            8 => {
+                // The Run future is dropped, without a shutdown: the worker must stop.
+                let runners: Vec<usize> = self
+                    .alive()
+                    .into_iter()
+                    .filter(|i| !self.workers[*i].stream_mode)
+                    .collect();
+                if self.alive().len() >= 2 && !runners.is_empty() {
+                    let i = runners[self.rng.gen_range(0..runners.len())];
+                    let w = &mut self.workers[i];
+                    w.task.abort();
+                    w.left = true;
+                    w.dropped = true;
+                    let log = self.log.clone();
+                    let incarnation = w.incarnation.clone();
+                    log.note(format!("drop the Run of {incarnation}"));
+                    tokio::spawn(async move {
+                        tokio::time::sleep(LEASE * 5).await;
+                        let by = log.tick();
+                        log.dropped_runs.lock().unwrap().push((incarnation, by));
+                    });
+                }
+            }
+            _ => {
+                // A quiet period longer than a lease.
+                tokio::time::sleep(LEASE).await;
+            }
+        }
+    }
+
+    fn kill_one(&mut self) {
+        let alive = self.alive();
+        if self.features.has(Feature::Kill) && alive.len() >= 2 {
+            let i = alive[self.rng.gen_range(0..alive.len())];
+            let w = &self.workers[i];
+            w.control.kill();
+            w.task.abort();
+            self.log.note(format!("kill {}", w.incarnation));
+            self.stats.kills += 1;
+        }
+    }
+
+    fn freeze_one(&mut self) {
+        let alive = self.alive();
+        if self.features.has(Feature::Freeze) && alive.len() >= 2 {
+            let i = alive[self.rng.gen_range(0..alive.len())];
+            let lease = LEASE.as_millis() as u64;
+            let millis = self.rng.gen_range(lease * 3 / 2..lease * 3);
+            let w = &self.workers[i];
+            w.control.freeze(true);
+            let control = w.control.clone();
+            let log = self.log.clone();
+            let incarnation = w.incarnation.clone();
+            log.note(format!("freeze {incarnation} for {millis} ms"));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(millis)).await;
+                control.freeze(false);
+                log.note(format!("wake {incarnation}"));
+            });
+            self.stats.freezes += 1;
+        }
+    }
+
+    fn finish_stats(&mut self) -> Stats {
+        let log = &self.log;
+        let mut s = self.stats.clone();
+        s.records = invariants::all_records(&self.memory).len();
+        s.handled = log.handled.lock().unwrap().len();
+        s.handoffs_before_first_checkpoint = log
+            .takes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|t| t.before_first_checkpoint)
+            .count();
+        s.ambiguous_commits = log
+            .commits
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.ambiguous)
+            .count();
+        s.hung = log.hung.load(Ordering::SeqCst);
+        s.stale_lists = log.stale_lists.load(Ordering::SeqCst);
+        s.missing_iterators = log.missing_iterators.load(Ordering::SeqCst);
+        s.ambiguous_puts = log.ambiguous_puts.load(Ordering::SeqCst);
+        s.nacks = log.nacks.load(Ordering::SeqCst);
+        s.dropped_batches = log.dropped_batches.load(Ordering::SeqCst);
+        s
+    }
+}
+
+/// The run-mode handler: waits while its process is frozen, never finishes once it is
+/// dead, and logs each record delivered and handled.
+fn handler(
+    log: Arc<Log>,
+    incarnation: String,
+    control: Arc<Control>,
+) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send
+{
+    tower::service_fn(move |msg: Message| {
+        let log = log.clone();
+        let incarnation = incarnation.clone();
+        let control = control.clone();
+        async move {
+            control.gate().await;
+            log.deliver(&incarnation, &msg);
+            log.handle(&incarnation, &msg);
+            Ok(())
+        }
+    })
+}
+
+/// A `stream()`-mode consumer: holds a few batches and acknowledges them in random
+/// order; with the features on, nacks some and drops one (then leaves).
+async fn stream_worker(
+    consumer: Consumer,
+    incarnation: String,
+    control: Arc<Control>,
+    log: Arc<Log>,
+    mut rng: SmallRng,
+    features: Features,
+) -> Result<(), String> {
+    let shutdown = consumer.shutdown_handle();
+    let mut stream = consumer.stream();
+    let mut held: Vec<(shardflow::Batch, Option<AckHandle>)> = Vec::new();
+    let hold = rng.gen_range(1..=4);
+    let mut ended = false;
+    let mut result = Ok(());
+    while !ended || !held.is_empty() {
+        let mut tick = false;
+        if !ended {
+            match tokio::time::timeout(Duration::from_millis(100), stream.next()).await {
+                Ok(Some(Ok(mut batch))) => {
+                    control.gate().await;
+                    for m in &batch.messages {
+                        log.deliver(&incarnation, m);
+                    }
+                    let ack = batch.take_ack();
+                    held.push((batch, ack));
+                }
+                Ok(Some(Err(e))) => {
+                    result = Err(e.to_string());
+                }
+                Ok(None) => ended = true,
+                Err(_) => tick = true,
+            }
+        } else {
+            tick = true;
+        }
+        control.gate().await;
+        while !held.is_empty() && (held.len() > hold || tick) {
+            tick = false;
+            let (batch, ack) = held.swap_remove(rng.gen_range(0..held.len()));
+            let Some(ack) = ack else { continue };
+            if features.has(Feature::StreamNack) && rng.gen_bool(0.05) {
+                log.nacks.fetch_add(1, Ordering::SeqCst);
+                ack.nack();
+            } else if features.has(Feature::StreamDrop) && rng.gen_bool(0.03) {
+                log.dropped_batches.fetch_add(1, Ordering::SeqCst);
+                log.note(format!("{incarnation} drops a batch and leaves"));
+                drop((batch, ack));
+                shutdown.shutdown();
+            } else if features.has(Feature::StreamAckThrough) && rng.gen_bool(0.1) {
+                let last = batch.messages.len() - 1;
+                if rng.gen_bool(0.5) {
+                    // Part of the batch now, the whole of it later.
+                    let k = rng.gen_range(0..=last);
+                    for m in &batch.messages[..=k] {
+                        log.handle(&incarnation, m);
+                    }
+                    ack.ack_through(batch.messages[k].position());
+                    held.push((batch, Some(ack)));
+                } else {
+                    // Past the batch (a user mistake): only its own records are handled.
+                    for m in &batch.messages {
+                        log.handle(&incarnation, m);
+                    }
+                    log.note(format!(
+                        "{incarnation} acks {} through a position past its batch",
+                        batch.shard_id
+                    ));
+                    let digits = batch.messages[last].headers.sequence_number.as_str().len();
+                    if let Ok(beyond) = SequenceNumber::new("9".repeat(digits)) {
+                        ack.ack_through(Position::new(beyond, 0));
+                    }
+                    // Acknowledged whole later, like the partial case.
+                    held.push((batch, Some(ack)));
+                }
+            } else {
+                for m in &batch.messages {
+                    log.handle(&incarnation, m);
+                }
+                ack.ack();
+            }
+        }
+    }
+    result
+}
