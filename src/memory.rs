@@ -1026,9 +1026,13 @@ impl LeaseStore for MemoryLeaseStore {
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {
+                row.owner_switches = row
+                    .owner_switches
+                    .saturating_add(crate::lease::owner_switch(row, new_owner));
                 row.owner = Some(new_owner.to_owned());
                 row.counter = row.counter.saturating_add(1);
                 row.pending_owner = None;
+                row.checkpoint_owner = None;
             })
         })
         .await
@@ -1049,7 +1053,10 @@ impl LeaseStore for MemoryLeaseStore {
         checkpoint: &Checkpoint,
     ) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
-            conditional(rows, expected, |row| row.checkpoint = checkpoint.clone())
+            conditional(rows, expected, |row| {
+                row.checkpoint = checkpoint.clone();
+                row.owner_switches = 0;
+            })
         })
         .await
     }
@@ -1059,6 +1066,7 @@ impl LeaseStore for MemoryLeaseStore {
             conditional(rows, expected, |row| {
                 row.owner = None;
                 row.counter = row.counter.saturating_add(1);
+                row.checkpoint_owner = None;
             })
         })
         .await
@@ -1068,6 +1076,30 @@ impl LeaseStore for MemoryLeaseStore {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {
                 row.pending_owner = Some(worker.to_owned())
+            })
+        })
+        .await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.stream.get_or_insert_with(|| stream.to_owned());
+            })
+        })
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                let mut children = children.to_vec();
+                children.sort();
+                row.children = children;
             })
         })
         .await

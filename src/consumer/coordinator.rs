@@ -77,6 +77,8 @@ pub(crate) struct Coordinator {
     /// not moved for the lease duration is expired (no clocks compared across hosts).
     seen: BTreeMap<String, (u64, Instant)>,
     steals: BTreeMap<String, Instant>,
+    /// Leases of a live non-shardflow owner already warned about.
+    warned: BTreeSet<String>,
     shards: Vec<ShardInfo>,
     last_sync: Option<Instant>,
     need_sync: bool,
@@ -115,6 +117,7 @@ impl Coordinator {
             held: Arc::default(),
             seen: BTreeMap::new(),
             steals: BTreeMap::new(),
+            warned: BTreeSet::new(),
             shards: Vec::new(),
             last_sync: None,
             need_sync: true,
@@ -184,16 +187,21 @@ impl Coordinator {
                 // together balances in a few seconds.
                 let settle = tokio::time::sleep(self.config.renew_interval);
                 let settling = self.rounds < 2 || !self.steals.is_empty();
-                tokio::select! {
+                let round = tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break Ok(()),
                     Some(event) = self.events_rx.recv() => {
                         if self.on_event(event).await {
-                            self.round().await;
+                            self.round().await
+                        } else {
+                            Ok(())
                         }
                     }
                     _ = take_tick.tick() => self.round().await,
                     _ = settle, if settling => self.round().await,
+                };
+                if let Err(e) = round {
+                    break Err(e);
                 }
                 // A lease table deleted under a running group is not re-created (that
                 // would restart every shard at its initial position): once lease rounds
@@ -265,8 +273,11 @@ impl Coordinator {
         }
     }
 
-    /// One lease round: discover shards if due, then take, steal and clean up.
-    async fn round(&mut self) {
+    /// One lease round: discover shards if due, then take, steal and clean up. Fails
+    /// only when the table turns out to hold another stream's rows: a consumer of that
+    /// stream created them at the moment this one started (both saw the table empty).
+    /// The first round runs right after start-up, before any lease is taken.
+    async fn round(&mut self) -> Result<(), ConsumerError> {
         self.rounds += 1;
         let sync_due = self
             .last_sync
@@ -291,12 +302,14 @@ impl Coordinator {
                     self.table_missing_since.get_or_insert_with(Instant::now);
                 }
                 tracing::warn!(error = %e, "listing leases failed; will retry");
-                return;
+                return Ok(());
             }
         };
+        self.check_stream(&rows)?;
         if let Err(e) = self.balance(rows).await {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
+        Ok(())
     }
 
     async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
@@ -434,7 +447,21 @@ impl Coordinator {
             .iter()
             .copied()
             .filter(|r| r.pending_owner.is_none() && !self.steals.contains_key(&r.key))
+            // A live KCL worker would never answer a hand-off request, and sharing a
+            // table with one (a mixed fleet) is not supported: its leases are taken
+            // only once they expire (the KCL fleet stopped).
+            .filter(|r| !r.has_foreign_owner())
             .collect();
+        for row in eligible.iter().filter(|r| {
+            r.has_foreign_owner() && !expired(r, &self.seen) && self.warned.insert(r.key.clone())
+        }) {
+            tracing::warn!(
+                lease = %row.key,
+                owner = ?row.owner,
+                "the lease is held by a live worker that is not shardflow (a KCL worker?); \
+                 a mixed fleet is not supported: stop the KCL fleet, its leases are taken once they expire"
+            );
+        }
         pool.shuffle(&mut self.rng);
         while !self.updating
             && mine + self.steals.len() < target
@@ -554,6 +581,9 @@ impl Coordinator {
         let listed_at = Instant::now();
         let mut shards = self.kinesis.list_shards(&self.stream).await?;
         let rows = self.store.list().await?;
+        self.check_stream(&rows)?;
+        self.claim_rows(&rows, &shards).await;
+        self.record_children(&rows, &shards).await;
         let keys: BTreeSet<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         self.confirm_listing(&mut shards, &keys).await?;
         shards.sort_by(|a, b| a.starting_sequence_number.cmp(&b.starting_sequence_number));
@@ -617,7 +647,10 @@ impl Coordinator {
             } else {
                 initial.clone()
             };
-            to_create.push(Lease::new(shard.shard_id.clone(), parents, checkpoint));
+            let mut lease = Lease::new(shard.shard_id.clone(), parents, checkpoint);
+            lease.stream = Some(self.stream.to_string());
+            lease.hash_range = Some((shard.starting_hash_key, shard.ending_hash_key));
+            to_create.push(lease);
             created.insert(shard.shard_id.as_str());
         }
         let complete = self.create_leases(to_create, listed_at).await?;
@@ -664,10 +697,66 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Creates `leases` (in parent-before-child order); returns whether all were sent, many at once but never a child
+    /// Refuses a table whose rows name another stream. Rows without a stream (written
+    /// by the KCL) are accepted: a KCL table is taken over as it is.
+    fn check_stream(&self, rows: &[Lease]) -> Result<(), ConsumerError> {
+        match rows
+            .iter()
+            .find(|r| r.stream.as_deref().is_some_and(|s| s != &*self.stream))
+        {
+            Some(row) => Err(ConsumerError::TableOfAnotherStream {
+                table: self.config.lease_table.clone(),
+                stream: self.stream.to_string(),
+                other_stream: row.stream.clone().unwrap_or_default(),
+                lease: row.key.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records our stream in the rows of our shards that name none (a KCL table taken
+    /// over), so that a consumer of another stream is refused on this table from now on.
+    /// A row that changed meanwhile (a live owner's renewal) is tried again at the next
+    /// sync.
+    async fn claim_rows(&self, rows: &[Lease], shards: &[ShardInfo]) {
+        let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+        for row in rows
+            .iter()
+            .filter(|r| r.stream.is_none() && ids.contains(r.key.as_str()))
+        {
+            if let Err(e) = self.store.claim_for_stream(row, &self.stream).await {
+                tracing::debug!(lease = %row.key, error = %e, "could not record the stream in the row");
+            }
+        }
+    }
+
+    /// Writes `childShardIds` into our rows at SHARD_END that have none, as the KCL does
+    /// when a shard ends, so a KCL application that takes the table back finds them.
+    async fn record_children(&self, rows: &[Lease], shards: &[ShardInfo]) {
+        for row in rows
+            .iter()
+            .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.children.is_empty())
+        {
+            let mut children: Vec<String> = shards
+                .iter()
+                .filter(|s| s.parents().contains(&row.key))
+                .map(|s| s.shard_id.clone())
+                .collect();
+            if children.is_empty() {
+                continue;
+            }
+            children.sort();
+            if let Err(e) = self.store.record_children(row, &children).await {
+                tracing::debug!(lease = %row.key, error = %e, "could not record the children");
+            }
+        }
+    }
+
+    /// Creates `leases` (in parent-before-child order), many at once but never a child
     /// before its parents: in waves, each holding the leases whose parents are not
     /// waiting to be created, so no worker can see a child without its parent. A fleet
     /// started on a new table then creates thousands of rows in a few round trips.
+    /// Returns whether every lease was sent (or already existed).
     ///
     /// Every decision was taken on the rows listed at `listed_at`. A worker paused
     /// after that (GC, SIGSTOP) could create a row that meanwhile was finished and

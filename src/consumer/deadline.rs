@@ -98,6 +98,26 @@ impl LeaseStore for BoundedLeaseStore {
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.bound("delete", self.inner.delete(expected)).await
     }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.bound(
+            "claim_for_stream",
+            self.inner.claim_for_stream(expected, stream),
+        )
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.bound(
+            "record_children",
+            self.inner.record_children(expected, children),
+        )
+        .await
+    }
 }
 
 /// The Kinesis calls of the readers and the coordinator, each ending within `timeout`

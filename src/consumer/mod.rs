@@ -82,6 +82,23 @@ pub enum ConsumerError {
     /// The worker task panicked or was cancelled (or its result was already returned).
     #[error("the worker task failed: {0}")]
     Worker(String),
+    /// The lease table holds the leases of another stream (for example two streams
+    /// consumed under one group name): the consumer refuses to start rather than read
+    /// that stream's checkpoints. Give one of them its own `.lease_table(..)` or `.group(..)`.
+    #[error(
+        "lease table {table:?} belongs to stream {other_stream:?} (row {lease:?}), \
+         not to stream {stream:?}: use another lease table or group for one of them"
+    )]
+    TableOfAnotherStream {
+        /// The lease table.
+        table: String,
+        /// The stream this consumer reads.
+        stream: String,
+        /// The stream the table's rows name.
+        other_stream: String,
+        /// A row of the other stream.
+        lease: String,
+    },
 }
 
 impl ConsumerError {

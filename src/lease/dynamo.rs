@@ -16,6 +16,13 @@
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
+//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
+//! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
+//! | `childShardIds` | SS, optional | the KCL's: an ended shard's children, written after it reached `SHARD_END` (`record_children`) |
+//! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
+//! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
+//! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
+//! | `throughputKBps` | N | KCL 3: not used, kept |
 //!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
 //! DynamoDB Number holds. No condition compares them; fencing is on the counter.
@@ -33,11 +40,13 @@
 //!
 //! | call | update |
 //! |---|---|
-//! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1 REMOVE pendingOwner` |
+//! | `take` | `SET leaseOwner = new, leaseCounter = counter + 1, ownerSwitchesSinceCheckpoint += (1 if the owner changes) REMOVE pendingOwner, checkpointOwner` |
 //! | `renew` | `SET leaseCounter = counter + 1` |
-//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber` and `SET` or `REMOVE checkpointTimestamp` (counter kept) |
-//! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner` (a pending hand-off request is kept, so the requester can take it) |
+//! | `checkpoint` | `SET checkpoint, checkpointSubSequenceNumber, ownerSwitchesSinceCheckpoint = 0` and `SET` or `REMOVE checkpointTimestamp`, `REMOVE pendingCheckpoint*` (counter kept) |
+//! | `release` | `SET leaseCounter = counter + 1 REMOVE leaseOwner, checkpointOwner` (a pending hand-off request is kept, so the requester can take it) |
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
+//! | `claim_for_stream` | `SET streamName = if_not_exists(streamName, stream)` (counter kept) |
+//! | `record_children` | `SET childShardIds` of a row at `SHARD_END` (counter kept) |
 //! | `delete` | DeleteItem under the same condition |
 //!
 //! Reads (`get`, `list`) are strongly consistent.
@@ -52,7 +61,7 @@ use aws_sdk_dynamodb::types::{
     ScalarAttributeType, TableStatus,
 };
 
-use super::{Checkpoint, Lease, LeaseError, LeaseStore};
+use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::kinesis::aws::describe_sdk_error;
 
 /// The hash key: the shard id.
@@ -71,6 +80,25 @@ const TIMESTAMP: &str = "checkpointTimestamp";
 const PARENTS: &str = "parentShardId";
 /// The worker asking for a hand-off.
 const PENDING_OWNER: &str = "pendingOwner";
+/// The stream the row belongs to (shardflow's).
+const STREAM: &str = "streamName";
+/// Owner changes since the last checkpoint (the KCL's).
+const OWNER_SWITCHES: &str = "ownerSwitchesSinceCheckpoint";
+/// The child shards of an ended shard (the KCL's).
+const CHILDREN: &str = "childShardIds";
+/// The lowest hash key of the shard (the KCL's, a decimal string).
+const STARTING_HASH: &str = "startingHashKey";
+/// The highest hash key of the shard (the KCL's, a decimal string).
+const ENDING_HASH: &str = "endingHashKey";
+/// KCL 3: the worker still processing during a graceful hand-off to `leaseOwner`.
+const CHECKPOINT_OWNER: &str = "checkpointOwner";
+/// The KCL's two-phase checkpoint: shardflow never writes it and removes it with
+/// every checkpoint it stores, as the KCL does when it checkpoints.
+const PENDING_CHECKPOINT: &str = "pendingCheckpoint";
+/// The pending checkpoint's sub-sequence number.
+const PENDING_SUB_SEQUENCE: &str = "pendingCheckpointSubSequenceNumber";
+/// The application state saved with a pending checkpoint (B; some KCL 3 versions write N).
+const PENDING_STATE: &str = "pendingCheckpointState";
 
 /// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
 const ACTIVE_WAIT: Duration = Duration::from_secs(60);
@@ -296,6 +324,33 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
     if let Some(pending) = &lease.pending_owner {
         item.insert(PENDING_OWNER.to_owned(), AttributeValue::S(pending.clone()));
     }
+    // The KCL's reader refuses a row without it (it is a non-null field there).
+    item.insert(
+        OWNER_SWITCHES.to_owned(),
+        AttributeValue::N(lease.owner_switches.to_string()),
+    );
+    if let Some(stream) = &lease.stream {
+        item.insert(STREAM.to_owned(), AttributeValue::S(stream.clone()));
+    }
+    if !lease.children.is_empty() {
+        item.insert(
+            CHILDREN.to_owned(),
+            AttributeValue::Ss(lease.children.clone()),
+        );
+    }
+    if let Some((start, end)) = lease.hash_range {
+        item.insert(
+            STARTING_HASH.to_owned(),
+            AttributeValue::S(start.to_string()),
+        );
+        item.insert(ENDING_HASH.to_owned(), AttributeValue::S(end.to_string()));
+    }
+    if let Some(checkpoint_owner) = &lease.checkpoint_owner {
+        item.insert(
+            CHECKPOINT_OWNER.to_owned(),
+            AttributeValue::S(checkpoint_owner.clone()),
+        );
+    }
     item
 }
 
@@ -320,25 +375,31 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
         Some(n) => Some(parse_number(&key, TIMESTAMP, &n)?),
         None => None,
     };
-    let parents = match item.get(PARENTS) {
-        None => Vec::new(),
-        Some(AttributeValue::Ss(set)) => {
-            let mut parents = set.clone();
-            parents.sort();
-            parents
-        }
-        Some(_) => {
-            return Err(LeaseError::Corrupt(format!(
-                "lease {key}: {PARENTS} is not a string set"
-            )))
-        }
+    let owner_switches = match number(item, OWNER_SWITCHES, &key)? {
+        Some(n) => parse_number(&key, OWNER_SWITCHES, &n)?,
+        None => 0,
+    };
+    let hash_range = match (
+        string(item, STARTING_HASH, &key)?,
+        string(item, ENDING_HASH, &key)?,
+    ) {
+        (Some(start), Some(end)) => Some((
+            parse_hash_key(&key, STARTING_HASH, &start)?,
+            parse_hash_key(&key, ENDING_HASH, &end)?,
+        )),
+        _ => None,
     };
     Ok(Lease {
+        parents: string_set(item, PARENTS, &key)?,
+        children: string_set(item, CHILDREN, &key)?,
+        stream: string(item, STREAM, &key)?,
+        checkpoint_owner: string(item, CHECKPOINT_OWNER, &key)?,
+        owner_switches,
+        hash_range,
         owner: string(item, OWNER, &key)?,
         counter,
         checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?
             .with_timestamp_millis(timestamp),
-        parents,
         pending_owner: string(item, PENDING_OWNER, &key)?,
         key,
     })
@@ -357,6 +418,32 @@ fn string(
             "lease {key}: {name} is not a string"
         ))),
     }
+}
+
+/// A string set attribute, sorted (a set has no order); empty when absent.
+fn string_set(
+    item: &HashMap<String, AttributeValue>,
+    name: &str,
+    key: &str,
+) -> Result<Vec<String>, LeaseError> {
+    match item.get(name) {
+        None => Ok(Vec::new()),
+        Some(AttributeValue::Ss(set)) => {
+            let mut values = set.clone();
+            values.sort();
+            Ok(values)
+        }
+        Some(_) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {name} is not a string set"
+        ))),
+    }
+}
+
+/// Parses a hash key (a decimal string of up to 2^128 - 1).
+fn parse_hash_key(key: &str, name: &str, digits: &str) -> Result<u128, LeaseError> {
+    digits
+        .parse::<u128>()
+        .map_err(|e| LeaseError::Corrupt(format!("lease {key}: {name} {digits:?}: {e}")))
 }
 
 /// A number attribute's digits, if present.
@@ -480,19 +567,30 @@ impl LeaseStore for DynamoLeaseStore {
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         let next = next_counter(expected)?;
+        let switch = owner_switch(expected, new_owner);
         self.fenced_update(
             "take",
             expected,
-            "SET #owner = :new_owner, #counter = :next REMOVE #pending",
-            &[("#pending", PENDING_OWNER)],
+            "SET #owner = :new_owner, #counter = :next, \
+             #switches = if_not_exists(#switches, :zero) + :switch \
+             REMOVE #pending, #checkpoint_owner",
+            &[
+                ("#pending", PENDING_OWNER),
+                ("#switches", OWNER_SWITCHES),
+                ("#checkpoint_owner", CHECKPOINT_OWNER),
+            ],
             vec![
                 (":new_owner", AttributeValue::S(new_owner.to_owned())),
                 (":next", AttributeValue::N(next.to_string())),
+                (":zero", AttributeValue::N("0".into())),
+                (":switch", AttributeValue::N(switch.to_string())),
             ],
             || Lease {
                 owner: Some(new_owner.to_owned()),
                 counter: next,
                 pending_owner: None,
+                owner_switches: expected.owner_switches.saturating_add(switch),
+                checkpoint_owner: None,
                 ..expected.clone()
             },
         )
@@ -525,12 +623,19 @@ impl LeaseStore for DynamoLeaseStore {
             (":checkpoint", AttributeValue::S(value)),
             (":sub", AttributeValue::N(sub_sequence.to_string())),
         ];
+        values.push((":zero", AttributeValue::N("0".into())));
+        // As the KCL's checkpoint does: reset the owner switches and drop a pending
+        // (two-phase) checkpoint, which this checkpoint supersedes.
         let update = match checkpoint.timestamp_millis() {
             Some(millis) => {
                 values.push((":timestamp", AttributeValue::N(millis.to_string())));
-                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp"
+                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp, \
+                 #switches = :zero REMOVE #pcp, #pcp_sub, #pcp_state"
             }
-            None => "SET #checkpoint = :checkpoint, #sub = :sub REMOVE #timestamp",
+            None => {
+                "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero \
+                 REMOVE #timestamp, #pcp, #pcp_sub, #pcp_state"
+            }
         };
         self.fenced_update(
             "checkpoint",
@@ -540,10 +645,15 @@ impl LeaseStore for DynamoLeaseStore {
                 ("#checkpoint", CHECKPOINT),
                 ("#sub", SUB_SEQUENCE),
                 ("#timestamp", TIMESTAMP),
+                ("#switches", OWNER_SWITCHES),
+                ("#pcp", PENDING_CHECKPOINT),
+                ("#pcp_sub", PENDING_SUB_SEQUENCE),
+                ("#pcp_state", PENDING_STATE),
             ],
             values,
             || Lease {
                 checkpoint: checkpoint.clone(),
+                owner_switches: 0,
                 ..expected.clone()
             },
         )
@@ -555,12 +665,13 @@ impl LeaseStore for DynamoLeaseStore {
         self.fenced_update(
             "release",
             expected,
-            "SET #counter = :next REMOVE #owner",
-            &[],
+            "SET #counter = :next REMOVE #owner, #checkpoint_owner",
+            &[("#checkpoint_owner", CHECKPOINT_OWNER)],
             vec![(":next", AttributeValue::N(next.to_string()))],
             || Lease {
                 owner: None,
                 counter: next,
+                checkpoint_owner: None,
                 ..expected.clone()
             },
         )
@@ -576,6 +687,43 @@ impl LeaseStore for DynamoLeaseStore {
             vec![(":pending", AttributeValue::S(worker.to_owned()))],
             || Lease {
                 pending_owner: Some(worker.to_owned()),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.fenced_update(
+            "claim_for_stream",
+            expected,
+            "SET #stream = if_not_exists(#stream, :stream)",
+            &[("#stream", STREAM)],
+            vec![(":stream", AttributeValue::S(stream.to_owned()))],
+            || Lease {
+                stream: Some(expected.stream.clone().unwrap_or_else(|| stream.to_owned())),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        if children.is_empty() {
+            return Ok(expected.clone()); // DynamoDB refuses an empty set
+        }
+        self.fenced_update(
+            "record_children",
+            expected,
+            "SET #children = :children",
+            &[("#children", CHILDREN)],
+            vec![(":children", AttributeValue::Ss(children.to_vec()))],
+            || Lease {
+                children: children.to_vec(),
                 ..expected.clone()
             },
         )
@@ -674,6 +822,202 @@ mod tests {
         assert!(!item.contains_key(PARENTS));
         assert!(!item.contains_key(PENDING_OWNER));
         assert_eq!(lease_from_item(&item).unwrap(), lease);
+    }
+
+    /// An item in DynamoDB JSON (`{"name": {"S": "..."}}`), as in `tests/fixtures/kcl/`.
+    fn item_from_json(json: &str) -> HashMap<String, AttributeValue> {
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect()
+        };
+        value
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(name, typed)| {
+                let (kind, v) = typed.as_object().unwrap().iter().next().unwrap();
+                let attribute = match kind.as_str() {
+                    "S" => AttributeValue::S(v.as_str().unwrap().to_owned()),
+                    "N" => AttributeValue::N(v.as_str().unwrap().to_owned()),
+                    "B" => AttributeValue::B(aws_sdk_dynamodb::primitives::Blob::new(
+                        v.as_str().unwrap().as_bytes(),
+                    )),
+                    "SS" => AttributeValue::Ss(strings(v)),
+                    other => panic!("type {other} is not in the KCL's rows"),
+                };
+                (name.clone(), attribute)
+            })
+            .collect()
+    }
+
+    fn fixture(name: &str) -> HashMap<String, AttributeValue> {
+        let path = format!("{}/tests/fixtures/kcl/{name}", env!("CARGO_MANIFEST_DIR"));
+        item_from_json(&std::fs::read_to_string(&path).unwrap())
+    }
+
+    /// Reads `item` the way the KCL's `fromDynamoRecord` does (2.x and 3.x): the same
+    /// names with the same types, and the attributes it requires present (its `Lease`
+    /// refuses a null counter, owner switches or checkpoint).
+    fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
+        let key = format!("{item:?}");
+        for required in [KEY, COUNTER, OWNER_SWITCHES, CHECKPOINT, SUB_SEQUENCE] {
+            assert!(item.contains_key(required), "{required} missing: {key}");
+        }
+        for (name, value) in item {
+            let ok = match name.as_str() {
+                KEY | OWNER | CHECKPOINT | PENDING_CHECKPOINT | STARTING_HASH | ENDING_HASH
+                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER => {
+                    matches!(value, AttributeValue::S(_))
+                }
+                COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
+                | "throughputKBps" => {
+                    matches!(value, AttributeValue::N(n) if n.parse::<f64>().is_ok())
+                }
+                PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),
+                PENDING_STATE => matches!(value, AttributeValue::B(_) | AttributeValue::N(_)),
+                other => panic!("{other} is neither the KCL's nor shardflow's: {key}"),
+            };
+            assert!(ok, "{name} has the wrong type for the KCL: {key}");
+        }
+        if let Some(AttributeValue::S(checkpoint)) = item.get(CHECKPOINT) {
+            assert!(
+                ["TRIM_HORIZON", "LATEST", "SHARD_END", "AT_TIMESTAMP"]
+                    .contains(&checkpoint.as_str())
+                    || checkpoint.bytes().all(|b| b.is_ascii_digit()),
+                "{checkpoint}"
+            );
+        }
+    }
+
+    #[test]
+    fn kcl_rows_parse_with_every_attribute() {
+        let lease = lease_from_item(&fixture("kcl2_checkpointed.json")).unwrap();
+        assert_eq!(lease.key, "shardId-000000000002");
+        assert_eq!(
+            lease.owner.as_deref(),
+            Some("7f3c2a10-5b1e-4f7a-9a51-2d6c0e8f4b21")
+        );
+        assert!(lease.has_foreign_owner());
+        assert_eq!(lease.counter, 4187);
+        assert_eq!(lease.owner_switches, 1);
+        assert_eq!(lease.parents, vec!["shardId-000000000000".to_owned()]);
+        assert_eq!(
+            lease.hash_range,
+            Some((0, 85_070_591_730_234_615_865_843_651_857_942_052_863))
+        );
+        assert_eq!(lease.stream, None);
+        assert_eq!(
+            lease.checkpoint.to_string(),
+            "49654231871269856788003409185127350380960574536328806434"
+        );
+
+        let end = lease_from_item(&fixture("kcl2_shard_end.json")).unwrap();
+        assert_eq!(end.checkpoint, Checkpoint::ShardEnd);
+        assert_eq!(end.owner, None);
+        assert_eq!(
+            end.children,
+            vec![
+                "shardId-000000000002".to_owned(),
+                "shardId-000000000003".to_owned()
+            ]
+        );
+        assert_eq!(end.hash_range.map(|r| r.1), Some(u128::MAX >> 1));
+
+        // A pending checkpoint is not ours to act on: the committed one counts.
+        let pending = lease_from_item(&fixture("kcl2_pending_checkpoint.json")).unwrap();
+        assert_eq!(
+            pending.checkpoint,
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("49654231871269856788003409185127350380960574536328806001")
+                    .unwrap(),
+                3
+            ))
+        );
+        assert_eq!(pending.hash_range.map(|r| r.1), Some(u128::MAX));
+
+        let unowned = lease_from_item(&fixture("kcl2_trim_horizon_unowned.json")).unwrap();
+        assert_eq!(unowned.checkpoint, Checkpoint::TrimHorizon);
+        assert_eq!((unowned.owner.as_deref(), unowned.hash_range), (None, None));
+        assert!(!unowned.has_foreign_owner());
+
+        let handoff = lease_from_item(&fixture("kcl3_handoff.json")).unwrap();
+        assert_eq!(handoff.owner.as_deref(), Some("worker-next"));
+        assert_eq!(handoff.checkpoint_owner.as_deref(), Some("worker-current"));
+        assert_eq!(handoff.checkpoint, Checkpoint::Latest);
+        assert!(handoff.has_foreign_owner());
+
+        let merged = lease_from_item(&fixture("kcl3_at_timestamp.json")).unwrap();
+        assert_eq!(merged.checkpoint, Checkpoint::AtTimestamp(None));
+        assert_eq!(
+            merged.parents,
+            vec![
+                "shardId-000000000002".to_owned(),
+                "shardId-000000000003".to_owned()
+            ]
+        );
+    }
+
+    #[test]
+    fn the_fixtures_and_what_shardflow_writes_read_as_the_kcl_reads_them() {
+        for name in [
+            "kcl2_checkpointed.json",
+            "kcl2_shard_end.json",
+            "kcl2_pending_checkpoint.json",
+            "kcl2_trim_horizon_unowned.json",
+            "kcl3_handoff.json",
+            "kcl3_at_timestamp.json",
+        ] {
+            let item = fixture(name);
+            assert_kcl_reads(&item);
+            let lease = lease_from_item(&item).unwrap();
+            // A row shardflow creates from it keeps every attribute the lease holds.
+            let written = item_from_lease(&lease);
+            assert_kcl_reads(&written);
+            assert_eq!(lease_from_item(&written).unwrap(), lease, "{name}");
+            for kept in [
+                KEY,
+                OWNER,
+                COUNTER,
+                OWNER_SWITCHES,
+                CHECKPOINT,
+                SUB_SEQUENCE,
+                PARENTS,
+                CHILDREN,
+                STARTING_HASH,
+                ENDING_HASH,
+                CHECKPOINT_OWNER,
+            ] {
+                let sorted = |v: Option<&AttributeValue>| match v {
+                    Some(AttributeValue::Ss(set)) => {
+                        let mut set = set.clone();
+                        set.sort();
+                        Some(AttributeValue::Ss(set))
+                    }
+                    other => other.cloned(),
+                };
+                assert_eq!(
+                    sorted(written.get(kept)),
+                    sorted(item.get(kept)),
+                    "{name}: {kept}"
+                );
+            }
+        }
+        // A row shardflow creates for a new shard.
+        let mut fresh = Lease::new("shardId-000000000009", Vec::new(), Checkpoint::TrimHorizon);
+        fresh.stream = Some("orders".into());
+        fresh.hash_range = Some((0, u128::MAX));
+        let item = item_from_lease(&fresh);
+        assert_kcl_reads(&item);
+        assert_eq!(item.get(STREAM), Some(&AttributeValue::S("orders".into())));
+        assert_eq!(
+            item.get(ENDING_HASH),
+            Some(&AttributeValue::S(u128::MAX.to_string()))
+        );
+        assert_eq!(lease_from_item(&item).unwrap(), fresh);
     }
 
     #[test]

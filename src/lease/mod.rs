@@ -176,6 +176,12 @@ pub(crate) fn incarnation(worker: &str, seed: u64) -> String {
     format!("{worker}{INCARNATION_SEPARATOR}{nonce}")
 }
 
+/// What a take by `new_owner` adds to `ownerSwitchesSinceCheckpoint`: one when the
+/// lease changes hands, none when it was unowned or is taken back (the KCL's rule).
+pub(crate) fn owner_switch(expected: &Lease, new_owner: &str) -> u64 {
+    u64::from(expected.owner.as_deref().is_some_and(|o| o != new_owner))
+}
+
 /// One shard's lease row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lease {
@@ -192,6 +198,22 @@ pub struct Lease {
     /// A worker that wants this lease and asks the owner to hand it over (`pendingOwner`):
     /// the owner drains, checkpoints and releases to it.
     pub pending_owner: Option<String>,
+    /// The stream the shard belongs to (`streamName`, shardflow's): every row shardflow
+    /// creates carries it, so a consumer of another stream pointed at the same table is
+    /// refused at start-up. `None` in a row the KCL wrote (accepted as ours).
+    pub stream: Option<String>,
+    /// The shard's hash-key range, lowest and highest (`startingHashKey`,
+    /// `endingHashKey`, decimal strings as the KCL writes them), where known.
+    pub hash_range: Option<(u128, u128)>,
+    /// The shard's children (`childShardIds`), as the KCL records them when a shard
+    /// ends; shardflow reads them back but finds children through ListShards.
+    pub children: Vec<String>,
+    /// Owner changes since the last checkpoint (`ownerSwitchesSinceCheckpoint`): a take
+    /// from another owner adds one, a checkpoint resets it, as in the KCL.
+    pub owner_switches: u64,
+    /// The KCL 3 worker still processing the shard during a graceful hand-off to
+    /// `owner` (`checkpointOwner`). shardflow never sets it; a take removes it.
+    pub checkpoint_owner: Option<String>,
 }
 
 impl Lease {
@@ -204,7 +226,22 @@ impl Lease {
             checkpoint,
             parents,
             pending_owner: None,
+            stream: None,
+            hash_range: None,
+            children: Vec::new(),
+            owner_switches: 0,
+            checkpoint_owner: None,
         }
+    }
+
+    /// Whether the row is held by a worker that is not shardflow (a KCL worker): its
+    /// owner has no incarnation separator, or a KCL 3 hand-off is under way.
+    pub fn has_foreign_owner(&self) -> bool {
+        self.checkpoint_owner.is_some()
+            || self
+                .owner
+                .as_deref()
+                .is_some_and(|o| !o.contains(INCARNATION_SEPARATOR))
     }
 }
 
@@ -295,4 +332,26 @@ pub trait LeaseStore: Send + Sync + 'static {
 
     /// Deletes the row if it still matches `expected` (clean-up of finished shards).
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError>;
+
+    /// Records `stream` in a row that names none (a row the KCL wrote), if the row still
+    /// matches `expected` (the counter is kept). Afterwards a consumer of another stream
+    /// is refused on this table. A store that cannot record it (the default) keeps the
+    /// row as it is.
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        let _ = stream;
+        Ok(expected.clone())
+    }
+
+    /// Records an ended shard's children (`childShardIds`, as the KCL does when a shard
+    /// ends) if the row still matches `expected` (the counter is kept), so a KCL
+    /// application that takes the table back finds them. A store that cannot record
+    /// them (the default) keeps the row as it is.
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        let _ = children;
+        Ok(expected.clone())
+    }
 }
