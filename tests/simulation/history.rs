@@ -1,7 +1,7 @@
 //! The switchable features of a generated history.
 //!
 //! `SHARDFLOW_SIM_FEATURES` picks them: unset or `default` = [`DEFAULT_FEATURES`] (what
-//! today's library passes), `all` = every feature, or a comma-separated list of names
+//! the library passes), `all` = every feature, or a comma-separated list of names
 //! where `+name` / `-name` add to / remove from the default set (`latest,hung-calls`
 //! alone means exactly those).
 
@@ -100,30 +100,32 @@ impl Feature {
     }
 }
 
-/// The features on by default: those today's library passes. Each one left out waits
-/// for the fix of a known bug it reproduces (issue 8); switch it on with
-/// `SHARDFLOW_SIM_FEATURES=+name` (or `all`) once the fix is merged:
-/// - `deep-reshard`, `merge-back`: a finished shard's lease is deleted, then its
-///   child's too, and the next sync re-creates the grandparent at TRIM_HORIZON (the
-///   shard is read again, its checkpoint moves back from SHARD_END, a second owner
-///   commits at counter 1);
-/// - `latest`: the LATEST start is not durable across a change of owner before the
-///   first checkpoint (records written in between are never handled);
-/// - `at-timestamp`: the first sync skips shards already closed;
-/// - `same-id-while-alive`: two processes with one worker id both commit;
-/// - `stale-list-shards`: an answer without a child re-creates its finished parents;
-/// - `missing-next-iterator-anywhere`: a closed shard's page without next iterator
-///   ends the shard early;
-/// - `hung-calls`: no deadlines (a hung call stalls until the wrapper's cap);
-/// - `stream-nack`, `stream-drop`: stream-mode nack and shutdown bugs.
+/// The features on by default: every one the library passes (the bugs they reproduced
+/// on the main of 2026-11-30 16:00 are fixed: issue 8). Left out:
+/// - `stale-list-shards`: a worker that lists shards, is paused, and creates a row
+///   from that listing after the row was finished and deleted re-creates it (the shard
+///   is read again, a second owner commits at counter 1). No record is lost (the
+///   no-loss invariant holds over 300 seeds with every feature); see the issue note for
+///   the failing seeds.
 pub const DEFAULT_FEATURES: &[Feature] = &[
     Feature::Reshard,
+    Feature::DeepReshard,
+    Feature::MergeBack,
+    Feature::Latest,
+    Feature::AtTimestamp,
     Feature::Kill,
     Feature::Freeze,
     Feature::RestartSameId,
+    Feature::SameIdWhileAlive,
     Feature::StreamMode,
+    Feature::StreamNack,
+    Feature::StreamDrop,
+    Feature::StreamAckThrough,
+    Feature::DropRun,
     Feature::AmbiguousPut,
     Feature::AmbiguousLease,
+    Feature::MissingNextIteratorAnywhere,
+    Feature::HungCalls,
 ];
 
 /// A set of features.
