@@ -268,7 +268,7 @@ pub enum LeaseError {
         table: String,
     },
     /// The call did not answer within its deadline. Its outcome is unknown: a write may
-    /// have landed (see [`HeldLease`] for how a renewal that landed is adopted).
+    /// have landed (a renewal or take that landed is found out and adopted).
     #[error("lease store call {op} did not answer within {after:?}")]
     TimedOut {
         /// The call (`renew`, `checkpoint`, `list`, ...).
