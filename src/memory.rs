@@ -1074,6 +1074,15 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
+            // The first request wins, as in the DynamoDB store.
+            let asked_by_another = rows.get(&expected.key).is_some_and(|row| {
+                row.pending_owner
+                    .as_deref()
+                    .is_some_and(|pending| pending != worker)
+            });
+            if asked_by_another {
+                return Err(LeaseError::Conflict(expected.key.clone()));
+            }
             conditional(rows, expected, |row| {
                 row.pending_owner = Some(worker.to_owned())
             })

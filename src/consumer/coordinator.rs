@@ -86,6 +86,8 @@ pub(crate) struct Coordinator {
     updating: bool,
     /// Lease rounds run so far.
     rounds: u64,
+    /// The last round left this worker under its fair share with leases to ask for.
+    short: bool,
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
@@ -123,6 +125,7 @@ impl Coordinator {
             need_sync: true,
             updating: false,
             rounds: 0,
+            short: false,
             table_missing_since: None,
             events_tx,
             events_rx,
@@ -181,12 +184,12 @@ impl Coordinator {
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             let outcome = loop {
                 // Right after the start (workers started together only see each other
-                // once each took something) and while hand-offs we asked for are under
-                // way, look again after one renewal interval (when the owners have seen
+                // once each took something), while hand-offs we asked for are under way
+                // and while short of the fair share, look again after one renewal interval (when the owners have seen
                 // the requests) rather than a whole take interval: a fleet started
                 // together balances in a few seconds.
                 let settle = tokio::time::sleep(self.config.renew_interval);
-                let settling = self.rounds < 2 || !self.steals.is_empty();
+                let settling = self.rounds < 2 || self.short || !self.steals.is_empty();
                 let round = tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break Ok(()),
@@ -498,6 +501,10 @@ impl Coordinator {
             }
             asked += 1;
         }
+        // Still short while some worker holds two more than we would: requests that
+        // lost to other requesters are made again at the next quick round.
+        let wanted = mine + self.steals.len();
+        self.short = wanted < target && load.values().any(|n| *n >= wanted + 2);
 
         self.clean_up(&rows).await;
         Ok(())

@@ -204,14 +204,35 @@ impl DynamoLeaseStore {
         values: Vec<(&str, AttributeValue)>,
         after: impl FnOnce() -> Lease,
     ) -> Result<Lease, LeaseError> {
+        self.fenced_update_if(op, expected, None, update, names, values, after)
+            .await
+    }
+
+    /// [`Self::fenced_update`] with `extra`, a further condition (over the update's
+    /// own placeholders) the row must meet.
+    #[allow(clippy::too_many_arguments)]
+    async fn fenced_update_if(
+        &self,
+        op: &str,
+        expected: &Lease,
+        extra: Option<&str>,
+        update: &str,
+        names: &[(&str, &str)],
+        values: Vec<(&str, AttributeValue)>,
+        after: impl FnOnce() -> Lease,
+    ) -> Result<Lease, LeaseError> {
         let fence = fence(expected);
+        let condition = match extra {
+            Some(extra) => format!("{} AND ({extra})", fence.condition),
+            None => fence.condition.to_owned(),
+        };
         let mut request = self
             .client
             .update_item()
             .table_name(&self.table)
             .key(KEY, AttributeValue::S(expected.key.clone()))
             .update_expression(update)
-            .condition_expression(fence.condition)
+            .condition_expression(condition)
             .return_values(ReturnValue::AllNew);
         for (placeholder, name) in names.iter().chain(fence.names.iter()) {
             request = request.expression_attribute_names(*placeholder, *name);
@@ -679,9 +700,12 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.fenced_update(
+        self.fenced_update_if(
             "request_handoff",
             expected,
+            // The first request wins: workers asking at once do not overwrite each
+            // other (each then asks for another lease instead).
+            Some("attribute_not_exists(#pending) OR #pending = :pending"),
             "SET #pending = :pending",
             &[("#pending", PENDING_OWNER)],
             vec![(":pending", AttributeValue::S(worker.to_owned()))],

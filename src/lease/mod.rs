@@ -327,7 +327,8 @@ pub trait LeaseStore: Send + Sync + 'static {
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError>;
 
     /// Records that `worker` asks for a hand-off, if the row still matches `expected`
-    /// (the counter is kept so the owner's fencing token stays valid).
+    /// and no other worker asked already (the first request wins; the counter is kept
+    /// so the owner's fencing token stays valid).
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError>;
 
     /// Deletes the row if it still matches `expected` (clean-up of finished shards).
