@@ -1123,3 +1123,24 @@ impl LeaseStore for MemoryLeaseStore {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_first_hand_off_request_wins() {
+        let store = MemoryLeaseStore::default();
+        let fresh = Lease::new("shard-a", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&fresh).await.unwrap());
+        let taken = store.take(&fresh, "w1#a").await.unwrap();
+        let asked = store.request_handoff(&taken, "w2#b").await.unwrap();
+        assert_eq!(asked.pending_owner.as_deref(), Some("w2#b"));
+        assert!(matches!(
+            store.request_handoff(&asked, "w3#c").await,
+            Err(LeaseError::Conflict(_))
+        ));
+        let again = store.request_handoff(&asked, "w2#b").await.unwrap();
+        assert_eq!(again.pending_owner.as_deref(), Some("w2#b"));
+    }
+}

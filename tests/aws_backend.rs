@@ -536,6 +536,18 @@ async fn leases_are_fenced_on_owner_and_counter() {
             (requested.pending_owner.as_deref(), requested.counter),
             (Some("w2"), 2)
         );
+        // The first request wins: another worker asking now is refused, the same one
+        // asking again is not.
+        assert_conflict(
+            store.request_handoff(&requested, "w3").await,
+            key,
+            "request_handoff while another worker's request is pending",
+        );
+        let requested = store
+            .request_handoff(&requested, "w2")
+            .await
+            .expect("the same requester asks again");
+        assert_eq!(requested.pending_owner.as_deref(), Some("w2"));
         let requested = store
             .checkpoint(&requested, &position)
             .await
