@@ -419,3 +419,87 @@ async fn a_take_answered_after_the_lease_expired_hands_out_nothing() {
     b_run.stop().await;
     assert_no_value_twice(&recorder.snapshot());
 }
+
+/// Review note (a row stuck owned), `shard.rs`: a shard that reached SHARD_END while
+/// draining for a hand-off was handed over instead of released. The requester never
+/// takes a finished lease, so the row stayed owned by it for ever and was never cleaned
+/// up. A finished shard is released whatever stopped it.
+#[tokio::test(start_paused = true)]
+async fn a_shard_ended_during_a_hand_off_drain_is_released() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    let (parent, _) = split_with_records(kinesis.as_ref(), "fe", 10, 10).await;
+    let table = memory.table("fe-group");
+    let (go, gate) = tokio::sync::watch::channel(false);
+    let waiting = Arc::new(AtomicBool::new(false));
+    let waiting_in_handler = waiting.clone();
+    // The last record of the parent blocks until `go`.
+    let handler = tower::service_fn(move |msg: Message| {
+        let value: usize = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
+        let mut gate = gate.clone();
+        let waiting = waiting_in_handler.clone();
+        async move {
+            if value == 9 {
+                waiting.store(true, Ordering::SeqCst);
+                let _ = gate.wait_for(|go| *go).await;
+            }
+            Ok::<_, std::convert::Infallible>(())
+        }
+    });
+    let consumer = test_consumer(memory.clone(), "fe", "fe-group", "a")
+        .build()
+        .unwrap();
+    let shutdown = consumer.shutdown_handle();
+    let run = tokio::spawn(consumer.run(handler).into_future());
+    within(LIMIT, "the parent's last record is being handled", async {
+        while !waiting.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // Let the reader find the parent's end (a read after the last record) meanwhile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    within(LIMIT, "a hand-off is requested", async {
+        loop {
+            let row = table
+                .rows()
+                .into_iter()
+                .find(|r| r.key == parent.shard_id)
+                .unwrap();
+            if table.request_handoff(&row, "b#zzzzzz").await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // The owner sees the request at its next renewal and drains; the drain ends when
+    // the blocked record is handled, which completes the shard.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    go.send(true).unwrap();
+    let row = within(LIMIT, "the parent's owner lets go", async {
+        loop {
+            match table.rows().into_iter().find(|r| r.key == parent.shard_id) {
+                Some(row)
+                    if row.owner.as_deref().is_some_and(|o| o.starts_with("a#"))
+                        || row.checkpoint != Checkpoint::ShardEnd =>
+                {
+                    tokio::time::sleep(Duration::from_millis(10)).await
+                }
+                other => return other,
+            }
+        }
+    })
+    .await;
+    shutdown.shutdown();
+    within(LIMIT, "the consumer stops", run)
+        .await
+        .unwrap()
+        .unwrap();
+    if let Some(row) = row {
+        assert_eq!(
+            row.owner, None,
+            "a finished shard must be released, not handed over (it would stay owned)"
+        );
+    }
+}

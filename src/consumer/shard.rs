@@ -171,6 +171,10 @@ impl ShardTask {
                 return exit;
             }
             match generation_failed {
+                // The drain may have completed the shard: a finished lease is released
+                // (a hand-off would leave it owned by a worker that never takes a
+                // finished lease, and never cleaned up).
+                Interrupt::Stop if committed == Checkpoint::ShardEnd => return ShardExit::Ended,
                 Interrupt::Stop => return ShardExit::Stopped,
                 Interrupt::Failed => {
                     let delay = failure_backoff.next_delay();
