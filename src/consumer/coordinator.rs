@@ -515,25 +515,18 @@ impl Coordinator {
     /// because their children have rows.
     async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let started = |children: &[&ShardInfo]| {
+        let started = |children: &BTreeSet<&str>| {
             !children.is_empty()
                 && children.iter().all(|c| {
-                    by_key.get(c.shard_id.as_str()).is_some_and(|l| {
+                    by_key.get(c).is_some_and(|l| {
                         matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
                     })
                 })
         };
-        let children_in = |shards: &'_ [ShardInfo], key: &str| -> Vec<ShardInfo> {
-            shards
-                .iter()
-                .filter(|s| s.parents().iter().any(|p| p == key))
-                .cloned()
-                .collect()
-        };
         let finished: Vec<&Lease> = rows
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
-            .filter(|r| started(&children_in(&self.shards, &r.key).iter().collect::<Vec<_>>()))
+            .filter(|r| started(&children_of(&self.shards, &r.key).collect()))
             .collect();
         if finished.is_empty() {
             return;
@@ -549,13 +542,10 @@ impl Coordinator {
             }
         };
         for row in finished {
-            let mut children = children_in(&self.shards, &row.key);
-            for child in children_in(&fresh, &row.key) {
-                if !children.iter().any(|c| c.shard_id == child.shard_id) {
-                    children.push(child);
-                }
-            }
-            if !started(&children.iter().collect::<Vec<_>>()) {
+            let children: BTreeSet<&str> = children_of(&self.shards, &row.key)
+                .chain(children_of(&fresh, &row.key))
+                .collect();
+            if !started(&children) {
                 continue;
             }
             match self.store.delete(row).await {
@@ -744,11 +734,8 @@ impl Coordinator {
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.children.is_empty())
         {
-            let mut children: Vec<String> = shards
-                .iter()
-                .filter(|s| s.parents().contains(&row.key))
-                .map(|s| s.shard_id.clone())
-                .collect();
+            let mut children: Vec<String> =
+                children_of(shards, &row.key).map(str::to_owned).collect();
             if children.is_empty() {
                 continue;
             }
@@ -797,10 +784,7 @@ impl Coordinator {
                     .boxed()
                 })
                 .collect();
-            let results: Vec<_> = futures_util::stream::iter(creates)
-                .buffer_unordered(MAX_CONCURRENT_WRITES)
-                .collect()
-                .await;
+            let results = concurrently(creates).await;
             let mut complete = true;
             for (lease, created) in results {
                 match created {
@@ -879,10 +863,7 @@ impl Coordinator {
                 .boxed()
             })
             .collect();
-        futures_util::stream::iter(takes)
-            .buffer_unordered(MAX_CONCURRENT_WRITES)
-            .collect()
-            .await
+        concurrently(takes).await
     }
 
     /// Starts the shard task of a lease whose take was sent at `sent`.
@@ -960,6 +941,27 @@ impl Coordinator {
         }
         tracing::info!("worker stopped; leases released");
     }
+}
+
+/// Runs lease writes, [`MAX_CONCURRENT_WRITES`] at a time; their outputs in the order
+/// they finish.
+async fn concurrently<T>(writes: Vec<BoxFuture<'static, T>>) -> Vec<T> {
+    futures_util::stream::iter(writes)
+        .buffer_unordered(MAX_CONCURRENT_WRITES)
+        .collect()
+        .await
+}
+
+/// The ids of `key`'s children (split from it, or merged from it and a neighbour) in a
+/// ListShards answer.
+fn children_of<'a>(shards: &'a [ShardInfo], key: &'a str) -> impl Iterator<Item = &'a str> {
+    shards
+        .iter()
+        .filter(move |s| {
+            s.parent_shard_id.as_deref() == Some(key)
+                || s.adjacent_parent_shard_id.as_deref() == Some(key)
+        })
+        .map(|s| s.shard_id.as_str())
 }
 
 /// Every descendant of `shard` (children, their children, ...) in a map from parent to
