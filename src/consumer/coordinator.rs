@@ -510,47 +510,55 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Deletes rows of finished shards once every child has started (its checkpoint
-    /// moved): they can no longer hold a child back, and no sync re-creates them
-    /// because their children have rows.
+    /// Deletes rows of finished shards once Kinesis no longer lists the shard (it is
+    /// past retention) and every child still listed has started (its checkpoint moved).
+    ///
+    /// Until then the row stays as a tombstone: SHARD_END says the shard was read. A
+    /// worker that decided to create a shard's row from an older listing and was paused
+    /// before the create landed (GC, SIGSTOP, a slow network) would otherwise create
+    /// the row again after its deletion, and the whole shard would be read a second
+    /// time; the create is conditional on the row's absence, so a tombstone refuses it.
+    /// Once the shard is past retention, a row created again that way finds nothing to
+    /// read. The cost is one small row per finished shard for the retention period.
     async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let started = |children: &BTreeSet<&str>| {
-            !children.is_empty()
-                && children.iter().all(|c| {
-                    by_key.get(c).is_some_and(|l| {
-                        matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
-                    })
-                })
+        let started = |child: &str| {
+            by_key
+                .get(child)
+                .is_some_and(|l| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd))
         };
         let finished: Vec<&Lease> = rows
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
-            .filter(|r| started(&children_of(&self.shards, &r.key).collect()))
+            .filter(|r| !listed(&self.shards, &r.key))
             .collect();
         if finished.is_empty() {
             return;
         }
-        // A ListShards answer that left a child out would let a parent go before that
-        // child started, and the child (its parent's row gone) would never be read: a
-        // second answer must show every child started too.
+        // A ListShards answer that left the shard out, or a child that has not
+        // started, would let a row go while it still holds a child back (the child,
+        // its parent's row gone, would not wait for it): a second answer must agree.
         let fresh = match self.kinesis.list_shards(&self.stream).await {
             Ok(fresh) => fresh,
             Err(e) => {
-                tracing::debug!(error = %e, "could not confirm the children of finished leases");
+                tracing::debug!(error = %e, "could not confirm finished shards past retention");
                 return;
             }
         };
         for row in finished {
-            let children: BTreeSet<&str> = children_of(&self.shards, &row.key)
+            if listed(&fresh, &row.key) {
+                continue;
+            }
+            let waiting = children_of(&self.shards, &row.key)
                 .chain(children_of(&fresh, &row.key))
-                .collect();
-            if !started(&children) {
+                .chain(row.children.iter().map(String::as_str))
+                .any(|c| (listed(&fresh, c) || listed(&self.shards, c)) && !started(c));
+            if waiting {
                 continue;
             }
             match self.store.delete(row).await {
                 Ok(()) => {
-                    tracing::debug!(lease = %row.key, "removed the finished shard's lease")
+                    tracing::debug!(lease = %row.key, "removed the lease of a shard past retention")
                 }
                 Err(e) => {
                     tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease")
@@ -950,6 +958,11 @@ async fn concurrently<T>(writes: Vec<BoxFuture<'static, T>>) -> Vec<T> {
         .buffer_unordered(MAX_CONCURRENT_WRITES)
         .collect()
         .await
+}
+
+/// Whether `key` is one of `shards`.
+fn listed(shards: &[ShardInfo], key: &str) -> bool {
+    shards.iter().any(|s| s.shard_id == key)
 }
 
 /// The ids of `key`'s children (split from it, or merged from it and a neighbour) in a
