@@ -104,6 +104,48 @@ async fn at_timestamp_reads_a_parent_closed_after_the_timestamp() {
     assert_partition_key_order(&handled);
 }
 
+/// At LATEST, the start is the moment the worker started, not its first successful
+/// shard sync: a first sync delayed (here: ListShards answers that leave the only shard
+/// out) while a split closes the shard must still read the parent's records written
+/// since the start, then its children's.
+#[tokio::test(start_paused = true)]
+async fn latest_reads_a_parent_closed_before_the_first_sync() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("late", 1).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), "late").await.remove(0);
+    // Written before the start, within the clock margin (arrival times are the wall
+    // clock): they may be delivered too.
+    produce(kinesis.as_ref(), "late", 0..20).await;
+    kinesis.omit_from_list_shards(&parent.shard_id, 1_000);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(memory.clone(), "late", "late-group", "w1")
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    tokio::time::sleep(Duration::from_secs(2)).await; // syncs that find no shard
+    produce(kinesis.as_ref(), "late", 20..60).await;
+    kinesis
+        .split_shard("late", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    kinesis.omit_from_list_shards(&parent.shard_id, 0);
+    produce(kinesis.as_ref(), "late", 60..160).await;
+    let expected: BTreeSet<usize> = (20..160).collect();
+    recorder
+        .wait_for_values(&expected.iter().copied().collect::<Vec<_>>(), LIMIT)
+        .await;
+    run.stop().await;
+    let handled: Vec<Handled> = recorder
+        .snapshot()
+        .into_iter()
+        .filter(|h| h.value >= 20)
+        .collect();
+    assert_each_once(&handled, &expected);
+    assert_order(&handled, &kinesis.list_shards("late").await.unwrap());
+}
+
 /// Path 3: reads of a closed shard that come without a next iterator (without a
 /// continuation) before its end, while records remain, must not end the shard.
 async fn cut_short_reads_do_not_end_a_closed_shard(fan_out: bool) {

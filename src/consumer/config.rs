@@ -27,14 +27,18 @@ pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
     #[default]
     TrimHorizon,
-    /// Only records written after the group first took the shard. The first owner
-    /// resolves "now" once, when it takes the lease, into a durable start: it writes
-    /// `AT_TIMESTAMP` with that moment minus a clock margin of a few seconds (Kinesis
-    /// arrival times are the service's clock) into the lease row before it reads
-    /// anything. Every later owner (after a hand-off, a crash, a drain timeout or a
+    /// Only records written after the group started. The worker that creates the
+    /// lease rows (on a new table) resolves "now" once into a durable start: it writes
+    /// `AT_TIMESTAMP` with the moment it started minus a clock margin of a few seconds
+    /// (Kinesis arrival times are the service's clock) into every row, closed shards
+    /// included (a shard closed by a reshard since the start still holds records
+    /// written since then; one closed before yields nothing and ends at once). A shard
+    /// that appears later (a reshard) is read from its start, after its parents. A row
+    /// with the KCL's `LATEST` sentinel is resolved when first taken, before anything
+    /// is read. Every later owner (after a hand-off, a crash, a drain timeout or a
     /// restart before the first checkpoint) continues from that same point, so nothing
     /// written in between is skipped; the price is that records written within the
-    /// margin before the first take are delivered too. (The KCL starts at the tip again
+    /// margin before the start are delivered too. (The KCL starts at the tip again
     /// in that case and loses those records.)
     Latest,
     /// Records that arrived at or after this time. The time is written into the lease

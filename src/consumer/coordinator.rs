@@ -91,6 +91,8 @@ pub(crate) struct Coordinator {
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
+    /// When this worker started: where LATEST begins for the rows it creates.
+    started: SystemTime,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
 }
@@ -127,6 +129,7 @@ impl Coordinator {
             rounds: 0,
             short: false,
             table_missing_since: None,
+            started: SystemTime::now(),
             events_tx,
             events_rx,
         }
@@ -576,11 +579,13 @@ impl Coordinator {
     /// reading it again would deliver it twice. An open shard has no descendants, so it
     /// always gets a row.
     ///
-    /// At the first sync (no rows yet), LATEST skips shards that are already closed:
-    /// they hold only the past. TRIM_HORIZON and AT_TIMESTAMP take every shard, closed
-    /// or not; at AT_TIMESTAMP a parent closed after the timestamp still holds records
-    /// to read, and one closed before it yields nothing and ends at once. Children wait
-    /// for their parents either way.
+    /// At the first sync (no rows yet) every shard gets a row, closed or not. LATEST
+    /// is read as AT_TIMESTAMP of the moment this worker started (less the clock
+    /// margin), not of the sync: a first sync delayed by failing calls or a stale
+    /// ListShards answer, during which a shard was closed by a reshard, must still read
+    /// that shard's records written since the start. At a timestamp a parent closed
+    /// after it still holds records to read, and one closed before it yields nothing
+    /// and ends at once. Children wait for their parents either way.
     async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
         // Decisions below are as old as the older of the two listings.
         let listed_at = Instant::now();
@@ -606,13 +611,13 @@ impl Coordinator {
             }
         }
         let first = rows.is_empty();
-        let latest = matches!(self.config.initial_position, InitialPosition::Latest);
-        // LATEST is resolved once, here, into the time the lease is created (less the
-        // clock margin): every owner, the first included, continues from that time, so
-        // no change of owner before the first checkpoint can skip a record.
+        // LATEST is resolved once, here, into the time this worker started (less the
+        // clock margin) and written in the rows it creates: every owner, the first
+        // included, continues from that time, so no change of owner before the first
+        // checkpoint can skip a record.
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
-            InitialPosition::Latest => Checkpoint::latest_from(SystemTime::now()),
+            InitialPosition::Latest => Checkpoint::latest_from(self.started),
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
@@ -640,9 +645,6 @@ impl Coordinator {
                 continue;
             }
             let checkpoint = if first {
-                if latest && shard.is_closed() {
-                    continue; // starting at the tip: closed shards hold only the past
-                }
                 initial.clone()
             } else if parents
                 .iter()
