@@ -147,19 +147,11 @@ impl Coordinator {
                 self.config.seed,
             );
             loop {
-                let attempt = match self.store.ensure_table().await {
-                    Ok(()) => self.sync_shards().await,
-                    Err(e) => Err(e.into()),
-                };
-                // Enhanced fan-out: register the stream consumer once, before any read,
-                // so that a backend without fan-out refuses to start.
-                let attempt = match (attempt, &self.config.fan_out) {
-                    (Ok(()), Some(fan_out)) => fan_out
-                        .consumer_arn(self.kinesis.as_ref(), &self.stream)
-                        .await
-                        .map(drop)
-                        .map_err(ConsumerError::from),
-                    (attempt, _) => attempt,
+                // A shutdown does not wait for a start-up call (each has a deadline,
+                // some of minutes: a table or fan-out consumer being created).
+                let attempt = tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    attempt = self.start_up() => attempt,
                 };
                 match attempt {
                     Ok(()) => break,
@@ -235,6 +227,20 @@ impl Coordinator {
 
     /// Handles a shard task's exit or a hand-off request; returns whether a lease round
     /// should run right away (a shard ended, so its children may be ready).
+    /// The calls before the first lease round: the table exists, the shards have
+    /// rows, and (enhanced fan-out) the stream consumer is registered, so that a
+    /// backend without fan-out refuses to start.
+    async fn start_up(&mut self) -> Result<(), ConsumerError> {
+        self.store.ensure_table().await?;
+        self.sync_shards().await?;
+        if let Some(fan_out) = &self.config.fan_out {
+            fan_out
+                .consumer_arn(self.kinesis.as_ref(), &self.stream)
+                .await?;
+        }
+        Ok(())
+    }
+
     async fn on_event(&mut self, event: Event) -> bool {
         match event {
             Event::HandoffRequested(key, to) => {
