@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::OnceCell;
 
+use super::events::{EventHook, ShardEvent};
 use crate::backend::Backend;
 use crate::kinesis::{KinesisApi, KinesisError};
 
@@ -142,6 +143,7 @@ pub struct Config {
     pub(crate) lease_call_timeout: Duration,
     pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
+    pub(crate) events: EventHook,
 }
 
 impl Config {
@@ -209,6 +211,7 @@ pub struct ConsumerBuilder {
     lease_call_timeout: Option<Duration>,
     read_call_timeout: Duration,
     seed: Option<u64>,
+    events: EventHook,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -237,6 +240,7 @@ impl Default for ConsumerBuilder {
             lease_call_timeout: None,
             read_call_timeout: Duration::from_secs(10),
             seed: None,
+            events: EventHook::none(),
             backend: None,
         }
     }
@@ -399,6 +403,29 @@ impl ConsumerBuilder {
     /// [`Config::owner`]) (default: random), for reproducible simulations.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// Calls `hook` with what happens to this worker's shards: leases taken, lost,
+    /// handed off and released, shards ended, handler failures (see [`ShardEvent`]).
+    /// The hook runs on the worker's tasks: keep it quick, it must not block.
+    ///
+    /// ```
+    /// # use shardflow::{Consumer, Memory, ShardEvent};
+    /// let consumer = Consumer::builder()
+    ///     .stream("orders")
+    ///     .group("billing")
+    ///     .backend(Memory::new())
+    ///     .on_event(|event| {
+    ///         if let ShardEvent::LeaseLost { shard } = event {
+    ///             eprintln!("lost {shard}");
+    ///         }
+    ///     })
+    ///     .build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn on_event(mut self, hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
+        self.events = EventHook::new(hook);
         self
     }
 
@@ -590,6 +617,7 @@ impl ConsumerBuilder {
             lease_call_timeout,
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
+            events: self.events.clone(),
         })
     }
 

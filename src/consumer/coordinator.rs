@@ -20,11 +20,12 @@ use tracing::Instrument;
 
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
-use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
+use crate::lease::{worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
 use super::config::{Config, InitialPosition};
 use super::deadline::{BoundedKinesis, BoundedLeaseStore};
+use super::events::ShardEvent;
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -259,25 +260,42 @@ impl Coordinator {
                 };
                 lock(&self.held).remove(&key);
                 let ended = matches!(exit, ShardExit::Ended);
+                let events = &self.config.events;
+                let shard = || key.clone();
                 match exit {
-                    ShardExit::Lost => tracing::info!(lease = %key, "lease lost"),
+                    ShardExit::Lost => {
+                        tracing::info!(lease = %key, "lease lost");
+                        events.emit(|| ShardEvent::LeaseLost { shard: shard() });
+                    }
                     ShardExit::Stopped => match &slot.handoff_to {
                         Some(to) => match slot.lease.transfer(to).await {
                             Ok(_) => {
-                                tracing::info!(lease = %key, to = %to, "handed over after draining")
+                                tracing::info!(lease = %key, to = %to, "handed over after draining");
+                                events.emit(|| ShardEvent::HandedOff {
+                                    shard: shard(),
+                                    to: worker_of(to).to_owned(),
+                                });
                             }
-                            Err(e) => tracing::warn!(lease = %key, error = %e, "hand-off failed"),
+                            Err(e) => {
+                                tracing::warn!(lease = %key, error = %e, "hand-off failed");
+                                events.emit(|| ShardEvent::LeaseLost { shard: shard() });
+                            }
                         },
-                        None => release(&slot.lease, &key).await,
+                        None => {
+                            release(&slot.lease, &key).await;
+                            events.emit(|| ShardEvent::Released { shard: shard() });
+                        }
                     },
                     ShardExit::Ended => {
                         self.need_sync = true;
+                        events.emit(|| ShardEvent::ShardEnded { shard: shard() });
                         release(&slot.lease, &key).await;
                     }
                     ShardExit::Failed(why) => {
                         tracing::warn!(lease = %key, %why, "giving the shard up");
                         self.need_sync = true;
                         release(&slot.lease, &key).await;
+                        events.emit(|| ShardEvent::Released { shard: shard() });
                     }
                 }
                 ended
@@ -925,6 +943,9 @@ impl Coordinator {
             .instrument(span),
         );
         tracing::info!(lease = %key, "reading shard");
+        self.config
+            .events
+            .emit(|| ShardEvent::LeaseTaken { shard: key.clone() });
         lock(&self.held).insert(key.clone(), lease.clone());
         self.slots.insert(
             key,
@@ -954,6 +975,9 @@ impl Coordinator {
         for (key, slot) in std::mem::take(&mut self.slots) {
             tracing::warn!(lease = %key, "shard did not stop in time; releasing its lease");
             release(&slot.lease, &key).await;
+            self.config
+                .events
+                .emit(|| ShardEvent::Released { shard: key.clone() });
         }
         tracing::info!("worker stopped; leases released");
     }

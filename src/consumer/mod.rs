@@ -43,6 +43,7 @@ mod config;
 mod coordinator;
 mod deadline;
 mod dispatch;
+mod events;
 mod reader;
 mod shard;
 
@@ -65,6 +66,7 @@ use crate::message::{Batch, Message};
 
 pub use config::{CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition};
 use coordinator::{Coordinator, Sink, SpawnDispatch};
+pub use events::ShardEvent;
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -174,8 +176,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::records(rx, service))
+        let events = self.config.events.clone();
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::records(rx, service, events.clone()))
         }))
     }
 
@@ -202,8 +205,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::batches(rx, service))
+        let events = self.config.events.clone();
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))
     }
 
