@@ -15,7 +15,7 @@
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
 //! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
-//! | [`kinesis`] ([`kinesis::KinesisApi`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend |
+//! | [`kinesis`] ([`kinesis::KinesisApi`], [`kinesis::StreamAdmin`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend; stream administration (create, split, merge) for examples, tests and tools, through [`Backend::admin`] |
 //! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
 //! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
 //! | [`aggregation`] | KPL aggregation and de-aggregation |

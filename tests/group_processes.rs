@@ -95,7 +95,7 @@ async fn consumer_group_of_processes() {
     let built = started.elapsed();
 
     let aws = Aws::from_env().await;
-    let kinesis = aws.kinesis();
+    let kinesis = aws.admin().unwrap();
     let group_name = format!("{stream}-g");
     kinesis.create_stream(&stream, SHARDS).await.unwrap();
     let proxy = std::env::var("AWS_ENDPOINT_URL_DYNAMODB")

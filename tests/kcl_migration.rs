@@ -140,7 +140,7 @@ async fn a_kcl_table_is_taken_over_with_nothing_lost_or_re_read() {
 async fn migration() {
     let aws = shardflow::Aws::from_env().await;
     let dynamo = aws.dynamodb_client().clone();
-    let kinesis = aws.kinesis();
+    let kinesis = aws.admin().unwrap();
     let stream = unique("kcl");
     let table = unique("kcl-app");
 

@@ -7,13 +7,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::{Backend, Memory};
 
 #[tokio::test(start_paused = true)]
 async fn an_ended_shard_records_its_children_like_the_kcl() {
     let memory = Memory::new();
-    let kinesis = memory.kinesis();
+    let kinesis = memory.streams().clone();
     kinesis.create_stream("orders", 1).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..50).await;
     let consumer = test_consumer(memory.clone(), "orders", "billing", "w1")

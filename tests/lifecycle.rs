@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::*;
 use futures_util::StreamExt;
-use shardflow::kinesis::KinesisApi;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Batch, BatchStream, Memory, Message};
 use tokio::sync::watch;

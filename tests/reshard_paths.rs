@@ -10,7 +10,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, SystemTime};
 
 use common::*;
-use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 use shardflow::{Backend, InitialPosition, Memory};
 
@@ -257,7 +257,7 @@ pub async fn reshard_generations<B: Backend + Clone>(
     per_gen: usize,
     past_retention: Option<&dyn Fn(&str)>,
 ) {
-    let kinesis = backend.kinesis();
+    let kinesis = backend.admin().unwrap();
     let kinesis = kinesis.as_ref();
     let group = format!("{stream}-group");
     let store = backend.lease_store(&group);

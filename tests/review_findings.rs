@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, InitialPosition, Memory, Message};
 
@@ -21,7 +21,7 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// Splits the only shard of `stream` in the middle of its hash range, with records
 /// `0..before` in the parent and `before..total` in the children; returns every shard.
 async fn split_with_records(
-    kinesis: &dyn KinesisApi,
+    kinesis: &dyn StreamAdmin,
     stream: &str,
     before: usize,
     total: usize,

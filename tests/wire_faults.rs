@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use common::*;
-use shardflow::kinesis::KinesisApi;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{Aws, AwsTimeouts, Backend, ConsumerError, Memory};
 use tokio::time::Instant;
@@ -328,7 +328,12 @@ async fn a_hung_answer_ends_in_a_timeout_on_emulators() {
     }
     let clean = Aws::from_env().await;
     let stream = unique("wire-hang");
-    clean.kinesis().create_stream(&stream, 1).await.unwrap();
+    clean
+        .admin()
+        .unwrap()
+        .create_stream(&stream, 1)
+        .await
+        .unwrap();
     clean.lease_store(&stream).ensure_table().await.unwrap();
     let plan = FaultPlan::only(Fault::Hang);
     let faulty = faulty_aws(plan.clone()).await;
@@ -412,7 +417,7 @@ async fn reshard_under_wire_faults() {
         let clean = Aws::from_env().await;
         let plan = FaultPlan::new(11, 0.08);
         let faulty = faulty_aws(plan.clone()).await;
-        let kinesis = clean.kinesis();
+        let kinesis = clean.admin().unwrap();
         let stream = unique("wire-reshard");
         let group = format!("{stream}-group");
         let total = 2_000;
@@ -491,7 +496,7 @@ async fn two_workers_under_wire_faults() {
     let body = async {
         let clean = Aws::from_env().await;
         let plan = FaultPlan::new(23, 0.08);
-        let kinesis = clean.kinesis();
+        let kinesis = clean.admin().unwrap();
         let stream = unique("wire-group");
         let group = format!("{stream}-group");
         let total = 2_000;
@@ -546,7 +551,7 @@ async fn a_deleted_lease_table_ends_run_on_emulators() {
     }
     let body = async {
         let aws = Aws::from_env().await;
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-deleted");
         let group = format!("{stream}-group");
         kinesis.create_stream(&stream, 2).await.unwrap();
@@ -596,7 +601,7 @@ async fn a_corrupt_lease_row_is_skipped_on_emulators() {
     }
     let body = async {
         let aws = Aws::from_env().await;
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-corrupt");
         let group = format!("{stream}-group");
         kinesis.create_stream(&stream, 2).await.unwrap();
@@ -684,7 +689,7 @@ async fn a_subscription_outlives_the_sdk_timeouts_on_emulators() {
             operation: Duration::from_secs(2),
         };
         let aws = Aws::from_config_with(&config, timeouts).unwrap();
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-efo");
         kinesis.create_stream(&stream, 1).await.unwrap();
         let arn = kinesis

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use shardflow::{Consumer, Memory, Message};
-//! use shardflow::kinesis::KinesisApi;
+//! use shardflow::kinesis::StreamAdmin;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -215,26 +215,6 @@ pub trait KinesisApi: Send + Sync + 'static {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError>;
 
-    /// Creates a stream with `shards` shards and waits until it is active. Used by
-    /// examples and tests; an existing stream is left as it is.
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError>;
-
-    /// Splits a shard at `new_starting_hash_key`.
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError>;
-
-    /// Merges two adjacent shards.
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError>;
-
     /// Registers (or finds) the enhanced fan-out consumer `name` on the stream, waits
     /// until it is ACTIVE and returns its ARN.
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
@@ -252,4 +232,30 @@ pub trait KinesisApi: Send + Sync + 'static {
         let _ = (consumer_arn, shard_id, from);
         Err(KinesisError::Unsupported("enhanced fan-out".into()))
     }
+}
+
+/// Stream administration on top of [`KinesisApi`]: creating streams and resharding them.
+/// Examples, tests and operators' tools use it; the consumer and producer never do (they
+/// need only [`KinesisApi`], the trait a wrapper or a new backend implements).
+/// Implemented by [`aws::AwsKinesis`] and [`crate::memory::MemoryKinesis`];
+/// [`crate::Backend::admin`] gives one.
+#[async_trait]
+pub trait StreamAdmin: KinesisApi {
+    /// Creates a stream with `shards` shards and waits until it is active. Used by
+    /// examples and tests; an existing stream is left as it is.
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError>;
+    /// Splits a shard at `new_starting_hash_key`.
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError>;
+    /// Merges two adjacent shards.
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError>;
 }

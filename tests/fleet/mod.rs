@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutRecord};
+use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
 use shardflow::memory::LeaseFaults;
 use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;

@@ -460,29 +460,6 @@ impl KinesisApi for FaultyKinesis {
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.inner.put_records(stream, records).await
     }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.inner.create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .split_shard(stream, shard_id, new_starting_hash_key)
-            .await
-    }
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .merge_shards(stream, shard_id, adjacent_shard_id)
-            .await
-    }
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
         self.inner.register_consumer(stream, name).await
     }
