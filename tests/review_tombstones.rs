@@ -1,0 +1,221 @@
+//! Findings of the review of the tombstone / first-sync / start-up changes (issue 8):
+//! a first shard sync that created some rows but not a closed shard's (a failed create,
+//! a shutdown during start-up) leaves a table on which no later sync ever creates that
+//! shard's row, and its children are read at once: the closed shard's records are lost.
+//! Each test stays `#[ignore = "finding: ..."]` until its fix lands. Embedded backend,
+//! tokio's paused clock, every wait bounded.
+
+mod common;
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::{Backend, Memory};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// How the create of one lease row misbehaves.
+#[derive(Clone, Copy)]
+enum CreateFault {
+    /// The first create fails (throttled) before it is applied.
+    FailOnce,
+    /// Every create waits (far longer than the test) before it is applied.
+    Hang,
+}
+
+/// The memory backend, with the create of lease row `key` misbehaving.
+#[derive(Clone)]
+struct BadCreate {
+    memory: Memory,
+    key: String,
+    fault: CreateFault,
+    used: Arc<AtomicBool>,
+}
+
+struct BadCreateStore {
+    inner: Arc<dyn LeaseStore>,
+    key: String,
+    fault: CreateFault,
+    used: Arc<AtomicBool>,
+}
+
+impl Backend for BadCreate {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.memory.kinesis()
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(BadCreateStore {
+            inner: self.memory.lease_store(table),
+            key: self.key.clone(),
+            fault: self.fault,
+            used: self.used.clone(),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl LeaseStore for BadCreateStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.inner.ensure_table().await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.inner.list().await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.inner.get(key).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        if lease.key == self.key {
+            match self.fault {
+                CreateFault::FailOnce => {
+                    if !self.used.swap(true, Ordering::SeqCst) {
+                        return Err(LeaseError::Throttled("injected: create throttled".into()));
+                    }
+                }
+                CreateFault::Hang => {
+                    self.used.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(3_600)).await;
+                }
+            }
+        }
+        self.inner.create(lease).await
+    }
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.inner.take(expected, new_owner).await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.inner.renew(expected).await
+    }
+    async fn checkpoint(&self, expected: &Lease, cp: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.inner.checkpoint(expected, cp).await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.inner.release(expected).await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.inner.request_handoff(expected, worker).await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.inner.delete(expected).await
+    }
+}
+
+/// A stream of two shards holding values 0..100, the first then split (closed, its
+/// two children open) and values 100..200 written; returns the closed shard.
+async fn split_history(memory: &Memory, stream: &str) -> ShardInfo {
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream(stream, 2).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), stream).await.remove(0);
+    produce(kinesis.as_ref(), stream, 0..100).await;
+    let mid = parent.starting_hash_key / 2 + parent.ending_hash_key / 2;
+    kinesis
+        .split_shard(stream, &parent.shard_id, mid)
+        .await
+        .unwrap();
+    produce(kinesis.as_ref(), stream, 100..200).await;
+    assert!(
+        !kinesis.records(stream, &parent.shard_id).is_empty(),
+        "the closed shard holds records"
+    );
+    parent
+}
+
+/// Writes a sentinel into each open shard, waits for them (a child's sentinel comes
+/// after its parents' records when children wait for their parents), stops the run and
+/// checks that every value was handled once, in order.
+async fn check_all_handled(memory: &Memory, stream: &str, run: Running, recorder: &Recorder) {
+    let kinesis = memory.streams().clone();
+    let open = open_shards(kinesis.as_ref(), stream).await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), stream, &open, 1_000).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    run.stop().await;
+    let handled = recorder.snapshot();
+    let seen: HashSet<usize> = handled.iter().map(|h| h.value).collect();
+    let expected: BTreeSet<usize> = (0..200).chain(sentinels.iter().copied()).collect();
+    let missing: Vec<usize> = expected
+        .iter()
+        .copied()
+        .filter(|v| !seen.contains(v))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} records lost, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(8)]
+    );
+    assert_eq!(handled.len(), expected.len(), "some value handled twice");
+    let shards = kinesis.list_shards(stream).await.unwrap();
+    assert_order(&handled, &shards);
+}
+
+/// One throttled create at the first sync (TRIM_HORIZON, the default): the wave that
+/// creates the two root shards' rows creates the open one's and fails on the closed
+/// one's. The retried sync sees a table that is not empty (`first` is false), takes the
+/// closed shard without a row whose parents have no row for "consumed and cleaned up"
+/// and skips it (`sync_shards`, the `!first && shard.is_closed()` rule), then creates
+/// its children at TRIM_HORIZON naming a parent without a row: they are read at once
+/// and the closed shard is never read.
+#[tokio::test(start_paused = true)]
+#[ignore = "finding: a closed shard whose first-sync create failed is never read"]
+async fn a_closed_shard_whose_first_create_failed_is_still_read() {
+    let memory = Memory::new();
+    let parent = split_history(&memory, "pf").await;
+    let backend = BadCreate {
+        memory: memory.clone(),
+        key: parent.shard_id.clone(),
+        fault: CreateFault::FailOnce,
+        used: Arc::default(),
+    };
+    let used = backend.used.clone();
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend, "pf", "pf-group", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    check_all_handled(&memory, "pf", run, &recorder).await;
+    assert!(used.load(Ordering::SeqCst), "the fault was injected");
+}
+
+/// The same table left by a shutdown during start-up (commit 860e41a: a shutdown no
+/// longer waits for a start-up attempt): worker A's first sync created the open root
+/// shard's row while the closed shard's create was still under way, and A was shut
+/// down. Worker B, started later on that table, never reads the closed shard.
+#[tokio::test(start_paused = true)]
+#[ignore = "finding: a closed shard whose first-sync create was cut off is never read"]
+async fn a_shutdown_during_start_up_loses_no_closed_shard() {
+    let memory = Memory::new();
+    let parent = split_history(&memory, "ps").await;
+    let table = memory.table("ps-group");
+    let slow = BadCreate {
+        memory: memory.clone(),
+        key: parent.shard_id.clone(),
+        fault: CreateFault::Hang,
+        used: Arc::default(),
+    };
+    let recorder = Recorder::default();
+    let a = test_consumer(slow.clone(), "ps", "ps-group", "a")
+        .build()
+        .unwrap();
+    let a_run = start(a, &recorder);
+    within(LIMIT, "A created the open root shard's row", async {
+        while !slow.used.load(Ordering::SeqCst) || table.rows().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    a_run.stop().await;
+    assert!(
+        table.rows().iter().all(|r| r.key != parent.shard_id),
+        "the closed shard's create was cut off"
+    );
+    let b = test_consumer(memory.clone(), "ps", "ps-group", "b")
+        .build()
+        .unwrap();
+    let b_run = start(b, &recorder);
+    check_all_handled(&memory, "ps", b_run, &recorder).await;
+}
