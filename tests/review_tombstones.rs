@@ -8,12 +8,14 @@
 mod common;
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
 
@@ -218,4 +220,130 @@ async fn a_shutdown_during_start_up_loses_no_closed_shard() {
         .unwrap();
     let b_run = start(b, &recorder);
     check_all_handled(&memory, "ps", b_run, &recorder).await;
+}
+
+/// The memory backend, counting ListShards calls.
+#[derive(Clone)]
+struct CountedLists {
+    memory: Memory,
+    lists: Arc<AtomicUsize>,
+}
+
+struct CountedKinesis(CountedLists);
+
+impl Backend for CountedLists {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(CountedKinesis(self.clone()))
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        self.memory.lease_store(table)
+    }
+}
+
+#[async_trait::async_trait]
+impl KinesisApi for CountedKinesis {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.0.lists.fetch_add(1, Ordering::SeqCst);
+        self.0.memory.streams().list_shards(stream).await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.0.memory.streams().is_updating(stream).await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.0
+            .memory
+            .streams()
+            .shard_iterator(stream, shard_id, from)
+            .await
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.0.memory.streams().get_records(iterator, limit).await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.0.memory.streams().put_records(stream, records).await
+    }
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        self.0.memory.streams().create_stream(stream, shards).await
+    }
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        self.0
+            .memory
+            .streams()
+            .split_shard(stream, shard_id, new_starting_hash_key)
+            .await
+    }
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        self.0
+            .memory
+            .streams()
+            .merge_shards(stream, shard_id, adjacent_shard_id)
+            .await
+    }
+}
+
+/// Cost (commit ff3880e, `clean_up`): a finished row whose shard is past retention
+/// makes every lease round of every worker call ListShards once more for as long as
+/// one of its children has not "started" (checkpoint still TRIM_HORIZON /
+/// AT_TIMESTAMP): a child that receives no record never starts, so the extra call is
+/// made every round, for ever, and the row is never deleted. Before ff3880e the
+/// children were checked against the last sync's listing before the extra call.
+/// test_consumer: a round every 300 ms, a shard sync (one ListShards) every 500 ms.
+#[tokio::test(start_paused = true)]
+#[ignore = "finding: one ListShards per lease round while a past-retention row waits for an idle child"]
+async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("idle", 1).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), "idle").await.remove(0);
+    produce(kinesis.as_ref(), "idle", 0..20).await;
+    let backend = CountedLists {
+        memory: memory.clone(),
+        lists: Arc::default(),
+    };
+    let lists = backend.lists.clone();
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend, "idle", "idle-group", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    recorder.wait_for(20, LIMIT).await;
+    kinesis
+        .split_shard("idle", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    // Records reach the lower child only; the upper child stays idle.
+    let lower = open_shards(kinesis.as_ref(), "idle").await.remove(0);
+    let sentinels = produce_sentinels(kinesis.as_ref(), "idle", &[lower], 100).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    // The parent is past retention: Kinesis no longer lists it.
+    kinesis.remove_shard("idle", &parent.shard_id);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = lists.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let calls = lists.load(Ordering::SeqCst) - before;
+    run.stop().await;
+    // 30 s of shard syncs every 500 ms: about 60 calls (and a few rounds run early).
+    assert!(
+        calls <= 75,
+        "{calls} ListShards calls in 30 s for shard syncs due every 500 ms"
+    );
 }
