@@ -2,7 +2,7 @@
 //! a first shard sync that created some rows but not a closed shard's (a failed create,
 //! a shutdown during start-up) leaves a table on which no later sync ever creates that
 //! shard's row, and its children are read at once: the closed shard's records are lost.
-//! Each test stays `#[ignore = "finding: ..."]` until its fix lands. Embedded backend,
+//! Each test failed before its fix (branch s2-r-fix). Embedded backend,
 //! tokio's paused clock, every wait bounded.
 
 mod common;
@@ -163,7 +163,6 @@ async fn check_all_handled(memory: &Memory, stream: &str, run: Running, recorder
 /// its children at TRIM_HORIZON naming a parent without a row: they are read at once
 /// and the closed shard is never read.
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: a closed shard whose first-sync create failed is never read"]
 async fn a_closed_shard_whose_first_create_failed_is_still_read() {
     let memory = Memory::new();
     let parent = split_history(&memory, "pf").await;
@@ -188,7 +187,6 @@ async fn a_closed_shard_whose_first_create_failed_is_still_read() {
 /// shard's row while the closed shard's create was still under way, and A was shut
 /// down. Worker B, started later on that table, never reads the closed shard.
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: a closed shard whose first-sync create was cut off is never read"]
 async fn a_shutdown_during_start_up_loses_no_closed_shard() {
     let memory = Memory::new();
     let parent = split_history(&memory, "ps").await;
@@ -308,7 +306,6 @@ impl KinesisApi for CountedKinesis {
 /// children were checked against the last sync's listing before the extra call.
 /// test_consumer: a round every 300 ms, a shard sync (one ListShards) every 500 ms.
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: one ListShards per lease round while a past-retention row waits for an idle child"]
 async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round() {
     let memory = Memory::new();
     let kinesis = memory.streams().clone();
@@ -359,7 +356,6 @@ async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round()
 /// Arrival times and the margin are wall-clock (`SystemTime`), which tokio's paused
 /// clock does not move: the test blocks 2.5 s of real time to age the records.
 #[tokio::test(start_paused = true)]
-#[ignore = "finding: LATEST reads a child from TRIM_HORIZON after a cut-short first sync"]
 async fn latest_reads_no_history_after_a_cut_short_first_sync() {
     let memory = Memory::new();
     let kinesis = memory.streams().clone();
