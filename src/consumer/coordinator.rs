@@ -554,10 +554,19 @@ impl Coordinator {
                 .get(child)
                 .is_some_and(|l| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd))
         };
+        let waits = |row: &Lease, fresh: &[ShardInfo]| {
+            children_of(&self.shards, &row.key)
+                .chain(children_of(fresh, &row.key))
+                .chain(row.children.iter().map(String::as_str))
+                .any(|c| (listed(fresh, c) || listed(&self.shards, c)) && !started(c))
+        };
         let finished: Vec<&Lease> = rows
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
             .filter(|r| !listed(&self.shards, &r.key))
+            // Judged on the last sync's listing first: no extra ListShards each round
+            // while a child has not started (an idle child may never start).
+            .filter(|r| !waits(r, &[]))
             .collect();
         if finished.is_empty() {
             return;
@@ -576,11 +585,7 @@ impl Coordinator {
             if listed(&fresh, &row.key) {
                 continue;
             }
-            let waiting = children_of(&self.shards, &row.key)
-                .chain(children_of(&fresh, &row.key))
-                .chain(row.children.iter().map(String::as_str))
-                .any(|c| (listed(&fresh, c) || listed(&self.shards, c)) && !started(c));
-            if waiting {
+            if waits(row, &fresh) {
                 continue;
             }
             match self.store.delete(row).await {
@@ -657,11 +662,14 @@ impl Coordinator {
             }
             let parents = shard.parents();
             // After the first sync, a closed shard without a row whose parents have no
-            // row either was consumed and cleaned up (its row goes only after all its
-            // children started) or skipped as the past: a stale ListShards answer that
-            // lists it without its children must not bring it back.
+            // row either, listed without its children, was consumed and cleaned up past
+            // retention (a stale answer lists it without them): it must not come back.
+            // One whose children are listed, none with a row (`consumed` is false), was
+            // never read: a first sync cut short (a failed create, a shutdown or crash
+            // during start-up) left it out.
             if !first
                 && shard.is_closed()
+                && !children.contains_key(shard.shard_id.as_str())
                 && !parents
                     .iter()
                     .any(|p| keys.contains(p.as_str()) || created.contains(p.as_str()))
@@ -674,7 +682,10 @@ impl Coordinator {
                 .iter()
                 .any(|p| ids.contains(p.as_str()) || keys.contains(p.as_str()))
             {
-                Checkpoint::TrimHorizon
+                // Parents nobody read yet, still at the group's start time (LATEST's or
+                // AT_TIMESTAMP's): the child starts there too, as at the first sync (a
+                // first sync cut short left it out); otherwise at its oldest record.
+                unread_start(&parents, &rows, &to_create).unwrap_or(Checkpoint::TrimHorizon)
             } else {
                 initial.clone()
             };
@@ -990,6 +1001,29 @@ async fn concurrently<T>(writes: Vec<BoxFuture<'static, T>>) -> Vec<T> {
         .buffer_unordered(MAX_CONCURRENT_WRITES)
         .collect()
         .await
+}
+
+/// The start a child takes from its parents when every parent with a row (listed in
+/// `rows` or about to be created) still holds a start time nobody read from: the
+/// earliest of those times. `None` when a parent holds anything else (it was read, or
+/// starts at TRIM_HORIZON) or no parent has a row.
+fn unread_start(parents: &[String], rows: &[Lease], to_create: &[Lease]) -> Option<Checkpoint> {
+    let mut earliest: Option<SystemTime> = None;
+    for parent in parents {
+        match rows
+            .iter()
+            .chain(to_create)
+            .find(|r| &r.key == parent)
+            .map(|r| &r.checkpoint)
+        {
+            Some(Checkpoint::AtTimestamp(Some(t))) => {
+                earliest = Some(earliest.map_or(*t, |e| e.min(*t)));
+            }
+            Some(_) => return None,
+            None => {}
+        }
+    }
+    earliest.map(|t| Checkpoint::AtTimestamp(Some(t)))
 }
 
 /// Whether `key` is one of `shards`.
