@@ -15,6 +15,7 @@ use std::time::Duration;
 use common::*;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
@@ -268,33 +269,6 @@ impl KinesisApi for CountedKinesis {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.0.memory.streams().put_records(stream, records).await
-    }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.0.memory.streams().create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.0
-            .memory
-            .streams()
-            .split_shard(stream, shard_id, new_starting_hash_key)
-            .await
-    }
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.0
-            .memory
-            .streams()
-            .merge_shards(stream, shard_id, adjacent_shard_id)
-            .await
     }
 }
 

@@ -226,8 +226,6 @@ impl Coordinator {
         .await
     }
 
-    /// Handles a shard task's exit or a hand-off request; returns whether a lease round
-    /// should run right away (a shard ended, so its children may be ready).
     /// The calls before the first lease round: the table exists, the shards have
     /// rows, and (enhanced fan-out) the stream consumer is registered, so that a
     /// backend without fan-out refuses to start.
@@ -242,6 +240,8 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Handles a shard task's exit or a hand-off request; returns whether a lease round
+    /// should run right away (a shard ended, so its children may be ready).
     async fn on_event(&mut self, event: Event) -> bool {
         match event {
             Event::HandoffRequested(key, to) => {
