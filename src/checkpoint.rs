@@ -1,5 +1,6 @@
-//! Per-shard progress: the [`Watermark`] of acknowledged records and the [`AckHandle`]
-//! a batch carries to move it.
+//! Per-shard progress: the [`Watermark`] of acknowledged records, the [`AckHandle`]
+//! a batch carries to move it, and [`RecordMarks`] for records of a batch that finish
+//! out of order (per-key concurrency).
 //!
 //! Batches of a shard are registered in delivery order; handlers may acknowledge them in
 //! any order. The watermark is the last position of the longest prefix of acknowledged
@@ -172,6 +173,74 @@ impl Watermark {
     }
 }
 
+/// Which records of one delivered batch are handled, when they finish out of order
+/// (`run` with per-key or unordered concurrency). The batch's acknowledgement may cover
+/// only the contiguous handled prefix: the watermark never passes a record that is not
+/// handled, however many later ones are.
+#[derive(Debug)]
+pub(crate) struct RecordMarks {
+    positions: Vec<Position>,
+    done: Vec<bool>,
+    /// Records `0..prefix` are all handled.
+    prefix: usize,
+}
+
+/// How far the handled prefix of a batch reaches after a record finished.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Prefix<'a> {
+    /// It did not move (an earlier record is still unfinished).
+    Unmoved,
+    /// It now ends at this record (acknowledge through it).
+    Through(&'a Position),
+    /// Every record of the batch is handled (acknowledge the whole batch).
+    Complete,
+}
+
+impl RecordMarks {
+    /// Marks for a batch whose records are at `positions`, in shard order.
+    pub(crate) fn new(positions: Vec<Position>) -> Self {
+        RecordMarks {
+            done: vec![false; positions.len()],
+            positions,
+            prefix: 0,
+        }
+    }
+
+    /// The position of record `index`.
+    pub(crate) fn position(&self, index: usize) -> Option<&Position> {
+        self.positions.get(index)
+    }
+
+    /// Whether every record is handled.
+    pub(crate) fn is_complete(&self) -> bool {
+        self.prefix == self.positions.len()
+    }
+
+    /// Marks record `index` handled (an out-of-range or repeated index changes nothing)
+    /// and says how far the handled prefix now reaches.
+    pub(crate) fn finish(&mut self, index: usize) -> Prefix<'_> {
+        match self.done.get_mut(index) {
+            Some(done) if !*done => *done = true,
+            _ => return Prefix::Unmoved,
+        }
+        let before = self.prefix;
+        while self.done.get(self.prefix).copied().unwrap_or(false) {
+            self.prefix += 1;
+        }
+        if self.prefix == before {
+            Prefix::Unmoved
+        } else if self.is_complete() {
+            Prefix::Complete
+        } else {
+            // `prefix` moved past at least one record, so `prefix - 1` is in range.
+            match self.positions.get(self.prefix - 1) {
+                Some(p) => Prefix::Through(p),
+                None => Prefix::Unmoved,
+            }
+        }
+    }
+}
+
 /// A shard's watermark, shared between the shard task and the acknowledgement handles.
 pub(crate) struct ShardProgress {
     watermark: Mutex<Watermark>,
@@ -294,6 +363,13 @@ impl AckHandle {
             && self.progress.generation.load(Ordering::SeqCst) == self.generation
     }
 
+    /// Whether the batch belongs to the shard's current generation (no restart after a
+    /// failure since it was delivered): work started on an older one would run beside
+    /// its redelivery.
+    pub(crate) fn is_current(&self) -> bool {
+        self.progress.generation.load(Ordering::SeqCst) == self.generation
+    }
+
     /// Waits until the batch may start, then says whether it may: a batch queued before
     /// a long pause (a stalled process, a GC-like stop) starts only once a renewal proved
     /// the lease is still ours, like a fresh read; false (see [`AckHandle::should_start`])
@@ -406,6 +482,42 @@ mod tests {
         let c = w.register(Mark::At(at(10)), false);
         assert!(w.ack(c, g));
         assert_eq!(w.acked(), &Checkpoint::At(at(10)));
+    }
+
+    #[test]
+    fn record_marks_cover_only_the_contiguous_handled_prefix_for_any_finish_order() {
+        let mut runner = TestRunner::new_with_rng(
+            Config::with_cases(256),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[5; 32]),
+        );
+        let orders =
+            (1usize..40).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle());
+        runner
+            .run(&orders, |order| {
+                let n = order.len();
+                let mut marks = RecordMarks::new((0..n as u64).map(at).collect());
+                let mut done = vec![false; n];
+                let mut reached = 0;
+                for &i in &order {
+                    let prefix = marks.finish(i);
+                    done[i] = true;
+                    let now = done.iter().take_while(|d| **d).count();
+                    let last = at(now.max(1) as u64 - 1);
+                    let expected = if now == reached {
+                        Prefix::Unmoved
+                    } else if now == n {
+                        Prefix::Complete
+                    } else {
+                        Prefix::Through(&last)
+                    };
+                    prop_assert_eq!(prefix, expected);
+                    reached = now;
+                    prop_assert_eq!(marks.finish(i), Prefix::Unmoved, "a repeat changes nothing");
+                }
+                prop_assert!(marks.is_complete());
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //!
 //! | Item | What it is for |
 //! |------|----------------|
-//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
+//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`], [`Concurrency`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
 //! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
@@ -67,8 +67,8 @@ pub mod sequence;
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use checkpoint::AckHandle;
 pub use consumer::{
-    BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
-    InitialPosition, Run, Running, ShutdownHandle,
+    BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
+    ConsumerError, InitialPosition, Run, Running, ShutdownHandle,
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, HeadersBuilder, Message};

@@ -63,7 +63,9 @@ use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
-pub use config::{CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition};
+pub use config::{
+    CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
+};
 use coordinator::{Coordinator, Sink, SpawnDispatch};
 
 /// Why a consumer stopped with an error.
@@ -163,19 +165,39 @@ impl Consumer {
         ShutdownHandle(self.shutdown.clone())
     }
 
-    /// Runs `service` on every record: records of a shard one at a time in sequence
-    /// order, shards concurrently (one clone of the service each). `Ok` marks the
-    /// record handled; an error stops the shard, which reads again from its checkpoint
-    /// after a backoff. Await the returned [`Run`] (add [`Run::until`] to stop on a
-    /// signal) or [`Run::spawn`] it and later call [`Running::shutdown`].
+    /// Runs `service` on every record: by default records of a shard one at a time in
+    /// sequence order, shards concurrently (one clone of the service each); with
+    /// [`ConsumerBuilder::concurrency`] records of different partition keys (or any
+    /// records) of a shard concurrently too, each call on its own clone after
+    /// `ServiceExt::ready`. `Ok` marks the record handled; an error stops the shard,
+    /// which reads again from its checkpoint after a backoff. Await the returned [`Run`]
+    /// (add [`Run::until`] to stop on a signal) or [`Run::spawn`] it and later call
+    /// [`Running::shutdown`].
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
         S::Future: Send,
         S::Error: Display + Send,
     {
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::records(rx, service))
+        let (per_shard, per_key) = match self.config.concurrency {
+            Concurrency::PerKey(n) => (n, true),
+            Concurrency::Unordered(n) => (n, false),
+            Concurrency::Sequential => {
+                return self.run_with(spawn_with(service, |rx, service| {
+                    tokio::spawn(dispatch::records(rx, service))
+                }))
+            }
+        };
+        // One semaphore for every shard of this worker: the worker-wide limit.
+        let limits = dispatch::Limits {
+            per_shard,
+            per_key,
+            worker: Arc::new(tokio::sync::Semaphore::new(
+                self.config.max_concurrent_calls,
+            )),
+        };
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::concurrent(rx, service, limits.clone()))
         }))
     }
 
