@@ -40,28 +40,42 @@ const STREAM: &str = "bench";
 struct Done {
     expected: u64,
     count: AtomicU64,
-    first_start: Mutex<Option<tokio::time::Instant>>,
-    last_end: Mutex<Option<tokio::time::Instant>>,
+    first_start: Mutex<Option<(tokio::time::Instant, Duration)>>,
+    last_end: Mutex<Option<(tokio::time::Instant, Duration)>>,
     notify: Notify,
+}
+
+/// The CPU time of the calling thread so far (Linux: `/proc/thread-self/schedstat`);
+/// zero where that is not available. With a current-thread runtime every task runs on
+/// this thread, so the difference is the consumer's CPU time, whatever else the machine
+/// runs.
+fn thread_cpu() -> Duration {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .map(Duration::from_nanos)
+        .unwrap_or_default()
 }
 
 impl Done {
     fn started(&self) {
         let mut first = self.first_start.lock().unwrap();
-        first.get_or_insert_with(tokio::time::Instant::now);
+        first.get_or_insert_with(|| (tokio::time::Instant::now(), thread_cpu()));
     }
 
     fn ended(&self) {
         if self.count.fetch_add(1, Ordering::SeqCst) + 1 == self.expected {
-            *self.last_end.lock().unwrap() = Some(tokio::time::Instant::now());
+            *self.last_end.lock().unwrap() = Some((tokio::time::Instant::now(), thread_cpu()));
             self.notify.notify_one();
         }
     }
 
-    fn elapsed(&self) -> Duration {
+    /// From the first call's start to the last call's end: the runtime's clock, and
+    /// the CPU time of the runtime's thread.
+    fn elapsed(&self) -> (Duration, Duration) {
         let first = self.first_start.lock().unwrap().unwrap();
         let last = self.last_end.lock().unwrap().unwrap();
-        last - first
+        (last.0 - first.0, last.1.saturating_sub(first.1))
     }
 }
 
@@ -87,13 +101,13 @@ async fn fill_keyed(memory: &Memory, records: usize, key: impl Fn(usize) -> Stri
 
 /// Runs a consumer with `concurrency` until `records` records were handled by a handler
 /// that sleeps `sleep` (none: a no-op); returns the time from the first call's start to
-/// the last call's end (on the clock of the runtime).
+/// the last call's end (on the clock of the runtime) and the CPU time meanwhile.
 async fn consume(
     records: usize,
     key: impl Fn(usize) -> String,
     concurrency: Concurrency,
     sleep: Option<Duration>,
-) -> Duration {
+) -> (Duration, Duration) {
     let memory = Memory::new();
     fill_keyed(&memory, records, key).await;
     let done = Arc::new(Done {
@@ -185,7 +199,7 @@ fn main() {
         );
         let mut sequential = None;
         for (name, mode) in &modes {
-            let t = paused_runtime().block_on(consume(records, key, *mode, sleep));
+            let (t, _) = paused_runtime().block_on(consume(records, key, *mode, sleep));
             let rate = records as f64 / t.as_secs_f64();
             let base = *sequential.get_or_insert(rate);
             println!("{name:<12} {:>12.2?} {rate:>12.0} {:>10.1}", t, rate / base);
@@ -202,10 +216,10 @@ fn main() {
     } else {
         1
     };
-    println!("\n{noop_records} records, 4 shards, 1,000 keys, no-op handler (wall time, current-thread runtime)");
+    println!("\n{noop_records} records, 4 shards, 1,000 keys, no-op handler (current-thread runtime, real clock; medians)");
     println!(
-        "{:<14} {:>12} {:>14} {:>18}",
-        "mode", "median", "per record", "vs sequential"
+        "{:<14} {:>10} {:>10} {:>14} {:>14} {:>16}",
+        "mode", "wall", "CPU", "wall/record", "CPU/record", "CPU vs seq"
     );
     let mut sequential = None;
     for (name, mode) in [
@@ -213,7 +227,7 @@ fn main() {
         ("PerKey(64)", Concurrency::PerKey(64)),
         ("Unordered(64)", Concurrency::Unordered(64)),
     ] {
-        let mut times: Vec<Duration> = (0..iters)
+        let runs: Vec<(Duration, Duration)> = (0..iters)
             .map(|_| {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -224,10 +238,15 @@ fn main() {
                 rt.block_on(consume(noop_records, uniform, mode, None))
             })
             .collect();
-        let t = median(&mut times);
-        let per = t / noop_records as u32;
-        let base = *sequential.get_or_insert(t);
-        let extra = (t.as_secs_f64() - base.as_secs_f64()) / noop_records as f64 * 1e9;
-        println!("{name:<14} {t:>12.2?} {per:>14.2?} {extra:>+15.0} ns");
+        let wall = median(&mut runs.iter().map(|r| r.0).collect::<Vec<_>>());
+        let cpu = median(&mut runs.iter().map(|r| r.1).collect::<Vec<_>>());
+        let n = noop_records as u32;
+        let base = *sequential.get_or_insert(cpu);
+        let extra = (cpu.as_secs_f64() - base.as_secs_f64()) / noop_records as f64 * 1e9;
+        println!(
+            "{name:<14} {wall:>10.2?} {cpu:>10.2?} {:>14.2?} {:>14.2?} {extra:>+13.0} ns",
+            wall / n,
+            cpu / n
+        );
     }
 }

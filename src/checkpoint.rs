@@ -185,17 +185,6 @@ pub(crate) struct RecordMarks {
     prefix: usize,
 }
 
-/// How far the handled prefix of a batch reaches after a record finished.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Prefix<'a> {
-    /// It did not move (an earlier record is still unfinished).
-    Unmoved,
-    /// It now ends at this record (acknowledge through it).
-    Through(&'a Position),
-    /// Every record of the batch is handled (acknowledge the whole batch).
-    Complete,
-}
-
 impl RecordMarks {
     /// Marks for a batch whose records are at `positions`, in shard order.
     pub(crate) fn new(positions: Vec<Position>) -> Self {
@@ -216,28 +205,24 @@ impl RecordMarks {
         self.prefix == self.positions.len()
     }
 
-    /// Marks record `index` handled (an out-of-range or repeated index changes nothing)
-    /// and says how far the handled prefix now reaches.
-    pub(crate) fn finish(&mut self, index: usize) -> Prefix<'_> {
+    /// Marks record `index` handled (an out-of-range or repeated index changes nothing);
+    /// returns whether the handled prefix grew.
+    pub(crate) fn finish(&mut self, index: usize) -> bool {
         match self.done.get_mut(index) {
             Some(done) if !*done => *done = true,
-            _ => return Prefix::Unmoved,
+            _ => return false,
         }
         let before = self.prefix;
         while self.done.get(self.prefix).copied().unwrap_or(false) {
             self.prefix += 1;
         }
-        if self.prefix == before {
-            Prefix::Unmoved
-        } else if self.is_complete() {
-            Prefix::Complete
-        } else {
-            // `prefix` moved past at least one record, so `prefix - 1` is in range.
-            match self.positions.get(self.prefix - 1) {
-                Some(p) => Prefix::Through(p),
-                None => Prefix::Unmoved,
-            }
-        }
+        self.prefix != before
+    }
+
+    /// The last record of the handled prefix: what the batch may be acknowledged
+    /// through (`None` while its first record is unfinished).
+    pub(crate) fn handled_through(&self) -> Option<&Position> {
+        self.prefix.checked_sub(1).and_then(|i| self.positions.get(i))
     }
 }
 
@@ -499,22 +484,16 @@ mod tests {
                 let mut done = vec![false; n];
                 let mut reached = 0;
                 for &i in &order {
-                    let prefix = marks.finish(i);
+                    let grew = marks.finish(i);
                     done[i] = true;
                     let now = done.iter().take_while(|d| **d).count();
-                    let last = at(now.max(1) as u64 - 1);
-                    let expected = if now == reached {
-                        Prefix::Unmoved
-                    } else if now == n {
-                        Prefix::Complete
-                    } else {
-                        Prefix::Through(&last)
-                    };
-                    prop_assert_eq!(prefix, expected);
+                    prop_assert_eq!(grew, now > reached);
+                    let expected = now.checked_sub(1).map(|k| at(k as u64));
+                    prop_assert_eq!(marks.handled_through(), expected.as_ref());
+                    prop_assert_eq!(marks.is_complete(), now == n);
                     reached = now;
-                    prop_assert_eq!(marks.finish(i), Prefix::Unmoved, "a repeat changes nothing");
+                    prop_assert!(!marks.finish(i), "a repeat changes nothing");
                 }
-                prop_assert!(marks.is_complete());
                 Ok(())
             })
             .unwrap();

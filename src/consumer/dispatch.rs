@@ -14,7 +14,7 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{Service, ServiceExt};
 
-use crate::checkpoint::{AckHandle, Prefix, RecordMarks};
+use crate::checkpoint::{AckHandle, RecordMarks};
 use crate::message::{Batch, Message};
 use crate::sequence::Position;
 
@@ -127,6 +127,8 @@ const MAX_OPEN_BATCHES: usize = 64;
 struct OpenBatch {
     ack: AckHandle,
     marks: RecordMarks,
+    /// Its handled prefix grew since it was last acknowledged.
+    moved: bool,
 }
 
 /// A record taken from a batch, waiting for its key (or a free place) to start.
@@ -233,6 +235,7 @@ impl Window {
         self.open.push_back(OpenBatch {
             ack,
             marks: RecordMarks::new(positions),
+            moved: false,
         });
         self.current = Some((id, batch.messages.into_iter().enumerate()));
     }
@@ -319,11 +322,11 @@ impl Window {
             return;
         };
         match done.outcome {
-            Outcome::Handled => match open.marks.finish(done.index) {
-                Prefix::Unmoved => {}
-                Prefix::Through(position) => open.ack.ack_through(position.clone()),
-                Prefix::Complete => open.ack.ack(),
-            },
+            Outcome::Handled => {
+                if open.marks.finish(done.index) {
+                    open.moved = true;
+                }
+            }
             Outcome::Failed(error) => {
                 if self.halt.as_ref().is_none_or(|h| h.failure.is_none()) {
                     let position = open.marks.position(done.index).cloned();
@@ -336,6 +339,20 @@ impl Window {
                 self.halt.get_or_insert(Halt { failure: None });
             }
         }
+    }
+
+    /// Acknowledges the handled prefix of every batch whose prefix grew: once per
+    /// batch for all the calls that finished together, not once per record (each
+    /// acknowledgement wakes the shard task).
+    fn flush(&mut self) {
+        for open in self.open.iter_mut().filter(|b| b.moved) {
+            open.moved = false;
+            if open.marks.is_complete() {
+                open.ack.ack();
+            } else if let Some(position) = open.marks.handled_through() {
+                open.ack.ack_through(position.clone());
+            }
+        }
         while self.open.front().is_some_and(|b| b.marks.is_complete()) {
             self.open.pop_front();
             self.first += 1;
@@ -346,6 +363,7 @@ impl Window {
     /// handled (their handled prefixes are already acknowledged) and, after a failure,
     /// makes the shard read again from its watermark.
     fn settle(&mut self, shard: &str) {
+        self.flush();
         let halt = self.halt.take().unwrap_or(Halt { failure: None });
         self.first += self.open.len() as u64;
         for open in self.open.drain(..) {
@@ -383,6 +401,7 @@ where
     let mut shard: Arc<str> = Arc::from("");
     let mut closed = false;
     loop {
+        window.flush();
         window.take();
         while calls.len() < window.limits.per_shard {
             let Some((waiting, key, ack)) = window.next_start() else {
@@ -401,7 +420,13 @@ where
         let receive = !closed && starting.is_none() && window.wants_batch();
         tokio::select! {
             biased;
-            Some(done) = calls.next(), if !calls.is_empty() => window.finish(done),
+            Some(done) = calls.next(), if !calls.is_empty() => {
+                window.finish(done);
+                // Book every call that finished meanwhile before acknowledging.
+                while let Some(Some(done)) = calls.next().now_or_never() {
+                    window.finish(done);
+                }
+            }
             may_start = async {
                 match starting.as_mut() {
                     Some((_, _, may_start)) => may_start.await,
