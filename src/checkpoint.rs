@@ -222,7 +222,9 @@ impl RecordMarks {
     /// The last record of the handled prefix: what the batch may be acknowledged
     /// through (`None` while its first record is unfinished).
     pub(crate) fn handled_through(&self) -> Option<&Position> {
-        self.prefix.checked_sub(1).and_then(|i| self.positions.get(i))
+        self.prefix
+            .checked_sub(1)
+            .and_then(|i| self.positions.get(i))
     }
 }
 

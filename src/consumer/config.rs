@@ -455,9 +455,10 @@ impl ConsumerBuilder {
     ///   that finished beyond the checkpoint (after an unfinished or failed one) are
     ///   delivered again, as are records in flight when a worker crashes: at-least-once,
     ///   with at most about `4 * n` duplicates per shard and failure.
-    /// - A drain (shutdown, hand-off) waits for the calls in flight, as it waits for the
-    ///   record in flight in sequential mode; records not started are left to the next
-    ///   reader.
+    /// - A drain (shutdown, hand-off) stops taking records from the batches and
+    ///   finishes the ones already taken (at most `4 * n`), as sequential mode finishes
+    ///   its record in flight: the checkpoint then reaches the last of them and the next
+    ///   owner gets no duplicates. A lost lease or a restart starts nothing more.
     ///
     /// It applies to `run` only: `run_batches` and `stream` hand out whole batches.
     pub fn concurrency(mut self, concurrency: Concurrency) -> Self {

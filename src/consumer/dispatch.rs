@@ -387,7 +387,8 @@ impl Window {
 /// `limits.per_key`, at most `limits.per_shard` calls in flight, each holding a place of
 /// the worker-wide `limits.worker`. Each batch's handled prefix is acknowledged as it
 /// grows; on the first failure nothing new starts, the calls in flight finish, and the
-/// batches not fully handled are given up and the shard restarts from its watermark.
+/// batches not fully handled are given up and the shard restarts from its watermark. A
+/// drain takes nothing new but finishes the records already taken.
 pub(crate) async fn concurrent<S>(mut batches: mpsc::Receiver<Batch>, service: S, limits: Limits)
 where
     S: Service<Message> + Clone + Send + 'static,

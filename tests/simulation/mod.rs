@@ -729,8 +729,8 @@ fn handler(
 ) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
     // Records whose first attempt failed (concurrent workers only).
-    let failed: Arc<std::sync::Mutex<std::collections::HashSet<(Arc<str>, SequenceNumber)>>> =
-        Arc::default();
+    type Failed = std::collections::HashSet<(Arc<str>, SequenceNumber)>;
+    let failed: Arc<std::sync::Mutex<Failed>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         let log = log.clone();
         let incarnation = incarnation.clone();
