@@ -200,6 +200,11 @@ impl RecordMarks {
         self.positions.get(index)
     }
 
+    /// How many records the batch holds.
+    pub(crate) fn len(&self) -> usize {
+        self.positions.len()
+    }
+
     /// Whether every record is handled.
     pub(crate) fn is_complete(&self) -> bool {
         self.prefix == self.positions.len()

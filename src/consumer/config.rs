@@ -444,17 +444,17 @@ impl ConsumerBuilder {
     ///   shards in parallel.
     /// - All shards of the worker together make at most
     ///   [`max_concurrent_calls`](Self::max_concurrent_calls) calls at once.
-    /// - Memory stays bounded: a shard takes at most `4 * n` records from its batches
-    ///   that are not finished yet (in flight, or waiting behind an earlier record of
-    ///   their key), and at most 64 batches that are not fully handled. When either is
-    ///   full it takes nothing more until a record finishes, so a hot key holds up the
-    ///   other keys only once those `4 * n` places are full of its records; the reader
-    ///   then waits as it does for a slow sequential handler (`prefetch_batches`).
+    /// - Memory stays bounded: a shard works at most about `4 * n` records past its
+    ///   checkpoint. It takes a new batch (one read) only while the batches it has not
+    ///   fully handled hold fewer than `4 * n` records, so a hot key or a record that
+    ///   takes long holds the other keys up once the shard is that far past it; the
+    ///   reader then waits as it does for a slow sequential handler (`prefetch_batches`).
     /// - A failed record stops the shard from starting anything new; the calls in flight
     ///   finish, then the shard reads again from its checkpoint after a backoff. Records
     ///   that finished beyond the checkpoint (after an unfinished or failed one) are
     ///   delivered again, as are records in flight when a worker crashes: at-least-once,
-    ///   with at most about `4 * n` duplicates per shard and failure.
+    ///   with at most `4 * n` plus one read's records delivered again per shard and
+    ///   failure.
     /// - A drain (shutdown, hand-off) stops taking records from the batches and
     ///   finishes the ones already taken (at most `4 * n`), as sequential mode finishes
     ///   its record in flight: the checkpoint then reaches the last of them and the next

@@ -115,13 +115,11 @@ pub(crate) struct Limits {
     pub(crate) worker: Arc<Semaphore>,
 }
 
-/// Records a shard takes from its batches and has not finished (in flight or waiting
-/// behind their key), per call allowed in flight: what bounds memory when a key is hot.
-const TAKEN_PER_CALL: usize = 4;
-
-/// Batches a shard has taken and not fully handled: bounds how far the shard reads past
-/// a record that takes long (its watermark cannot pass it meanwhile).
-const MAX_OPEN_BATCHES: usize = 64;
+/// Records of a shard's batches not fully handled, per call allowed in flight: a shard
+/// takes a new batch only while its open batches hold fewer. This bounds how far it
+/// works past its checkpoint (memory, and what a failure or crash delivers again) when
+/// a key is hot or a record takes long.
+const OPEN_RECORDS_PER_CALL: usize = 4;
 
 /// Hashes the key-queue map's keys, which are hashes already (or counters): one multiply
 /// spreads them; hashing them again with SipHash was a tenth of the concurrent path's
@@ -194,6 +192,8 @@ struct Window {
     /// Open batches by id; `first` is the id of `open[0]`.
     open: VecDeque<OpenBatch>,
     first: u64,
+    /// How many records the open batches hold.
+    open_records: usize,
     /// The batch records are being taken from: its id and the records not taken yet.
     current: Option<(u64, std::iter::Enumerate<std::vec::IntoIter<Message>>)>,
     keys: HashMap<u64, KeyQueue, BuildHasherDefault<KeyHasher>>,
@@ -214,6 +214,7 @@ impl Window {
             limits,
             open: VecDeque::new(),
             first: 0,
+            open_records: 0,
             current: None,
             keys: HashMap::default(),
             runnable: VecDeque::new(),
@@ -225,7 +226,7 @@ impl Window {
     }
 
     fn window(&self) -> usize {
-        self.limits.per_shard.saturating_mul(TAKEN_PER_CALL)
+        self.limits.per_shard.saturating_mul(OPEN_RECORDS_PER_CALL)
     }
 
     /// Whether a new batch may be taken.
@@ -233,7 +234,7 @@ impl Window {
         self.current.is_none()
             && self.halt.is_none()
             && !self.draining
-            && self.open.len() < MAX_OPEN_BATCHES
+            && self.open_records < self.window()
     }
 
     /// Whether the window is done: halted (or drained) with nothing in flight.
@@ -254,6 +255,7 @@ impl Window {
         }
         let positions = batch.messages.iter().map(Message::position).collect();
         let id = self.first + self.open.len() as u64;
+        self.open_records += batch.messages.len();
         self.open.push_back(OpenBatch {
             ack,
             marks: RecordMarks::new(positions),
@@ -376,7 +378,9 @@ impl Window {
             }
         }
         while self.open.front().is_some_and(|b| b.marks.is_complete()) {
-            self.open.pop_front();
+            if let Some(done) = self.open.pop_front() {
+                self.open_records = self.open_records.saturating_sub(done.marks.len());
+            }
             self.first += 1;
         }
     }
@@ -388,6 +392,7 @@ impl Window {
         self.flush();
         let halt = self.halt.take().unwrap_or(Halt { failure: None });
         self.first += self.open.len() as u64;
+        self.open_records = 0;
         for open in self.open.drain(..) {
             open.ack.abandon();
         }
