@@ -858,5 +858,11 @@ mod tests {
         assert_eq!(c.lease_call_timeout, Duration::from_secs(3));
         assert_eq!(c.lease_table, "billing");
         assert_eq!(c.fan_out_consumer(), None, "polling by default");
+        assert_eq!(
+            c.concurrency(),
+            Concurrency::Sequential,
+            "one record at a time"
+        );
+        assert_eq!(c.max_concurrent_calls(), 1_024);
     }
 }
