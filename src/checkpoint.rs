@@ -1,5 +1,6 @@
-//! Per-shard progress: the [`Watermark`] of acknowledged records and the [`AckHandle`]
-//! a batch carries to move it.
+//! Per-shard progress: the [`Watermark`] of acknowledged records, the [`AckHandle`]
+//! a batch carries to move it, and [`RecordMarks`] for records of a batch that finish
+//! out of order (per-key concurrency).
 //!
 //! Batches of a shard are registered in delivery order; handlers may acknowledge them in
 //! any order. The watermark is the last position of the longest prefix of acknowledged
@@ -172,6 +173,66 @@ impl Watermark {
     }
 }
 
+/// Which records of one delivered batch are handled, when they finish out of order
+/// (`run` with per-key or unordered concurrency). The batch's acknowledgement may cover
+/// only the contiguous handled prefix: the watermark never passes a record that is not
+/// handled, however many later ones are.
+#[derive(Debug)]
+pub(crate) struct RecordMarks {
+    positions: Vec<Position>,
+    done: Vec<bool>,
+    /// Records `0..prefix` are all handled.
+    prefix: usize,
+}
+
+impl RecordMarks {
+    /// Marks for a batch whose records are at `positions`, in shard order.
+    pub(crate) fn new(positions: Vec<Position>) -> Self {
+        RecordMarks {
+            done: vec![false; positions.len()],
+            positions,
+            prefix: 0,
+        }
+    }
+
+    /// The position of record `index`.
+    pub(crate) fn position(&self, index: usize) -> Option<&Position> {
+        self.positions.get(index)
+    }
+
+    /// How many records the batch holds.
+    pub(crate) fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether every record is handled.
+    pub(crate) fn is_complete(&self) -> bool {
+        self.prefix == self.positions.len()
+    }
+
+    /// Marks record `index` handled (an out-of-range or repeated index changes nothing);
+    /// returns whether the handled prefix grew.
+    pub(crate) fn finish(&mut self, index: usize) -> bool {
+        match self.done.get_mut(index) {
+            Some(done) if !*done => *done = true,
+            _ => return false,
+        }
+        let before = self.prefix;
+        while self.done.get(self.prefix).copied().unwrap_or(false) {
+            self.prefix += 1;
+        }
+        self.prefix != before
+    }
+
+    /// The last record of the handled prefix: what the batch may be acknowledged
+    /// through (`None` while its first record is unfinished).
+    pub(crate) fn handled_through(&self) -> Option<&Position> {
+        self.prefix
+            .checked_sub(1)
+            .and_then(|i| self.positions.get(i))
+    }
+}
+
 /// A shard's watermark, shared between the shard task and the acknowledgement handles.
 pub(crate) struct ShardProgress {
     watermark: Mutex<Watermark>,
@@ -294,6 +355,13 @@ impl AckHandle {
             && self.progress.generation.load(Ordering::SeqCst) == self.generation
     }
 
+    /// Whether the batch belongs to the shard's current generation (no restart after a
+    /// failure since it was delivered): work started on an older one would run beside
+    /// its redelivery.
+    pub(crate) fn is_current(&self) -> bool {
+        self.progress.generation.load(Ordering::SeqCst) == self.generation
+    }
+
     /// Waits until the batch may start, then says whether it may: a batch queued before
     /// a long pause (a stalled process, a GC-like stop) starts only once a renewal proved
     /// the lease is still ours, like a fresh read; false (see [`AckHandle::should_start`])
@@ -406,6 +474,36 @@ mod tests {
         let c = w.register(Mark::At(at(10)), false);
         assert!(w.ack(c, g));
         assert_eq!(w.acked(), &Checkpoint::At(at(10)));
+    }
+
+    #[test]
+    fn record_marks_cover_only_the_contiguous_handled_prefix_for_any_finish_order() {
+        let mut runner = TestRunner::new_with_rng(
+            Config::with_cases(256),
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[5; 32]),
+        );
+        let orders =
+            (1usize..40).prop_flat_map(|n| Just((0..n).collect::<Vec<_>>()).prop_shuffle());
+        runner
+            .run(&orders, |order| {
+                let n = order.len();
+                let mut marks = RecordMarks::new((0..n as u64).map(at).collect());
+                let mut done = vec![false; n];
+                let mut reached = 0;
+                for &i in &order {
+                    let grew = marks.finish(i);
+                    done[i] = true;
+                    let now = done.iter().take_while(|d| **d).count();
+                    prop_assert_eq!(grew, now > reached);
+                    let expected = now.checked_sub(1).map(|k| at(k as u64));
+                    prop_assert_eq!(marks.handled_through(), expected.as_ref());
+                    prop_assert_eq!(marks.is_complete(), now == n);
+                    reached = now;
+                    prop_assert!(!marks.finish(i), "a repeat changes nothing");
+                }
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //!
 //! | Item | What it is for |
 //! |------|----------------|
-//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
+//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`], [`Concurrency`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
 //! | [`ShardEvent`] | what happens to a worker's shards (leases taken, lost, handed off; shards ended; handler failures), for [`ConsumerBuilder::on_event`] |
 //! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
@@ -68,8 +68,8 @@ pub mod sequence;
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use checkpoint::AckHandle;
 pub use consumer::{
-    BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
-    InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
+    BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
+    ConsumerError, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, HeadersBuilder, Message};

@@ -494,15 +494,30 @@ const DEFAULT_GENERATED_SEEDS: u64 = 300;
 
 #[test]
 fn generated_histories_keep_the_invariants() {
-    use simulation::history::Features;
-    let features = Features::from_env();
+    run_generated(
+        simulation::history::Features::from_env(),
+        DEFAULT_GENERATED_SEEDS,
+    );
+}
+
+/// The default features plus `run`-mode workers with per-key concurrency (issue 11).
+#[test]
+fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+per-key-concurrency").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
+/// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),
+/// `SHARDFLOW_SIM_SEEDS` (that many) or `default_seeds` seeds; fails naming each
+/// failing seed and how to replay it.
+fn run_generated(features: simulation::history::Features, default_seeds: u64) {
     let seeds: Vec<u64> = match std::env::var("SHARDFLOW_SIM_SEED") {
         Ok(k) => vec![k.parse().expect("SHARDFLOW_SIM_SEED is a number")],
         Err(_) => {
             let n = std::env::var("SHARDFLOW_SIM_SEEDS")
                 .ok()
                 .and_then(|s| s.parse().ok())
-                .unwrap_or(DEFAULT_GENERATED_SEEDS);
+                .unwrap_or(default_seeds);
             (0..n).collect()
         }
     };

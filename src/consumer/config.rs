@@ -65,6 +65,29 @@ impl Default for CheckpointPolicy {
     }
 }
 
+/// How [`Consumer::run`](super::Consumer::run) hands a shard's records to the service
+/// (see [`ConsumerBuilder::concurrency`]). Shards always run concurrently; this is about
+/// the records inside one shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Concurrency {
+    /// One record at a time, in sequence order (the default).
+    #[default]
+    Sequential,
+    /// Records with the same partition key one at a time in sequence order; records with
+    /// different keys concurrently, at most this many calls in flight per shard.
+    PerKey(usize),
+    /// Up to this many calls in flight per shard, in no particular order (for handlers
+    /// with no ordering needs).
+    Unordered(usize),
+}
+
+/// The most calls in flight per shard [`Concurrency`] accepts.
+const MAX_CONCURRENCY: usize = 10_000;
+
+/// The most calls in flight per worker [`ConsumerBuilder::max_concurrent_calls`] accepts.
+const MAX_WORKER_CALLS: usize = 1_000_000;
+
 /// Enhanced fan-out (see [`ConsumerBuilder::fan_out`]): the stream consumer's name and,
 /// once registered, its ARN, shared by every shard reader of the worker.
 #[derive(Clone, Debug)]
@@ -144,6 +167,8 @@ pub struct Config {
     pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
     pub(crate) events: EventHook,
+    pub(crate) concurrency: Concurrency,
+    pub(crate) max_concurrent_calls: usize,
 }
 
 impl Config {
@@ -180,6 +205,15 @@ impl Config {
     pub fn lease_table(&self) -> &str {
         &self.lease_table
     }
+    /// How `run` hands a shard's records to the service.
+    pub fn concurrency(&self) -> Concurrency {
+        self.concurrency
+    }
+    /// The most handler calls in flight at once over all shards of this worker, with
+    /// per-key or unordered concurrency.
+    pub fn max_concurrent_calls(&self) -> usize {
+        self.max_concurrent_calls
+    }
     /// The enhanced fan-out consumer's name, when shards are read through fan-out.
     pub fn fan_out_consumer(&self) -> Option<&str> {
         self.fan_out.as_ref().map(|f| f.consumer_name.as_str())
@@ -212,6 +246,8 @@ pub struct ConsumerBuilder {
     read_call_timeout: Duration,
     seed: Option<u64>,
     events: EventHook,
+    concurrency: Concurrency,
+    max_concurrent_calls: usize,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -241,6 +277,8 @@ impl Default for ConsumerBuilder {
             read_call_timeout: Duration::from_secs(10),
             seed: None,
             events: EventHook::none(),
+            concurrency: Concurrency::Sequential,
+            max_concurrent_calls: 1_024,
             backend: None,
         }
     }
@@ -396,6 +434,53 @@ impl ConsumerBuilder {
     /// heartbeat at least every 5 s) is taken as hung and renewed.
     pub fn read_call_timeout(mut self, d: Duration) -> Self {
         self.read_call_timeout = d;
+        self
+    }
+
+    /// How [`Consumer::run`](super::Consumer::run) calls the service inside a shard
+    /// (default [`Concurrency::Sequential`]: one record at a time). With
+    /// [`Concurrency::PerKey`]`(n)` records of one partition key are handled in sequence
+    /// order and different keys concurrently, at most `n` calls in flight per shard;
+    /// [`Concurrency::Unordered`]`(n)` drops the per-key order. `n` is 1..=10000.
+    ///
+    /// - The checkpoint stays the contiguous low-watermark: it passes a record only
+    ///   once it and every earlier record of the shard are handled, however many later
+    ///   ones finished first.
+    /// - Each call is made on a clone of the service, after `ServiceExt::ready` on that
+    ///   clone, so a service's readiness (a concurrency limit, a buffer) is honoured. The
+    ///   calls of a shard run concurrently on its dispatch task (like `buffer_unordered`),
+    ///   shards in parallel.
+    /// - All shards of the worker together make at most
+    ///   [`max_concurrent_calls`](Self::max_concurrent_calls) calls at once.
+    /// - Memory stays bounded: a shard works at most about `4 * n` records past its
+    ///   checkpoint. It takes a new batch (one read) only while the batches it has not
+    ///   fully handled hold fewer than `4 * n` records, so a hot key or a record that
+    ///   takes long holds the other keys up once the shard is that far past it; the
+    ///   reader then waits as it does for a slow sequential handler (`prefetch_batches`).
+    /// - A failed record stops the shard from starting anything new; the calls in flight
+    ///   finish, then the shard reads again from its checkpoint after a backoff. Records
+    ///   that finished beyond the checkpoint (after an unfinished or failed one) are
+    ///   delivered again, as are records in flight when a worker crashes: at-least-once,
+    ///   with at most `4 * n` plus one read's records delivered again per shard and
+    ///   failure.
+    /// - A drain (shutdown, hand-off) stops taking records from the batches and
+    ///   finishes the ones already taken (at most `4 * n`), as sequential mode finishes
+    ///   its record in flight: the checkpoint then reaches the last of them and the next
+    ///   owner gets no duplicates. A lost lease or a restart starts nothing more.
+    ///
+    /// It applies to `run` only: `run_batches` and `stream` hand out whole batches.
+    pub fn concurrency(mut self, concurrency: Concurrency) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// The most handler calls in flight at once over all shards of this worker, with
+    /// [`Concurrency::PerKey`] or [`Concurrency::Unordered`] (default 1024), so that 200
+    /// shards at `PerKey(64)` do not start 12,800 calls. Calls beyond it wait for a free
+    /// place (first come, first served). Sequential mode makes one call per shard and
+    /// does not count against it.
+    pub fn max_concurrent_calls(mut self, n: usize) -> Self {
+        self.max_concurrent_calls = n;
         self
     }
 
@@ -574,6 +659,26 @@ impl ConsumerBuilder {
                 reason: "max is smaller than min".into(),
             });
         }
+        match self.concurrency {
+            Concurrency::PerKey(n) | Concurrency::Unordered(n)
+                if !(1..=MAX_CONCURRENCY).contains(&n) =>
+            {
+                return Err(ConfigError::Invalid {
+                    field: "concurrency",
+                    reason: format!("{n} calls per shard is outside 1..={MAX_CONCURRENCY}"),
+                });
+            }
+            _ => {}
+        }
+        if !(1..=MAX_WORKER_CALLS).contains(&self.max_concurrent_calls) {
+            return Err(ConfigError::Invalid {
+                field: "max_concurrent_calls",
+                reason: format!(
+                    "{} is outside 1..={MAX_WORKER_CALLS}",
+                    self.max_concurrent_calls
+                ),
+            });
+        }
         let seed = self.seed.unwrap_or_else(rand::random);
         // The owner asked for a hand-off sees the request at its next renewal, then drains
         // for up to the shutdown timeout: a requester taking the lease sooner would read
@@ -618,6 +723,8 @@ impl ConsumerBuilder {
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
             events: self.events.clone(),
+            concurrency: self.concurrency,
+            max_concurrent_calls: self.max_concurrent_calls,
         })
     }
 
@@ -710,6 +817,26 @@ mod tests {
         assert_eq!(field(base().fan_out("has space")), "fan_out");
         assert_eq!(field(base().fan_out("x".repeat(129))), "fan_out");
         assert_eq!(field(base().fan_out("billing-efo_1.v2")), "accepted");
+        assert_eq!(
+            field(base().concurrency(Concurrency::PerKey(0))),
+            "concurrency"
+        );
+        assert_eq!(
+            field(base().concurrency(Concurrency::Unordered(10_001))),
+            "concurrency"
+        );
+        assert_eq!(
+            field(base().max_concurrent_calls(0)),
+            "max_concurrent_calls"
+        );
+        assert_eq!(
+            field(
+                base()
+                    .concurrency(Concurrency::PerKey(64))
+                    .max_concurrent_calls(256)
+            ),
+            "accepted"
+        );
         assert_eq!(field(base()), "accepted");
     }
 
@@ -763,5 +890,11 @@ mod tests {
         assert_eq!(c.lease_call_timeout, Duration::from_secs(3));
         assert_eq!(c.lease_table, "billing");
         assert_eq!(c.fan_out_consumer(), None, "polling by default");
+        assert_eq!(
+            c.concurrency(),
+            Concurrency::Sequential,
+            "one record at a time"
+        );
+        assert_eq!(c.max_concurrent_calls(), 1_024);
     }
 }

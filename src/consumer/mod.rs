@@ -64,7 +64,9 @@ use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
-pub use config::{CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition};
+pub use config::{
+    CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
+};
 use coordinator::{Coordinator, Sink, SpawnDispatch};
 pub use events::ShardEvent;
 
@@ -165,11 +167,14 @@ impl Consumer {
         ShutdownHandle(self.shutdown.clone())
     }
 
-    /// Runs `service` on every record: records of a shard one at a time in sequence
-    /// order, shards concurrently (one clone of the service each). `Ok` marks the
-    /// record handled; an error stops the shard, which reads again from its checkpoint
-    /// after a backoff. Await the returned [`Run`] (add [`Run::until`] to stop on a
-    /// signal) or [`Run::spawn`] it and later call [`Running::shutdown`].
+    /// Runs `service` on every record: by default records of a shard one at a time in
+    /// sequence order, shards concurrently (one clone of the service each); with
+    /// [`ConsumerBuilder::concurrency`] records of different partition keys (or any
+    /// records) of a shard concurrently too, each call on its own clone after
+    /// `ServiceExt::ready`. `Ok` marks the record handled; an error stops the shard,
+    /// which reads again from its checkpoint after a backoff. Await the returned [`Run`]
+    /// (add [`Run::until`] to stop on a signal) or [`Run::spawn`] it and later call
+    /// [`Running::shutdown`].
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
@@ -177,8 +182,30 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.config.events.clone();
+        let (per_shard, per_key) = match self.config.concurrency {
+            Concurrency::PerKey(n) => (n, true),
+            Concurrency::Unordered(n) => (n, false),
+            Concurrency::Sequential => {
+                return self.run_with(spawn_with(service, move |rx, service| {
+                    tokio::spawn(dispatch::records(rx, service, events.clone()))
+                }))
+            }
+        };
+        // One semaphore for every shard of this worker: the worker-wide limit.
+        let limits = dispatch::Limits {
+            per_shard,
+            per_key,
+            worker: Arc::new(tokio::sync::Semaphore::new(
+                self.config.max_concurrent_calls,
+            )),
+        };
         self.run_with(spawn_with(service, move |rx, service| {
-            tokio::spawn(dispatch::records(rx, service, events.clone()))
+            tokio::spawn(dispatch::concurrent(
+                rx,
+                service,
+                limits.clone(),
+                events.clone(),
+            ))
         }))
     }
 

@@ -667,12 +667,18 @@ pub async fn within<F: std::future::Future>(limit: Duration, what: &str, fut: F)
 
 /// Runs `consumer` with a handler that records into `recorder`.
 pub fn start(consumer: Consumer, recorder: &Recorder) -> Running {
+    start_service(consumer, recording_handler(recorder.clone()))
+}
+
+/// Runs `consumer` with `service` in a task.
+pub fn start_service<S>(consumer: Consumer, service: S) -> Running
+where
+    S: tower::Service<Message> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Display + Send,
+{
     let shutdown = consumer.shutdown_handle();
-    let task = tokio::spawn(
-        consumer
-            .run(recording_handler(recorder.clone()))
-            .into_future(),
-    );
+    let task = tokio::spawn(consumer.run(service).into_future());
     Running { shutdown, task }
 }
 

@@ -50,10 +50,13 @@ pub enum Feature {
     StaleListShards,
     /// Calls that never return (cut by the wrapper's generous cap).
     HungCalls,
+    /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
+    /// takes 0..20 ms and fails the first attempt of about one record in 40.
+    PerKeyConcurrency,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 19] = [
+    pub const ALL: [Feature; 20] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -73,6 +76,7 @@ impl Feature {
         Feature::MissingNextIteratorAnywhere,
         Feature::StaleListShards,
         Feature::HungCalls,
+        Feature::PerKeyConcurrency,
     ];
 
     pub fn name(self) -> &'static str {
@@ -96,6 +100,7 @@ impl Feature {
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
+            Feature::PerKeyConcurrency => "per-key-concurrency",
         }
     }
 }

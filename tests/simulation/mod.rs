@@ -12,7 +12,6 @@ pub mod history;
 mod invariants;
 pub mod log;
 
-use std::convert::Infallible;
 use std::future::IntoFuture;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -25,8 +24,8 @@ use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
-    CheckpointPolicy, Consumer, InitialPosition, Memory, Message, Position, SequenceNumber,
-    ShutdownHandle,
+    CheckpointPolicy, Concurrency, Consumer, InitialPosition, Memory, Message, Position,
+    SequenceNumber, ShutdownHandle,
 };
 use tokio::task::JoinHandle;
 
@@ -56,6 +55,7 @@ pub struct Stats {
     pub freezes: usize,
     pub restarts_same_id: usize,
     pub stream_workers: usize,
+    pub per_key_workers: usize,
     pub handoffs_before_first_checkpoint: usize,
     pub ambiguous_commits: usize,
     pub hung: u64,
@@ -79,6 +79,7 @@ impl Stats {
         self.freezes += o.freezes;
         self.restarts_same_id += o.restarts_same_id;
         self.stream_workers += o.stream_workers;
+        self.per_key_workers += o.per_key_workers;
         self.handoffs_before_first_checkpoint += o.handoffs_before_first_checkpoint;
         self.ambiguous_commits += o.ambiguous_commits;
         self.hung += o.hung;
@@ -323,7 +324,7 @@ impl Sim {
         self.stats.reshards += 1;
     }
 
-    fn consumer(&mut self, backend: SimBackend) -> Consumer {
+    fn consumer(&mut self, backend: SimBackend, concurrency: Concurrency) -> Consumer {
         let position = match &self.start {
             Start::TrimHorizon => InitialPosition::TrimHorizon,
             Start::Latest => InitialPosition::Latest,
@@ -344,6 +345,7 @@ impl Sim {
             .checkpoint(self.checkpoint.clone())
             .shutdown_timeout(Duration::from_secs(5))
             .seed(self.rng.gen())
+            .concurrency(concurrency)
             .build()
             .unwrap()
     }
@@ -363,7 +365,16 @@ impl Sim {
             self.features,
             self.rng.gen(),
         );
-        let consumer = self.consumer(backend);
+        // Drawn only with the feature on, so the other histories stay as they were.
+        let concurrency = if !stream_mode
+            && self.features.has(Feature::PerKeyConcurrency)
+            && self.rng.gen_bool(0.5)
+        {
+            Concurrency::PerKey(self.rng.gen_range(2..16))
+        } else {
+            Concurrency::Sequential
+        };
+        let consumer = self.consumer(backend, concurrency);
         let shutdown = consumer.shutdown_handle();
         let log = self.log.clone();
         let task = if stream_mode {
@@ -378,7 +389,9 @@ impl Sim {
                 self.features,
             ))
         } else {
-            let service = handler(log, incarnation.clone(), control.clone());
+            let concurrent = concurrency != Concurrency::Sequential;
+            self.stats.per_key_workers += usize::from(concurrent);
+            let service = handler(log, incarnation.clone(), control.clone(), concurrent);
             let run = consumer.run(service).into_future();
             tokio::spawn(async move { run.await.map_err(|e| e.to_string()) })
         };
@@ -712,15 +725,38 @@ fn handler(
     log: Arc<Log>,
     incarnation: String,
     control: Arc<Control>,
-) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send
+    concurrent: bool,
+) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
+    // Records whose first attempt failed (concurrent workers only).
+    type Failed = std::collections::HashSet<(Arc<str>, SequenceNumber)>;
+    let failed: Arc<std::sync::Mutex<Failed>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
+        let failed = failed.clone();
         async move {
             control.gate().await;
             log.deliver(&incarnation, &msg);
+            if concurrent {
+                // Calls finish out of order, and some fail once: the watermark and the
+                // redelivery after a failure are under test.
+                let h = msg
+                    .headers
+                    .sequence_number
+                    .as_str()
+                    .bytes()
+                    .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+                tokio::time::sleep(Duration::from_millis(h % 20)).await;
+                let key = (
+                    msg.headers.shard_id.clone(),
+                    msg.headers.sequence_number.clone(),
+                );
+                if h % 40 == 0 && failed.lock().unwrap().insert(key) {
+                    return Err("injected failure");
+                }
+            }
             log.handle(&incarnation, &msg);
             Ok(())
         }
