@@ -10,7 +10,9 @@
 //! Prints, for 100, 500 and 2,000 shards × 4, 10 and 40 workers: the simulated time until
 //! every shard delivered its record, until the leases are balanced (every worker within
 //! one of the fair share), the leases per worker then, and the lease-store requests
-//! until balanced. `BENCH_SIZES=shards:workers,...` picks other sizes. Without `--bench`
+//! until balanced. `BENCH_SIZES=shards:workers,...` picks other sizes; `BENCH_TIMELINE=1`
+//! also prints, every simulated second until balanced, how many workers hold how many
+//! leases and how many hand-off requests are pending. Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
 mod common;
@@ -59,7 +61,11 @@ fn main() {
         runtime.block_on(async {
             let running = fleet::start(Fleet::new(shards, workers)).await;
             let delivered = running.until(LIMIT, |r| r.all_delivered()).await;
-            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            let balanced = if std::env::var_os("BENCH_TIMELINE").is_some() {
+                timeline(&running).await
+            } else {
+                running.until(LIMIT, |r| r.balanced()).await
+            };
             let requests = running.memory.table(fleet::GROUP).requests();
             let counts = leases_per_owner(&running.memory);
             let min = counts.values().min().copied().unwrap_or(0);
@@ -81,4 +87,36 @@ fn main() {
             running.stop().await;
         });
     }
+}
+
+/// Waits for balance like `Running::until`, printing every simulated second how many
+/// workers hold how many leases (`leases x workers`) and the pending hand-off requests.
+async fn timeline(running: &fleet::Running) -> Option<Duration> {
+    let mut next = Duration::ZERO;
+    running
+        .until(LIMIT, |r| {
+            let at = r.started.elapsed();
+            if at >= next {
+                next = at + Duration::from_secs(1);
+                let rows = r.memory.table(fleet::GROUP).rows();
+                let pending = rows.iter().filter(|l| l.pending_owner.is_some()).count();
+                let free = rows.iter().filter(|l| l.owner.is_none()).count();
+                let counts = leases_per_owner(&r.memory);
+                let idle = r.fleet.workers - counts.len();
+                let mut histogram = std::collections::BTreeMap::new();
+                for c in counts.values() {
+                    *histogram.entry(*c).or_insert(0) += 1;
+                }
+                let shown: Vec<String> = std::iter::once(format!("0x{idle}"))
+                    .chain(histogram.iter().map(|(c, n)| format!("{c}x{n}")))
+                    .collect();
+                eprintln!(
+                    "  {:6.2} s: {} | pending {pending} free {free}",
+                    at.as_secs_f64(),
+                    shown.join(" ")
+                );
+            }
+            r.balanced()
+        })
+        .await
 }

@@ -155,7 +155,11 @@ impl Running {
 
     /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
     /// time since the fleet started, or `None` after `limit`.
-    pub async fn until(&self, limit: Duration, done: impl Fn(&Self) -> bool) -> Option<Duration> {
+    pub async fn until(
+        &self,
+        limit: Duration,
+        mut done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
         let deadline = self.started + limit;
         loop {
             if done(self) {
