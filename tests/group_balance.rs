@@ -2,7 +2,9 @@
 //! at the same moment holds its fair share of the leases within three take rounds (the
 //! default take interval is the lease duration, 10 s), and every shard delivers its
 //! first record right away. Simulated time (tokio's paused clock) with realistic
-//! latencies: 8 ms per lease-store call, 25 ms per Kinesis call.
+//! latencies: 8 ms per lease-store call, 25 ms per Kinesis call. A record goes into
+//! every shard every second while the leases move: every record is handled, and
+//! exactly once (the hand-offs are planned: drain, checkpoint, hand over).
 
 mod fleet;
 
@@ -14,7 +16,11 @@ use fleet::{leases_per_owner, Fleet};
 const BALANCED_WITHIN: Duration = Duration::from_secs(30);
 
 async fn starts_balanced(shards: u32, workers: usize) {
-    let running = fleet::start(Fleet::new(shards, workers)).await;
+    let mut running = fleet::start(Fleet {
+        feed_every: Some(Duration::from_secs(1)),
+        ..Fleet::new(shards, workers)
+    })
+    .await;
     let reading = running
         .until(Duration::from_secs(60), |r| r.all_delivered())
         .await;
@@ -32,6 +38,33 @@ async fn starts_balanced(shards: u32, workers: usize) {
         balanced.is_some(),
         "not balanced within {BALANCED_WITHIN:?}: leases per worker {per_owner:?}"
     );
+    running.stop_feed();
+    let handled = running
+        .until(BALANCED_WITHIN + Duration::from_secs(30), |r| {
+            r.all_handled()
+        })
+        .await;
+    assert!(
+        handled.is_some(),
+        "records not handled: {} of {}",
+        running.handled.lock().unwrap().len(),
+        running.put.lock().unwrap()
+    );
+    // Balanced stays balanced (until 45 s, a few rounds on): nothing moves back.
+    let unbalanced = running
+        .until(BALANCED_WITHIN + Duration::from_secs(15), |r| !r.balanced())
+        .await;
+    assert_eq!(
+        unbalanced,
+        None,
+        "the balance did not hold: leases per worker {:?}",
+        leases_per_owner(&running.memory)
+    );
+    assert_eq!(
+        running.duplicates(),
+        vec![],
+        "planned hand-offs must not deliver twice"
+    );
     running.stop().await;
 }
 
@@ -43,4 +76,14 @@ async fn two_hundred_shards_and_four_workers_balance_within_three_rounds() {
 #[tokio::test(start_paused = true)]
 async fn five_hundred_shards_and_ten_workers_balance_within_three_rounds() {
     starts_balanced(500, 10).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hundred_shards_and_forty_workers_balance_within_three_rounds() {
+    starts_balanced(100, 40).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn five_hundred_shards_and_forty_workers_balance_within_three_rounds() {
+    starts_balanced(500, 40).await;
 }

@@ -4,7 +4,7 @@
 //! them). Shared by `tests/group_balance.rs` and `benches/scale.rs`.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::convert::Infallible;
 use std::future::IntoFuture;
 use std::sync::{Arc, Mutex};
@@ -30,6 +30,9 @@ pub struct Fleet {
     /// Every ListShards, GetShardIterator and GetRecords call takes this long.
     pub read_latency: Duration,
     pub seed: u64,
+    /// While the fleet runs, put one more record in every shard this often (until
+    /// [`Running::stop_feed`]), so hand-offs happen under traffic.
+    pub feed_every: Option<Duration>,
 }
 
 impl Fleet {
@@ -41,6 +44,7 @@ impl Fleet {
             store_latency: Duration::from_millis(8),
             read_latency: Duration::from_millis(25),
             seed: 11,
+            feed_every: None,
         }
     }
 }
@@ -52,6 +56,11 @@ pub struct Running {
     pub started: Instant,
     /// Shards that delivered at least one record.
     pub delivered: Arc<Mutex<HashSet<String>>>,
+    /// How often each record (shard, sequence number) was handled.
+    pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
+    /// Records put in the stream so far.
+    pub put: Arc<Mutex<usize>>,
+    feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
 
@@ -91,19 +100,26 @@ pub async fn start(fleet: Fleet) -> Running {
             explicit_hash_key: Some(s.starting_hash_key.to_string()),
         })
         .collect();
-    for chunk in records.chunks(500) {
-        kinesis
-            .put_records(STREAM, chunk)
-            .await
-            .expect("put records");
-    }
+    let put: Arc<Mutex<usize>> = Arc::default();
+    put_all(memory.streams(), &records, &put).await;
     kinesis.set_latency(fleet.read_latency);
     memory.table(GROUP).set_faults(LeaseFaults {
         latency: fleet.store_latency,
         ..LeaseFaults::default()
     });
     let delivered: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let handled: Arc<Mutex<HashMap<(String, String), usize>>> = Arc::default();
     let started = Instant::now();
+    let feed = fleet.feed_every.map(|every| {
+        let (streams, put) = (memory.streams().clone(), put.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                put_all(&streams, &records, &put).await;
+            }
+        })
+    });
     let mut workers = Vec::new();
     for i in 0..fleet.workers {
         let id = format!("w{i:03}");
@@ -115,11 +131,16 @@ pub async fn start(fleet: Fleet) -> Running {
             .seed(fleet.seed.wrapping_add(i as u64))
             .build()
             .expect("a valid configuration");
-        let seen = delivered.clone();
+        let (seen, counts) = (delivered.clone(), handled.clone());
         let handler = tower::service_fn(move |msg: Message| {
-            seen.lock()
+            let shard = msg.headers.shard_id.to_string();
+            let sequence = msg.headers.sequence_number.to_string();
+            *counts
+                .lock()
                 .unwrap()
-                .insert(msg.headers.shard_id.to_string());
+                .entry((shard.clone(), sequence))
+                .or_default() += 1;
+            seen.lock().unwrap().insert(shard);
             async { Ok::<_, Infallible>(()) }
         });
         let shutdown = consumer.shutdown_handle();
@@ -131,7 +152,25 @@ pub async fn start(fleet: Fleet) -> Running {
         fleet,
         started,
         delivered,
+        handled,
+        put,
+        feed,
         workers,
+    }
+}
+
+/// Puts `records` (500 per call) and counts them in `put`.
+async fn put_all(
+    streams: &shardflow::memory::MemoryKinesis,
+    records: &[PutRecord],
+    put: &Mutex<usize>,
+) {
+    for chunk in records.chunks(500) {
+        streams
+            .put_records(STREAM, chunk)
+            .await
+            .expect("put records");
+        *put.lock().unwrap() += chunk.len();
     }
 }
 
@@ -172,8 +211,35 @@ impl Running {
         }
     }
 
+    /// Stops putting records (see [`Fleet::feed_every`]).
+    pub fn stop_feed(&mut self) {
+        if let Some(feed) = self.feed.take() {
+            feed.abort();
+        }
+    }
+
+    /// Whether every record put so far was handled at least once.
+    pub fn all_handled(&self) -> bool {
+        self.handled.lock().unwrap().len() == *self.put.lock().unwrap()
+    }
+
+    /// Records handled more than once: (shard, sequence number, times).
+    pub fn duplicates(&self) -> Vec<(String, String, usize)> {
+        let mut twice: Vec<_> = self
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|((shard, seq), n)| (shard.clone(), seq.clone(), *n))
+            .collect();
+        twice.sort();
+        twice
+    }
+
     /// Stops every worker gracefully.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
+        self.stop_feed();
         for worker in &self.workers {
             worker.shutdown.shutdown();
         }
