@@ -12,7 +12,14 @@
 //! one of the fair share), the leases per worker then, and the lease-store requests
 //! until balanced. `BENCH_SIZES=shards:workers,...` picks other sizes; `BENCH_TIMELINE=1`
 //! also prints, every simulated second until balanced, how many workers hold how many
-//! leases and how many hand-off requests are pending. Without `--bench`
+//! leases and how many hand-off requests are pending.
+//!
+//! `BENCH_SCENARIO=failover` instead kills one worker of each fleet once it is balanced
+//! (a crash: no release) while a record goes into every shard every second, and prints
+//! how long until each of its shards delivered again (p50 / max) and until the fleet is
+//! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
+//! and prints how long until balanced again and the records handled twice (planned
+//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers. Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
 mod common;
@@ -49,6 +56,11 @@ fn sizes() -> Vec<(u32, usize)> {
 }
 
 fn main() {
+    match std::env::var("BENCH_SCENARIO").as_deref() {
+        Ok("failover") => return failover(),
+        Ok("scale-out") => return scale_out(),
+        _ => {}
+    }
     println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | wall time |");
     println!("|---|---|---|---|---|---|---|");
     for (shards, workers) in sizes() {
@@ -119,4 +131,117 @@ async fn timeline(running: &fleet::Running) -> Option<Duration> {
             r.balanced()
         })
         .await
+}
+
+/// The sizes of the failover and scale-out scenarios.
+fn fleet_sizes() -> Vec<(u32, usize)> {
+    match std::env::var("BENCH_SIZES") {
+        Ok(_) => sizes(),
+        Err(_) => vec![(100, 40), (500, 40)],
+    }
+}
+
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn show(d: Option<Duration>) -> String {
+    match d {
+        Some(d) => format!("{:.2} s", d.as_secs_f64()),
+        None => "never".to_owned(),
+    }
+}
+
+/// One worker of a balanced fleet crashes; how long until its shards deliver again.
+fn failover() {
+    println!("| shards | workers | leases of the killed worker | read again p50 | read again max | balanced again | records handled twice | wall time |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (shards, workers) in fleet_sizes() {
+        let wall = std::time::Instant::now();
+        paused_runtime().block_on(async {
+            let mut running = fleet::start(Fleet {
+                feed_every: Some(Duration::from_secs(1)),
+                ..Fleet::new(shards, workers)
+            })
+            .await;
+            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            assert!(balanced.is_some(), "{shards}x{workers} did not balance");
+            let killed_at = tokio::time::Instant::now();
+            let orphans = running.kill(workers / 2);
+            let mut again: Vec<Option<Duration>> = vec![None; orphans.len()];
+            running
+                .until(LIMIT * 2, |r| {
+                    for (key, at) in orphans.iter().zip(again.iter_mut()) {
+                        if at.is_none() && r.delivered_after(key, killed_at) {
+                            *at = Some(killed_at.elapsed());
+                        }
+                    }
+                    again.iter().all(Option::is_some)
+                })
+                .await;
+            let rebalanced = running
+                .until(LIMIT * 2, |r| r.balanced())
+                .await
+                .map(|_| killed_at.elapsed());
+            let mut times: Vec<Duration> = again.iter().flatten().copied().collect();
+            let (p50, max) = if times.len() == orphans.len() && !times.is_empty() {
+                (
+                    Some(common::median(&mut times)),
+                    times.iter().max().copied(),
+                )
+            } else {
+                (None, None)
+            };
+            println!(
+                "| {shards} | {workers} | {} | {} | {} | {} | {} | {:.1} s |",
+                orphans.len(),
+                show(p50),
+                show(max),
+                show(rebalanced),
+                running.duplicates().len(),
+                wall.elapsed().as_secs_f64()
+            );
+            running.stop().await;
+        });
+    }
+}
+
+/// 10 workers join a balanced fleet of 30: balanced again, with no record twice.
+fn scale_out() {
+    println!("| shards | workers | balanced at the start | balanced again after 10 joined | records handled twice | every record handled | wall time |");
+    println!("|---|---|---|---|---|---|---|");
+    for (shards, workers) in fleet_sizes() {
+        let wall = std::time::Instant::now();
+        let first = workers.saturating_sub(10).max(1);
+        paused_runtime().block_on(async {
+            let mut running = fleet::start(Fleet {
+                feed_every: Some(Duration::from_secs(1)),
+                ..Fleet::new(shards, first)
+            })
+            .await;
+            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            let joined_at = tokio::time::Instant::now();
+            running.add_workers(workers - first);
+            let again = running
+                .until(LIMIT * 2, |r| r.balanced())
+                .await
+                .map(|_| joined_at.elapsed());
+            running.stop_feed();
+            let handled = running.until(LIMIT * 3, |r| r.all_handled()).await;
+            println!(
+                "| {shards} | {first} + {} | {} | {} | {} | {} | {:.1} s |",
+                workers - first,
+                show(balanced),
+                show(again),
+                running.duplicates().len(),
+                if handled.is_some() { "yes" } else { "no" },
+                wall.elapsed().as_secs_f64()
+            );
+            running.stop().await;
+        });
+    }
 }
