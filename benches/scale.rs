@@ -19,7 +19,8 @@
 //! how long until each of its shards delivered again (p50 / max) and until the fleet is
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
-//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers. Without `--bench`
+//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers.
+//! `BENCH_SEED=n` changes the workers' seeds (default 11). Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
 mod common;
@@ -29,6 +30,15 @@ mod fleet;
 use std::time::Duration;
 
 use fleet::{leases_per_owner, Fleet};
+
+/// The fleet of a size, with the seed `BENCH_SEED` names.
+fn fleet_of(shards: u32, workers: usize) -> Fleet {
+    let mut fleet = Fleet::new(shards, workers);
+    if let Some(seed) = std::env::var("BENCH_SEED").ok().and_then(|s| s.parse().ok()) {
+        fleet.seed = seed;
+    }
+    fleet
+}
 
 /// Give up on balance after this much simulated time.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -71,7 +81,7 @@ fn main() {
             .expect("a tokio runtime");
         let wall = std::time::Instant::now();
         runtime.block_on(async {
-            let running = fleet::start(Fleet::new(shards, workers)).await;
+            let running = fleet::start(fleet_of(shards, workers)).await;
             let delivered = running.until(LIMIT, |r| r.all_delivered()).await;
             let balanced = if std::env::var_os("BENCH_TIMELINE").is_some() {
                 timeline(&running).await
@@ -119,13 +129,26 @@ async fn timeline(running: &fleet::Running) -> Option<Duration> {
                 for c in counts.values() {
                     *histogram.entry(*c).or_insert(0) += 1;
                 }
+                let n = r.fleet.shards as usize / r.fleet.workers;
+                let short: Vec<String> = counts
+                    .iter()
+                    .filter(|(_, c)| **c < n)
+                    .map(|(w, c)| {
+                        let asked = rows
+                            .iter()
+                            .filter(|l| l.pending_owner.as_deref() == Some(w.as_str()))
+                            .count();
+                        format!("{}:{c}+{asked}", &w[..4])
+                    })
+                    .collect();
                 let shown: Vec<String> = std::iter::once(format!("0x{idle}"))
                     .chain(histogram.iter().map(|(c, n)| format!("{c}x{n}")))
                     .collect();
                 eprintln!(
-                    "  {:6.2} s: {} | pending {pending} free {free}",
+                    "  {:6.2} s: {} | pending {pending} free {free} | short {}",
                     at.as_secs_f64(),
-                    shown.join(" ")
+                    shown.join(" "),
+                    short.join(" ")
                 );
             }
             r.balanced()
@@ -165,7 +188,7 @@ fn failover() {
         paused_runtime().block_on(async {
             let mut running = fleet::start(Fleet {
                 feed_every: Some(Duration::from_secs(1)),
-                ..Fleet::new(shards, workers)
+                ..fleet_of(shards, workers)
             })
             .await;
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
@@ -220,7 +243,7 @@ fn scale_out() {
         paused_runtime().block_on(async {
             let mut running = fleet::start(Fleet {
                 feed_every: Some(Duration::from_secs(1)),
-                ..Fleet::new(shards, first)
+                ..fleet_of(shards, first)
             })
             .await;
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
