@@ -34,10 +34,21 @@ use fleet::{leases_per_owner, Fleet};
 /// The fleet of a size, with the seed `BENCH_SEED` names.
 fn fleet_of(shards: u32, workers: usize) -> Fleet {
     let mut fleet = Fleet::new(shards, workers);
-    if let Some(seed) = std::env::var("BENCH_SEED").ok().and_then(|s| s.parse().ok()) {
+    if let Some(seed) = std::env::var("BENCH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         fleet.seed = seed;
     }
     fleet
+}
+
+/// `fleet_of` with a record put into every shard every second.
+fn fed(shards: u32, workers: usize) -> Fleet {
+    Fleet {
+        feed_every: Some(Duration::from_secs(1)),
+        ..fleet_of(shards, workers)
+    }
 }
 
 /// Give up on balance after this much simulated time.
@@ -186,11 +197,7 @@ fn failover() {
     for (shards, workers) in fleet_sizes() {
         let wall = std::time::Instant::now();
         paused_runtime().block_on(async {
-            let mut running = fleet::start(Fleet {
-                feed_every: Some(Duration::from_secs(1)),
-                ..fleet_of(shards, workers)
-            })
-            .await;
+            let mut running = fleet::start(fed(shards, workers)).await;
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
             assert!(balanced.is_some(), "{shards}x{workers} did not balance");
             let killed_at = tokio::time::Instant::now();
@@ -241,11 +248,7 @@ fn scale_out() {
         let wall = std::time::Instant::now();
         let first = workers.saturating_sub(10).max(1);
         paused_runtime().block_on(async {
-            let mut running = fleet::start(Fleet {
-                feed_every: Some(Duration::from_secs(1)),
-                ..fleet_of(shards, first)
-            })
-            .await;
+            let mut running = fleet::start(fed(shards, first)).await;
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
             let joined_at = tokio::time::Instant::now();
             running.add_workers(workers - first);

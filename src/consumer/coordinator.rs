@@ -186,10 +186,17 @@ impl Coordinator {
             let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something), while hand-offs we asked for are under way
-                // and while short of the fair share, look again after one renewal interval (when the owners have seen
-                // the requests) rather than a whole take interval: a fleet started
-                // together balances in a few seconds.
-                let settle = tokio::time::sleep(self.config.renew_interval);
+                // and while short of the fair share, look again after one renewal
+                // interval (when the owners have seen the requests) rather than a whole
+                // take interval: a fleet started together balances in a few seconds.
+                // The second round comes sooner (a quarter of that): the first was a
+                // race for free leases, and a worker that lost it everywhere makes
+                // itself known with a request before the owners' first renewal.
+                let settle = tokio::time::sleep(if self.rounds == 1 {
+                    self.config.renew_interval / 4
+                } else {
+                    self.config.renew_interval
+                });
                 let settling = self.rounds < 2 || self.short || !self.steals.is_empty();
                 let round = tokio::select! {
                     biased;
