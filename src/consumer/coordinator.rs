@@ -397,13 +397,28 @@ impl Coordinator {
         let mut holds = plan.holds;
 
         // Free leases, many at once: a fleet started together (each worker alone in its
-        // first view) leases every shard within a few store round trips. In random
-        // order, so workers racing for the same rows do not move in lockstep.
+        // first view) leases every shard within a few store round trips. Those the plan
+        // deals to us, then other free ones up to our quota: a new child shard (its
+        // parent just ended here) is read at once, not only at the round of the worker
+        // the plan dealt it to. In random order, so workers racing for the same rows do
+        // not move in lockstep.
         let mut free: Vec<&Lease> = plan
             .take
             .iter()
             .filter_map(|k| by_key.get(k).copied())
             .collect();
+        let room = plan
+            .quota
+            .saturating_sub(plan.holds + free.len() + plan.ask.len());
+        if room > 0 {
+            let mut others: Vec<&Lease> = candidates
+                .iter()
+                .filter(|c| c.owner.is_none() && !plan.take.contains(&c.key))
+                .filter_map(|c| by_key.get(c.key).copied())
+                .collect();
+            others.shuffle(&mut self.rng);
+            free.extend(others.into_iter().take(room));
+        }
         free.shuffle(&mut self.rng);
         let mut failure = None;
         for (row, result, sent) in self.take_many(&free).await {
