@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
-use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord};
+use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StreamAdmin};
 use shardflow::{Backend, Memory, Producer, ProducerRecord};
 
 const SHARDS: u32 = 4;
@@ -173,7 +173,7 @@ fn main() {
             return;
         }
         let aws = shardflow::Aws::from_env().await;
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = format!("bench-producer-{}", std::process::id());
         kinesis
             .create_stream(&stream, SHARDS)

@@ -468,7 +468,7 @@ async fn emulators(iters: usize, records: u64) {
         .as_secs();
     let stream = format!("startup-{run_id}");
     let t = Instant::now();
-    fill(aws.kinesis().as_ref(), &stream, records as usize).await;
+    fill(aws.admin().unwrap().as_ref(), &stream, records as usize).await;
     println!(
         "emulators ({endpoint}, DynamoDB {}): Aws::from_env {:.1} ms; stream {stream} filled in {:.1} s",
         std::env::var("AWS_ENDPOINT_URL_DYNAMODB").unwrap_or_default(),

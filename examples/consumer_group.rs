@@ -177,7 +177,8 @@ async fn run(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let aws = Aws::from_env().await;
     if let Some(shards) = args.create_stream {
-        aws.kinesis().create_stream(&args.stream, shards).await?;
+        let admin = aws.admin().ok_or("this backend cannot create streams")?;
+        admin.create_stream(&args.stream, shards).await?;
     }
 
     let ms = Duration::from_millis;

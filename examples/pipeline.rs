@@ -72,7 +72,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Error>> {
     let suffix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
     let (orders, dlq) = (format!("orders-{suffix}"), format!("orders-dlq-{suffix}"));
-    let kinesis = backend.kinesis();
+    let kinesis = backend
+        .admin()
+        .ok_or("this backend cannot create streams")?;
     kinesis.create_stream(&orders, 2).await?;
     kinesis.create_stream(&dlq, 1).await?;
     write_orders(kinesis.as_ref(), &orders).await?;

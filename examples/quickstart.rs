@@ -43,7 +43,9 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
     let suffix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
     let stream = format!("quickstart-{suffix}");
     let group = format!("quickstart-{suffix}");
-    let kinesis = backend.kinesis();
+    let kinesis = backend
+        .admin()
+        .ok_or("this backend cannot create streams")?;
     kinesis.create_stream(&stream, 4).await?;
     produce(&backend, &stream, 0..RECORDS / 2).await?;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use aws_smithy_types::timeout::TimeoutConfig;
 
 use crate::consumer::ConfigError;
-use crate::kinesis::KinesisApi;
+use crate::kinesis::{KinesisApi, StreamAdmin};
 use crate::lease::LeaseStore;
 
 /// What a consumer or producer is built on: a Kinesis API and lease tables.
@@ -16,6 +16,11 @@ pub trait Backend: Send + Sync + 'static {
     fn kinesis(&self) -> Arc<dyn KinesisApi>;
     /// The lease store backed by table `table` (one table per consumer group).
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore>;
+    /// Stream administration (create, split, merge), when the backend offers it: [`Aws`]
+    /// and [`Memory`](crate::Memory) do; a wrapper written for tests need not.
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        None
+    }
 }
 
 /// The timeouts of the SDK clients [`Aws`] builds. The SDK has none by default (a hung
@@ -192,6 +197,12 @@ impl Backend for Aws {
             self.dynamodb.clone(),
             table,
         ))
+    }
+
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        Some(Arc::new(crate::kinesis::aws::AwsKinesis::new(
+            self.kinesis.clone(),
+        )))
     }
 }
 

@@ -9,12 +9,13 @@
 //! |------|----------------|
 //! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
+//! | [`ShardEvent`] | what happens to a worker's shards (leases taken, lost, handed off; shards ended; handler failures), for [`ConsumerBuilder::on_event`] |
 //! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
 //! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
-//! | [`kinesis`] ([`kinesis::KinesisApi`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend |
+//! | [`kinesis`] ([`kinesis::KinesisApi`], [`kinesis::StreamAdmin`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend; stream administration (create, split, merge) for examples, tests and tools, through [`Backend::admin`] |
 //! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
 //! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
 //! | [`aggregation`] | KPL aggregation and de-aggregation |
@@ -68,7 +69,7 @@ pub use backend::{Aws, AwsTimeouts, Backend};
 pub use checkpoint::AckHandle;
 pub use consumer::{
     BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
-    InitialPosition, Run, Running, ShutdownHandle,
+    InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, HeadersBuilder, Message};

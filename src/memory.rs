@@ -26,8 +26,8 @@ use tokio::time::Instant;
 
 use crate::backend::Backend;
 use crate::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition, Subscription, SubscriptionEvent,
+    partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
+    ShardInfo, StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::sequence::SequenceNumber;
@@ -68,6 +68,10 @@ impl Backend for Memory {
 
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         self.table(table)
+    }
+
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        Some(self.kinesis.clone())
     }
 }
 
@@ -170,11 +174,6 @@ impl Default for MemoryKinesis {
 }
 
 const MAX_HASH: u128 = u128::MAX;
-
-/// The hash key Kinesis derives from a partition key: MD5 as a 128-bit big-endian number.
-pub fn partition_hash(partition_key: &str) -> u128 {
-    u128::from_be_bytes(md5::compute(partition_key.as_bytes()).0)
-}
 
 impl MemoryKinesis {
     /// Waits for the configured call latency ([`KinesisFaults::latency`]).
@@ -583,106 +582,6 @@ impl KinesisApi for MemoryKinesis {
         Ok(outcomes)
     }
 
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        if shards == 0 {
-            return Err(KinesisError::Invalid(
-                "a stream needs at least one shard".into(),
-            ));
-        }
-        let mut s = lock(&self.state);
-        if s.streams.contains_key(stream) {
-            return Ok(());
-        }
-        s.streams.insert(
-            stream.to_owned(),
-            MemStream {
-                shards: Vec::new(),
-                updating: false,
-            },
-        );
-        let width = MAX_HASH / shards as u128;
-        for i in 0..shards as u128 {
-            let end = if i + 1 == shards as u128 {
-                MAX_HASH
-            } else {
-                (i + 1) * width - 1
-            };
-            Self::add_shard(&mut s, stream, (None, None), (i * width, end))?;
-        }
-        Ok(())
-    }
-
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        let mut s = lock(&self.state);
-        let info = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
-        if new_starting_hash_key <= info.starting_hash_key
-            || new_starting_hash_key > info.ending_hash_key
-        {
-            return Err(KinesisError::Invalid(format!(
-                "hash key {new_starting_hash_key} is not inside {shard_id}"
-            )));
-        }
-        Self::close(&mut s, stream, shard_id)?;
-        let parent = Some(shard_id.to_owned());
-        Self::add_shard(
-            &mut s,
-            stream,
-            (parent.clone(), None),
-            (info.starting_hash_key, new_starting_hash_key - 1),
-        )?;
-        Self::add_shard(
-            &mut s,
-            stream,
-            (parent, None),
-            (new_starting_hash_key, info.ending_hash_key),
-        )?;
-        drop(s);
-        self.changes.send_replace(());
-        Ok(())
-    }
-
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        let mut s = lock(&self.state);
-        let a = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
-        let b = Self::shard_mut(&mut s, stream, adjacent_shard_id)?
-            .info
-            .clone();
-        let adjacent = a.ending_hash_key.checked_add(1) == Some(b.starting_hash_key)
-            || b.ending_hash_key.checked_add(1) == Some(a.starting_hash_key);
-        if !adjacent || a.is_closed() || b.is_closed() {
-            return Err(KinesisError::Invalid(format!(
-                "{shard_id} and {adjacent_shard_id} are not adjacent open shards"
-            )));
-        }
-        Self::close(&mut s, stream, shard_id)?;
-        Self::close(&mut s, stream, adjacent_shard_id)?;
-        Self::add_shard(
-            &mut s,
-            stream,
-            (
-                Some(shard_id.to_owned()),
-                Some(adjacent_shard_id.to_owned()),
-            ),
-            (
-                a.starting_hash_key.min(b.starting_hash_key),
-                a.ending_hash_key.max(b.ending_hash_key),
-            ),
-        )?;
-        drop(s);
-        self.changes.send_replace(());
-        Ok(())
-    }
-
     /// Any name is accepted; the ARN is made up from the stream and consumer names and
     /// registering again returns the same one.
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
@@ -749,6 +648,107 @@ impl KinesisApi for MemoryKinesis {
             Some(subscription),
             |subscription| async move { subscription?.next_event().await },
         )))
+    }
+}
+
+#[async_trait]
+impl StreamAdmin for MemoryKinesis {
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        if shards == 0 {
+            return Err(KinesisError::Invalid(
+                "a stream needs at least one shard".into(),
+            ));
+        }
+        let mut s = lock(&self.state);
+        if s.streams.contains_key(stream) {
+            return Ok(());
+        }
+        s.streams.insert(
+            stream.to_owned(),
+            MemStream {
+                shards: Vec::new(),
+                updating: false,
+            },
+        );
+        let width = MAX_HASH / shards as u128;
+        for i in 0..shards as u128 {
+            let end = if i + 1 == shards as u128 {
+                MAX_HASH
+            } else {
+                (i + 1) * width - 1
+            };
+            Self::add_shard(&mut s, stream, (None, None), (i * width, end))?;
+        }
+        Ok(())
+    }
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        let mut s = lock(&self.state);
+        let info = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
+        if new_starting_hash_key <= info.starting_hash_key
+            || new_starting_hash_key > info.ending_hash_key
+        {
+            return Err(KinesisError::Invalid(format!(
+                "hash key {new_starting_hash_key} is not inside {shard_id}"
+            )));
+        }
+        Self::close(&mut s, stream, shard_id)?;
+        let parent = Some(shard_id.to_owned());
+        Self::add_shard(
+            &mut s,
+            stream,
+            (parent.clone(), None),
+            (info.starting_hash_key, new_starting_hash_key - 1),
+        )?;
+        Self::add_shard(
+            &mut s,
+            stream,
+            (parent, None),
+            (new_starting_hash_key, info.ending_hash_key),
+        )?;
+        drop(s);
+        self.changes.send_replace(());
+        Ok(())
+    }
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        let mut s = lock(&self.state);
+        let a = Self::shard_mut(&mut s, stream, shard_id)?.info.clone();
+        let b = Self::shard_mut(&mut s, stream, adjacent_shard_id)?
+            .info
+            .clone();
+        let adjacent = a.ending_hash_key.checked_add(1) == Some(b.starting_hash_key)
+            || b.ending_hash_key.checked_add(1) == Some(a.starting_hash_key);
+        if !adjacent || a.is_closed() || b.is_closed() {
+            return Err(KinesisError::Invalid(format!(
+                "{shard_id} and {adjacent_shard_id} are not adjacent open shards"
+            )));
+        }
+        Self::close(&mut s, stream, shard_id)?;
+        Self::close(&mut s, stream, adjacent_shard_id)?;
+        Self::add_shard(
+            &mut s,
+            stream,
+            (
+                Some(shard_id.to_owned()),
+                Some(adjacent_shard_id.to_owned()),
+            ),
+            (
+                a.starting_hash_key.min(b.starting_hash_key),
+                a.ending_hash_key.max(b.ending_hash_key),
+            ),
+        )?;
+        drop(s);
+        self.changes.send_replace(());
+        Ok(())
     }
 }
 

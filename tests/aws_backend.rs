@@ -112,13 +112,11 @@ async fn list_shards_returns_open_shards_covering_the_hash_space() {
     let Some(aws) = aws().await else { return };
     within(async {
         let kinesis = aws.kinesis();
+        let admin = aws.admin().unwrap();
         let stream = unique("list");
-        kinesis
-            .create_stream(&stream, 4)
-            .await
-            .expect("CreateStream");
+        admin.create_stream(&stream, 4).await.expect("CreateStream");
         // Creating an existing stream is not an error.
-        kinesis
+        admin
             .create_stream(&stream, 4)
             .await
             .expect("CreateStream again");
@@ -153,11 +151,9 @@ async fn records_come_back_in_order_per_shard_with_keys_and_data() {
     let Some(aws) = aws().await else { return };
     within(async {
         let kinesis = aws.kinesis();
+        let admin = aws.admin().unwrap();
         let stream = unique("order");
-        kinesis
-            .create_stream(&stream, 4)
-            .await
-            .expect("CreateStream");
+        admin.create_stream(&stream, 4).await.expect("CreateStream");
 
         let records: Vec<PutRecord> = (0..500)
             .map(|i| put(&format!("key-{}", i % 37), format!("payload {i}")))
@@ -222,11 +218,9 @@ async fn every_starting_position_starts_where_it_says() {
     let Some(aws) = aws().await else { return };
     within(async {
         let kinesis = aws.kinesis();
+        let admin = aws.admin().unwrap();
         let stream = unique("positions");
-        kinesis
-            .create_stream(&stream, 1)
-            .await
-            .expect("CreateStream");
+        admin.create_stream(&stream, 1).await.expect("CreateStream");
         let before = SystemTime::now() - Duration::from_secs(60);
         let records: Vec<PutRecord> = (0..10).map(|i| put("k", format!("r{i}"))).collect();
         let stored = put_all(&kinesis, &stream, &records).await;
@@ -303,11 +297,9 @@ async fn a_split_closes_the_parent_and_reading_it_reaches_its_end() {
     let Some(aws) = aws().await else { return };
     within(async {
         let kinesis = aws.kinesis();
+        let admin = aws.admin().unwrap();
         let stream = unique("split");
-        kinesis
-            .create_stream(&stream, 1)
-            .await
-            .expect("CreateStream");
+        admin.create_stream(&stream, 1).await.expect("CreateStream");
         let records: Vec<PutRecord> = (0..5)
             .map(|i| put(&format!("k{i}"), format!("r{i}")))
             .collect();
@@ -315,7 +307,7 @@ async fn a_split_closes_the_parent_and_reading_it_reaches_its_end() {
         let parent = stored[0].0.clone();
 
         let middle = 1u128 << 127;
-        kinesis
+        admin
             .split_shard(&stream, &parent, middle)
             .await
             .expect("SplitShard");
@@ -371,7 +363,7 @@ async fn a_split_closes_the_parent_and_reading_it_reaches_its_end() {
         assert!(children.iter().any(|c| c.shard_id == after[0].0));
 
         // Merge the children back: the new shard names both as parents.
-        kinesis
+        admin
             .merge_shards(&stream, &children[0].shard_id, &children[1].shard_id)
             .await
             .expect("MergeShards");
@@ -400,8 +392,9 @@ async fn bad_requests_are_typed_errors() {
     let Some(aws) = aws().await else { return };
     within(async {
         let kinesis = aws.kinesis();
+        let admin = aws.admin().unwrap();
         let stream = unique("errors");
-        kinesis.create_stream(&stream, 1).await.expect("CreateStream");
+        admin.create_stream(&stream, 1).await.expect("CreateStream");
 
         let bogus = "AAAAAAAAAAGdzRS0bogus0iterator0that0was0never0issued0by0the0service0AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
         match kinesis.get_records(bogus, 10).await {

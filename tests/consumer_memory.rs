@@ -13,6 +13,7 @@ use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin,
 };
 use shardflow::lease::Checkpoint;
 use shardflow::lease::LeaseStore;
@@ -447,15 +448,6 @@ impl KinesisApi for IteratorsSeenKinesis {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.0.memory.streams().put_records(stream, records).await
-    }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.0.memory.streams().create_stream(stream, shards).await
-    }
-    async fn split_shard(&self, stream: &str, shard: &str, at: u128) -> Result<(), KinesisError> {
-        self.0.memory.streams().split_shard(stream, shard, at).await
-    }
-    async fn merge_shards(&self, stream: &str, a: &str, b: &str) -> Result<(), KinesisError> {
-        self.0.memory.streams().merge_shards(stream, a, b).await
     }
 }
 

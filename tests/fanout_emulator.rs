@@ -104,7 +104,7 @@ async fn subscribe_to_shard_delivers_records_and_continuations() {
 
 /// The body of [`subscribe_to_shard_delivers_records_and_continuations`].
 async fn body_of_subscribe_to_shard_delivers_records_and_continuations(aws: Aws) {
-    let kinesis = shardflow::Backend::kinesis(&aws);
+    let kinesis = shardflow::Backend::admin(&aws).unwrap();
     let stream = unique("efo-api");
     kinesis.create_stream(&stream, 1).await.unwrap();
     produce(kinesis.as_ref(), &stream, 0..20).await;
@@ -153,7 +153,7 @@ async fn fan_out_consumer_handles_records_written_before_and_during_consumption(
 
 /// The body of [`fan_out_consumer_handles_records_written_before_and_during_consumption`].
 async fn body_of_fan_out_consumer_handles_records_written_before_and_during_consumption(aws: Aws) {
-    let kinesis = shardflow::Backend::kinesis(&aws);
+    let kinesis = shardflow::Backend::admin(&aws).unwrap();
     let stream = unique("efo");
     let group = format!("{stream}-group");
     kinesis.create_stream(&stream, 3).await.unwrap();

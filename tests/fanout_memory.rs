@@ -15,7 +15,7 @@ use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    Subscription, SubscriptionEvent,
+    StreamAdmin, Subscription, SubscriptionEvent,
 };
 use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::memory::{KinesisFaults, MemoryKinesis};
@@ -88,29 +88,6 @@ impl KinesisApi for CountingKinesis {
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.inner().put_records(stream, records).await
     }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.inner().create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.inner()
-            .split_shard(stream, shard_id, new_starting_hash_key)
-            .await
-    }
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.inner()
-            .merge_shards(stream, shard_id, adjacent_shard_id)
-            .await
-    }
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
         if !self.0.fan_out {
             return Err(KinesisError::Unsupported("enhanced fan-out".into()));
@@ -136,6 +113,9 @@ impl Backend for Counting {
     }
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         self.memory.lease_store(table)
+    }
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        self.memory.admin()
     }
 }
 

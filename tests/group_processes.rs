@@ -95,7 +95,7 @@ async fn consumer_group_of_processes() {
     let built = started.elapsed();
 
     let aws = Aws::from_env().await;
-    let kinesis = aws.kinesis();
+    let kinesis = aws.admin().unwrap();
     let group_name = format!("{stream}-g");
     kinesis.create_stream(&stream, SHARDS).await.unwrap();
     let proxy = std::env::var("AWS_ENDPOINT_URL_DYNAMODB")
@@ -228,21 +228,19 @@ async fn consumer_group_of_processes() {
         .await;
     }
     fig.reshard_settled = g.until_settled("the split and merge", t).await;
-    // The finished parents' rows are deleted once their children started: wait for
-    // that too, so the window below sees only the steady work.
-    g.until(
-        "the finished shards' leases cleaned up",
-        SETTLE_LIMIT,
-        |g| {
-            let store = g.store.clone();
-            async move {
-                let rows = store.list().await.ok()?;
-                rows.iter()
-                    .all(|r| r.checkpoint != Checkpoint::ShardEnd)
-                    .then_some(())
-            }
-        },
-    )
+    // The finished parents' rows stay at SHARD_END while their shards are listed, and
+    // are released by their last owners: wait for that too, so the window below sees
+    // only the steady work.
+    g.until("the finished shards' leases released", SETTLE_LIMIT, |g| {
+        let store = g.store.clone();
+        async move {
+            let rows = store.list().await.ok()?;
+            rows.iter()
+                .filter(|r| r.checkpoint == Checkpoint::ShardEnd)
+                .all(|r| r.owner.is_none())
+                .then_some(())
+        }
+    })
     .await;
 
     // 6. Steady state: nothing changes; count what the workers ask DynamoDB for. A fixed

@@ -33,6 +33,7 @@ use async_trait::async_trait;
 use common::{produce, within, STOP_LIMIT};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin,
 };
 use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
@@ -133,23 +134,6 @@ impl KinesisApi for WorkerBackend {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.memory.streams().put_records(stream, records).await
-    }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.memory.streams().create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        at: u128,
-    ) -> Result<(), KinesisError> {
-        self.memory
-            .streams()
-            .split_shard(stream, shard_id, at)
-            .await
-    }
-    async fn merge_shards(&self, stream: &str, a: &str, b: &str) -> Result<(), KinesisError> {
-        self.memory.streams().merge_shards(stream, a, b).await
     }
 }
 

@@ -10,6 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 use shardflow::{Backend, Memory};
 use tokio_util::sync::CancellationToken;
@@ -32,7 +33,7 @@ async fn kcl_worker(store: std::sync::Arc<dyn LeaseStore>, owner: &str, stop: Ca
 #[tokio::test(start_paused = true)]
 async fn a_live_kcl_owner_is_never_stolen_from_and_an_expired_one_is_taken_over() {
     let memory = Memory::new();
-    let kinesis = memory.kinesis();
+    let kinesis = memory.streams().clone();
     kinesis.create_stream("orders", 4).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..100).await;
     let consumer = test_consumer(memory.clone(), "orders", "billing", "w1")

@@ -7,13 +7,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::{Backend, Memory};
 
 #[tokio::test(start_paused = true)]
 async fn an_ended_shard_records_its_children_like_the_kcl() {
     let memory = Memory::new();
-    let kinesis = memory.kinesis();
+    let kinesis = memory.streams().clone();
     kinesis.create_stream("orders", 1).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..50).await;
     let consumer = test_consumer(memory.clone(), "orders", "billing", "w1")
@@ -39,8 +40,8 @@ async fn an_ended_shard_records_its_children_like_the_kcl() {
         .collect();
     children.sort();
     assert_eq!(children.len(), 2);
-    // No record reaches the children, so the parent's row stays (it is deleted once a
-    // child's checkpoint moved) and is read until it names them.
+    // The parent's row stays (it is deleted only past retention) and is read until it
+    // names its children.
     let row = within(
         Duration::from_secs(120),
         "the parent's row names its children",

@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use common::{produce, recording_handler, test_consumer, Recorder};
-use shardflow::kinesis::KinesisApi;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, CheckpointPolicy, InitialPosition, Memory, Message};
 

@@ -13,12 +13,13 @@ use std::future::IntoFuture;
 use std::time::Duration;
 
 use common::*;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::{Backend, ConsumerError, Memory};
 
 const RECORDS: usize = 200;
 
 async fn second_stream_is_refused<B: Backend + Clone>(backend: B, orders: &str, refunds: &str) {
-    let kinesis = backend.kinesis();
+    let kinesis = backend.admin().unwrap();
     kinesis.create_stream(orders, 2).await.unwrap();
     kinesis.create_stream(refunds, 2).await.unwrap();
     wait_until_active(kinesis.as_ref(), orders).await;
@@ -105,7 +106,7 @@ async fn a_second_stream_under_the_same_group_is_refused_on_emulators() {
 async fn a_kcl_table_taken_over_is_claimed_for_its_stream() {
     use shardflow::lease::{Checkpoint, Lease};
     let memory = Memory::new();
-    let kinesis = memory.kinesis();
+    let kinesis = memory.streams().clone();
     kinesis.create_stream("orders", 2).await.unwrap();
     kinesis.create_stream("refunds", 2).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
@@ -152,7 +153,7 @@ async fn a_kcl_table_taken_over_is_claimed_for_its_stream() {
 async fn two_streams_starting_together_on_an_empty_table_are_not_mixed() {
     use shardflow::memory::LeaseFaults;
     let memory = Memory::new();
-    let kinesis = memory.kinesis();
+    let kinesis = memory.streams().clone();
     kinesis.create_stream("orders", 2).await.unwrap();
     kinesis.create_stream("refunds", 2).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..RECORDS).await;

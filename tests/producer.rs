@@ -13,6 +13,7 @@ use common::Limited;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin,
 };
 use shardflow::memory::KinesisFaults;
 use shardflow::producer::{InvalidRecord, MAX_BATCH_BYTES, MAX_RECORD_BYTES};
@@ -122,15 +123,6 @@ impl KinesisApi for Recording {
             call_failed: result.is_err(),
         });
         result
-    }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.memory.streams().create_stream(stream, shards).await
-    }
-    async fn split_shard(&self, s: &str, shard: &str, at: u128) -> Result<(), KinesisError> {
-        self.memory.streams().split_shard(s, shard, at).await
-    }
-    async fn merge_shards(&self, s: &str, a: &str, b: &str) -> Result<(), KinesisError> {
-        self.memory.streams().merge_shards(s, a, b).await
     }
 }
 
@@ -785,7 +777,7 @@ async fn writes_5000_records_into_the_emulator_and_reads_them_back() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;
-    let api = aws.kinesis();
+    let api = aws.admin().unwrap();
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -847,7 +839,7 @@ async fn full_size_records_and_explicit_hash_keys_on_the_emulator() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;
-    let api = aws.kinesis();
+    let api = aws.admin().unwrap();
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use common::*;
-use shardflow::kinesis::KinesisApi;
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{Aws, AwsTimeouts, Backend, ConsumerError, Memory};
 use tokio::time::Instant;
@@ -50,6 +50,44 @@ async fn wait_all_values(recorder: &Recorder, total: usize, limit: Duration) {
 
 // ---------------------------------------------------------------------------------------
 // Memory backend, paused clock.
+
+/// A start-up call that never answers (here: the lease table check) is cut by its
+/// deadline and tried again, and a shutdown during it returns at once.
+#[tokio::test(start_paused = true)]
+async fn a_hung_start_up_call_is_cut_and_tried_again() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("hung-start", 1).await.unwrap();
+    produce(kinesis.as_ref(), "hung-start", 0..50).await;
+    let faulty = FaultyMemory::new(memory.clone());
+    faulty.faults.hang_ensure_table.store(1, Ordering::SeqCst);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(faulty.clone(), "hung-start", "g-hung-start", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    // The first check hangs until its deadline; the second answers.
+    wait_all_values(&recorder, 50, Duration::from_secs(300)).await;
+    run.stop().await;
+
+    // A shutdown while a start-up call hangs does not wait for its deadline.
+    faulty.faults.hang_ensure_table.store(1, Ordering::SeqCst);
+    let consumer = test_consumer(faulty.clone(), "hung-start", "g-hung-start", "w2")
+        .build()
+        .unwrap();
+    let running = consumer
+        .run(tower::service_fn(|_m| async {
+            Ok::<_, std::convert::Infallible>(())
+        }))
+        .spawn();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let asked = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), running.shutdown())
+        .await
+        .expect("the shutdown returns while the start-up call hangs")
+        .expect("a clean stop");
+    assert!(asked.elapsed() < Duration::from_secs(5));
+}
 
 /// One lease whose renewals never return must not cost the worker its other leases:
 /// renewals run independently, each under a deadline.
@@ -290,7 +328,12 @@ async fn a_hung_answer_ends_in_a_timeout_on_emulators() {
     }
     let clean = Aws::from_env().await;
     let stream = unique("wire-hang");
-    clean.kinesis().create_stream(&stream, 1).await.unwrap();
+    clean
+        .admin()
+        .unwrap()
+        .create_stream(&stream, 1)
+        .await
+        .unwrap();
     clean.lease_store(&stream).ensure_table().await.unwrap();
     let plan = FaultPlan::only(Fault::Hang);
     let faulty = faulty_aws(plan.clone()).await;
@@ -374,7 +417,7 @@ async fn reshard_under_wire_faults() {
         let clean = Aws::from_env().await;
         let plan = FaultPlan::new(11, 0.08);
         let faulty = faulty_aws(plan.clone()).await;
-        let kinesis = clean.kinesis();
+        let kinesis = clean.admin().unwrap();
         let stream = unique("wire-reshard");
         let group = format!("{stream}-group");
         let total = 2_000;
@@ -453,7 +496,7 @@ async fn two_workers_under_wire_faults() {
     let body = async {
         let clean = Aws::from_env().await;
         let plan = FaultPlan::new(23, 0.08);
-        let kinesis = clean.kinesis();
+        let kinesis = clean.admin().unwrap();
         let stream = unique("wire-group");
         let group = format!("{stream}-group");
         let total = 2_000;
@@ -508,7 +551,7 @@ async fn a_deleted_lease_table_ends_run_on_emulators() {
     }
     let body = async {
         let aws = Aws::from_env().await;
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-deleted");
         let group = format!("{stream}-group");
         kinesis.create_stream(&stream, 2).await.unwrap();
@@ -558,7 +601,7 @@ async fn a_corrupt_lease_row_is_skipped_on_emulators() {
     }
     let body = async {
         let aws = Aws::from_env().await;
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-corrupt");
         let group = format!("{stream}-group");
         kinesis.create_stream(&stream, 2).await.unwrap();
@@ -646,7 +689,7 @@ async fn a_subscription_outlives_the_sdk_timeouts_on_emulators() {
             operation: Duration::from_secs(2),
         };
         let aws = Aws::from_config_with(&config, timeouts).unwrap();
-        let kinesis = aws.kinesis();
+        let kinesis = aws.admin().unwrap();
         let stream = unique("wire-efo");
         kinesis.create_stream(&stream, 1).await.unwrap();
         let arn = kinesis

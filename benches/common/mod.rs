@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord};
+use shardflow::kinesis::{PutOutcome, PutRecord, StreamAdmin};
 
 /// Shards of every bench stream.
 pub const SHARDS: u32 = 4;
@@ -33,7 +33,7 @@ pub fn median(v: &mut [Duration]) -> Duration {
 
 /// Creates `stream` with [`SHARDS`] shards and writes `records` records of
 /// [`RECORD_BYTES`], retrying the entries a backend refused (kinesalite can throttle).
-pub async fn fill(kinesis: &dyn KinesisApi, stream: &str, records: usize) {
+pub async fn fill(kinesis: &dyn StreamAdmin, stream: &str, records: usize) {
     kinesis
         .create_stream(stream, SHARDS)
         .await

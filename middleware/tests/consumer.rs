@@ -86,7 +86,7 @@ impl Seen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect() {
     let backend = Memory::new();
-    let kinesis = backend.kinesis();
+    let kinesis = backend.admin().unwrap();
     kinesis.create_stream("orders", 2).await.unwrap();
 
     // 5% bad JSON, 5% poison, the rest good; the id is the record's index.

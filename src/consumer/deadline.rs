@@ -16,9 +16,14 @@ use crate::kinesis::{
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 
+/// How long a call that waits for AWS to create something may take in all: the
+/// lease table check (which may wait for the table to become ACTIVE) and the
+/// registration of an enhanced fan-out consumer. The AWS backends give up on their own
+/// after 60 s and 120 s; this bounds any backend.
+pub(crate) const SETUP_CALL_TIMEOUT: Duration = Duration::from_secs(180);
+
 /// A lease store whose every call ends within `timeout` ([`LeaseError::TimedOut`]
-/// otherwise). `ensure_table` is not bounded here: it waits for a table being created
-/// and has its own limit.
+/// otherwise); `ensure_table` within [`SETUP_CALL_TIMEOUT`].
 pub(crate) struct BoundedLeaseStore {
     inner: Arc<dyn LeaseStore>,
     timeout: Duration,
@@ -34,15 +39,20 @@ impl BoundedLeaseStore {
         op: &'static str,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(result) => result,
-            Err(_) => {
-                tracing::warn!(op, after = ?self.timeout, "lease store call timed out");
-                Err(LeaseError::TimedOut {
-                    op,
-                    after: self.timeout,
-                })
-            }
+        bound_lease_call(op, self.timeout, call).await
+    }
+}
+
+async fn bound_lease_call<T>(
+    op: &'static str,
+    after: Duration,
+    call: impl Future<Output = Result<T, LeaseError>>,
+) -> Result<T, LeaseError> {
+    match tokio::time::timeout(after, call).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(op, ?after, "lease store call timed out");
+            Err(LeaseError::TimedOut { op, after })
         }
     }
 }
@@ -50,7 +60,12 @@ impl BoundedLeaseStore {
 #[async_trait]
 impl LeaseStore for BoundedLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.inner.ensure_table().await
+        bound_lease_call(
+            "ensure_table",
+            SETUP_CALL_TIMEOUT,
+            self.inner.ensure_table(),
+        )
+        .await
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
@@ -140,15 +155,20 @@ impl BoundedKinesis {
         op: &'static str,
         call: impl Future<Output = Result<T, KinesisError>>,
     ) -> Result<T, KinesisError> {
-        tokio::time::timeout(self.timeout, call)
-            .await
-            .unwrap_or_else(|_| {
-                Err(KinesisError::Other(format!(
-                    "{op} did not answer within {:?}",
-                    self.timeout
-                )))
-            })
+        bound_kinesis_call(op, self.timeout, call).await
     }
+}
+
+async fn bound_kinesis_call<T>(
+    op: &'static str,
+    after: Duration,
+    call: impl Future<Output = Result<T, KinesisError>>,
+) -> Result<T, KinesisError> {
+    tokio::time::timeout(after, call).await.unwrap_or_else(|_| {
+        Err(KinesisError::Other(format!(
+            "{op} did not answer within {after:?}"
+        )))
+    })
 }
 
 #[async_trait]
@@ -190,34 +210,13 @@ impl KinesisApi for BoundedKinesis {
             .await
     }
 
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.inner.create_stream(stream, shards).await
-    }
-
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .split_shard(stream, shard_id, new_starting_hash_key)
-            .await
-    }
-
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .merge_shards(stream, shard_id, adjacent_shard_id)
-            .await
-    }
-
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        self.inner.register_consumer(stream, name).await
+        bound_kinesis_call(
+            "RegisterStreamConsumer",
+            SETUP_CALL_TIMEOUT,
+            self.inner.register_consumer(stream, name),
+        )
+        .await
     }
 
     async fn subscribe_to_shard(

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use shardflow::{Consumer, Memory, Message};
-//! use shardflow::kinesis::KinesisApi;
+//! use shardflow::kinesis::StreamAdmin;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -44,6 +44,7 @@ mod config;
 mod coordinator;
 mod deadline;
 mod dispatch;
+mod events;
 mod reader;
 mod shard;
 
@@ -66,6 +67,7 @@ use crate::message::{Batch, Message};
 
 pub use config::{CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition};
 use coordinator::{Coordinator, Sink, SpawnDispatch};
+pub use events::ShardEvent;
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -175,8 +177,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::records(rx, service))
+        let events = self.config.events.clone();
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::records(rx, service, events.clone()))
         }))
     }
 
@@ -203,8 +206,9 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::batches(rx, service))
+        let events = self.config.events.clone();
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))
     }
 

@@ -44,7 +44,7 @@ use aws_sdk_kinesis::types::{
 
 use super::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition, Subscription, SubscriptionEvent,
+    StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
 };
 use crate::sequence::SequenceNumber;
 
@@ -506,63 +506,6 @@ impl KinesisApi for AwsKinesis {
             .collect()
     }
 
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        let shard_count = i32::try_from(shards).map_err(|_| {
-            KinesisError::Invalid(format!(
-                "CreateStream {stream}: {shards} shards is too many"
-            ))
-        })?;
-        match self
-            .client
-            .create_stream()
-            .stream_name(stream)
-            .shard_count(shard_count)
-            .send()
-            .await
-        {
-            Ok(_) => {}
-            Err(e) if e.code() == Some("ResourceInUseException") => {
-                tracing::debug!(stream, "CreateStream: the stream exists already");
-            }
-            Err(e) => return Err(classify("CreateStream", e)),
-        }
-        self.wait_until_active(stream).await
-    }
-
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.client
-            .split_shard()
-            .stream_name(stream)
-            .shard_to_split(shard_id)
-            .new_starting_hash_key(new_starting_hash_key.to_string())
-            .send()
-            .await
-            .map_err(|e| classify("SplitShard", e))?;
-        self.wait_until_active(stream).await
-    }
-
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.client
-            .merge_shards()
-            .stream_name(stream)
-            .shard_to_merge(shard_id)
-            .adjacent_shard_to_merge(adjacent_shard_id)
-            .send()
-            .await
-            .map_err(|e| classify("MergeShards", e))?;
-        self.wait_until_active(stream).await
-    }
-
     /// Describes the consumer first and registers it only if it does not exist, then
     /// polls DescribeStreamConsumer until it is ACTIVE (at most two minutes). A consumer
     /// being deleted is waited out and registered again.
@@ -670,6 +613,64 @@ impl KinesisApi for AwsKinesis {
             }
         });
         Ok(Box::pin(events))
+    }
+}
+
+#[async_trait]
+impl StreamAdmin for AwsKinesis {
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
+        let shard_count = i32::try_from(shards).map_err(|_| {
+            KinesisError::Invalid(format!(
+                "CreateStream {stream}: {shards} shards is too many"
+            ))
+        })?;
+        match self
+            .client
+            .create_stream()
+            .stream_name(stream)
+            .shard_count(shard_count)
+            .send()
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.code() == Some("ResourceInUseException") => {
+                tracing::debug!(stream, "CreateStream: the stream exists already");
+            }
+            Err(e) => return Err(classify("CreateStream", e)),
+        }
+        self.wait_until_active(stream).await
+    }
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError> {
+        self.client
+            .split_shard()
+            .stream_name(stream)
+            .shard_to_split(shard_id)
+            .new_starting_hash_key(new_starting_hash_key.to_string())
+            .send()
+            .await
+            .map_err(|e| classify("SplitShard", e))?;
+        self.wait_until_active(stream).await
+    }
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError> {
+        self.client
+            .merge_shards()
+            .stream_name(stream)
+            .shard_to_merge(shard_id)
+            .adjacent_shard_to_merge(adjacent_shard_id)
+            .send()
+            .await
+            .map_err(|e| classify("MergeShards", e))?;
+        self.wait_until_active(stream).await
     }
 }
 

@@ -175,6 +175,18 @@ impl KinesisError {
     }
 }
 
+/// The largest record Kinesis accepts: data plus partition key, 1 MiB.
+pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// The longest partition key Kinesis accepts, in Unicode characters.
+pub const MAX_PARTITION_KEY_CHARS: usize = 256;
+
+/// The hash key Kinesis derives from a partition key (which shard a record goes to):
+/// MD5 as a 128-bit big-endian number.
+pub fn partition_hash(partition_key: &str) -> u128 {
+    u128::from_be_bytes(md5::compute(partition_key.as_bytes()).0)
+}
+
 /// The Kinesis calls shardflow needs. Implemented by [`aws::AwsKinesis`] and
 /// [`crate::memory::MemoryKinesis`].
 #[async_trait]
@@ -203,26 +215,6 @@ pub trait KinesisApi: Send + Sync + 'static {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError>;
 
-    /// Creates a stream with `shards` shards and waits until it is active. Used by
-    /// examples and tests; an existing stream is left as it is.
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError>;
-
-    /// Splits a shard at `new_starting_hash_key`.
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError>;
-
-    /// Merges two adjacent shards.
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError>;
-
     /// Registers (or finds) the enhanced fan-out consumer `name` on the stream, waits
     /// until it is ACTIVE and returns its ARN.
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
@@ -240,4 +232,30 @@ pub trait KinesisApi: Send + Sync + 'static {
         let _ = (consumer_arn, shard_id, from);
         Err(KinesisError::Unsupported("enhanced fan-out".into()))
     }
+}
+
+/// Stream administration on top of [`KinesisApi`]: creating streams and resharding them.
+/// Examples, tests and operators' tools use it; the consumer and producer never do (they
+/// need only [`KinesisApi`], the trait a wrapper or a new backend implements).
+/// Implemented by [`aws::AwsKinesis`] and [`crate::memory::MemoryKinesis`];
+/// [`crate::Backend::admin`] gives one.
+#[async_trait]
+pub trait StreamAdmin: KinesisApi {
+    /// Creates a stream with `shards` shards and waits until it is active. Used by
+    /// examples and tests; an existing stream is left as it is.
+    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError>;
+    /// Splits a shard at `new_starting_hash_key`.
+    async fn split_shard(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        new_starting_hash_key: u128,
+    ) -> Result<(), KinesisError>;
+    /// Merges two adjacent shards.
+    async fn merge_shards(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        adjacent_shard_id: &str,
+    ) -> Result<(), KinesisError>;
 }

@@ -2,7 +2,7 @@
 //! with batched PutRecords calls.
 //!
 //! ```
-//! use shardflow::kinesis::KinesisApi;
+//! use shardflow::kinesis::StreamAdmin;
 //! use shardflow::producer::{Producer, ProducerRecord};
 //! use shardflow::Memory;
 //! use tower::{Service, ServiceExt};

@@ -319,7 +319,10 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     tweak: impl Fn(ConsumerBuilder) -> ConsumerBuilder,
 ) {
     let kinesis = backend.kinesis();
-    kinesis.create_stream(stream, 4).await.unwrap();
+    let admin = backend
+        .admin()
+        .expect("the backend offers stream administration");
+    admin.create_stream(stream, 4).await.unwrap();
     let group = format!("{stream}-group");
     let quarter = total / 4;
     produce(kinesis.as_ref(), stream, 0..quarter * 2).await;
@@ -334,7 +337,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     let open = open_shards(kinesis.as_ref(), stream).await;
     let first = &open[0];
     let middle = first.starting_hash_key + (first.ending_hash_key - first.starting_hash_key) / 2;
-    kinesis
+    admin
         .split_shard(stream, &first.shard_id, middle)
         .await
         .unwrap();
@@ -344,7 +347,7 @@ pub async fn reshard_while_consuming_with<B: Backend + Clone>(
     recorder.wait_for(quarter * 2, limit).await;
     let open = open_shards(kinesis.as_ref(), stream).await;
     let (a, b) = (&open[open.len() - 2], &open[open.len() - 1]);
-    kinesis
+    admin
         .merge_shards(stream, &a.shard_id, &b.shard_id)
         .await
         .unwrap();
@@ -466,7 +469,10 @@ pub async fn kpl_aggregates_resume_inside_an_aggregate<B: Backend + Clone>(
 ) {
     use shardflow::aggregation::{Aggregator, MAGIC};
     let kinesis = backend.kinesis();
-    kinesis.create_stream(stream, 1).await.unwrap();
+    let admin = backend
+        .admin()
+        .expect("the backend offers stream administration");
+    admin.create_stream(stream, 1).await.unwrap();
     let mut records = Vec::new();
     for a in 0..20 {
         let mut agg = Aggregator::new();

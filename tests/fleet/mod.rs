@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutRecord};
+use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::memory::LeaseFaults;
 use shardflow::{Backend, Consumer, ConsumerError, Memory, Message, ShutdownHandle};

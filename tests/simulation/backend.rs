@@ -245,23 +245,6 @@ impl KinesisApi for SimBackend {
         }
         Ok(outcome)
     }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.memory.streams().create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        at: u128,
-    ) -> Result<(), KinesisError> {
-        self.memory
-            .streams()
-            .split_shard(stream, shard_id, at)
-            .await
-    }
-    async fn merge_shards(&self, stream: &str, a: &str, b: &str) -> Result<(), KinesisError> {
-        self.memory.streams().merge_shards(stream, a, b).await
-    }
 }
 
 struct SimStore {

@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime};
 use futures_util::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{

@@ -300,6 +300,8 @@ pub struct MemoryFaults {
     pub hung_subscriptions: AtomicUsize,
     /// GetRecords calls that were left hanging.
     pub hung_get_records: AtomicUsize,
+    /// This many of the next `ensure_table` calls never return.
+    pub hang_ensure_table: AtomicUsize,
     /// Every lease store call fails with `TableMissing`.
     pub table_missing: AtomicBool,
 }
@@ -351,6 +353,13 @@ impl FaultyStore {
 impl LeaseStore for FaultyStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.check()?;
+        let hangs = &self.faults.hang_ensure_table;
+        if hangs
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return std::future::pending().await;
+        }
         self.inner.ensure_table().await
     }
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
@@ -450,29 +459,6 @@ impl KinesisApi for FaultyKinesis {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.inner.put_records(stream, records).await
-    }
-    async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
-        self.inner.create_stream(stream, shards).await
-    }
-    async fn split_shard(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        new_starting_hash_key: u128,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .split_shard(stream, shard_id, new_starting_hash_key)
-            .await
-    }
-    async fn merge_shards(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        adjacent_shard_id: &str,
-    ) -> Result<(), KinesisError> {
-        self.inner
-            .merge_shards(stream, shard_id, adjacent_shard_id)
-            .await
     }
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
         self.inner.register_consumer(stream, name).await
