@@ -10,7 +10,17 @@
 //! Prints, for 100, 500 and 2,000 shards × 4, 10 and 40 workers: the simulated time until
 //! every shard delivered its record, until the leases are balanced (every worker within
 //! one of the fair share), the leases per worker then, and the lease-store requests
-//! until balanced. `BENCH_SIZES=shards:workers,...` picks other sizes. Without `--bench`
+//! until balanced. `BENCH_SIZES=shards:workers,...` picks other sizes; `BENCH_TIMELINE=1`
+//! also prints, every simulated second until balanced, how many workers hold how many
+//! leases and how many hand-off requests are pending.
+//!
+//! `BENCH_SCENARIO=failover` instead kills one worker of each fleet once it is balanced
+//! (a crash: no release) while a record goes into every shard every second, and prints
+//! how long until each of its shards delivered again (p50 / max) and until the fleet is
+//! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
+//! and prints how long until balanced again and the records handled twice (planned
+//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers.
+//! `BENCH_SEED=n` changes the workers' seeds (default 11). Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
 mod common;
@@ -20,6 +30,26 @@ mod fleet;
 use std::time::Duration;
 
 use fleet::{leases_per_owner, Fleet};
+
+/// The fleet of a size, with the seed `BENCH_SEED` names.
+fn fleet_of(shards: u32, workers: usize) -> Fleet {
+    let mut fleet = Fleet::new(shards, workers);
+    if let Some(seed) = std::env::var("BENCH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        fleet.seed = seed;
+    }
+    fleet
+}
+
+/// `fleet_of` with a record put into every shard every second.
+fn fed(shards: u32, workers: usize) -> Fleet {
+    Fleet {
+        feed_every: Some(Duration::from_secs(1)),
+        ..fleet_of(shards, workers)
+    }
+}
 
 /// Give up on balance after this much simulated time.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -47,6 +77,11 @@ fn sizes() -> Vec<(u32, usize)> {
 }
 
 fn main() {
+    match std::env::var("BENCH_SCENARIO").as_deref() {
+        Ok("failover") => return failover(),
+        Ok("scale-out") => return scale_out(),
+        _ => {}
+    }
     println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | wall time |");
     println!("|---|---|---|---|---|---|---|");
     for (shards, workers) in sizes() {
@@ -57,9 +92,13 @@ fn main() {
             .expect("a tokio runtime");
         let wall = std::time::Instant::now();
         runtime.block_on(async {
-            let running = fleet::start(Fleet::new(shards, workers)).await;
+            let running = fleet::start(fleet_of(shards, workers)).await;
             let delivered = running.until(LIMIT, |r| r.all_delivered()).await;
-            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            let balanced = if std::env::var_os("BENCH_TIMELINE").is_some() {
+                timeline(&running).await
+            } else {
+                running.until(LIMIT, |r| r.balanced()).await
+            };
             let requests = running.memory.table(fleet::GROUP).requests();
             let counts = leases_per_owner(&running.memory);
             let min = counts.values().min().copied().unwrap_or(0);
@@ -77,6 +116,158 @@ fn main() {
             assert!(
                 common::measuring() || balanced.is_some(),
                 "the smoke run did not balance"
+            );
+            running.stop().await;
+        });
+    }
+}
+
+/// Waits for balance like `Running::until`, printing every simulated second how many
+/// workers hold how many leases (`leases x workers`) and the pending hand-off requests.
+async fn timeline(running: &fleet::Running) -> Option<Duration> {
+    let mut next = Duration::ZERO;
+    running
+        .until(LIMIT, |r| {
+            let at = r.started.elapsed();
+            if at >= next {
+                next = at + Duration::from_secs(1);
+                let rows = r.memory.table(fleet::GROUP).rows();
+                let pending = rows.iter().filter(|l| l.pending_owner.is_some()).count();
+                let free = rows.iter().filter(|l| l.owner.is_none()).count();
+                let counts = leases_per_owner(&r.memory);
+                let idle = r.fleet.workers - counts.len();
+                let mut histogram = std::collections::BTreeMap::new();
+                for c in counts.values() {
+                    *histogram.entry(*c).or_insert(0) += 1;
+                }
+                let n = r.fleet.shards as usize / r.fleet.workers;
+                let short: Vec<String> = counts
+                    .iter()
+                    .filter(|(_, c)| **c < n)
+                    .map(|(w, c)| {
+                        let asked = rows
+                            .iter()
+                            .filter(|l| l.pending_owner.as_deref() == Some(w.as_str()))
+                            .count();
+                        format!("{}:{c}+{asked}", &w[..4])
+                    })
+                    .collect();
+                let shown: Vec<String> = std::iter::once(format!("0x{idle}"))
+                    .chain(histogram.iter().map(|(c, n)| format!("{c}x{n}")))
+                    .collect();
+                eprintln!(
+                    "  {:6.2} s: {} | pending {pending} free {free} | short {}",
+                    at.as_secs_f64(),
+                    shown.join(" "),
+                    short.join(" ")
+                );
+            }
+            r.balanced()
+        })
+        .await
+}
+
+/// The sizes of the failover and scale-out scenarios.
+fn fleet_sizes() -> Vec<(u32, usize)> {
+    match std::env::var("BENCH_SIZES") {
+        Ok(_) => sizes(),
+        Err(_) => vec![(100, 40), (500, 40)],
+    }
+}
+
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn show(d: Option<Duration>) -> String {
+    match d {
+        Some(d) => format!("{:.2} s", d.as_secs_f64()),
+        None => "never".to_owned(),
+    }
+}
+
+/// One worker of a balanced fleet crashes; how long until its shards deliver again.
+fn failover() {
+    println!("| shards | workers | leases of the killed worker | read again p50 | read again max | balanced again | records handled twice (of them on its shards) | wall time |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (shards, workers) in fleet_sizes() {
+        let wall = std::time::Instant::now();
+        paused_runtime().block_on(async {
+            let mut running = fleet::start(fed(shards, workers)).await;
+            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            assert!(balanced.is_some(), "{shards}x{workers} did not balance");
+            let killed_at = tokio::time::Instant::now();
+            let orphans = running.kill(workers / 2);
+            let mut again: Vec<Option<Duration>> = vec![None; orphans.len()];
+            running
+                .until(LIMIT * 2, |r| {
+                    for (key, at) in orphans.iter().zip(again.iter_mut()) {
+                        if at.is_none() && r.delivered_after(key, killed_at) {
+                            *at = Some(killed_at.elapsed());
+                        }
+                    }
+                    again.iter().all(Option::is_some)
+                })
+                .await;
+            let rebalanced = running
+                .until(LIMIT * 2, |r| r.balanced())
+                .await
+                .map(|_| killed_at.elapsed());
+            let mut times: Vec<Duration> = again.iter().flatten().copied().collect();
+            let (p50, max) = if times.len() == orphans.len() && !times.is_empty() {
+                (
+                    Some(common::median(&mut times)),
+                    times.iter().max().copied(),
+                )
+            } else {
+                (None, None)
+            };
+            let twice = running.duplicates();
+            let on_orphans = twice.iter().filter(|(s, ..)| orphans.contains(s)).count();
+            println!(
+                "| {shards} | {workers} | {} | {} | {} | {} | {} ({on_orphans}) | {:.1} s |",
+                orphans.len(),
+                show(p50),
+                show(max),
+                show(rebalanced),
+                twice.len(),
+                wall.elapsed().as_secs_f64()
+            );
+            running.stop().await;
+        });
+    }
+}
+
+/// 10 workers join a balanced fleet of 30: balanced again, with no record twice.
+fn scale_out() {
+    println!("| shards | workers | balanced at the start | balanced again after 10 joined | records handled twice | every record handled | wall time |");
+    println!("|---|---|---|---|---|---|---|");
+    for (shards, workers) in fleet_sizes() {
+        let wall = std::time::Instant::now();
+        let first = workers.saturating_sub(10).max(1);
+        paused_runtime().block_on(async {
+            let mut running = fleet::start(fed(shards, first)).await;
+            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            let joined_at = tokio::time::Instant::now();
+            running.add_workers(workers - first);
+            let again = running
+                .until(LIMIT * 2, |r| r.balanced())
+                .await
+                .map(|_| joined_at.elapsed());
+            running.stop_feed();
+            let handled = running.until(LIMIT * 3, |r| r.all_handled()).await;
+            println!(
+                "| {shards} | {first} + {} | {} | {} | {} | {} | {:.1} s |",
+                workers - first,
+                show(balanced),
+                show(again),
+                running.duplicates().len(),
+                if handled.is_some() { "yes" } else { "no" },
+                wall.elapsed().as_secs_f64()
             );
             running.stop().await;
         });

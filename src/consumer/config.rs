@@ -381,10 +381,10 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The most leases a worker under its fair share asks others for in one round
-    /// (default: no limit beyond what it lacks of its fair share, so a fleet started
-    /// together or a new worker is balanced within a round or two; the KCL's default is
-    /// one per round).
+    /// The most hand-off requests a worker below its quota makes in one round
+    /// (default: no limit beyond the leases the shared balancing plan deals to it, so a
+    /// fleet started together or a new worker is balanced within a round or two; the
+    /// KCL's default is one per round).
     pub fn max_steals_per_round(mut self, n: usize) -> Self {
         self.max_steals_per_round = n;
         self

@@ -23,6 +23,7 @@ use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
 use crate::lease::{worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 
+use super::balance::{self, Candidate};
 use super::config::{Config, InitialPosition};
 use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::events::ShardEvent;
@@ -181,10 +182,17 @@ impl Coordinator {
             let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something), while hand-offs we asked for are under way
-                // and while short of the fair share, look again after one renewal interval (when the owners have seen
-                // the requests) rather than a whole take interval: a fleet started
-                // together balances in a few seconds.
-                let settle = tokio::time::sleep(self.config.renew_interval);
+                // and while short of the fair share, look again after one renewal
+                // interval (when the owners have seen the requests) rather than a whole
+                // take interval: a fleet started together balances in a few seconds.
+                // The second round comes sooner (a quarter of that): the first was a
+                // race for free leases, and a worker that lost it everywhere makes
+                // itself known with a request before the owners' first renewal.
+                let settle = tokio::time::sleep(if self.rounds == 1 {
+                    self.config.renew_interval / 4
+                } else {
+                    self.config.renew_interval
+                });
                 let settling = self.rounds < 2 || self.short || !self.steals.is_empty();
                 let round = tokio::select! {
                     biased;
@@ -394,56 +402,68 @@ impl Coordinator {
             }
         }
 
-        let mut load: BTreeMap<&str, usize> = BTreeMap::new();
-        for row in &eligible {
-            if let Some(owner) = row.owner.as_deref() {
-                if owner != me && !expired(row, &self.seen) {
-                    *load.entry(owner).or_default() += 1;
-                }
-            }
-        }
-        let workers = load.len() + 1;
-        let target = eligible.len().div_ceil(workers);
-        let mut mine = self.slots.len();
-
-        let mut available: Vec<&Lease> = eligible
+        // The plan every worker derives from this listing (see `balance`): our quota,
+        // the free leases to take and the hand-offs to ask for. A lease we run is ours
+        // even if it looks expired (after a pause); it is never taken again.
+        let candidates: Vec<Candidate> = eligible
             .iter()
-            .copied()
-            // A lease we run is never taken again (after a pause it may look expired).
-            .filter(|r| !self.slots.contains_key(&r.key))
-            .filter(|r| {
-                r.owner.is_none() || (r.owner.as_deref() != Some(&me) && expired(r, &self.seen))
+            .map(|r| {
+                let owner = if self.slots.contains_key(&r.key) {
+                    Some(me.as_str())
+                } else {
+                    r.owner.as_deref().filter(|_| !expired(r, &self.seen))
+                };
+                Candidate {
+                    key: &r.key,
+                    owner,
+                    pending: owner.and(r.pending_owner.as_deref()),
+                }
             })
             .collect();
-        available.shuffle(&mut self.rng);
-        available.sort_by_key(|r| r.owner.is_some()); // unowned first
-                                                      // Take up to the fair share, many at once: a fleet started together leases every
-                                                      // shard within a few store round trips, not one round trip per lease. Leases
-                                                      // another worker took first (conflicts) make room for the next candidates.
-        let mut candidates = available.into_iter();
+        let plan = balance::plan(&me, &[me.as_str()], &candidates);
+        let mut holds = plan.holds;
+
+        // Free leases, many at once: a fleet started together (each worker alone in its
+        // first view) leases every shard within a few store round trips. Those the plan
+        // deals to us, then other free ones up to our quota: a new child shard (its
+        // parent just ended here) is read at once, not only at the round of the worker
+        // the plan dealt it to. In random order, so workers racing for the same rows do
+        // not move in lockstep.
+        let mut free: Vec<&Lease> = plan
+            .take
+            .iter()
+            .filter_map(|k| by_key.get(k).copied())
+            .collect();
+        let room = plan
+            .quota
+            .saturating_sub(plan.holds + free.len() + plan.ask.len());
+        if room > 0 {
+            let mut others: Vec<&Lease> = candidates
+                .iter()
+                .filter(|c| c.owner.is_none() && !plan.take.contains(&c.key))
+                .filter_map(|c| by_key.get(c.key).copied())
+                .collect();
+            others.shuffle(&mut self.rng);
+            free.extend(others.into_iter().take(room));
+        }
+        free.shuffle(&mut self.rng);
         let mut failure = None;
-        while mine < target {
-            let batch: Vec<&Lease> = candidates.by_ref().take(target - mine).collect();
-            if batch.is_empty() {
-                break;
-            }
-            for (row, result, sent) in self.take_many(&batch).await {
-                match result {
-                    Ok(taken) => {
-                        if let Some(old) = &row.owner {
-                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
-                        }
-                        self.steals.remove(&row.key);
-                        self.start(taken, sent);
-                        mine += 1;
+        for (row, result, sent) in self.take_many(&free).await {
+            match result {
+                Ok(taken) => {
+                    if let Some(old) = &row.owner {
+                        tracing::info!(lease = %row.key, from = %old, "took an expired lease");
                     }
-                    Err(LeaseError::Conflict(_)) => {}
-                    Err(e) => failure = Some(e),
+                    self.steals.remove(&row.key);
+                    self.start(taken, sent);
+                    holds += 1;
                 }
+                Err(LeaseError::Conflict(_)) => {}
+                Err(e) => failure = Some(e),
             }
-            if let Some(e) = failure.take() {
-                return Err(e);
-            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
         }
 
         // Hand-offs we asked for: taken anyway once the owner let the timeout pass.
@@ -463,25 +483,13 @@ impl Coordinator {
                 if let Ok(taken) = self.store.take(row, &me).await {
                     self.steals.remove(&row.key);
                     self.start(taken, sent);
-                    mine += 1;
                 }
             }
         }
 
-        // Still under the fair share: ask the most loaded workers for leases, as many as
-        // we lack in one round (bounded by `max_steals_per_round`), so a fleet started
-        // together or a worker that joins is balanced within a round or two instead of
-        // gaining one lease per round.
-        let mut asked = 0;
-        let mut pool: Vec<&Lease> = eligible
-            .iter()
-            .copied()
-            .filter(|r| r.pending_owner.is_none() && !self.steals.contains_key(&r.key))
-            // A live KCL worker would never answer a hand-off request, and sharing a
-            // table with one (a mixed fleet) is not supported: its leases are taken
-            // only once they expire (the KCL fleet stopped).
-            .filter(|r| !r.has_foreign_owner())
-            .collect();
+        // Below our quota: ask the owners the plan names for hand-offs, all at once
+        // (bounded by `max_steals_per_round`). A request that loses to another
+        // worker's (whose view differed) is planned again at the next quick round.
         for row in eligible.iter().filter(|r| {
             r.has_foreign_owner() && !expired(r, &self.seen) && self.warned.insert(r.key.clone())
         }) {
@@ -492,46 +500,58 @@ impl Coordinator {
                  a mixed fleet is not supported: stop the KCL fleet, its leases are taken once they expire"
             );
         }
-        pool.shuffle(&mut self.rng);
-        while !self.updating
-            && mine + self.steals.len() < target
-            && asked < self.config.max_steals_per_round
-        {
-            let Some((victim, count)) = load
+        // A worker that holds nothing and asked for nothing is known only to itself:
+        // the others plan without it, and workers in that state (many, in a fleet
+        // started together) all plan the same hand-offs for themselves. It first asks
+        // for one lease picked at random among those above their owner's quota, which
+        // rarely collides and makes it known; the next round's plan is then shared.
+        let unknown = plan.holds == 0 && plan.take.is_empty();
+        let wanted: Vec<&str> = match plan.surplus.choose(&mut self.rng) {
+            Some(one) if unknown && !plan.ask.is_empty() => vec![*one],
+            _ => plan.ask.clone(),
+        };
+        let asks: Vec<Lease> = if self.updating {
+            Vec::new()
+        } else {
+            wanted
                 .iter()
-                .max_by_key(|(w, n)| (**n, *w))
-                .map(|(w, n)| (w.to_string(), *n))
-            else {
-                break;
-            };
-            // Only from a worker that would still hold at least as many as we will:
-            // with 8 leases over 5 workers (2,2,2,2,0) the newcomer takes one, and a
-            // difference of one never moves a lease back and forth.
-            if count < mine + self.steals.len() + 2 {
-                break;
+                .filter_map(|k| by_key.get(k).copied())
+                // A live KCL worker would never answer a hand-off request, and sharing
+                // a table with one (a mixed fleet) is not supported: its leases are
+                // taken only once they expire (the KCL fleet stopped).
+                .filter(|r| !r.has_foreign_owner() && !self.steals.contains_key(&r.key))
+                .take(self.config.max_steals_per_round)
+                .cloned()
+                .collect()
+        };
+        let requests: Vec<BoxFuture<'static, _>> = asks
+            .into_iter()
+            .map(|row| {
+                let (store, me) = (self.store.clone(), me.clone());
+                async move {
+                    let asked = ask_for_handoff(store.as_ref(), &row, &me).await;
+                    (row, asked)
+                }
+                .boxed()
+            })
+            .collect();
+        for (row, asked) in concurrently(requests).await {
+            match asked {
+                Ok(true) => {
+                    tracing::info!(lease = %row.key, from = ?row.owner, "asked for a hand-off");
+                    self.steals.insert(row.key.clone(), now);
+                    holds += 1;
+                }
+                Ok(false) => {}
+                Err(e) => failure = Some(e),
             }
-            // A random one of the victim's leases: workers asking at the same moment
-            // then rarely ask for the same lease (the last request would win it).
-            let Some(at) = pool
-                .iter()
-                .position(|r| r.owner.as_deref() == Some(victim.as_str()))
-            else {
-                break;
-            };
-            let row = pool.swap_remove(at);
-            if self.ask_for_handoff(row).await? {
-                tracing::info!(lease = %row.key, from = %victim, "asked for a hand-off");
-                self.steals.insert(row.key.clone(), now);
-            }
-            if let Some(n) = load.get_mut(victim.as_str()) {
-                *n -= 1;
-            }
-            asked += 1;
         }
-        // Still short while some worker holds two more than we would: requests that
-        // lost to other requesters are made again at the next quick round.
-        let wanted = mine + self.steals.len();
-        self.short = wanted < target && load.values().any(|n| *n >= wanted + 2);
+        // Still short (a take or request lost to a worker whose view differed, or
+        // leases to ask for beyond this round's bound): plan again at a quick round.
+        self.short = !self.updating && holds < plan.quota;
+        if let Some(e) = failure {
+            return Err(e);
+        }
 
         self.clean_up(&rows).await;
         Ok(())
@@ -850,30 +870,6 @@ impl Coordinator {
         Ok(true)
     }
 
-    /// Asks the owner of `row` to hand it over. The row was listed a moment ago and its
-    /// owner's renewals bump the counter the request is conditional on, so a conflict is
-    /// checked once against a fresh read: still the same owner and nobody else asking
-    /// means the request is sent again. Returns whether it was recorded.
-    async fn ask_for_handoff(&self, row: &Lease) -> Result<bool, LeaseError> {
-        let me = self.config.owner.as_str();
-        match self.store.request_handoff(row, me).await {
-            Ok(_) => return Ok(true),
-            Err(LeaseError::Conflict(_)) => {}
-            Err(e) => return Err(e),
-        }
-        let Some(fresh) = self.store.get(&row.key).await? else {
-            return Ok(false);
-        };
-        if fresh.owner != row.owner || fresh.pending_owner.is_some() {
-            return Ok(false);
-        }
-        match self.store.request_handoff(&fresh, me).await {
-            Ok(_) => Ok(true),
-            Err(LeaseError::Conflict(_)) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
     /// Takes `rows` for this worker, [`MAX_CONCURRENT_WRITES`] conditional writes at a
     /// time; returns each row with its outcome and when its take was sent.
     async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
@@ -991,6 +987,33 @@ impl Coordinator {
                 .emit(|| ShardEvent::Released { shard: key.clone() });
         }
         tracing::info!("worker stopped; leases released");
+    }
+}
+
+/// Asks the owner of `row` to hand it over to `me`. The row was listed a moment ago and its
+/// owner's renewals bump the counter the request is conditional on, so a conflict is
+/// checked once against a fresh read: still the same owner and nobody else asking
+/// means the request is sent again. Returns whether it was recorded.
+async fn ask_for_handoff(
+    store: &dyn LeaseStore,
+    row: &Lease,
+    me: &str,
+) -> Result<bool, LeaseError> {
+    match store.request_handoff(row, me).await {
+        Ok(_) => return Ok(true),
+        Err(LeaseError::Conflict(_)) => {}
+        Err(e) => return Err(e),
+    }
+    let Some(fresh) = store.get(&row.key).await? else {
+        return Ok(false);
+    };
+    if fresh.owner != row.owner || fresh.pending_owner.is_some() {
+        return Ok(false);
+    }
+    match store.request_handoff(&fresh, me).await {
+        Ok(_) => Ok(true),
+        Err(LeaseError::Conflict(_)) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

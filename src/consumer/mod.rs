@@ -39,6 +39,7 @@
 //! held lease; each shard task runs a `reader` and commits the watermark of
 //! acknowledged records.
 
+mod balance;
 mod config;
 mod coordinator;
 mod deadline;

@@ -4,16 +4,19 @@
 //! them). Shared by `tests/group_balance.rs` and `benches/scale.rs`.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::memory::LeaseFaults;
-use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use shardflow::{Backend, Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -30,6 +33,9 @@ pub struct Fleet {
     /// Every ListShards, GetShardIterator and GetRecords call takes this long.
     pub read_latency: Duration,
     pub seed: u64,
+    /// While the fleet runs, put one more record in every shard this often (until
+    /// [`Running::stop_feed`]), so hand-offs happen under traffic.
+    pub feed_every: Option<Duration>,
 }
 
 impl Fleet {
@@ -41,6 +47,7 @@ impl Fleet {
             store_latency: Duration::from_millis(8),
             read_latency: Duration::from_millis(25),
             seed: 11,
+            feed_every: None,
         }
     }
 }
@@ -50,16 +57,113 @@ pub struct Running {
     pub memory: Memory,
     pub fleet: Fleet,
     pub started: Instant,
-    /// Shards that delivered at least one record.
-    pub delivered: Arc<Mutex<HashSet<String>>>,
+    /// When each shard that delivered a record last delivered one (to a live worker).
+    pub last_delivery: Arc<Mutex<HashMap<String, Instant>>>,
+    /// How often each record (shard, sequence number) was handled.
+    pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
+    /// Records put in the stream so far.
+    pub put: Arc<Mutex<usize>>,
+    feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
 
-/// One started worker: its id, its shutdown handle and its task.
+/// One started worker: its id, its shutdown handle, its task and whether it was killed.
 struct Worker {
     id: String,
     shutdown: ShutdownHandle,
     task: JoinHandle<Result<(), ConsumerError>>,
+    dead: Arc<AtomicBool>,
+}
+
+/// The memory backend as one worker process sees it: once the process is killed, none
+/// of its lease-store calls lands any more (they never answer), so its leases are
+/// neither renewed nor released and expire, as after a crash.
+struct Killable {
+    memory: Memory,
+    dead: Arc<AtomicBool>,
+}
+
+impl Backend for Killable {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.memory.kinesis()
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(KillableStore {
+            inner: self.memory.lease_store(table),
+            dead: self.dead.clone(),
+        })
+    }
+}
+
+struct KillableStore {
+    inner: Arc<dyn LeaseStore>,
+    dead: Arc<AtomicBool>,
+}
+
+impl KillableStore {
+    /// Never returns once the process is dead.
+    async fn gate(&self) {
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseStore for KillableStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.gate().await;
+        self.inner.ensure_table().await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.gate().await;
+        self.inner.list().await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.gate().await;
+        self.inner.get(key).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.gate().await;
+        self.inner.create(lease).await
+    }
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.take(expected, new_owner).await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.renew(expected).await
+    }
+    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.checkpoint(expected, at).await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.release(expected).await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.request_handoff(expected, worker).await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.gate().await;
+        self.inner.delete(expected).await
+    }
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.claim_for_stream(expected, stream).await
+    }
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.record_children(expected, children).await
+    }
 }
 
 /// The owner of each lease as the table says: worker id -> leases held.
@@ -91,57 +195,135 @@ pub async fn start(fleet: Fleet) -> Running {
             explicit_hash_key: Some(s.starting_hash_key.to_string()),
         })
         .collect();
-    for chunk in records.chunks(500) {
-        kinesis
-            .put_records(STREAM, chunk)
-            .await
-            .expect("put records");
-    }
+    let put: Arc<Mutex<usize>> = Arc::default();
+    put_all(memory.streams(), &records, &put).await;
     kinesis.set_latency(fleet.read_latency);
     memory.table(GROUP).set_faults(LeaseFaults {
         latency: fleet.store_latency,
         ..LeaseFaults::default()
     });
-    let delivered: Arc<Mutex<HashSet<String>>> = Arc::default();
     let started = Instant::now();
-    let mut workers = Vec::new();
-    for i in 0..fleet.workers {
-        let id = format!("w{i:03}");
-        let consumer = Consumer::builder()
-            .stream(STREAM)
-            .group(GROUP)
-            .worker_id(&id)
-            .backend(memory.clone())
-            .seed(fleet.seed.wrapping_add(i as u64))
-            .build()
-            .expect("a valid configuration");
-        let seen = delivered.clone();
-        let handler = tower::service_fn(move |msg: Message| {
-            seen.lock()
-                .unwrap()
-                .insert(msg.headers.shard_id.to_string());
-            async { Ok::<_, Infallible>(()) }
-        });
-        let shutdown = consumer.shutdown_handle();
-        let task = tokio::spawn(consumer.run(handler).into_future());
-        workers.push(Worker { id, shutdown, task });
-    }
-    Running {
+    let feed = fleet.feed_every.map(|every| {
+        let (streams, put) = (memory.streams().clone(), put.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                put_all(&streams, &records, &put).await;
+            }
+        })
+    });
+    let mut running = Running {
         memory,
         fleet,
         started,
-        delivered,
-        workers,
+        last_delivery: Arc::default(),
+        handled: Arc::default(),
+        put,
+        feed,
+        workers: Vec::new(),
+    };
+    running.add_workers(running.fleet.workers);
+    running
+}
+
+/// Puts `records` (500 per call) and counts them in `put`.
+async fn put_all(
+    streams: &shardflow::memory::MemoryKinesis,
+    records: &[PutRecord],
+    put: &Mutex<usize>,
+) {
+    for chunk in records.chunks(500) {
+        streams
+            .put_records(STREAM, chunk)
+            .await
+            .expect("put records");
+        *put.lock().unwrap() += chunk.len();
     }
 }
 
 impl Running {
-    /// Whether every worker holds its fair share: between floor and ceil of
+    /// Starts `count` more workers of the group (default configuration), named on from
+    /// the last one.
+    pub fn add_workers(&mut self, count: usize) {
+        for _ in 0..count {
+            let i = self.workers.len();
+            let id = format!("w{i:03}");
+            let dead = Arc::new(AtomicBool::new(false));
+            let consumer = Consumer::builder()
+                .stream(STREAM)
+                .group(GROUP)
+                .worker_id(&id)
+                .backend(Killable {
+                    memory: self.memory.clone(),
+                    dead: dead.clone(),
+                })
+                .seed(self.fleet.seed.wrapping_add(i as u64))
+                .build()
+                .expect("a valid configuration");
+            let (last, counts, gone) = (
+                self.last_delivery.clone(),
+                self.handled.clone(),
+                dead.clone(),
+            );
+            let handler = tower::service_fn(move |msg: Message| {
+                let (last, counts, gone) = (last.clone(), counts.clone(), gone.clone());
+                async move {
+                    // A killed process handles nothing more (and acknowledges nothing).
+                    if gone.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
+                    let shard = msg.headers.shard_id.to_string();
+                    let sequence = msg.headers.sequence_number.to_string();
+                    *counts
+                        .lock()
+                        .unwrap()
+                        .entry((shard.clone(), sequence))
+                        .or_default() += 1;
+                    last.lock().unwrap().insert(shard, Instant::now());
+                    Ok::<_, Infallible>(())
+                }
+            });
+            let shutdown = consumer.shutdown_handle();
+            let task = tokio::spawn(consumer.run(handler).into_future());
+            self.workers.push(Worker {
+                id,
+                shutdown,
+                task,
+                dead,
+            });
+        }
+    }
+
+    /// Kills worker `i` (a crash: no drain, no release; its lease-store calls never land
+    /// again and its handler never finishes). Returns the leases it held then.
+    pub fn kill(&mut self, i: usize) -> Vec<String> {
+        let worker = &self.workers[i];
+        worker.dead.store(true, Ordering::SeqCst);
+        let prefix = format!("{}#", worker.id);
+        self.memory
+            .table(GROUP)
+            .rows()
+            .into_iter()
+            .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+            .map(|r| r.key)
+            .collect()
+    }
+
+    /// Workers started and not killed.
+    pub fn live(&self) -> usize {
+        self.workers
+            .iter()
+            .filter(|w| !w.dead.load(Ordering::SeqCst))
+            .count()
+    }
+
+    /// Whether every live worker holds its fair share: between floor and ceil of
     /// shards / workers (so within one of each other).
     pub fn balanced(&self) -> bool {
         let per_owner = leases_per_owner(&self.memory);
         let n = self.fleet.shards as usize;
-        let live = self.workers.len();
+        let live = self.live();
         let (low, high) = (n / live, n.div_ceil(live));
         per_owner.len() == live
             && per_owner.values().sum::<usize>() == n
@@ -150,12 +332,25 @@ impl Running {
 
     /// Whether every shard delivered its record.
     pub fn all_delivered(&self) -> bool {
-        self.delivered.lock().unwrap().len() == self.fleet.shards as usize
+        self.last_delivery.lock().unwrap().len() == self.fleet.shards as usize
+    }
+
+    /// Whether `shard` delivered a record (to a live worker) after `since`.
+    pub fn delivered_after(&self, shard: &str, since: Instant) -> bool {
+        self.last_delivery
+            .lock()
+            .unwrap()
+            .get(shard)
+            .is_some_and(|t| *t > since)
     }
 
     /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
     /// time since the fleet started, or `None` after `limit`.
-    pub async fn until(&self, limit: Duration, done: impl Fn(&Self) -> bool) -> Option<Duration> {
+    pub async fn until(
+        &self,
+        limit: Duration,
+        mut done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
         let deadline = self.started + limit;
         loop {
             if done(self) {
@@ -168,12 +363,43 @@ impl Running {
         }
     }
 
+    /// Stops putting records (see [`Fleet::feed_every`]).
+    pub fn stop_feed(&mut self) {
+        if let Some(feed) = self.feed.take() {
+            feed.abort();
+        }
+    }
+
+    /// Whether every record put so far was handled at least once.
+    pub fn all_handled(&self) -> bool {
+        self.handled.lock().unwrap().len() == *self.put.lock().unwrap()
+    }
+
+    /// Records handled more than once: (shard, sequence number, times).
+    pub fn duplicates(&self) -> Vec<(String, String, usize)> {
+        let mut twice: Vec<_> = self
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|((shard, seq), n)| (shard.clone(), seq.clone(), *n))
+            .collect();
+        twice.sort();
+        twice
+    }
+
     /// Stops every worker gracefully.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
+        self.stop_feed();
         for worker in &self.workers {
             worker.shutdown.shutdown();
         }
-        for Worker { id, task, .. } in self.workers {
+        for Worker { id, task, dead, .. } in self.workers {
+            if dead.load(Ordering::SeqCst) {
+                task.abort();
+                continue;
+            }
             match task.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => panic!("worker {id} failed: {e}"),
