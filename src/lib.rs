@@ -61,13 +61,14 @@ pub mod lease;
 pub mod memory;
 
 pub mod message;
+pub mod metrics;
 pub mod producer;
 pub mod sequence;
 
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use checkpoint::AckHandle;
 pub use consumer::{
-    BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError,
+    BatchStream, CheckpointPolicy, ConfigError, Consumer, ConsumerBuilder, ConsumerError, Health,
     InitialPosition, Run, Running, ShutdownHandle,
 };
 pub use memory::Memory;

@@ -15,18 +15,25 @@ use crate::kinesis::{
     Subscription,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::metrics::Labels;
 
 /// A lease store whose every call ends within `timeout` ([`LeaseError::TimedOut`]
 /// otherwise). `ensure_table` is not bounded here: it waits for a table being created
 /// and has its own limit.
+/// Every call is also counted ([`crate::metrics::REQUESTS`], throttles).
 pub(crate) struct BoundedLeaseStore {
     inner: Arc<dyn LeaseStore>,
     timeout: Duration,
+    labels: Labels,
 }
 
 impl BoundedLeaseStore {
-    pub(crate) fn new(inner: Arc<dyn LeaseStore>, timeout: Duration) -> Self {
-        BoundedLeaseStore { inner, timeout }
+    pub(crate) fn new(inner: Arc<dyn LeaseStore>, timeout: Duration, labels: Labels) -> Self {
+        BoundedLeaseStore {
+            inner,
+            timeout,
+            labels,
+        }
     }
 
     async fn bound<T>(
@@ -34,7 +41,10 @@ impl BoundedLeaseStore {
         op: &'static str,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        match tokio::time::timeout(self.timeout, call).await {
+        let answer = tokio::time::timeout(self.timeout, call).await;
+        let throttled = matches!(answer, Ok(Err(LeaseError::Throttled(_))));
+        self.labels.request("dynamodb", op, throttled);
+        match answer {
             Ok(result) => result,
             Err(_) => {
                 tracing::warn!(op, after = ?self.timeout, "lease store call timed out");
@@ -50,6 +60,7 @@ impl BoundedLeaseStore {
 #[async_trait]
 impl LeaseStore for BoundedLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.labels.request("dynamodb", "ensure_table", false);
         self.inner.ensure_table().await
     }
 
@@ -125,14 +136,20 @@ impl LeaseStore for BoundedLeaseStore {
 /// again from its last delivered record). Calls that wait on purpose (creating a stream,
 /// registering a fan-out consumer, resharding) and the events of a subscription (a
 /// long-lived stream) are passed through unbounded.
+/// Every bounded call is also counted ([`crate::metrics::REQUESTS`], throttles).
 pub(crate) struct BoundedKinesis {
     inner: Arc<dyn KinesisApi>,
     timeout: Duration,
+    labels: Labels,
 }
 
 impl BoundedKinesis {
-    pub(crate) fn new(inner: Arc<dyn KinesisApi>, timeout: Duration) -> Self {
-        BoundedKinesis { inner, timeout }
+    pub(crate) fn new(inner: Arc<dyn KinesisApi>, timeout: Duration, labels: Labels) -> Self {
+        BoundedKinesis {
+            inner,
+            timeout,
+            labels,
+        }
     }
 
     async fn bound<T>(
@@ -140,14 +157,15 @@ impl BoundedKinesis {
         op: &'static str,
         call: impl Future<Output = Result<T, KinesisError>>,
     ) -> Result<T, KinesisError> {
-        tokio::time::timeout(self.timeout, call)
-            .await
-            .unwrap_or_else(|_| {
-                Err(KinesisError::Other(format!(
-                    "{op} did not answer within {:?}",
-                    self.timeout
-                )))
-            })
+        let answer = tokio::time::timeout(self.timeout, call).await;
+        let throttled = matches!(answer, Ok(Err(KinesisError::Throttled(_))));
+        self.labels.request("kinesis", op, throttled);
+        answer.unwrap_or_else(|_| {
+            Err(KinesisError::Other(format!(
+                "{op} did not answer within {:?}",
+                self.timeout
+            )))
+        })
     }
 }
 

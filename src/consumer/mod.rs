@@ -43,6 +43,7 @@ mod config;
 mod coordinator;
 mod deadline;
 mod dispatch;
+mod health;
 mod reader;
 mod shard;
 
@@ -63,8 +64,15 @@ use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
-pub use config::{CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition};
+pub use config::{
+    CheckpointPolicy, Config, ConfigError, ConsumerBuilder, InitialPosition,
+    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
+};
 use coordinator::{Coordinator, Sink, SpawnDispatch};
+use health::HealthState;
+pub use health::{Health, ShardHealth, FAILING_AFTER};
+
+use crate::metrics::{Labels, Measured};
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +182,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
+        let service = Measured::new(service, &Labels::of(&self.config));
         self.run_with(spawn_with(service, |rx, service| {
             tokio::spawn(dispatch::records(rx, service))
         }))
@@ -202,6 +211,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
+        let service = Measured::new(service, &Labels::of(&self.config));
         self.run_with(spawn_with(service, |rx, service| {
             tokio::spawn(dispatch::batches(rx, service))
         }))
@@ -227,8 +237,10 @@ impl Consumer {
             self.store.clone(),
             Sink::Shared(tx),
         );
+        let health = coordinator.health();
         let worker = tokio::spawn(coordinator.run(self.shutdown.clone()));
         BatchStream {
+            health,
             rx,
             worker: Some(worker),
             shutdown: ShutdownHandle(self.shutdown),
@@ -307,6 +319,7 @@ impl Run {
             consumer.store,
             Sink::PerShard(spawn),
         );
+        let health = coordinator.health();
         let token = shutdown.clone();
         let worker = tokio::spawn(async move {
             let run = coordinator.run(token.clone());
@@ -322,6 +335,7 @@ impl Run {
         Running {
             worker: Some(worker),
             shutdown,
+            health,
         }
     }
 }
@@ -347,9 +361,15 @@ pub struct Running {
     /// `None` once the result was returned.
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: CancellationToken,
+    health: Arc<HealthState>,
 }
 
 impl Running {
+    /// The worker's health now, for liveness and readiness probes (see [`Health`]).
+    pub fn health(&self) -> Health {
+        self.health.snapshot()
+    }
+
     /// Stops the consumer gracefully: reading stops, in-flight handlers finish (at most
     /// the shutdown timeout), checkpoints are committed and leases released. Returns the
     /// run's result.
@@ -403,9 +423,15 @@ pub struct BatchStream {
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: ShutdownHandle,
     starting: Option<Starting>,
+    health: Arc<HealthState>,
 }
 
 impl BatchStream {
+    /// The worker's health now, for liveness and readiness probes (see [`Health`]).
+    pub fn health(&self) -> Health {
+        self.health.snapshot()
+    }
+
     /// A handle that stops the consumer gracefully.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
