@@ -1010,6 +1010,7 @@ async fn a_worker_serves_its_metrics_while_records_flow() {
         "w1",
         "--metrics-addr",
         &addr.to_string(),
+        "--timestamps",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use shardflow::kinesis::KinesisApi;
 use shardflow::memory::LeaseFaults;
 use shardflow::metrics as names;
-use shardflow::{Consumer, Memory, Message};
+use shardflow::{Consumer, Memory, Message, Running};
 
 use common::{produce, within, Recorder};
 
@@ -81,6 +81,23 @@ fn label_values(m: &PrometheusHandle, name: &str, label: &str) -> Vec<String> {
     values
 }
 
+/// A worker of group "billing" on stream "orders" at the default configuration, recording
+/// what it handles.
+fn start_at_defaults(memory: &Memory, seed: u64) -> (Running, Recorder) {
+    let recorder = Recorder::default();
+    let running = Consumer::builder()
+        .stream("orders")
+        .group("billing")
+        .worker_id("w1")
+        .seed(seed)
+        .backend(memory.clone())
+        .build()
+        .unwrap()
+        .run(common::recording_handler(recorder.clone()))
+        .spawn();
+    (running, recorder)
+}
+
 const LIMIT: Duration = Duration::from_secs(120);
 
 #[test]
@@ -90,18 +107,7 @@ fn metrics_count_records_checkpoints_leases_and_requests() {
         memory.streams().create_stream("orders", 2).await.unwrap();
         produce(memory.streams().as_ref(), "orders", 0..500).await;
         let bytes: usize = (0..500).map(|v: usize| v.to_string().len()).sum();
-        let consumer = Consumer::builder()
-            .stream("orders")
-            .group("billing")
-            .worker_id("w1")
-            .seed(3)
-            .backend(memory.clone())
-            .build()
-            .unwrap();
-        let recorder = Recorder::default();
-        let running = consumer
-            .run(common::recording_handler(recorder.clone()))
-            .spawn();
+        let (running, recorder) = start_at_defaults(&memory, 3);
         recorder.wait_for(500, LIMIT).await;
         assert_eq!(total(&m, names::LEASES_HELD, &[("group", "billing")]), 2.0);
         assert_eq!(
@@ -263,18 +269,7 @@ async fn cost_at_defaults(m: &PrometheusHandle, busy: bool) -> (f64, f64) {
         .create_stream("orders", SHARDS)
         .await
         .unwrap();
-    let consumer = Consumer::builder()
-        .stream("orders")
-        .group("billing")
-        .worker_id("w1")
-        .seed(11)
-        .backend(memory.clone())
-        .build()
-        .unwrap();
-    let recorder = Recorder::default();
-    let running = consumer
-        .run(common::recording_handler(recorder.clone()))
-        .spawn();
+    let (running, recorder) = start_at_defaults(&memory, 11);
     // Start-up: every shard leased and read once.
     eventually(LIMIT, "every shard leased", || {
         running.health().shards.len() == SHARDS as usize
