@@ -85,6 +85,24 @@ async fn consumer_group_of_processes() {
     if !emulators_enabled() {
         return;
     }
+    group_of_processes(None).await;
+}
+
+/// The same run with every worker reading through enhanced fan-out (`--fan-out`) against
+/// kinesis-local: subscriptions change hands as the leases do. Skipped unless
+/// `SHARDFLOW_FANOUT_KINESIS_ENDPOINT` is set (`scripts/test.sh` sets it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_group_of_processes_with_enhanced_fan_out() {
+    let Ok(endpoint) = std::env::var("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    group_of_processes(Some(endpoint)).await;
+}
+
+/// The scenario of the module docs; with `fan_out_endpoint`, Kinesis is that endpoint
+/// (for the test and the workers) and the workers read through enhanced fan-out.
+async fn group_of_processes(fan_out_endpoint: Option<String>) {
     let started = Instant::now();
     let stream = unique("group");
     let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -94,7 +112,18 @@ async fn consumer_group_of_processes() {
     let bin = build_example("consumer_group", &log_dir);
     let built = started.elapsed();
 
-    let aws = Aws::from_env().await;
+    let aws = match &fan_out_endpoint {
+        None => Aws::from_env().await,
+        Some(endpoint) => {
+            let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+            let kinesis = aws_sdk_kinesis::Client::from_conf(
+                aws_sdk_kinesis::config::Builder::from(&config)
+                    .endpoint_url(endpoint)
+                    .build(),
+            );
+            Aws::from_clients(kinesis, aws_sdk_dynamodb::Client::new(&config))
+        }
+    };
     let kinesis = aws.kinesis();
     let group_name = format!("{stream}-g");
     kinesis.create_stream(&stream, SHARDS).await.unwrap();
@@ -106,6 +135,7 @@ async fn consumer_group_of_processes() {
         stream: stream.clone(),
         group: group_name.clone(),
         dynamodb: proxy.as_ref().map(|p| p.url.clone()),
+        fan_out: fan_out_endpoint.map(|endpoint| (format!("{stream}-efo"), endpoint)),
         output: Arc::default(),
         log_dir,
         workers: BTreeMap::new(),
@@ -360,6 +390,8 @@ struct Group {
     stream: String,
     group: String,
     dynamodb: Option<String>,
+    /// Enhanced fan-out: the stream consumer's name and the Kinesis endpoint.
+    fan_out: Option<(String, String)>,
     output: Arc<Output>,
     log_dir: PathBuf,
     workers: BTreeMap<String, Worker>,
@@ -398,6 +430,11 @@ impl Group {
         let mut env = Vec::new();
         if let Some(url) = &self.dynamodb {
             env.push(("AWS_ENDPOINT_URL_DYNAMODB", url.clone()));
+        }
+        let mut args = args;
+        if let Some((name, endpoint)) = &self.fan_out {
+            args.extend(["--fan-out".to_owned(), name.clone()]);
+            env.push(("AWS_ENDPOINT_URL_KINESIS", endpoint.clone()));
         }
         if std::env::var_os("RUST_LOG").is_none() {
             env.push(("RUST_LOG", "warn,shardflow=info,consumer_group=info".into()));
