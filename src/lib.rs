@@ -9,6 +9,8 @@
 //! |------|----------------|
 //! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
+//! | [`Health`] (`Running::health()`) | liveness and readiness: is the worker renewing, are its shards advancing or failing |
+//! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
 //! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
