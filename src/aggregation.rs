@@ -102,7 +102,7 @@
 //! # Aggregating
 //!
 //! [`Aggregator`] packs user records (as [`PutRecord`]s) into aggregated records of at
-//! most [`MAX_RECORD_SIZE`] bytes (data plus partition key, what Kinesis counts). Like
+//! most [`MAX_RECORD_BYTES`] bytes (data plus partition key, what Kinesis counts). Like
 //! the KPL, the aggregate takes its first user record's partition key and, as explicit
 //! hash key, that record's effective hash key, so it lands in the shard that owns its
 //! first user record. It does not know the shard map: a producer that wants every user
@@ -117,17 +117,13 @@ use std::fmt;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message as _;
 
-use crate::kinesis::{PutRecord, Record};
-use crate::memory::partition_hash;
+use crate::kinesis::{partition_hash, PutRecord, Record, MAX_RECORD_BYTES};
 
 /// The four bytes an aggregated record starts with.
 pub const MAGIC: [u8; 4] = [0xF3, 0x89, 0x9A, 0xC2];
 
 /// The length of the MD5 trailer.
 pub const DIGEST_LEN: usize = 16;
-
-/// The largest Kinesis record: data plus partition key, 1 MiB.
-pub const MAX_RECORD_SIZE: usize = 1024 * 1024;
 
 /// The protobuf messages, declared by hand (the KPL's `messages.proto`, proto2). Fields
 /// that proto2 declares `required` are `optional` here so that a missing one can be told
@@ -572,18 +568,18 @@ impl fmt::Debug for Aggregator {
 }
 
 impl Aggregator {
-    /// An aggregator for records up to [`MAX_RECORD_SIZE`] (1 MiB).
+    /// An aggregator for records up to [`MAX_RECORD_BYTES`] (1 MiB).
     pub fn new() -> Self {
-        Aggregator::with_max_size(MAX_RECORD_SIZE)
+        Aggregator::with_max_size(MAX_RECORD_BYTES)
     }
 
     /// An aggregator for records up to `max_size` bytes (data plus partition key);
-    /// values above [`MAX_RECORD_SIZE`] are lowered to it (Kinesis refuses more). The
+    /// values above [`MAX_RECORD_BYTES`] are lowered to it (Kinesis refuses more). The
     /// KPL's default is 51,200 bytes: smaller aggregates spread better over shards and
     /// cost less to re-deliver.
     pub fn with_max_size(max_size: usize) -> Self {
         Aggregator {
-            max_size: max_size.min(MAX_RECORD_SIZE),
+            max_size: max_size.min(MAX_RECORD_BYTES),
             first: None,
             message: proto::AggregatedRecord::default(),
             partition_keys: HashMap::new(),

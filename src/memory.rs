@@ -26,8 +26,8 @@ use tokio::time::Instant;
 
 use crate::backend::Backend;
 use crate::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition, Subscription, SubscriptionEvent,
+    partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
+    ShardInfo, StartingPosition, Subscription, SubscriptionEvent,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::sequence::SequenceNumber;
@@ -170,11 +170,6 @@ impl Default for MemoryKinesis {
 }
 
 const MAX_HASH: u128 = u128::MAX;
-
-/// The hash key Kinesis derives from a partition key: MD5 as a 128-bit big-endian number.
-pub fn partition_hash(partition_key: &str) -> u128 {
-    u128::from_be_bytes(md5::compute(partition_key.as_bytes()).0)
-}
 
 impl MemoryKinesis {
     /// Waits for the configured call latency ([`KinesisFaults::latency`]).

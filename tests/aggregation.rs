@@ -20,10 +20,9 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde::Deserialize;
 use shardflow::aggregation::{
     belongs_to_shard, deaggregate, AggregationError, Aggregator, AggregatorError, Deaggregated,
-    UserRecord, MAGIC, MAX_RECORD_SIZE,
+    UserRecord, MAGIC,
 };
-use shardflow::kinesis::{PutRecord, Record};
-use shardflow::memory::partition_hash;
+use shardflow::kinesis::{partition_hash, PutRecord, Record, MAX_RECORD_BYTES};
 use shardflow::{Position, SequenceNumber};
 
 const SEQUENCE: &str = "49590338271490256608559692538361571095921575989136588898";
@@ -280,7 +279,7 @@ fn aggregator_refuses_what_consumers_could_not_read_and_gives_it_back() {
     assert_eq!(err.into_record().data, "x");
 
     let huge = PutRecord {
-        data: vec![0u8; MAX_RECORD_SIZE].into(),
+        data: vec![0u8; MAX_RECORD_BYTES].into(),
         partition_key: "k".into(),
         explicit_hash_key: None,
     };
@@ -290,9 +289,9 @@ fn aggregator_refuses_what_consumers_could_not_read_and_gives_it_back() {
             size,
             max_size,
         }) => {
-            assert_eq!(max_size, MAX_RECORD_SIZE);
-            assert!(size > MAX_RECORD_SIZE);
-            assert_eq!(record.data.len(), MAX_RECORD_SIZE);
+            assert_eq!(max_size, MAX_RECORD_BYTES);
+            assert!(size > MAX_RECORD_BYTES);
+            assert_eq!(record.data.len(), MAX_RECORD_BYTES);
         }
         other => panic!("{other:?}"),
     }
@@ -398,7 +397,7 @@ fn read_back(put: &PutRecord) -> Vec<(String, Option<String>, Bytes)> {
 #[test]
 fn aggregator_then_deaggregate_returns_every_user_record_in_order() {
     let inputs = proptest::collection::vec(user_input(), 1..60);
-    let max_size = prop_oneof![64usize..2_048, Just(MAX_RECORD_SIZE)];
+    let max_size = prop_oneof![64usize..2_048, Just(MAX_RECORD_BYTES)];
     runner(11, 256)
         .run(&(inputs, max_size), |(inputs, max_size)| {
             let mut aggregator = Aggregator::with_max_size(max_size);

@@ -258,21 +258,19 @@ async fn group_of_processes(fan_out_endpoint: Option<String>) {
         .await;
     }
     fig.reshard_settled = g.until_settled("the split and merge", t).await;
-    // The finished parents' rows are deleted once their children started: wait for
-    // that too, so the window below sees only the steady work.
-    g.until(
-        "the finished shards' leases cleaned up",
-        SETTLE_LIMIT,
-        |g| {
-            let store = g.store.clone();
-            async move {
-                let rows = store.list().await.ok()?;
-                rows.iter()
-                    .all(|r| r.checkpoint != Checkpoint::ShardEnd)
-                    .then_some(())
-            }
-        },
-    )
+    // The finished parents' rows stay at SHARD_END while their shards are listed, and
+    // are released by their last owners: wait for that too, so the window below sees
+    // only the steady work.
+    g.until("the finished shards' leases released", SETTLE_LIMIT, |g| {
+        let store = g.store.clone();
+        async move {
+            let rows = store.list().await.ok()?;
+            rows.iter()
+                .filter(|r| r.checkpoint == Checkpoint::ShardEnd)
+                .all(|r| r.owner.is_none())
+                .then_some(())
+        }
+    })
     .await;
 
     // 6. Steady state: nothing changes; count what the workers ask DynamoDB for. A fixed

@@ -39,8 +39,8 @@ async fn an_ended_shard_records_its_children_like_the_kcl() {
         .collect();
     children.sort();
     assert_eq!(children.len(), 2);
-    // No record reaches the children, so the parent's row stays (it is deleted once a
-    // child's checkpoint moved) and is read until it names them.
+    // The parent's row stays (it is deleted only past retention) and is read until it
+    // names its children.
     let row = within(
         Duration::from_secs(120),
         "the parent's row names its children",

@@ -455,3 +455,128 @@ async fn in_batch_mode_a_nack_from_the_handler_redelivers_even_when_it_returns_o
     let rows = memory.table("bnack-group").rows();
     assert_eq!(rows[0].checkpoint, Checkpoint::At(end.unwrap()));
 }
+
+/// The event hook sees a shard's life on a worker: taken, a handler failure (with the
+/// record and the error), the shard ended by a split, a child handed over to a worker
+/// that joined, and the rest released at shutdown.
+#[tokio::test(start_paused = true)]
+async fn the_event_hook_sees_leases_failures_shard_ends_and_hand_offs() {
+    use shardflow::ShardEvent;
+    use std::sync::Mutex;
+    let memory = stream_with("events", 40).await;
+    let kinesis = memory.streams().clone();
+    let parent = open_shards(kinesis.as_ref(), "events").await.remove(0);
+    let seen: Arc<Mutex<Vec<ShardEvent>>> = Arc::default();
+    let hook = {
+        let seen = seen.clone();
+        move |e: &ShardEvent| seen.lock().unwrap().push(e.clone())
+    };
+    let recorder = Recorder::default();
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = {
+        let recorder = recorder.clone();
+        let failed_once = failed_once.clone();
+        tower::service_fn(move |msg: Message| {
+            let fail = std::str::from_utf8(&msg.payload) == Ok("5")
+                && !failed_once.swap(true, std::sync::atomic::Ordering::SeqCst);
+            if !fail {
+                recorder.record(&msg);
+            }
+            async move {
+                if fail {
+                    Err("value 5 refused once")
+                } else {
+                    Ok(())
+                }
+            }
+        })
+    };
+    let consumer = test_consumer(memory.clone(), "events", "events-group", "w1")
+        .on_event(hook)
+        .build()
+        .unwrap();
+    let w1 = consumer.run(handler).spawn();
+    recorder.wait_for(40, LIMIT).await;
+    kinesis
+        .split_shard("events", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    let children: Vec<String> = kinesis
+        .list_shards("events")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| !s.is_closed())
+        .map(|s| s.shard_id)
+        .collect();
+    let has = |want: &dyn Fn(&ShardEvent) -> bool| seen.lock().unwrap().iter().any(want);
+    within(LIMIT, "both children taken by w1", async {
+        while !children
+            .iter()
+            .all(|c| has(&|e| matches!(e, ShardEvent::LeaseTaken { shard } if shard == c)))
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let w2 = start(
+        test_consumer(memory.clone(), "events", "events-group", "w2")
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    within(LIMIT, "a child handed over to w2", async {
+        while !has(&|e| matches!(e, ShardEvent::HandedOff { to, .. } if to == "w2")) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    w1.shutdown().await.unwrap();
+    w2.stop().await;
+
+    let events = seen.lock().unwrap().clone();
+    let of = |shard: &str| -> Vec<ShardEvent> {
+        events
+            .iter()
+            .filter(|e| match e {
+                ShardEvent::LeaseTaken { shard: s }
+                | ShardEvent::LeaseLost { shard: s }
+                | ShardEvent::HandedOff { shard: s, .. }
+                | ShardEvent::Released { shard: s }
+                | ShardEvent::ShardEnded { shard: s }
+                | ShardEvent::HandlerFailed { shard: s, .. } => s == shard,
+                _ => false,
+            })
+            .cloned()
+            .collect()
+    };
+    let p = parent.shard_id.clone();
+    let five = memory.streams().records("events", &p)[5]
+        .sequence_number
+        .clone();
+    assert_eq!(
+        of(&p),
+        vec![
+            ShardEvent::LeaseTaken { shard: p.clone() },
+            ShardEvent::HandlerFailed {
+                shard: p.clone(),
+                sequence_number: Some(five),
+                error: "value 5 refused once".into(),
+            },
+            ShardEvent::ShardEnded { shard: p.clone() },
+        ]
+    );
+    // One child went to w2, the other stayed with w1 until its shutdown released it.
+    let mut ends: Vec<ShardEvent> = children
+        .iter()
+        .map(|c| of(c).last().cloned().unwrap())
+        .collect();
+    ends.sort_by_key(|e| matches!(e, ShardEvent::Released { .. }));
+    assert!(
+        matches!(&ends[..], [ShardEvent::HandedOff { to, .. }, ShardEvent::Released { .. }] if to == "w2"),
+        "{events:?}"
+    );
+    assert!(!events
+        .iter()
+        .any(|e| matches!(e, ShardEvent::LeaseLost { .. })));
+}

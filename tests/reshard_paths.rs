@@ -1,7 +1,7 @@
 //! Shard discovery and shard end never lose or re-read records (issue 8): closed
 //! parents at AT_TIMESTAMP, reads cut short on a closed shard, a stale ListShards answer
-//! with a NotFound, and reshard trees of several generations whose finished rows were
-//! cleaned up. On the embedded backend under tokio's paused clock; the reshard tree also
+//! with a NotFound, and reshard trees of several generations whose finished rows stay
+//! until their shards are past retention. On the embedded backend under tokio's paused clock; the reshard tree also
 //! against the emulators.
 
 mod common;
@@ -102,6 +102,48 @@ async fn at_timestamp_reads_a_parent_closed_after_the_timestamp() {
     assert_each_once(&handled, &expected);
     assert_order(&handled, &shards);
     assert_partition_key_order(&handled);
+}
+
+/// At LATEST, the start is the moment the worker started, not its first successful
+/// shard sync: a first sync delayed (here: ListShards answers that leave the only shard
+/// out) while a split closes the shard must still read the parent's records written
+/// since the start, then its children's.
+#[tokio::test(start_paused = true)]
+async fn latest_reads_a_parent_closed_before_the_first_sync() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("late", 1).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), "late").await.remove(0);
+    // Written before the start, within the clock margin (arrival times are the wall
+    // clock): they may be delivered too.
+    produce(kinesis.as_ref(), "late", 0..20).await;
+    kinesis.omit_from_list_shards(&parent.shard_id, 1_000);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(memory.clone(), "late", "late-group", "w1")
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    tokio::time::sleep(Duration::from_secs(2)).await; // syncs that find no shard
+    produce(kinesis.as_ref(), "late", 20..60).await;
+    kinesis
+        .split_shard("late", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    kinesis.omit_from_list_shards(&parent.shard_id, 0);
+    produce(kinesis.as_ref(), "late", 60..160).await;
+    let expected: BTreeSet<usize> = (20..160).collect();
+    recorder
+        .wait_for_values(&expected.iter().copied().collect::<Vec<_>>(), LIMIT)
+        .await;
+    run.stop().await;
+    let handled: Vec<Handled> = recorder
+        .snapshot()
+        .into_iter()
+        .filter(|h| h.value >= 20)
+        .collect();
+    assert_each_once(&handled, &expected);
+    assert_order(&handled, &kinesis.list_shards("late").await.unwrap());
 }
 
 /// Path 3: reads of a closed shard that come without a next iterator (without a
@@ -207,8 +249,14 @@ fn middle(s: &ShardInfo) -> u128 {
 /// Path 5: 1 → 2 → 4 → 3 → 2 → 1 (split, split both children, merge two grandchildren,
 /// merge twice more), records written in every generation, the consumer restarted
 /// between reshards: every record handled exactly once, in order per partition key,
-/// parents before children, even after the finished rows were cleaned up.
-pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, per_gen: usize) {
+/// parents before children; finished rows stay while their shard is listed and go
+/// once it is past retention.
+pub async fn reshard_generations<B: Backend + Clone>(
+    backend: B,
+    stream: &str,
+    per_gen: usize,
+    past_retention: Option<&dyn Fn(&str)>,
+) {
     let kinesis = backend.kinesis();
     let kinesis = kinesis.as_ref();
     let group = format!("{stream}-group");
@@ -288,35 +336,15 @@ pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, p
         "back to one shard"
     );
 
-    // Every closed shard finished and its row cleaned up; several sync rounds later
+    // Every closed shard finished; while Kinesis lists it, its row stays at SHARD_END
+    // (a tombstone no delayed create can bring back), and several sync rounds later
     // nothing was read again.
     wait_closed_ended(kinesis, store.as_ref(), stream).await;
-    let cleaned = async {
-        while store.list().await.unwrap().len() > 1 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(LIMIT, cleaned)
-        .await
-        .expect("finished rows are cleaned up and not created again");
     tokio::time::sleep(Duration::from_secs(3)).await; // six shard syncs
     run.stop().await;
-    // A restart after the clean-up reads nothing again either.
+    // A restart reads nothing again either.
     let run = next_run();
-    let taken = async {
-        while !store
-            .list()
-            .await
-            .unwrap()
-            .iter()
-            .any(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some("w4"))
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(LIMIT, taken)
-        .await
-        .expect("the last worker takes the shard");
+    wait_owned_by(store.as_ref(), "w4").await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     run.stop().await;
 
@@ -325,13 +353,64 @@ pub async fn reshard_generations<B: Backend + Clone>(backend: B, stream: &str, p
     let handled = recorder.snapshot();
     assert_exactly_once_in_order(&handled, written, &shards);
     assert_partition_key_order(&handled);
-    let rows = store.list().await.unwrap();
-    assert_eq!(rows.len(), 1, "only the open shard keeps a row: {rows:?}");
+    let rows = checkpoints(&store.list().await.unwrap());
+    for shard in shards.iter().filter(|s| s.is_closed()) {
+        assert_eq!(
+            rows.get(&shard.shard_id),
+            Some(&Checkpoint::ShardEnd),
+            "a listed finished shard keeps its row: {rows:?}"
+        );
+    }
+
+    // Past retention (Kinesis no longer lists the closed shards) the rows go, and
+    // nothing is read again.
+    if let Some(trim) = past_retention {
+        for shard in shards.iter().filter(|s| s.is_closed()) {
+            trim(&shard.shard_id);
+        }
+        let run = next_run();
+        let cleaned = async {
+            while store.list().await.unwrap().len() > 1 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(LIMIT, cleaned)
+            .await
+            .expect("rows of shards past retention are cleaned up");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        run.stop().await;
+        assert_eq!(
+            recorder.snapshot().len(),
+            handled.len(),
+            "nothing read again"
+        );
+    }
+}
+
+/// Waits until some row is owned by `worker`.
+async fn wait_owned_by(store: &dyn LeaseStore, worker: &str) {
+    let taken = async {
+        while !store
+            .list()
+            .await
+            .unwrap()
+            .iter()
+            .any(|r| r.owner.as_deref().map(shardflow::lease::worker_of) == Some(worker))
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, taken)
+        .await
+        .expect("the last worker takes the shard");
 }
 
 #[tokio::test(start_paused = true)]
 async fn three_generations_of_reshards_read_every_record_once() {
-    reshard_generations(Memory::new(), "gens", 200).await;
+    let memory = Memory::new();
+    let streams = memory.streams().clone();
+    let trim = |shard: &str| streams.remove_shard("gens", shard);
+    reshard_generations(memory, "gens", 200, Some(&trim)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,5 +419,5 @@ async fn three_generations_of_reshards_on_emulators() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;
-    reshard_generations(aws, &unique("gens"), 200).await;
+    reshard_generations(aws, &unique("gens"), 200, None).await;
 }

@@ -81,12 +81,12 @@ async fn a_parent_left_out_of_the_first_list_shards_is_still_read_first() {
 
 /// Finding 2 (duplicates), `coordinator.rs` sync_shards after clean_up: once a parent
 /// was read to its end and its row cleaned up, a ListShards answer that still lists the
-/// parent but not yet (or no longer) its children makes `sync_shards` create the
-/// parent's row again, at the initial position: the parent is read a second time from
-/// TRIM_HORIZON, and while it runs its children are no longer eligible.
+/// parent but not yet (or no longer) its children made `sync_shards` create the
+/// parent's row again, at the initial position: the parent was read a second time from
+/// TRIM_HORIZON. A finished row now stays (SHARD_END) while its shard is listed.
 #[tokio::test(start_paused = true)]
 
-async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
+async fn a_finished_parent_is_not_read_again_after_a_stale_list_shards() {
     let memory = Memory::new();
     let kinesis = memory.streams().clone();
     let (parent, shards) = split_with_records(kinesis.as_ref(), "f2", 50, 100).await;
@@ -99,12 +99,30 @@ async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
         &recorder,
     );
     recorder.wait_for(100, LIMIT).await;
-    // The finished parent's row is cleaned up once both children started.
-    within(LIMIT, "the parent's row is cleaned up", async {
-        while table.rows().iter().any(|r| r.key == parent.shard_id) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
+    // The finished parent's row stays at SHARD_END (a tombstone while the shard is
+    // listed) once both children started.
+    within(
+        LIMIT,
+        "the parent finishes and both children start",
+        async {
+            loop {
+                let rows = table.rows();
+                let at = |key: &str| {
+                    rows.iter()
+                        .find(|r| r.key == key)
+                        .map(|r| r.checkpoint.clone())
+                };
+                let started = shards
+                    .iter()
+                    .filter(|s| !s.is_closed())
+                    .all(|s| matches!(at(&s.shard_id), Some(Checkpoint::At(_))));
+                if started && at(&parent.shard_id) == Some(Checkpoint::ShardEnd) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
     .await;
     // One stale answer (the next sync's) without the children.
     let children: Vec<&ShardInfo> = shards.iter().filter(|s| !s.is_closed()).collect();
@@ -114,7 +132,11 @@ async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
     // The stale answer is used by one of the next syncs; ten sync intervals of virtual
     // time (absence can only be checked over a window).
     let back = tokio::time::timeout(Duration::from_secs(5), async {
-        while !table.rows().iter().any(|r| r.key == parent.shard_id) {
+        while table
+            .rows()
+            .iter()
+            .any(|r| r.key == parent.shard_id && r.checkpoint == Checkpoint::ShardEnd)
+        {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
@@ -134,7 +156,7 @@ async fn a_cleaned_up_parent_is_not_read_again_after_a_stale_list_shards() {
     assert_no_value_twice(&recorder.snapshot());
     assert!(
         back.is_err(),
-        "the cleaned-up parent's row was created again"
+        "the finished parent's row was removed or moved back from SHARD_END"
     );
 }
 

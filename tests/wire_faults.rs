@@ -51,6 +51,44 @@ async fn wait_all_values(recorder: &Recorder, total: usize, limit: Duration) {
 // ---------------------------------------------------------------------------------------
 // Memory backend, paused clock.
 
+/// A start-up call that never answers (here: the lease table check) is cut by its
+/// deadline and tried again, and a shutdown during it returns at once.
+#[tokio::test(start_paused = true)]
+async fn a_hung_start_up_call_is_cut_and_tried_again() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("hung-start", 1).await.unwrap();
+    produce(kinesis.as_ref(), "hung-start", 0..50).await;
+    let faulty = FaultyMemory::new(memory.clone());
+    faulty.faults.hang_ensure_table.store(1, Ordering::SeqCst);
+    let recorder = Recorder::default();
+    let consumer = test_consumer(faulty.clone(), "hung-start", "g-hung-start", "w1")
+        .build()
+        .unwrap();
+    let run = start(consumer, &recorder);
+    // The first check hangs until its deadline; the second answers.
+    wait_all_values(&recorder, 50, Duration::from_secs(300)).await;
+    run.stop().await;
+
+    // A shutdown while a start-up call hangs does not wait for its deadline.
+    faulty.faults.hang_ensure_table.store(1, Ordering::SeqCst);
+    let consumer = test_consumer(faulty.clone(), "hung-start", "g-hung-start", "w2")
+        .build()
+        .unwrap();
+    let running = consumer
+        .run(tower::service_fn(|_m| async {
+            Ok::<_, std::convert::Infallible>(())
+        }))
+        .spawn();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let asked = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), running.shutdown())
+        .await
+        .expect("the shutdown returns while the start-up call hangs")
+        .expect("a clean stop");
+    assert!(asked.elapsed() < Duration::from_secs(5));
+}
+
 /// One lease whose renewals never return must not cost the worker its other leases:
 /// renewals run independently, each under a deadline.
 #[tokio::test(start_paused = true)]

@@ -112,7 +112,7 @@ pub use batch::{BatchConfig, BatchLayer, Batching};
 pub use builder::ServiceBuilderExt;
 pub use dead_letter::{DeadLetter, DeadLetterLayer, DeadLetterRecord};
 pub use decode::{Decode, DecodeError, DecodeLayer, Format, Json};
-pub use dedup::{Dedup, DedupLayer, DedupStore, DynamoDbDedupStore, MemoryDedupStore};
+pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
 pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};
 
 /// The boxed error that layers adding failures of their own return (as tower does).

@@ -1,4 +1,4 @@
-//! `DynamoDbDedupStore` against a DynamoDB emulator over real HTTP.
+//! `DynamoDedupStore` against a DynamoDB emulator over real HTTP.
 //!
 //! Runs only when `SHARDFLOW_EMULATORS` is set (scripts/test.sh sets it and points
 //! `AWS_ENDPOINT_URL_DYNAMODB` at dynalite); otherwise each test prints "skipped".
@@ -8,10 +8,10 @@ mod common;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use shardflow_middleware::dedup::{Commit, DedupStore, Reservation};
-use shardflow_middleware::DynamoDbDedupStore;
+use shardflow_middleware::DynamoDedupStore;
 
 /// A store on a fresh table, or `None` when the emulators are not running.
-async fn fresh_store(name: &str) -> Option<DynamoDbDedupStore> {
+async fn fresh_store(name: &str) -> Option<DynamoDedupStore> {
     if std::env::var_os("SHARDFLOW_EMULATORS").is_none() {
         eprintln!("skipped: SHARDFLOW_EMULATORS is not set (run scripts/test.sh)");
         return None;
@@ -21,7 +21,7 @@ async fn fresh_store(name: &str) -> Option<DynamoDbDedupStore> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or_default();
-    let store = DynamoDbDedupStore::new(&aws, format!("dedup-{name}-{nanos}"));
+    let store = DynamoDedupStore::new(&aws, format!("dedup-{name}-{nanos}"));
     store.ensure_table().await.expect("create the dedup table");
     Some(store)
 }
@@ -48,7 +48,7 @@ async fn the_dynamodb_store_follows_the_protocol() {
 }
 
 /// The body of [`the_dynamodb_store_follows_the_protocol`].
-async fn protocol(store: DynamoDbDedupStore) {
+async fn protocol(store: DynamoDedupStore) {
     // Creating an existing table is fine.
     store.ensure_table().await.expect("ensure_table twice");
 

@@ -162,8 +162,8 @@ async fn run(seed: u64) -> Run {
                 }
             };
             let outcome = match outcome {
-                dead_letter::Outcome::Handled(dedup::Outcome::Handled(_)) => Ended::Handled,
-                dead_letter::Outcome::Handled(dedup::Outcome::Duplicate) => Ended::Duplicate,
+                dead_letter::Outcome::Handled(dedup::DedupOutcome::Handled(_)) => Ended::Handled,
+                dead_letter::Outcome::Handled(dedup::DedupOutcome::Duplicate) => Ended::Duplicate,
                 dead_letter::Outcome::DeadLettered => Ended::DeadLettered,
             };
             if pass == 0 {

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::OnceCell;
 
+use super::events::{EventHook, ShardEvent};
 use crate::backend::Backend;
 use crate::kinesis::{KinesisApi, KinesisError};
 
@@ -27,14 +28,18 @@ pub enum InitialPosition {
     /// The oldest retained record (the default: nothing already in the stream is missed).
     #[default]
     TrimHorizon,
-    /// Only records written after the group first took the shard. The first owner
-    /// resolves "now" once, when it takes the lease, into a durable start: it writes
-    /// `AT_TIMESTAMP` with that moment minus a clock margin of a few seconds (Kinesis
-    /// arrival times are the service's clock) into the lease row before it reads
-    /// anything. Every later owner (after a hand-off, a crash, a drain timeout or a
+    /// Only records written after the group started. The worker that creates the
+    /// lease rows (on a new table) resolves "now" once into a durable start: it writes
+    /// `AT_TIMESTAMP` with the moment it started minus a clock margin of a few seconds
+    /// (Kinesis arrival times are the service's clock) into every row, closed shards
+    /// included (a shard closed by a reshard since the start still holds records
+    /// written since then; one closed before yields nothing and ends at once). A shard
+    /// that appears later (a reshard) is read from its start, after its parents. A row
+    /// with the KCL's `LATEST` sentinel is resolved when first taken, before anything
+    /// is read. Every later owner (after a hand-off, a crash, a drain timeout or a
     /// restart before the first checkpoint) continues from that same point, so nothing
     /// written in between is skipped; the price is that records written within the
-    /// margin before the first take are delivered too. (The KCL starts at the tip again
+    /// margin before the start are delivered too. (The KCL starts at the tip again
     /// in that case and loses those records.)
     Latest,
     /// Records that arrived at or after this time. The time is written into the lease
@@ -152,6 +157,7 @@ pub struct Config {
     pub(crate) lease_call_timeout: Duration,
     pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
+    pub(crate) events: EventHook,
 }
 
 impl Config {
@@ -219,6 +225,7 @@ pub struct ConsumerBuilder {
     lease_call_timeout: Option<Duration>,
     read_call_timeout: Duration,
     seed: Option<u64>,
+    events: EventHook,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -247,6 +254,7 @@ impl Default for ConsumerBuilder {
             lease_call_timeout: None,
             read_call_timeout: Duration::from_secs(10),
             seed: None,
+            events: EventHook::none(),
             backend: None,
         }
     }
@@ -412,6 +420,29 @@ impl ConsumerBuilder {
     /// [`Config::owner`]) (default: random), for reproducible simulations.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// Calls `hook` with what happens to this worker's shards: leases taken, lost,
+    /// handed off and released, shards ended, handler failures (see [`ShardEvent`]).
+    /// The hook runs on the worker's tasks: keep it quick, it must not block.
+    ///
+    /// ```
+    /// # use shardflow::{Consumer, Memory, ShardEvent};
+    /// let consumer = Consumer::builder()
+    ///     .stream("orders")
+    ///     .group("billing")
+    ///     .backend(Memory::new())
+    ///     .on_event(|event| {
+    ///         if let ShardEvent::LeaseLost { shard } = event {
+    ///             eprintln!("lost {shard}");
+    ///         }
+    ///     })
+    ///     .build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn on_event(mut self, hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
+        self.events = EventHook::new(hook);
         self
     }
 
@@ -603,6 +634,7 @@ impl ConsumerBuilder {
             lease_call_timeout,
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
+            events: self.events.clone(),
         })
     }
 

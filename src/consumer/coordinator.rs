@@ -20,12 +20,13 @@ use tracing::Instrument;
 
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
-use crate::lease::{Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
+use crate::lease::{worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 use crate::metrics::{Labels, LeaseEvent};
 
 use super::config::{Config, InitialPosition};
 use super::deadline::{BoundedKinesis, BoundedLeaseStore};
+use super::events::ShardEvent;
 use super::health::HealthState;
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
@@ -93,6 +94,8 @@ pub(crate) struct Coordinator {
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
+    /// When this worker started: where LATEST begins for the rows it creates.
+    started: SystemTime,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
     labels: Labels,
@@ -139,6 +142,7 @@ impl Coordinator {
             rounds: 0,
             short: false,
             table_missing_since: None,
+            started: SystemTime::now(),
             events_tx,
             events_rx,
         }
@@ -161,19 +165,11 @@ impl Coordinator {
                 self.config.seed,
             );
             loop {
-                let attempt = match self.store.ensure_table().await {
-                    Ok(()) => self.sync_shards().await,
-                    Err(e) => Err(e.into()),
-                };
-                // Enhanced fan-out: register the stream consumer once, before any read,
-                // so that a backend without fan-out refuses to start.
-                let attempt = match (attempt, &self.config.fan_out) {
-                    (Ok(()), Some(fan_out)) => fan_out
-                        .consumer_arn(self.kinesis.as_ref(), &self.stream)
-                        .await
-                        .map(drop)
-                        .map_err(ConsumerError::from),
-                    (attempt, _) => attempt,
+                // A shutdown does not wait for a start-up call (each has a deadline,
+                // some of minutes: a table or fan-out consumer being created).
+                let attempt = tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    attempt = self.start_up() => attempt,
                 };
                 match attempt {
                     Ok(()) => break,
@@ -250,6 +246,20 @@ impl Coordinator {
 
     /// Handles a shard task's exit or a hand-off request; returns whether a lease round
     /// should run right away (a shard ended, so its children may be ready).
+    /// The calls before the first lease round: the table exists, the shards have
+    /// rows, and (enhanced fan-out) the stream consumer is registered, so that a
+    /// backend without fan-out refuses to start.
+    async fn start_up(&mut self) -> Result<(), ConsumerError> {
+        self.store.ensure_table().await?;
+        self.sync_shards().await?;
+        if let Some(fan_out) = &self.config.fan_out {
+            fan_out
+                .consumer_arn(self.kinesis.as_ref(), &self.stream)
+                .await?;
+        }
+        Ok(())
+    }
+
     async fn on_event(&mut self, event: Event) -> bool {
         match event {
             Event::HandoffRequested(key, to) => {
@@ -270,29 +280,45 @@ impl Coordinator {
                 self.labels.leases_held(self.slots.len());
                 self.health.shard_stopped(&key);
                 let ended = matches!(exit, ShardExit::Ended);
+                let events = &self.config.events;
+                let shard = || key.clone();
                 match exit {
                     ShardExit::Lost => {
                         self.labels.lease_event(LeaseEvent::Lost);
-                        tracing::info!(lease = %key, "lease lost")
+                        tracing::info!(lease = %key, "lease lost");
+                        events.emit(|| ShardEvent::LeaseLost { shard: shard() });
                     }
                     ShardExit::Stopped => match &slot.handoff_to {
                         Some(to) => match slot.lease.transfer(to).await {
                             Ok(_) => {
                                 self.labels.lease_event(LeaseEvent::HandedOff);
-                                tracing::info!(lease = %key, to = %to, "handed over after draining")
+                                tracing::info!(lease = %key, to = %to, "handed over after draining");
+                                events.emit(|| ShardEvent::HandedOff {
+                                    shard: shard(),
+                                    to: worker_of(to).to_owned(),
+                                });
                             }
-                            Err(e) => tracing::warn!(lease = %key, error = %e, "hand-off failed"),
+                            Err(e) => {
+                                tracing::warn!(lease = %key, error = %e, "hand-off failed");
+                                self.labels.lease_event(LeaseEvent::Lost);
+                                events.emit(|| ShardEvent::LeaseLost { shard: shard() });
+                            }
                         },
-                        None => release(&slot.lease, &key).await,
+                        None => {
+                            release(&slot.lease, &key).await;
+                            events.emit(|| ShardEvent::Released { shard: shard() });
+                        }
                     },
                     ShardExit::Ended => {
                         self.need_sync = true;
+                        events.emit(|| ShardEvent::ShardEnded { shard: shard() });
                         release(&slot.lease, &key).await;
                     }
                     ShardExit::Failed(why) => {
                         tracing::warn!(lease = %key, %why, "giving the shard up");
                         self.need_sync = true;
                         release(&slot.lease, &key).await;
+                        events.emit(|| ShardEvent::Released { shard: shard() });
                     }
                 }
                 ended
@@ -543,47 +569,55 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Deletes rows of finished shards once every child has started (its checkpoint
-    /// moved): they can no longer hold a child back, and no sync re-creates them
-    /// because their children have rows.
+    /// Deletes rows of finished shards once Kinesis no longer lists the shard (it is
+    /// past retention) and every child still listed has started (its checkpoint moved).
+    ///
+    /// Until then the row stays as a tombstone: SHARD_END says the shard was read. A
+    /// worker that decided to create a shard's row from an older listing and was paused
+    /// before the create landed (GC, SIGSTOP, a slow network) would otherwise create
+    /// the row again after its deletion, and the whole shard would be read a second
+    /// time; the create is conditional on the row's absence, so a tombstone refuses it.
+    /// Once the shard is past retention, a row created again that way finds nothing to
+    /// read. The cost is one small row per finished shard for the retention period.
     async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let started = |children: &BTreeSet<&str>| {
-            !children.is_empty()
-                && children.iter().all(|c| {
-                    by_key.get(c).is_some_and(|l| {
-                        matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd)
-                    })
-                })
+        let started = |child: &str| {
+            by_key
+                .get(child)
+                .is_some_and(|l| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd))
         };
         let finished: Vec<&Lease> = rows
             .iter()
             .filter(|r| r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none())
-            .filter(|r| started(&children_of(&self.shards, &r.key).collect()))
+            .filter(|r| !listed(&self.shards, &r.key))
             .collect();
         if finished.is_empty() {
             return;
         }
-        // A ListShards answer that left a child out would let a parent go before that
-        // child started, and the child (its parent's row gone) would never be read: a
-        // second answer must show every child started too.
+        // A ListShards answer that left the shard out, or a child that has not
+        // started, would let a row go while it still holds a child back (the child,
+        // its parent's row gone, would not wait for it): a second answer must agree.
         let fresh = match self.kinesis.list_shards(&self.stream).await {
             Ok(fresh) => fresh,
             Err(e) => {
-                tracing::debug!(error = %e, "could not confirm the children of finished leases");
+                tracing::debug!(error = %e, "could not confirm finished shards past retention");
                 return;
             }
         };
         for row in finished {
-            let children: BTreeSet<&str> = children_of(&self.shards, &row.key)
+            if listed(&fresh, &row.key) {
+                continue;
+            }
+            let waiting = children_of(&self.shards, &row.key)
                 .chain(children_of(&fresh, &row.key))
-                .collect();
-            if !started(&children) {
+                .chain(row.children.iter().map(String::as_str))
+                .any(|c| (listed(&fresh, c) || listed(&self.shards, c)) && !started(c));
+            if waiting {
                 continue;
             }
             match self.store.delete(row).await {
                 Ok(()) => {
-                    tracing::debug!(lease = %row.key, "removed the finished shard's lease")
+                    tracing::debug!(lease = %row.key, "removed the lease of a shard past retention")
                 }
                 Err(e) => {
                     tracing::debug!(lease = %row.key, error = %e, "could not remove a finished lease")
@@ -601,11 +635,13 @@ impl Coordinator {
     /// reading it again would deliver it twice. An open shard has no descendants, so it
     /// always gets a row.
     ///
-    /// At the first sync (no rows yet), LATEST skips shards that are already closed:
-    /// they hold only the past. TRIM_HORIZON and AT_TIMESTAMP take every shard, closed
-    /// or not; at AT_TIMESTAMP a parent closed after the timestamp still holds records
-    /// to read, and one closed before it yields nothing and ends at once. Children wait
-    /// for their parents either way.
+    /// At the first sync (no rows yet) every shard gets a row, closed or not. LATEST
+    /// is read as AT_TIMESTAMP of the moment this worker started (less the clock
+    /// margin), not of the sync: a first sync delayed by failing calls or a stale
+    /// ListShards answer, during which a shard was closed by a reshard, must still read
+    /// that shard's records written since the start. At a timestamp a parent closed
+    /// after it still holds records to read, and one closed before it yields nothing
+    /// and ends at once. Children wait for their parents either way.
     async fn sync_shards(&mut self) -> Result<(), ConsumerError> {
         // Decisions below are as old as the older of the two listings.
         let listed_at = Instant::now();
@@ -631,13 +667,13 @@ impl Coordinator {
             }
         }
         let first = rows.is_empty();
-        let latest = matches!(self.config.initial_position, InitialPosition::Latest);
-        // LATEST is resolved once, here, into the time the lease is created (less the
-        // clock margin): every owner, the first included, continues from that time, so
-        // no change of owner before the first checkpoint can skip a record.
+        // LATEST is resolved once, here, into the time this worker started (less the
+        // clock margin) and written in the rows it creates: every owner, the first
+        // included, continues from that time, so no change of owner before the first
+        // checkpoint can skip a record.
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
-            InitialPosition::Latest => Checkpoint::latest_from(SystemTime::now()),
+            InitialPosition::Latest => Checkpoint::latest_from(self.started),
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };
         let mut created: BTreeSet<&str> = BTreeSet::new();
@@ -665,9 +701,6 @@ impl Coordinator {
                 continue;
             }
             let checkpoint = if first {
-                if latest && shard.is_closed() {
-                    continue; // starting at the tip: closed shards hold only the past
-                }
                 initial.clone()
             } else if parents
                 .iter()
@@ -946,6 +979,9 @@ impl Coordinator {
             .instrument(span),
         );
         tracing::info!(lease = %key, "reading shard");
+        self.config
+            .events
+            .emit(|| ShardEvent::LeaseTaken { shard: key.clone() });
         lock(&self.held).insert(key.clone(), lease.clone());
         self.slots.insert(
             key,
@@ -976,6 +1012,9 @@ impl Coordinator {
         for (key, slot) in std::mem::take(&mut self.slots) {
             tracing::warn!(lease = %key, "shard did not stop in time; releasing its lease");
             release(&slot.lease, &key).await;
+            self.config
+                .events
+                .emit(|| ShardEvent::Released { shard: key.clone() });
         }
         tracing::info!("worker stopped; leases released");
     }
@@ -988,6 +1027,11 @@ async fn concurrently<T>(writes: Vec<BoxFuture<'static, T>>) -> Vec<T> {
         .buffer_unordered(MAX_CONCURRENT_WRITES)
         .collect()
         .await
+}
+
+/// Whether `key` is one of `shards`.
+fn listed(shards: &[ShardInfo], key: &str) -> bool {
+    shards.iter().any(|s| s.shard_id == key)
 }
 
 /// The ids of `key`'s children (split from it, or merged from it and a neighbour) in a

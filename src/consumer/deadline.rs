@@ -17,9 +17,14 @@ use crate::kinesis::{
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::metrics::Labels;
 
+/// How long a call that waits for AWS to create something may take in all: the
+/// lease table check (which may wait for the table to become ACTIVE) and the
+/// registration of an enhanced fan-out consumer. The AWS backends give up on their own
+/// after 60 s and 120 s; this bounds any backend.
+pub(crate) const SETUP_CALL_TIMEOUT: Duration = Duration::from_secs(180);
+
 /// A lease store whose every call ends within `timeout` ([`LeaseError::TimedOut`]
-/// otherwise). `ensure_table` is not bounded here: it waits for a table being created
-/// and has its own limit.
+/// otherwise); `ensure_table` within [`SETUP_CALL_TIMEOUT`].
 /// Every call is also counted ([`crate::metrics::REQUESTS`], throttles).
 pub(crate) struct BoundedLeaseStore {
     inner: Arc<dyn LeaseStore>,
@@ -41,18 +46,23 @@ impl BoundedLeaseStore {
         op: &'static str,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        let answer = tokio::time::timeout(self.timeout, call).await;
-        let throttled = matches!(answer, Ok(Err(LeaseError::Throttled(_))));
+        let result = bound_lease_call(op, self.timeout, call).await;
+        let throttled = matches!(result, Err(LeaseError::Throttled(_)));
         self.labels.request("dynamodb", op, throttled);
-        match answer {
-            Ok(result) => result,
-            Err(_) => {
-                tracing::warn!(op, after = ?self.timeout, "lease store call timed out");
-                Err(LeaseError::TimedOut {
-                    op,
-                    after: self.timeout,
-                })
-            }
+        result
+    }
+}
+
+async fn bound_lease_call<T>(
+    op: &'static str,
+    after: Duration,
+    call: impl Future<Output = Result<T, LeaseError>>,
+) -> Result<T, LeaseError> {
+    match tokio::time::timeout(after, call).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(op, ?after, "lease store call timed out");
+            Err(LeaseError::TimedOut { op, after })
         }
     }
 }
@@ -61,7 +71,12 @@ impl BoundedLeaseStore {
 impl LeaseStore for BoundedLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.labels.request("dynamodb", "ensure_table", false);
-        self.inner.ensure_table().await
+        bound_lease_call(
+            "ensure_table",
+            SETUP_CALL_TIMEOUT,
+            self.inner.ensure_table(),
+        )
+        .await
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
@@ -157,16 +172,23 @@ impl BoundedKinesis {
         op: &'static str,
         call: impl Future<Output = Result<T, KinesisError>>,
     ) -> Result<T, KinesisError> {
-        let answer = tokio::time::timeout(self.timeout, call).await;
-        let throttled = matches!(answer, Ok(Err(KinesisError::Throttled(_))));
+        let result = bound_kinesis_call(op, self.timeout, call).await;
+        let throttled = matches!(result, Err(KinesisError::Throttled(_)));
         self.labels.request("kinesis", op, throttled);
-        answer.unwrap_or_else(|_| {
-            Err(KinesisError::Other(format!(
-                "{op} did not answer within {:?}",
-                self.timeout
-            )))
-        })
+        result
     }
+}
+
+async fn bound_kinesis_call<T>(
+    op: &'static str,
+    after: Duration,
+    call: impl Future<Output = Result<T, KinesisError>>,
+) -> Result<T, KinesisError> {
+    tokio::time::timeout(after, call).await.unwrap_or_else(|_| {
+        Err(KinesisError::Other(format!(
+            "{op} did not answer within {after:?}"
+        )))
+    })
 }
 
 #[async_trait]
@@ -235,7 +257,12 @@ impl KinesisApi for BoundedKinesis {
     }
 
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        self.inner.register_consumer(stream, name).await
+        bound_kinesis_call(
+            "RegisterStreamConsumer",
+            SETUP_CALL_TIMEOUT,
+            self.inner.register_consumer(stream, name),
+        )
+        .await
     }
 
     async fn subscribe_to_shard(

@@ -7,13 +7,17 @@ use std::fmt::Display;
 use tokio::sync::mpsc;
 use tower::{Service, ServiceExt};
 
+use super::events::{EventHook, ShardEvent};
 use crate::message::{Batch, Message};
 
 /// Calls `service` for every message of every batch, in order. A batch is acknowledged
 /// when all its messages succeeded; on the first error the handled prefix is
 /// acknowledged, the rest given up, and the shard restarts from its checkpoint.
-pub(crate) async fn records<S>(mut batches: mpsc::Receiver<Batch>, mut service: S)
-where
+pub(crate) async fn records<S>(
+    mut batches: mpsc::Receiver<Batch>,
+    mut service: S,
+    events: EventHook,
+) where
     S: Service<Message>,
     S::Error: Display + Send,
 {
@@ -55,6 +59,11 @@ where
                 if let Some((position, error)) = failure {
                     tracing::warn!(shard = %batch.shard_id, sequence = %position, %error, "handler failed; the shard restarts from its checkpoint");
                     ack.nack();
+                    events.emit(|| ShardEvent::HandlerFailed {
+                        shard: batch.shard_id.to_string(),
+                        sequence_number: Some(position.sequence.clone()),
+                        error,
+                    });
                 }
             }
         }
@@ -65,8 +74,11 @@ where
 /// up. The batch keeps (a clone of) its acknowledgement handle, so the handler's own
 /// `ack` (earlier than its return) and `nack` (give up, redeliver) mean what they say;
 /// `Ok` after a `nack` does not acknowledge (a given-up batch stays given up).
-pub(crate) async fn batches<S>(mut batches: mpsc::Receiver<Batch>, mut service: S)
-where
+pub(crate) async fn batches<S>(
+    mut batches: mpsc::Receiver<Batch>,
+    mut service: S,
+    events: EventHook,
+) where
     S: Service<Batch>,
     S::Error: Display + Send,
 {
@@ -90,6 +102,11 @@ where
                 tracing::warn!(%shard, %error, "batch handler failed; the shard restarts from its checkpoint");
                 ack.abandon();
                 ack.nack();
+                events.emit(|| ShardEvent::HandlerFailed {
+                    shard: shard.to_string(),
+                    sequence_number: None,
+                    error: error.to_string(),
+                });
             }
         }
     }

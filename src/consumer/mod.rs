@@ -43,6 +43,7 @@ mod config;
 mod coordinator;
 mod deadline;
 mod dispatch;
+mod events;
 mod health;
 mod reader;
 mod shard;
@@ -69,6 +70,7 @@ pub use config::{
     DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
 };
 use coordinator::{Coordinator, Sink, SpawnDispatch};
+pub use events::ShardEvent;
 use health::HealthState;
 pub use health::{Health, ShardHealth, FAILING_AFTER};
 
@@ -182,9 +184,10 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
+        let events = self.config.events.clone();
         let service = Measured::new(service, &Labels::of(&self.config));
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::records(rx, service))
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::records(rx, service, events.clone()))
         }))
     }
 
@@ -211,9 +214,10 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
+        let events = self.config.events.clone();
         let service = Measured::new(service, &Labels::of(&self.config));
-        self.run_with(spawn_with(service, |rx, service| {
-            tokio::spawn(dispatch::batches(rx, service))
+        self.run_with(spawn_with(service, move |rx, service| {
+            tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))
     }
 

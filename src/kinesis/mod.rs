@@ -175,6 +175,18 @@ impl KinesisError {
     }
 }
 
+/// The largest record Kinesis accepts: data plus partition key, 1 MiB.
+pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// The longest partition key Kinesis accepts, in Unicode characters.
+pub const MAX_PARTITION_KEY_CHARS: usize = 256;
+
+/// The hash key Kinesis derives from a partition key (which shard a record goes to):
+/// MD5 as a 128-bit big-endian number.
+pub fn partition_hash(partition_key: &str) -> u128 {
+    u128::from_be_bytes(md5::compute(partition_key.as_bytes()).0)
+}
+
 /// The Kinesis calls shardflow needs. Implemented by [`aws::AwsKinesis`] and
 /// [`crate::memory::MemoryKinesis`].
 #[async_trait]

@@ -9,11 +9,7 @@ use bytes::Bytes;
 use crate::kinesis::PutRecord;
 use crate::sequence::SequenceNumber;
 
-/// The largest record Kinesis accepts: payload plus partition key, 1 MiB.
-pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
-
-/// The longest partition key Kinesis accepts, in Unicode characters.
-pub const MAX_PARTITION_KEY_CHARS: usize = 256;
+pub use crate::kinesis::{MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES};
 
 /// A record to write: a payload, the partition key that picks its shard, and optionally
 /// an explicit hash key that picks the shard instead.

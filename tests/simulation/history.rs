@@ -100,13 +100,9 @@ impl Feature {
     }
 }
 
-/// The features on by default: every one the library passes (the bugs they reproduced
-/// on the main of 2026-11-30 16:00 are fixed: issue 8). Left out:
-/// - `stale-list-shards`: a worker that lists shards, is paused, and creates a row
-///   from that listing after the row was finished and deleted re-creates it (the shard
-///   is read again, a second owner commits at counter 1). No record is lost (the
-///   no-loss invariant holds over 300 seeds with every feature); see the issue note for
-///   the failing seeds.
+/// The features on by default: all of them (the bugs they reproduced on the main of
+/// 2026-11-30 are fixed: issue 8; the last, `stale-list-shards`, by keeping finished
+/// rows as tombstones while their shard is listed).
 pub const DEFAULT_FEATURES: &[Feature] = &[
     Feature::Reshard,
     Feature::DeepReshard,
@@ -125,6 +121,7 @@ pub const DEFAULT_FEATURES: &[Feature] = &[
     Feature::AmbiguousPut,
     Feature::AmbiguousLease,
     Feature::MissingNextIteratorAnywhere,
+    Feature::StaleListShards,
     Feature::HungCalls,
 ];
 

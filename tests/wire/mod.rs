@@ -300,6 +300,8 @@ pub struct MemoryFaults {
     pub hung_subscriptions: AtomicUsize,
     /// GetRecords calls that were left hanging.
     pub hung_get_records: AtomicUsize,
+    /// This many of the next `ensure_table` calls never return.
+    pub hang_ensure_table: AtomicUsize,
     /// Every lease store call fails with `TableMissing`.
     pub table_missing: AtomicBool,
 }
@@ -351,6 +353,13 @@ impl FaultyStore {
 impl LeaseStore for FaultyStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.check()?;
+        let hangs = &self.faults.hang_ensure_table;
+        if hangs
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return std::future::pending().await;
+        }
         self.inner.ensure_table().await
     }
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {

@@ -1,4 +1,4 @@
-//! [`DynamoDbDedupStore`]: the dedup keys in a DynamoDB table, shared by every consumer
+//! [`DynamoDedupStore`]: the dedup keys in a DynamoDB table, shared by every consumer
 //! of one group.
 //!
 //! Use one table per consumer group. A key done by one group reads as done to every
@@ -43,17 +43,17 @@ const DONE: &str = "done";
 
 /// A [`DedupStore`] in a DynamoDB table (see the module docs for the layout).
 ///
-/// Create the table with [`ensure_table`](DynamoDbDedupStore::ensure_table) or your own
+/// Create the table with [`ensure_table`](DynamoDedupStore::ensure_table) or your own
 /// infrastructure code (hash key `dedupKey` of type S, TTL on `expiresAt`). One table
 /// per consumer group, unless each group's layer has its own
 /// [`namespace`](super::DedupLayer::namespace).
 #[derive(Clone, Debug)]
-pub struct DynamoDbDedupStore {
+pub struct DynamoDedupStore {
     client: Client,
     table: Arc<str>,
 }
 
-impl DynamoDbDedupStore {
+impl DynamoDedupStore {
     /// A store in `table`, through the DynamoDB client of `aws`.
     pub fn new(aws: &shardflow::Aws, table: impl Into<Arc<str>>) -> Self {
         Self::from_client(aws.dynamodb_client().clone(), table)
@@ -61,7 +61,7 @@ impl DynamoDbDedupStore {
 
     /// A store in `table`, through `client`.
     pub fn from_client(client: Client, table: impl Into<Arc<str>>) -> Self {
-        DynamoDbDedupStore {
+        DynamoDedupStore {
             client,
             table: table.into(),
         }
@@ -228,7 +228,7 @@ fn state_of(item: &HashMap<String, AttributeValue>, now: u64, token: &str) -> Op
 }
 
 #[async_trait]
-impl DedupStore for DynamoDbDedupStore {
+impl DedupStore for DynamoDedupStore {
     async fn reserve(
         &self,
         key: &str,

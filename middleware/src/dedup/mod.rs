@@ -7,7 +7,7 @@
 //!    sub-sequence number; or any [`KeyFn`], e.g. a business id from the payload).
 //! 2. [`reserve`](DedupStore::reserve) it: in progress, expiring after
 //!    [`in_progress_ttl`](DedupLayer::in_progress_ttl).
-//!    * Already **done** → return [`Outcome::Duplicate`] without calling the handler
+//!    * Already **done** → return [`DedupOutcome::Duplicate`] without calling the handler
 //!      (counted as `shardflow.deduplicated`). The checkpoint may pass the record: it was
 //!      handled.
 //!    * **In progress** elsewhere (another consumer during a lease hand-off, a second
@@ -40,7 +40,7 @@
 //! A store knows keys, not who handled them. Two consumer groups (or two handlers with
 //! different side effects) that share a store — one [`MemoryDedupStore`], one DynamoDB
 //! table — would find each other's keys done, and the second group's handler would be
-//! skipped as a [`Duplicate`](Outcome::Duplicate) although its side effect never
+//! skipped as a [`Duplicate`](DedupOutcome::Duplicate) although its side effect never
 //! happened. Give each group its own store (its own table), or, when a table must be
 //! shared, give each group's layer its own [`namespace`](DedupLayer::namespace):
 //!
@@ -68,7 +68,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 
-pub use dynamodb::DynamoDbDedupStore;
+pub use dynamodb::DynamoDedupStore;
 pub use memory::MemoryDedupStore;
 pub use store::{Commit, DedupStore, Reservation, StoreError};
 
@@ -77,25 +77,25 @@ use crate::BoxError;
 
 /// What a deduplicated call returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome<R> {
+pub enum DedupOutcome<R> {
     /// The handler ran and succeeded; its response.
     Handled(R),
     /// The key was already done: the handler was not called.
     Duplicate,
 }
 
-impl<R> Outcome<R> {
+impl<R> DedupOutcome<R> {
     /// The handler's response, if it ran.
     pub fn handled(self) -> Option<R> {
         match self {
-            Outcome::Handled(r) => Some(r),
-            Outcome::Duplicate => None,
+            DedupOutcome::Handled(r) => Some(r),
+            DedupOutcome::Duplicate => None,
         }
     }
 
     /// Whether the record was skipped as a duplicate.
     pub fn is_duplicate(&self) -> bool {
-        matches!(self, Outcome::Duplicate)
+        matches!(self, DedupOutcome::Duplicate)
     }
 }
 
@@ -242,7 +242,7 @@ where
     K: KeyFn<T>,
     T: Send + 'static,
 {
-    type Response = Outcome<S::Response>;
+    type Response = DedupOutcome<S::Response>;
     type Error = BoxError;
     type Future = ResponseFuture<S::Response>;
 
@@ -284,7 +284,7 @@ async fn handle_once<S, St, T>(
     key: String,
     timing: Timing,
     message: Message<T>,
-) -> Result<Outcome<S::Response>, BoxError>
+) -> Result<DedupOutcome<S::Response>, BoxError>
 where
     S: Service<Message<T>>,
     S::Error: Into<BoxError>,
@@ -317,7 +317,7 @@ where
                     monotonic_counter.shardflow.deduplicated = 1u64,
                     "already handled; skipped",
                 );
-                return Ok(Outcome::Duplicate);
+                return Ok(DedupOutcome::Duplicate);
             }
             Ok(Reservation::InProgress) => {
                 let since = *waited_since.get_or_insert_with(Instant::now);
@@ -354,7 +354,7 @@ where
                      reservation expires would run it again",
                 ),
             }
-            Ok(Outcome::Handled(response))
+            Ok(DedupOutcome::Handled(response))
         }
         Err(error) => {
             let released = held.store.release(&held.key, &held.token).await;
@@ -526,11 +526,11 @@ impl<S, St: Clone, K> Layer<S> for DedupLayer<St, K> {
 
 /// The response future of [`Dedup`].
 pub struct ResponseFuture<R> {
-    future: Pin<Box<dyn Future<Output = Result<Outcome<R>, BoxError>> + Send>>,
+    future: Pin<Box<dyn Future<Output = Result<DedupOutcome<R>, BoxError>> + Send>>,
 }
 
 impl<R> Future for ResponseFuture<R> {
-    type Output = Result<Outcome<R>, BoxError>;
+    type Output = Result<DedupOutcome<R>, BoxError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.future.as_mut().poll(cx)

@@ -34,9 +34,9 @@ async fn a_done_key_skips_the_handler() {
     let first = svc.clone().oneshot(message(1, b"x")).await.unwrap();
     let again = svc.clone().oneshot(message(1, b"x")).await.unwrap();
     let other = svc.oneshot(message(2, b"x")).await.unwrap();
-    assert_eq!(first, Outcome::Handled(1));
-    assert_eq!(again, Outcome::Duplicate);
-    assert_eq!(other, Outcome::Handled(2));
+    assert_eq!(first, DedupOutcome::Handled(1));
+    assert_eq!(again, DedupOutcome::Duplicate);
+    assert_eq!(other, DedupOutcome::Handled(2));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
@@ -48,7 +48,7 @@ async fn a_failure_releases_the_key_for_the_next_delivery() {
     assert_eq!(err.to_string(), "handler failed");
     let start = tokio::time::Instant::now();
     let ok = svc.oneshot(message(1, b"x")).await.unwrap();
-    assert_eq!(ok, Outcome::Handled(2));
+    assert_eq!(ok, DedupOutcome::Handled(2));
     assert_eq!(
         start.elapsed(),
         Duration::ZERO,
@@ -82,8 +82,8 @@ async fn a_key_in_progress_elsewhere_is_waited_for_then_found_done() {
     let second = tokio::spawn(b.oneshot(message(1, b"x")));
     tokio::time::sleep(Duration::from_millis(500)).await;
     go.notify_one();
-    assert_eq!(first.await.unwrap().unwrap(), Outcome::Handled(1));
-    assert_eq!(second.await.unwrap().unwrap(), Outcome::Duplicate);
+    assert_eq!(first.await.unwrap().unwrap(), DedupOutcome::Handled(1));
+    assert_eq!(second.await.unwrap().unwrap(), DedupOutcome::Duplicate);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
@@ -125,7 +125,7 @@ async fn an_expired_reservation_is_taken_over() {
         .layer(handler);
     assert_eq!(
         svc.oneshot(message(1, b"x")).await.unwrap(),
-        Outcome::Handled(1)
+        DedupOutcome::Handled(1)
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
@@ -171,7 +171,11 @@ async fn a_business_key_dedups_records_at_different_positions() {
     let c = svc.oneshot(message(3, b"order-8")).await.unwrap();
     assert_eq!(
         (a, b, c),
-        (Outcome::Handled(1), Outcome::Duplicate, Outcome::Handled(2))
+        (
+            DedupOutcome::Handled(1),
+            DedupOutcome::Duplicate,
+            DedupOutcome::Handled(2)
+        )
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
@@ -229,11 +233,11 @@ async fn groups_sharing_a_store_do_not_skip_each_others_records() {
         .layer(shipping);
     assert_eq!(
         billing.clone().oneshot(message(1, b"x")).await.unwrap(),
-        Outcome::Handled(1)
+        DedupOutcome::Handled(1)
     );
     assert_eq!(
         shipping.clone().oneshot(message(1, b"x")).await.unwrap(),
-        Outcome::Handled(1),
+        DedupOutcome::Handled(1),
         "the other group's record is not a duplicate"
     );
     // Within a group, dedup still works.
@@ -270,7 +274,7 @@ async fn a_call_dropped_mid_handler_releases_its_key() {
     let start = tokio::time::Instant::now();
     assert_eq!(
         svc.oneshot(message(1, b"x")).await.unwrap(),
-        Outcome::Handled(1)
+        DedupOutcome::Handled(1)
     );
     assert_eq!(start.elapsed(), Duration::ZERO, "no wait for the expiry");
     assert_eq!(calls.load(Ordering::SeqCst), 1);

@@ -85,7 +85,7 @@ where
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use shardflow_middleware::dedup::{DedupLayer, Outcome};
+    use shardflow_middleware::dedup::{DedupLayer, DedupOutcome};
     use shardflow_middleware::BoxError;
     use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 
@@ -120,8 +120,8 @@ where
                 loop {
                     let ready = svc.ready().await.expect("dedup is always ready");
                     match ready.call(msg.clone()).await {
-                        Ok(Outcome::Handled(())) => handled += 1,
-                        Ok(Outcome::Duplicate) => duplicates += 1,
+                        Ok(DedupOutcome::Handled(())) => handled += 1,
+                        Ok(DedupOutcome::Duplicate) => duplicates += 1,
                         Err(e) => {
                             redeliveries += 1;
                             assert!(redeliveries < 10_000, "stuck on {sequence}: {e}");

@@ -1,0 +1,93 @@
+//! What happens to a worker's shards, for users who want to see it: the hook set with
+//! [`ConsumerBuilder::on_event`](super::ConsumerBuilder::on_event), the way KCL users
+//! have `leaseLost`/`shardEnded` and rdkafka users have rebalance callbacks.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::sequence::SequenceNumber;
+
+/// Something that happened to one of this worker's shards.
+///
+/// The hook is called on the worker's own tasks, in the order things happened for a
+/// shard: keep it quick (count, log, send on a channel); it must not block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ShardEvent {
+    /// The worker took the shard's lease and starts reading it.
+    LeaseTaken {
+        /// The shard.
+        shard: String,
+    },
+    /// The lease was lost (another worker holds it now, or a write was refused): what
+    /// was not checkpointed is delivered again to the next owner.
+    LeaseLost {
+        /// The shard.
+        shard: String,
+    },
+    /// The shard was drained, checkpointed and handed over to another worker that asked
+    /// for it (a planned rebalance: nothing is delivered twice).
+    HandedOff {
+        /// The shard.
+        shard: String,
+        /// The worker it was handed to.
+        to: String,
+    },
+    /// The shard was drained, checkpointed and its lease released (shutdown, or a shard
+    /// that could not be read any more).
+    Released {
+        /// The shard.
+        shard: String,
+    },
+    /// Every record of the closed shard is handled and SHARD_END is committed; its
+    /// children can be read.
+    ShardEnded {
+        /// The shard.
+        shard: String,
+    },
+    /// A handler failed on a record: the shard restarts from its checkpoint and the
+    /// record is delivered again (records are never skipped; add a dead-letter layer to
+    /// move on from a record that cannot be handled).
+    HandlerFailed {
+        /// The shard.
+        shard: String,
+        /// The record that failed, when known (record mode).
+        sequence_number: Option<SequenceNumber>,
+        /// The handler's error, as text.
+        error: String,
+    },
+}
+
+type Hook = Arc<dyn Fn(&ShardEvent) + Send + Sync>;
+
+/// The user's hook, shared by the worker's tasks.
+#[derive(Clone)]
+pub(crate) struct EventHook(Option<Hook>);
+
+impl EventHook {
+    pub(crate) fn none() -> Self {
+        EventHook(None)
+    }
+
+    pub(crate) fn new(hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
+        EventHook(Some(Arc::new(hook)))
+    }
+
+    /// Calls the hook, if any, with the event `make` builds (built only when there is a
+    /// hook).
+    pub(crate) fn emit(&self, make: impl FnOnce() -> ShardEvent) {
+        if let Some(hook) = &self.0 {
+            hook(&make());
+        }
+    }
+}
+
+impl fmt::Debug for EventHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Some(<hook>)"
+        } else {
+            "None"
+        })
+    }
+}
