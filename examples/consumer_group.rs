@@ -34,6 +34,11 @@
 //!   are drained, checkpoints committed, leases released; then the process exits 0.
 //!   A configuration or start-up error (e.g. the stream does not exist) exits 1.
 //!
+//! - **`--metrics-addr ADDR`** serves the metrics (README, "Metrics") as Prometheus text
+//!   over HTTP on `ADDR` (e.g. `127.0.0.1:9100`), plus the health signal as two gauges,
+//!   `consumer_group_live` and `consumer_group_ready` (1 or 0, updated every second).
+//! - **`--fan-out NAME`** reads through enhanced fan-out as the stream consumer `NAME`.
+//!
 //! The timing options default to values for a local group against emulators (fast
 //! fail-over, a few seconds); on AWS something like `--lease-duration-ms 10000
 //! --take-interval-ms 10000` costs fewer DynamoDB requests. Every option is listed by
@@ -103,6 +108,12 @@ struct Args {
     /// Add "ts_us" (wall-clock microseconds when the record was handled) to every line.
     #[arg(long)]
     timestamps: bool,
+    /// Serve Prometheus metrics (text format) over HTTP on this address.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Read through enhanced fan-out as this stream consumer instead of polling.
+    #[arg(long, value_name = "NAME")]
+    fan_out: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -175,6 +186,12 @@ async fn run(
     args: Args,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()?;
+        tracing::info!(%addr, "serving Prometheus metrics");
+    }
     let aws = Aws::from_env().await;
     if let Some(shards) = args.create_stream {
         let admin = aws.admin().ok_or("this backend cannot create streams")?;
@@ -214,6 +231,9 @@ async fn run(
     if let Some(n) = args.shutdown_timeout_ms {
         builder = builder.shutdown_timeout(ms(n));
     }
+    if let Some(name) = &args.fan_out {
+        builder = builder.fan_out(name);
+    }
     let consumer = builder.build()?;
     tracing::info!(
         stream = %args.stream,
@@ -233,7 +253,19 @@ async fn run(
         let printed = print_line(&worker, &msg, timestamps);
         async move { printed }
     });
-    consumer.run(handler).until(shutdown).await?;
+    let mut running = consumer.run(handler).until(shutdown).spawn();
+    // The health signal as gauges, for a probe that scrapes the metrics.
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            result = &mut running => break result?,
+            _ = tick.tick() => {
+                let health = running.health();
+                metrics::gauge!("consumer_group_live").set(f64::from(u8::from(health.is_live())));
+                metrics::gauge!("consumer_group_ready").set(f64::from(u8::from(health.is_ready())));
+            }
+        }
+    }
     tracing::info!("worker stopped");
     Ok(())
 }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::lease::{Checkpoint, HeldLease};
+use crate::metrics::InFlight;
 use crate::sequence::Position;
 
 /// What a unit of delivery covers: records up to a position, or the end of the shard.
@@ -302,6 +303,7 @@ impl ShardProgress {
             progress: self.clone(),
             id,
             generation,
+            in_flight: None,
         }
     }
 
@@ -327,11 +329,22 @@ pub struct AckHandle {
     progress: Arc<ShardProgress>,
     id: u64,
     generation: u64,
+    /// The batch's metrics: in flight until the last clone is dropped.
+    in_flight: Option<Arc<InFlight>>,
 }
 
 impl AckHandle {
+    /// Keeps the batch's metrics guard (see [`InFlight`]).
+    pub(crate) fn tracking(mut self, in_flight: Arc<InFlight>) -> Self {
+        self.in_flight = Some(in_flight);
+        self
+    }
+
     /// Every record of the batch is handled.
     pub fn ack(&self) {
+        if let Some(m) = &self.in_flight {
+            m.handled();
+        }
         if self.progress.lock().ack(self.id, self.generation) {
             self.progress.changed.notify_one();
         }

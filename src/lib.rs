@@ -10,6 +10,8 @@
 //! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`], [`Concurrency`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
 //! | [`ShardEvent`] | what happens to a worker's shards (leases taken, lost, handed off; shards ended; handler failures), for [`ConsumerBuilder::on_event`] |
+//! | [`Health`] (`Running::health()`) | liveness and readiness: is the worker renewing, are its shards advancing or failing |
+//! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
 //! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
@@ -62,6 +64,7 @@ pub mod lease;
 pub mod memory;
 
 pub mod message;
+pub mod metrics;
 pub mod producer;
 pub mod sequence;
 
@@ -69,7 +72,7 @@ pub use backend::{Aws, AwsTimeouts, Backend};
 pub use checkpoint::AckHandle;
 pub use consumer::{
     BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
-    ConsumerError, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
+    ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use memory::Memory;
 pub use message::{Batch, Headers, HeadersBuilder, Message};

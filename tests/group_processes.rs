@@ -85,6 +85,24 @@ async fn consumer_group_of_processes() {
     if !emulators_enabled() {
         return;
     }
+    group_of_processes(None).await;
+}
+
+/// The same run with every worker reading through enhanced fan-out (`--fan-out`) against
+/// kinesis-local: subscriptions change hands as the leases do. Skipped unless
+/// `SHARDFLOW_FANOUT_KINESIS_ENDPOINT` is set (`scripts/test.sh` sets it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_group_of_processes_with_enhanced_fan_out() {
+    let Ok(endpoint) = std::env::var("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    group_of_processes(Some(endpoint)).await;
+}
+
+/// The scenario of the module docs; with `fan_out_endpoint`, Kinesis is that endpoint
+/// (for the test and the workers) and the workers read through enhanced fan-out.
+async fn group_of_processes(fan_out_endpoint: Option<String>) {
     let started = Instant::now();
     let stream = unique("group");
     let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -94,7 +112,18 @@ async fn consumer_group_of_processes() {
     let bin = build_example("consumer_group", &log_dir);
     let built = started.elapsed();
 
-    let aws = Aws::from_env().await;
+    let aws = match &fan_out_endpoint {
+        None => Aws::from_env().await,
+        Some(endpoint) => {
+            let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+            let kinesis = aws_sdk_kinesis::Client::from_conf(
+                aws_sdk_kinesis::config::Builder::from(&config)
+                    .endpoint_url(endpoint)
+                    .build(),
+            );
+            Aws::from_clients(kinesis, aws_sdk_dynamodb::Client::new(&config))
+        }
+    };
     let kinesis = aws.admin().unwrap();
     let group_name = format!("{stream}-g");
     kinesis.create_stream(&stream, SHARDS).await.unwrap();
@@ -106,6 +135,7 @@ async fn consumer_group_of_processes() {
         stream: stream.clone(),
         group: group_name.clone(),
         dynamodb: proxy.as_ref().map(|p| p.url.clone()),
+        fan_out: fan_out_endpoint.map(|endpoint| (format!("{stream}-efo"), endpoint)),
         output: Arc::default(),
         log_dir,
         workers: BTreeMap::new(),
@@ -358,6 +388,8 @@ struct Group {
     stream: String,
     group: String,
     dynamodb: Option<String>,
+    /// Enhanced fan-out: the stream consumer's name and the Kinesis endpoint.
+    fan_out: Option<(String, String)>,
     output: Arc<Output>,
     log_dir: PathBuf,
     workers: BTreeMap<String, Worker>,
@@ -396,6 +428,11 @@ impl Group {
         let mut env = Vec::new();
         if let Some(url) = &self.dynamodb {
             env.push(("AWS_ENDPOINT_URL_DYNAMODB", url.clone()));
+        }
+        let mut args = args;
+        if let Some((name, endpoint)) = &self.fan_out {
+            args.extend(["--fan-out".to_owned(), name.clone()]);
+            env.push(("AWS_ENDPOINT_URL_KINESIS", endpoint.clone()));
         }
         if std::env::var_os("RUST_LOG").is_none() {
             env.push(("RUST_LOG", "warn,shardflow=info,consumer_group=info".into()));
@@ -976,4 +1013,143 @@ impl Figures {
         }
         r
     }
+}
+
+/// `--metrics-addr`: a worker serves Prometheus text while records flow, and the series
+/// agree with what it printed (records handled per shard, leases held, reads made, the
+/// health gauges).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serves_its_metrics_while_records_flow() {
+    if !emulators_enabled() {
+        return;
+    }
+    let stream = unique("metrics");
+    let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("group_processes")
+        .join(&stream);
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let bin = build_example("consumer_group", &log_dir);
+    let aws = Aws::from_env().await;
+    aws.admin()
+        .unwrap()
+        .create_stream(&stream, 2)
+        .await
+        .unwrap();
+    put_all(aws.kinesis().as_ref(), &stream, 0..60).await;
+    // A free port: bound, then released for the worker.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap();
+    let args: Vec<String> = [
+        "--stream",
+        &stream,
+        "--group",
+        &format!("{stream}-g"),
+        "--worker",
+        "w1",
+        "--metrics-addr",
+        &addr.to_string(),
+        "--timestamps",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let output = Arc::new(Output::default());
+    let worker = Worker::spawn(
+        &bin,
+        "w1",
+        &args,
+        &[],
+        log_dir.join("w1.log"),
+        output.clone(),
+    );
+    let limit = Duration::from_secs(60);
+    let waited = tokio::time::timeout(limit, async {
+        while output.printed().len() < 60 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "60 records printed: {}",
+        worker.log_tail(20)
+    );
+    // More records flow while the endpoint is scraped: the counters only grow.
+    put_all(aws.kinesis().as_ref(), &stream, 60..120).await;
+    let scrape = || async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        tokio::io::AsyncWriteExt::write_all(
+            &mut conn,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await?;
+        let mut body = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut conn, &mut body).await?;
+        Ok::<_, std::io::Error>(body)
+    };
+    let value = |text: &str, name: &str, with: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+            .filter(|l| l.contains(with))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    let mut text = String::new();
+    let scraped = tokio::time::timeout(limit, async {
+        loop {
+            text = scrape().await.unwrap_or_default();
+            // The handled count trails the printed lines by at most the batches in
+            // flight, and the health gauges are set once a second.
+            if value(&text, "shardflow_records_handled_total", "") >= 120.0
+                && value(&text, "consumer_group_ready", "") == 1.0
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    worker.terminate();
+    let exit = worker.wait_exit(limit).await;
+    assert!(scraped.is_ok(), "series never complete:\n{text}");
+    assert!(text.contains("HTTP/1.1 200"), "{text}");
+    let printed = output.printed().len() as f64;
+    let handled = value(&text, "shardflow_records_handled_total", "");
+    assert!(
+        (120.0..=printed).contains(&handled),
+        "handled {handled}, printed {printed}"
+    );
+    for shard in ["shardId-000000000000", "shardId-000000000001"] {
+        let with = format!("shard=\"{shard}\"");
+        assert!(
+            value(&text, "shardflow_records_handled_total", &with) > 0.0,
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("shardflow_millis_behind_latest{") && l.contains(&with)),
+            "lag of {shard}: {text}"
+        );
+    }
+    assert_eq!(value(&text, "shardflow_leases_held", ""), 2.0, "{text}");
+    assert_eq!(
+        value(&text, "shardflow_lease_events_total", "event=\"taken\""),
+        2.0
+    );
+    assert!(value(&text, "shardflow_requests_total", "op=\"GetRecords\"") >= 2.0);
+    assert!(value(&text, "shardflow_requests_total", "service=\"dynamodb\"") >= 4.0);
+    assert_eq!(value(&text, "consumer_group_live", ""), 1.0);
+    assert!(
+        value(&text, "shardflow_handler_duration_seconds_count", "") >= 120.0,
+        "{text}"
+    );
+    assert!(exit.is_some_and(|s| s.success()), "{}", worker.log_tail(20));
+    eprintln!(
+        "{}",
+        text.lines()
+            .filter(|l| l.starts_with("shardflow_") || l.starts_with("consumer_group_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }

@@ -50,7 +50,9 @@ pub enum InitialPosition {
     AtTimestamp(SystemTime),
 }
 
-/// When a shard's watermark is written to the lease table.
+/// When a shard's watermark is written to the lease table. Whatever the policy, a
+/// checkpoint is written only when the watermark moved (an idle shard writes none), and
+/// always at shard end, hand-off and shutdown.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CheckpointPolicy {
     /// After every acknowledged batch.
@@ -59,9 +61,21 @@ pub enum CheckpointPolicy {
     Interval(Duration),
 }
 
+/// The default checkpoint interval: at most 12 writes per shard per minute while records
+/// flow (the lease upkeep is about 24 requests per shard per minute), and a crash
+/// re-delivers at most about this much of each shard. A planned hand-off or shutdown
+/// re-delivers nothing whatever the interval: the checkpoint is written after the drain.
+pub const DEFAULT_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The default pause before reading a caught-up shard again (the KCL's default idle time
+/// between reads): one GetRecords per second per idle shard, so several applications on
+/// one stream stay well under Kinesis' 5 reads per second per shard. A shard that is
+/// behind (a full page, or `MillisBehindLatest` above zero) is read again at once.
+pub const DEFAULT_IDLE_READ_INTERVAL: Duration = Duration::from_secs(1);
+
 impl Default for CheckpointPolicy {
     fn default() -> Self {
-        CheckpointPolicy::Interval(Duration::from_millis(500))
+        CheckpointPolicy::Interval(DEFAULT_CHECKPOINT_INTERVAL)
     }
 }
 
@@ -260,7 +274,7 @@ impl Default for ConsumerBuilder {
             lease_table: None,
             initial_position: InitialPosition::default(),
             max_records_per_read: 10_000,
-            idle_read_interval: Duration::from_millis(250),
+            idle_read_interval: DEFAULT_IDLE_READ_INTERVAL,
             fan_out: None,
             prefetch_batches: 2,
             checkpoint: CheckpointPolicy::default(),
@@ -321,7 +335,9 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The pause before reading again once a shard is caught up (default 250 ms).
+    /// The pause before reading again once a shard is caught up: the last read was not
+    /// full and Kinesis reported it 0 ms behind the tip (default 1 s,
+    /// [`DEFAULT_IDLE_READ_INTERVAL`]). A shard that is behind is read again at once.
     pub fn idle_read_interval(mut self, d: Duration) -> Self {
         self.idle_read_interval = d;
         self
@@ -349,7 +365,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// When checkpoints are written (default: at most every 500 ms).
+    /// When checkpoints are written (default: at most every 5 s,
+    /// [`DEFAULT_CHECKPOINT_INTERVAL`]; never while the watermark stands still).
     pub fn checkpoint(mut self, policy: CheckpointPolicy) -> Self {
         self.checkpoint = policy;
         self

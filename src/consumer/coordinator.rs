@@ -22,11 +22,13 @@ use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
 use crate::lease::{worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
+use crate::metrics::{Labels, LeaseEvent};
 
 use super::balance::{self, Candidate};
 use super::config::{Config, InitialPosition};
 use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::events::ShardEvent;
+use super::health::HealthState;
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -97,6 +99,8 @@ pub(crate) struct Coordinator {
     started: SystemTime,
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
+    labels: Labels,
+    health: Arc<HealthState>,
 }
 
 impl Coordinator {
@@ -108,11 +112,19 @@ impl Coordinator {
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         // Every remote call the worker and its shards make has a deadline.
-        let kinesis: Arc<dyn KinesisApi> =
-            Arc::new(BoundedKinesis::new(kinesis, config.read_call_timeout));
-        let store: Arc<dyn LeaseStore> =
-            Arc::new(BoundedLeaseStore::new(store, config.lease_call_timeout));
+        let kinesis: Arc<dyn KinesisApi> = Arc::new(BoundedKinesis::new(
+            kinesis,
+            config.read_call_timeout,
+            Labels::of(&config),
+        ));
+        let store: Arc<dyn LeaseStore> = Arc::new(BoundedLeaseStore::new(
+            store,
+            config.lease_call_timeout,
+            Labels::of(&config),
+        ));
         Coordinator {
+            labels: Labels::of(&config),
+            health: HealthState::new(config.lease_duration),
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -135,6 +147,11 @@ impl Coordinator {
             events_tx,
             events_rx,
         }
+    }
+
+    /// The health this worker reports (see [`super::Health`]).
+    pub(crate) fn health(&self) -> Arc<HealthState> {
+        self.health.clone()
     }
 
     pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
@@ -173,6 +190,7 @@ impl Coordinator {
             let renewing = CancellationToken::new();
             let renewer = tokio::spawn(renew_loop(
                 self.config.clone(),
+                self.health.clone(),
                 self.held.clone(),
                 self.events_tx.clone(),
                 renewing.clone(),
@@ -267,17 +285,21 @@ impl Coordinator {
                     return false;
                 };
                 lock(&self.held).remove(&key);
+                self.labels.leases_held(self.slots.len());
+                self.health.shard_stopped(&key);
                 let ended = matches!(exit, ShardExit::Ended);
                 let events = &self.config.events;
                 let shard = || key.clone();
                 match exit {
                     ShardExit::Lost => {
+                        self.labels.lease_event(LeaseEvent::Lost);
                         tracing::info!(lease = %key, "lease lost");
                         events.emit(|| ShardEvent::LeaseLost { shard: shard() });
                     }
                     ShardExit::Stopped => match &slot.handoff_to {
                         Some(to) => match slot.lease.transfer(to).await {
                             Ok(_) => {
+                                self.labels.lease_event(LeaseEvent::HandedOff);
                                 tracing::info!(lease = %key, to = %to, "handed over after draining");
                                 events.emit(|| ShardEvent::HandedOff {
                                     shard: shard(),
@@ -286,6 +308,7 @@ impl Coordinator {
                             }
                             Err(e) => {
                                 tracing::warn!(lease = %key, error = %e, "hand-off failed");
+                                self.labels.lease_event(LeaseEvent::Lost);
                                 events.emit(|| ShardEvent::LeaseLost { shard: shard() });
                             }
                         },
@@ -333,6 +356,7 @@ impl Coordinator {
         let rows = match self.store.list().await {
             Ok(rows) => {
                 self.table_missing_since = None;
+                self.health.lease_table_ok();
                 rows
             }
             Err(e) => {
@@ -397,7 +421,10 @@ impl Coordinator {
         for (row, result, sent) in self.take_many(&ours).await {
             self.steals.remove(&row.key);
             match result {
-                Ok(taken) => self.start(taken, sent),
+                Ok(taken) => {
+                    self.labels.lease_event(LeaseEvent::Taken);
+                    self.start(taken, sent)
+                }
                 Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
             }
         }
@@ -451,8 +478,12 @@ impl Coordinator {
         for (row, result, sent) in self.take_many(&free).await {
             match result {
                 Ok(taken) => {
-                    if let Some(old) = &row.owner {
-                        tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                    match &row.owner {
+                        Some(old) => {
+                            self.labels.lease_event(LeaseEvent::Expired);
+                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                        }
+                        None => self.labels.lease_event(LeaseEvent::Taken),
                     }
                     self.steals.remove(&row.key);
                     self.start(taken, sent);
@@ -481,6 +512,7 @@ impl Coordinator {
                 tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
                 let sent = Instant::now();
                 if let Ok(taken) = self.store.take(row, &me).await {
+                    self.labels.lease_event(LeaseEvent::Stolen);
                     self.steals.remove(&row.key);
                     self.start(taken, sent);
                 }
@@ -930,7 +962,11 @@ impl Coordinator {
             .iter()
             .find(|s| s.shard_id == key)
             .map(|s| (s.starting_hash_key, s.ending_hash_key));
+        self.health.shard_started(&key);
         let task = ShardTask {
+            labels: self.labels.clone(),
+            health: self.health.clone(),
+            shard_id: key.as_str().into(),
             config: self.config.clone(),
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
@@ -962,6 +998,7 @@ impl Coordinator {
                 handoff_to: None,
             },
         );
+        self.labels.leases_held(self.slots.len());
     }
 
     /// Stops every shard (drain, commit) and releases its lease.
@@ -1102,6 +1139,7 @@ async fn release(lease: &HeldLease, key: &str) {
 /// that tick rather than renewed twice at once.
 async fn renew_loop(
     config: Arc<Config>,
+    health: Arc<HealthState>,
     held: HeldSet,
     events: mpsc::UnboundedSender<Event>,
     shutdown: CancellationToken,
@@ -1136,9 +1174,11 @@ async fn renew_loop(
             }
             let events = events.clone();
             let me = config.owner.clone();
+            let health = health.clone();
             renewals.spawn(async move {
                 match lease.renew().await {
                     Ok(row) => {
+                        health.lease_table_ok();
                         if let Some(to) = row.pending_owner.filter(|w| *w != me) {
                             let _ = events.send(Event::HandoffRequested(key.clone(), to));
                         }

@@ -15,6 +15,7 @@ use crate::kinesis::{
     Subscription,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::metrics::Labels;
 
 /// How long a call that waits for AWS to create something may take in all: the
 /// lease table check (which may wait for the table to become ACTIVE) and the
@@ -24,14 +25,20 @@ pub(crate) const SETUP_CALL_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// A lease store whose every call ends within `timeout` ([`LeaseError::TimedOut`]
 /// otherwise); `ensure_table` within [`SETUP_CALL_TIMEOUT`].
+/// Every call is also counted ([`crate::metrics::REQUESTS`], throttles).
 pub(crate) struct BoundedLeaseStore {
     inner: Arc<dyn LeaseStore>,
     timeout: Duration,
+    labels: Labels,
 }
 
 impl BoundedLeaseStore {
-    pub(crate) fn new(inner: Arc<dyn LeaseStore>, timeout: Duration) -> Self {
-        BoundedLeaseStore { inner, timeout }
+    pub(crate) fn new(inner: Arc<dyn LeaseStore>, timeout: Duration, labels: Labels) -> Self {
+        BoundedLeaseStore {
+            inner,
+            timeout,
+            labels,
+        }
     }
 
     async fn bound<T>(
@@ -39,7 +46,10 @@ impl BoundedLeaseStore {
         op: &'static str,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        bound_lease_call(op, self.timeout, call).await
+        let result = bound_lease_call(op, self.timeout, call).await;
+        let throttled = matches!(result, Err(LeaseError::Throttled(_)));
+        self.labels.request("dynamodb", op, throttled);
+        result
     }
 }
 
@@ -60,6 +70,7 @@ async fn bound_lease_call<T>(
 #[async_trait]
 impl LeaseStore for BoundedLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.labels.request("dynamodb", "ensure_table", false);
         bound_lease_call(
             "ensure_table",
             SETUP_CALL_TIMEOUT,
@@ -140,14 +151,20 @@ impl LeaseStore for BoundedLeaseStore {
 /// again from its last delivered record). Calls that wait on purpose (creating a stream,
 /// registering a fan-out consumer, resharding) and the events of a subscription (a
 /// long-lived stream) are passed through unbounded.
+/// Every bounded call is also counted ([`crate::metrics::REQUESTS`], throttles).
 pub(crate) struct BoundedKinesis {
     inner: Arc<dyn KinesisApi>,
     timeout: Duration,
+    labels: Labels,
 }
 
 impl BoundedKinesis {
-    pub(crate) fn new(inner: Arc<dyn KinesisApi>, timeout: Duration) -> Self {
-        BoundedKinesis { inner, timeout }
+    pub(crate) fn new(inner: Arc<dyn KinesisApi>, timeout: Duration, labels: Labels) -> Self {
+        BoundedKinesis {
+            inner,
+            timeout,
+            labels,
+        }
     }
 
     async fn bound<T>(
@@ -155,7 +172,10 @@ impl BoundedKinesis {
         op: &'static str,
         call: impl Future<Output = Result<T, KinesisError>>,
     ) -> Result<T, KinesisError> {
-        bound_kinesis_call(op, self.timeout, call).await
+        let result = bound_kinesis_call(op, self.timeout, call).await;
+        let throttled = matches!(result, Err(KinesisError::Throttled(_)));
+        self.labels.request("kinesis", op, throttled);
+        result
     }
 }
 

@@ -45,6 +45,7 @@ mod coordinator;
 mod deadline;
 mod dispatch;
 mod events;
+mod health;
 mod reader;
 mod shard;
 
@@ -67,9 +68,14 @@ use crate::message::{Batch, Message};
 
 pub use config::{
     CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
+    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
 };
 use coordinator::{Coordinator, Sink, SpawnDispatch};
 pub use events::ShardEvent;
+use health::HealthState;
+pub use health::{Health, ShardHealth, FAILING_AFTER};
+
+use crate::metrics::{Labels, Measured};
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +189,7 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.config.events.clone();
+        let service = Measured::new(service, &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
             Concurrency::PerKey(n) => (n, true),
             Concurrency::Unordered(n) => (n, false),
@@ -234,6 +241,7 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.config.events.clone();
+        let service = Measured::new(service, &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {
             tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))
@@ -259,8 +267,10 @@ impl Consumer {
             self.store.clone(),
             Sink::Shared(tx),
         );
+        let health = coordinator.health();
         let worker = tokio::spawn(coordinator.run(self.shutdown.clone()));
         BatchStream {
+            health,
             rx,
             worker: Some(worker),
             shutdown: ShutdownHandle(self.shutdown),
@@ -339,6 +349,7 @@ impl Run {
             consumer.store,
             Sink::PerShard(spawn),
         );
+        let health = coordinator.health();
         let token = shutdown.clone();
         let worker = tokio::spawn(async move {
             let run = coordinator.run(token.clone());
@@ -354,6 +365,7 @@ impl Run {
         Running {
             worker: Some(worker),
             shutdown,
+            health,
         }
     }
 }
@@ -379,9 +391,15 @@ pub struct Running {
     /// `None` once the result was returned.
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: CancellationToken,
+    health: Arc<HealthState>,
 }
 
 impl Running {
+    /// The worker's health now, for liveness and readiness probes (see [`Health`]).
+    pub fn health(&self) -> Health {
+        self.health.snapshot()
+    }
+
     /// Stops the consumer gracefully: reading stops, in-flight handlers finish (at most
     /// the shutdown timeout), checkpoints are committed and leases released. Returns the
     /// run's result.
@@ -435,9 +453,15 @@ pub struct BatchStream {
     worker: Option<JoinHandle<Result<(), ConsumerError>>>,
     shutdown: ShutdownHandle,
     starting: Option<Starting>,
+    health: Arc<HealthState>,
 }
 
 impl BatchStream {
+    /// The worker's health now, for liveness and readiness probes (see [`Health`]).
+    pub fn health(&self) -> Health {
+        self.health.snapshot()
+    }
+
     /// A handle that stops the consumer gracefully.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()

@@ -18,9 +18,11 @@ use crate::checkpoint::{Mark, ShardProgress};
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease};
 use crate::message::{Batch, Headers, Message};
+use crate::metrics::ShardMetrics;
 use crate::sequence::{Position, SequenceNumber};
 
 use super::config::{Config, FanOut, InitialPosition};
+use super::health::HealthState;
 
 /// Everything a shard's reader needs.
 pub(crate) struct ShardReader {
@@ -34,6 +36,8 @@ pub(crate) struct ShardReader {
     pub(crate) out: mpsc::Sender<Batch>,
     pub(crate) lease: Arc<HeldLease>,
     pub(crate) lease_lost: CancellationToken,
+    pub(crate) metrics: Arc<ShardMetrics>,
+    pub(crate) health: Arc<HealthState>,
 }
 
 /// The record limit of a shard's first GetRecords call (see `poll`).
@@ -106,6 +110,7 @@ impl ShardReader {
             let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
+                    self.metrics.iterator_renewals.increment(1);
                     tracing::info!(shard = %self.shard_id, %why, "iterator expired; reading again from the last delivered record");
                     // Twice in a row means something is wrong beyond an old iterator.
                     if std::mem::replace(&mut just_expired, true) {
@@ -310,6 +315,9 @@ impl ShardReader {
         handled: &mut Checkpoint,
     ) -> Flow {
         let raw = records.len();
+        if let Some(ms) = millis_behind_latest {
+            self.metrics.millis_behind.set(ms as f64);
+        }
         let mut messages = Vec::with_capacity(raw);
         for record in records {
             match aggregation::deaggregate(record) {
@@ -338,6 +346,8 @@ impl ShardReader {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
         }
         let Some(last) = messages.last() else {
+            // Caught up (or only records already handled): the shard is healthy.
+            self.health.progress(&self.shard_id);
             return Flow::NothingNew;
         };
         // After a pause longer than the renewal margin the lease may already be
@@ -356,7 +366,12 @@ impl ShardReader {
         let Ok(permit) = self.out.reserve().await else {
             return Flow::Stop;
         };
-        let ack = self.progress.register(Mark::At(last.clone()));
+        let bytes = messages.iter().map(|m| m.payload.len()).sum();
+        let in_flight = self.metrics.delivered(messages.len(), bytes);
+        let ack = self
+            .progress
+            .register(Mark::At(last.clone()))
+            .tracking(in_flight);
         *handled = Checkpoint::At(last);
         permit.send(Batch {
             stream: self.stream.clone(),
@@ -522,6 +537,7 @@ impl ShardReader {
     }
 
     async fn pause(&self, error: &KinesisError, backoff: &mut Backoff) {
+        self.health.failure(&self.shard_id, error);
         let delay = backoff.next_delay();
         match error {
             KinesisError::Throttled(_) => {

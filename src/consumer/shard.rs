@@ -13,8 +13,10 @@ use crate::checkpoint::ShardProgress;
 use crate::kinesis::KinesisApi;
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
+use crate::metrics::Labels;
 
 use super::config::{CheckpointPolicy, Config, InitialPosition};
+use super::health::HealthState;
 use super::reader::ShardReader;
 
 /// How a shard task ended.
@@ -41,6 +43,10 @@ pub(crate) struct ShardTask {
     pub(crate) out: mpsc::Sender<Batch>,
     /// Cancelled to stop gracefully (shutdown or hand-off).
     pub(crate) stop: CancellationToken,
+    pub(crate) labels: Labels,
+    /// Told when the checkpoint moves (the shard advances) or a handler fails.
+    pub(crate) health: Arc<HealthState>,
+    pub(crate) shard_id: Arc<str>,
 }
 
 /// Attempts at the checkpoint written before a shard is left.
@@ -79,7 +85,10 @@ impl ShardTask {
             self.config.lease_fresh_for(),
         );
         let mut committed = start;
+        let metrics = self.labels.shard(&shard_id);
         let reader = ShardReader {
+            metrics: metrics.clone(),
+            health: self.health.clone(),
             config: self.config.clone(),
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
@@ -177,6 +186,8 @@ impl ShardTask {
                 Interrupt::Stop if committed == Checkpoint::ShardEnd => return ShardExit::Ended,
                 Interrupt::Stop => return ShardExit::Stopped,
                 Interrupt::Failed => {
+                    metrics.retries.increment(1);
+                    self.health.failure(&shard_id, "a handler failed");
                     let delay = failure_backoff.next_delay();
                     tracing::warn!(shard = %shard_id, checkpoint = %committed, ?delay, "a handler failed; reading again from the checkpoint after a pause");
                     tokio::select! {
@@ -283,8 +294,17 @@ impl ShardTask {
         if acked == *committed {
             return Ok(());
         }
-        match self.lease.checkpoint(&acked).await {
+        let sent = Instant::now();
+        let written = self.lease.checkpoint(&acked).await;
+        let outcome = match &written {
+            Ok(_) => "ok",
+            Err(LeaseError::Conflict(_)) => "conflict",
+            Err(_) => "error",
+        };
+        self.labels.checkpoint_written(sent.elapsed(), outcome);
+        match written {
             Ok(_) => {
+                self.health.progress(&self.shard_id);
                 tracing::debug!(checkpoint = %acked, "checkpoint committed");
                 *committed = acked;
                 Ok(())

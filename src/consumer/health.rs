@@ -1,0 +1,164 @@
+//! The worker's health signal for liveness and readiness probes: whether it still talks
+//! to its lease table (renewals, lease rounds) and whether its shards advance or fail.
+//! [`Running::health`](super::Running::health) and
+//! [`BatchStream::health`](super::BatchStream::health) return a [`Health`] snapshot.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// How many failures in a row (reads or handler calls, nothing succeeding in between)
+/// make a shard count as failing.
+pub const FAILING_AFTER: u32 = 3;
+
+/// A snapshot of a worker's health.
+///
+/// * live ([`Health::is_live`]): the worker reached its lease table (a lease renewal or a
+///   lease round succeeded) within the lease duration. A worker that is not live has
+///   lost, or is about to lose, every lease: restart it.
+/// * ready ([`Health::is_ready`]): live, started (its first lease round succeeded), and
+///   none of its shards is failing ([`ShardHealth::failing`]). Not ready is a reason to
+///   look, not always to restart: a poison record keeps its shard failing until the
+///   handler accepts it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Health {
+    /// How long ago the lease table last answered a renewal or a lease round; `None`
+    /// before the first success.
+    pub lease_table_ok_ago: Option<Duration>,
+    /// The lease duration the liveness is measured against.
+    pub lease_duration: Duration,
+    /// The shards this worker reads, by shard id.
+    pub shards: Vec<ShardHealth>,
+}
+
+/// One held shard's health.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShardHealth {
+    /// The shard id.
+    pub shard_id: String,
+    /// How long ago the shard last made progress: its checkpoint was written (records
+    /// were handled) or a read found nothing new (caught up with the tip); before the
+    /// first, since the lease was taken. A shard whose handler hangs, or that reads
+    /// records its handler keeps failing, makes none.
+    pub progress_ago: Duration,
+    /// Failures in a row (reads that failed, restarts after a handler error), reset by
+    /// progress.
+    pub failures_in_a_row: u32,
+    /// The last failure, if the shard failed since its last progress.
+    pub last_error: Option<String>,
+}
+
+impl ShardHealth {
+    /// Whether the shard failed at least [`FAILING_AFTER`] times in a row.
+    pub fn failing(&self) -> bool {
+        self.failures_in_a_row >= FAILING_AFTER
+    }
+}
+
+impl Health {
+    /// The worker reached its lease table within the lease duration.
+    pub fn is_live(&self) -> bool {
+        self.lease_table_ok_ago
+            .is_some_and(|ago| ago < self.lease_duration)
+    }
+
+    /// Live, started, and no shard failing.
+    pub fn is_ready(&self) -> bool {
+        self.is_live() && !self.shards.iter().any(ShardHealth::failing)
+    }
+}
+
+#[derive(Debug)]
+struct ShardState {
+    progress_at: Instant,
+    failures: u32,
+    last_error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    lease_table_ok_at: Option<Instant>,
+    shards: BTreeMap<Arc<str>, ShardState>,
+}
+
+/// What the coordinator, shard tasks and readers report into; shared with the handles.
+#[derive(Debug)]
+pub(crate) struct HealthState {
+    state: Mutex<State>,
+    lease_duration: Duration,
+}
+
+impl HealthState {
+    pub(crate) fn new(lease_duration: Duration) -> Arc<Self> {
+        Arc::new(HealthState {
+            state: Mutex::default(),
+            lease_duration,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data: still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A renewal or a lease round succeeded.
+    pub(crate) fn lease_table_ok(&self) {
+        self.lock().lease_table_ok_at = Some(Instant::now());
+    }
+
+    /// The worker started reading `shard` (its lease was taken).
+    pub(crate) fn shard_started(&self, shard: &str) {
+        self.lock().shards.insert(
+            shard.into(),
+            ShardState {
+                progress_at: Instant::now(),
+                failures: 0,
+                last_error: None,
+            },
+        );
+    }
+
+    /// The worker no longer reads `shard`.
+    pub(crate) fn shard_stopped(&self, shard: &str) {
+        self.lock().shards.remove(shard);
+    }
+
+    /// `shard`'s checkpoint was written, or a read of it found nothing new.
+    pub(crate) fn progress(&self, shard: &str) {
+        if let Some(s) = self.lock().shards.get_mut(shard) {
+            s.progress_at = Instant::now();
+            s.failures = 0;
+            s.last_error = None;
+        }
+    }
+
+    /// A read of `shard` or a handler call on it failed.
+    pub(crate) fn failure(&self, shard: &str, error: impl std::fmt::Display) {
+        if let Some(s) = self.lock().shards.get_mut(shard) {
+            s.failures = s.failures.saturating_add(1);
+            s.last_error = Some(error.to_string());
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Health {
+        let state = self.lock();
+        Health {
+            lease_table_ok_ago: state.lease_table_ok_at.map(|t| t.elapsed()),
+            lease_duration: self.lease_duration,
+            shards: state
+                .shards
+                .iter()
+                .map(|(id, s)| ShardHealth {
+                    shard_id: id.to_string(),
+                    progress_ago: s.progress_at.elapsed(),
+                    failures_in_a_row: s.failures,
+                    last_error: s.last_error.clone(),
+                })
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! The metrics the consumer records through the [`metrics`] facade: every name, type and
+//! label lives here, so the README's table and the code cannot drift apart. Install any
+//! `metrics` recorder (Prometheus, OpenTelemetry, StatsD exporters) to collect them;
+//! without one every call is a no-op.
+//!
+//! Labels: `stream` and `group` on every series, `shard` only on the three per-shard
+//! series ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`]), so the
+//! number of series grows with the shards a worker held, not with records. Histograms
+//! are per worker (never per shard) because each costs a series per bucket.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::metrics::{Counter, Gauge, Histogram, Label};
+
+use crate::consumer::Config;
+
+/// Gauge, per shard: `MillisBehindLatest` of the shard's last read.
+pub const MILLIS_BEHIND_LATEST: &str = "shardflow_millis_behind_latest";
+/// Counter, per shard: records acknowledged (handled).
+pub const RECORDS_HANDLED: &str = "shardflow_records_handled_total";
+/// Counter, per shard: payload bytes of the records acknowledged.
+pub const BYTES_HANDLED: &str = "shardflow_bytes_handled_total";
+/// Histogram, seconds: one handler call (a record in `run`, a batch in `run_batches`).
+pub const HANDLER_DURATION: &str = "shardflow_handler_duration_seconds";
+/// Histogram: records per batch handed to the handlers (one read of one shard).
+pub const BATCH_RECORDS: &str = "shardflow_batch_records";
+/// Counter: handler calls that returned an error.
+pub const HANDLER_ERRORS: &str = "shardflow_handler_errors_total";
+/// Counter: shard restarts from the checkpoint after a handler failure or a `nack`
+/// (the records after the checkpoint are delivered again).
+pub const HANDLER_RETRIES: &str = "shardflow_handler_retries_total";
+/// Counter, label `outcome` = `ok` | `conflict` (the lease was lost) | `error`:
+/// checkpoint writes to the lease table.
+pub const CHECKPOINT_WRITES: &str = "shardflow_checkpoint_writes_total";
+/// Histogram, seconds: one checkpoint write.
+pub const CHECKPOINT_DURATION: &str = "shardflow_checkpoint_duration_seconds";
+/// Counter, label `event` = `taken` (an unowned lease) | `expired` (taken from an owner
+/// that stopped renewing) | `stolen` (taken after a hand-off request timed out) |
+/// `handed_off` (given to another worker after draining) | `lost`.
+pub const LEASE_EVENTS: &str = "shardflow_lease_events_total";
+/// Counter, label `service` = `kinesis` | `dynamodb`: throttled calls.
+pub const THROTTLES: &str = "shardflow_throttles_total";
+/// Counter: shard iterators that expired and were acquired again.
+pub const ITERATOR_RENEWALS: &str = "shardflow_iterator_renewals_total";
+/// Counter, labels `service` and `op` (e.g. `GetRecords`, `checkpoint`): every remote
+/// call the consumer made, which is what the bill counts.
+pub const REQUESTS: &str = "shardflow_requests_total";
+/// Gauge: leases this worker holds.
+pub const LEASES_HELD: &str = "shardflow_leases_held";
+/// Gauge: records delivered to handlers (or the stream) and neither acknowledged nor
+/// given up yet.
+pub const RECORDS_IN_FLIGHT: &str = "shardflow_records_in_flight";
+
+/// A lease event, the `event` label of [`LEASE_EVENTS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LeaseEvent {
+    Taken,
+    Expired,
+    Stolen,
+    HandedOff,
+    Lost,
+}
+
+impl LeaseEvent {
+    fn label(self) -> &'static str {
+        match self {
+            LeaseEvent::Taken => "taken",
+            LeaseEvent::Expired => "expired",
+            LeaseEvent::Stolen => "stolen",
+            LeaseEvent::HandedOff => "handed_off",
+            LeaseEvent::Lost => "lost",
+        }
+    }
+}
+
+/// The `stream` and `group` labels of one consumer, cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct Labels {
+    stream: Arc<str>,
+    group: Arc<str>,
+}
+
+impl Labels {
+    pub(crate) fn of(config: &Config) -> Self {
+        Labels {
+            stream: config.stream().into(),
+            group: config.group().into(),
+        }
+    }
+
+    fn with(&self, extra: &[(&'static str, &'static str)]) -> Vec<Label> {
+        let mut labels = vec![
+            Label::new("stream", self.stream.clone()),
+            Label::new("group", self.group.clone()),
+        ];
+        labels.extend(extra.iter().map(|(k, v)| Label::new(*k, *v)));
+        labels
+    }
+
+    pub(crate) fn counter(&self, name: &'static str) -> Counter {
+        ::metrics::counter!(name, self.with(&[]))
+    }
+
+    pub(crate) fn gauge(&self, name: &'static str) -> Gauge {
+        ::metrics::gauge!(name, self.with(&[]))
+    }
+
+    pub(crate) fn histogram(&self, name: &'static str) -> Histogram {
+        ::metrics::histogram!(name, self.with(&[]))
+    }
+
+    pub(crate) fn lease_event(&self, event: LeaseEvent) {
+        ::metrics::counter!(LEASE_EVENTS, self.with(&[("event", event.label())])).increment(1);
+    }
+
+    pub(crate) fn leases_held(&self, n: usize) {
+        self.gauge(LEASES_HELD).set(n as f64);
+    }
+
+    /// Counts one remote call (and a throttled answer) of `service`.
+    pub(crate) fn request(&self, service: &'static str, op: &'static str, throttled: bool) {
+        ::metrics::counter!(REQUESTS, self.with(&[("service", service), ("op", op)])).increment(1);
+        if throttled {
+            ::metrics::counter!(THROTTLES, self.with(&[("service", service)])).increment(1);
+        }
+    }
+
+    pub(crate) fn checkpoint_written(&self, took: Duration, outcome: &'static str) {
+        ::metrics::counter!(CHECKPOINT_WRITES, self.with(&[("outcome", outcome)])).increment(1);
+        self.histogram(CHECKPOINT_DURATION)
+            .record(took.as_secs_f64());
+    }
+
+    /// The handles of one shard's series, registered once per shard task.
+    pub(crate) fn shard(&self, shard: &Arc<str>) -> Arc<ShardMetrics> {
+        let labels = || {
+            let mut l = self.with(&[]);
+            l.push(Label::new("shard", shard.clone()));
+            l
+        };
+        Arc::new(ShardMetrics {
+            millis_behind: ::metrics::gauge!(MILLIS_BEHIND_LATEST, labels()),
+            records: ::metrics::counter!(RECORDS_HANDLED, labels()),
+            bytes: ::metrics::counter!(BYTES_HANDLED, labels()),
+            batch_records: self.histogram(BATCH_RECORDS),
+            in_flight: self.gauge(RECORDS_IN_FLIGHT),
+            iterator_renewals: self.counter(ITERATOR_RENEWALS),
+            retries: self.counter(HANDLER_RETRIES),
+        })
+    }
+}
+
+/// One shard's metric handles (recording through a handle costs no lookup).
+#[derive(Debug)]
+pub(crate) struct ShardMetrics {
+    pub(crate) millis_behind: Gauge,
+    records: Counter,
+    bytes: Counter,
+    batch_records: Histogram,
+    in_flight: Gauge,
+    pub(crate) iterator_renewals: Counter,
+    pub(crate) retries: Counter,
+}
+
+impl ShardMetrics {
+    /// A batch of `records` records (`bytes` of payload) is handed out: it counts as in
+    /// flight until the returned guard (kept by its acknowledgement handle) is dropped.
+    pub(crate) fn delivered(self: &Arc<Self>, records: usize, bytes: usize) -> Arc<InFlight> {
+        self.batch_records.record(records as f64);
+        self.in_flight.increment(records as f64);
+        Arc::new(InFlight {
+            shard: self.clone(),
+            records: records as u64,
+            bytes: bytes as u64,
+            counted: AtomicBool::new(false),
+        })
+    }
+}
+
+/// A delivered batch's share of [`RECORDS_IN_FLIGHT`], and what its acknowledgement
+/// adds to [`RECORDS_HANDLED`] and [`BYTES_HANDLED`].
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    shard: Arc<ShardMetrics>,
+    records: u64,
+    bytes: u64,
+    counted: AtomicBool,
+}
+
+impl InFlight {
+    /// The whole batch was acknowledged (counted once, however often it is called).
+    pub(crate) fn handled(&self) {
+        if !self.counted.swap(true, Ordering::Relaxed) {
+            self.shard.records.increment(self.records);
+            self.shard.bytes.increment(self.bytes);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.shard.in_flight.decrement(self.records as f64);
+    }
+}
+
+/// Wraps the user's handler in `run` and `run_batches` mode: times each call
+/// ([`HANDLER_DURATION`]) and counts its errors ([`HANDLER_ERRORS`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Measured<S> {
+    inner: S,
+    duration: Histogram,
+    errors: Counter,
+}
+
+impl<S> Measured<S> {
+    pub(crate) fn new(inner: S, labels: &Labels) -> Self {
+        Measured {
+            inner,
+            duration: labels.histogram(HANDLER_DURATION),
+            errors: labels.counter(HANDLER_ERRORS),
+        }
+    }
+}
+
+impl<S, R> tower::Service<R> for Measured<S>
+where
+    S: tower::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        ResponseFuture {
+            inner: self.inner.call(request),
+            started: tokio::time::Instant::now(),
+            duration: self.duration.clone(),
+            errors: self.errors.clone(),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of a [`Measured`] call.
+    pub(crate) struct ResponseFuture<F> {
+        #[pin]
+        inner: F,
+        started: tokio::time::Instant,
+        duration: Histogram,
+        errors: Counter,
+    }
+}
+
+impl<F, T, E> std::future::Future for ResponseFuture<F>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    type Output = Result<T, E>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let result = std::task::ready!(this.inner.poll(cx));
+        this.duration.record(this.started.elapsed().as_secs_f64());
+        if result.is_err() {
+            this.errors.increment(1);
+        }
+        std::task::Poll::Ready(result)
+    }
+}

@@ -1,0 +1,323 @@
+//! Metrics, the health signal and the cost of the defaults, on the memory backend under
+//! tokio's paused clock. Each test runs its own current-thread runtime inside a local
+//! `metrics` recorder, so tests running in parallel never see each other's series.
+
+mod common;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use shardflow::kinesis::StreamAdmin;
+use shardflow::memory::LeaseFaults;
+use shardflow::metrics as names;
+use shardflow::{Consumer, Memory, Message, Running};
+
+use common::{produce, within, Recorder};
+
+/// Runs `test` on a paused current-thread runtime with a recorder of its own.
+fn with_metrics<F: Future<Output = ()>>(test: impl FnOnce(PrometheusHandle) -> F) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || runtime.block_on(test(handle)));
+}
+
+/// One series of a Prometheus text rendering: name, labels, value.
+type Series = (String, Vec<(String, String)>, f64);
+
+/// The series of a Prometheus text rendering.
+fn series(m: &PrometheusHandle) -> Vec<Series> {
+    m.render()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|line| {
+            let (key, value) = line.rsplit_once(' ')?;
+            let (name, labels) = match key.split_once('{') {
+                Some((name, rest)) => (name, rest.trim_end_matches('}')),
+                None => (key, ""),
+            };
+            let labels = labels
+                .split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.trim_matches('"').to_owned()))
+                .collect();
+            Some((name.to_owned(), labels, value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The sum of every series named `name` (histograms and summaries: `name_count`) whose
+/// labels include all of `with`.
+fn total(m: &PrometheusHandle, name: &str, with: &[(&str, &str)]) -> f64 {
+    let count = format!("{name}_count");
+    series(m)
+        .into_iter()
+        .filter(|(n, ..)| *n == name || *n == count)
+        .filter(|(_, labels, _)| {
+            with.iter()
+                .all(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
+        })
+        .map(|(.., value)| value)
+        .sum()
+}
+
+/// The distinct values of label `label` on the series named `name`.
+fn label_values(m: &PrometheusHandle, name: &str, label: &str) -> Vec<String> {
+    let mut values: Vec<String> = series(m)
+        .into_iter()
+        .filter(|(n, ..)| n == name)
+        .flat_map(|(_, labels, _)| labels.into_iter().filter(|(k, _)| k == label))
+        .map(|(_, v)| v)
+        .collect();
+    values.sort();
+    values.dedup();
+    values
+}
+
+/// A worker of group "billing" on stream "orders" at the default configuration, recording
+/// what it handles.
+fn start_at_defaults(memory: &Memory, seed: u64) -> (Running, Recorder) {
+    let recorder = Recorder::default();
+    let running = Consumer::builder()
+        .stream("orders")
+        .group("billing")
+        .worker_id("w1")
+        .seed(seed)
+        .backend(memory.clone())
+        .build()
+        .unwrap()
+        .run(common::recording_handler(recorder.clone()))
+        .spawn();
+    (running, recorder)
+}
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+#[test]
+fn metrics_count_records_checkpoints_leases_and_requests() {
+    with_metrics(|m| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 2).await.unwrap();
+        produce(memory.streams().as_ref(), "orders", 0..500).await;
+        let bytes: usize = (0..500).map(|v: usize| v.to_string().len()).sum();
+        let (running, recorder) = start_at_defaults(&memory, 3);
+        recorder.wait_for(500, LIMIT).await;
+        assert_eq!(total(&m, names::LEASES_HELD, &[("group", "billing")]), 2.0);
+        assert_eq!(
+            total(&m, names::LEASE_EVENTS, &[("event", "taken")]),
+            2.0,
+            "two unowned leases taken"
+        );
+        let shards = label_values(&m, names::MILLIS_BEHIND_LATEST, "shard");
+        assert_eq!(shards.len(), 2, "lag per shard: {shards:?}");
+        within(LIMIT, "shutdown", running.shutdown()).await.unwrap();
+
+        let handled = total(&m, names::RECORDS_HANDLED, &[("stream", "orders")]);
+        assert_eq!(handled, 500.0);
+        assert_eq!(label_values(&m, names::RECORDS_HANDLED, "shard"), shards);
+        assert_eq!(total(&m, names::BYTES_HANDLED, &[]), bytes as f64);
+        assert_eq!(
+            total(&m, names::HANDLER_DURATION, &[]),
+            500.0,
+            "one sample per handler call"
+        );
+        assert!(total(&m, names::BATCH_RECORDS, &[]) >= 2.0);
+        assert_eq!(total(&m, names::RECORDS_IN_FLIGHT, &[]), 0.0);
+        assert_eq!(total(&m, names::LEASES_HELD, &[]), 0.0, "released");
+        assert_eq!(total(&m, names::HANDLER_ERRORS, &[]), 0.0);
+        // The last checkpoint of each shard is written at shutdown at the latest.
+        let ok = total(&m, names::CHECKPOINT_WRITES, &[("outcome", "ok")]);
+        assert!((2.0..=6.0).contains(&ok), "checkpoint writes: {ok}");
+        assert_eq!(total(&m, names::CHECKPOINT_DURATION, &[]), ok);
+        assert!(total(&m, names::REQUESTS, &[("op", "GetRecords")]) >= 2.0);
+        assert_eq!(
+            total(&m, names::REQUESTS, &[("service", "dynamodb")]),
+            memory.table("billing").requests() as f64,
+            "every lease store call counted"
+        );
+    });
+}
+
+#[test]
+fn handler_errors_and_restarts_are_counted() {
+    with_metrics(|m| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 1).await.unwrap();
+        produce(memory.streams().as_ref(), "orders", 0..50).await;
+        let recorder = Recorder::default();
+        let failed = Arc::new(AtomicBool::new(false));
+        let handler = {
+            let (recorder, failed) = (recorder.clone(), failed.clone());
+            tower::service_fn(move |msg: Message| {
+                let fail = &msg.payload[..] == b"20" && !failed.swap(true, Ordering::SeqCst);
+                if !fail {
+                    recorder.record(&msg);
+                }
+                async move {
+                    if fail {
+                        Err("the first attempt at 20 fails")
+                    } else {
+                        Ok(())
+                    }
+                }
+            })
+        };
+        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+            .build()
+            .unwrap();
+        let running = consumer.run(handler).spawn();
+        recorder.wait_for(50, LIMIT).await;
+        within(LIMIT, "shutdown", running.shutdown()).await.unwrap();
+        assert_eq!(
+            total(&m, names::HANDLER_ERRORS, &[("group", "billing")]),
+            1.0
+        );
+        assert_eq!(total(&m, names::HANDLER_RETRIES, &[]), 1.0);
+        assert_eq!(total(&m, names::HANDLER_DURATION, &[]), 51.0);
+    });
+}
+
+/// Polls `cond` every 100 ms of (paused) time for at most `limit`.
+async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    within(limit, what, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+}
+
+#[test]
+fn health_says_when_shards_fail_and_when_the_lease_table_is_out_of_reach() {
+    with_metrics(|_| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 2).await.unwrap();
+        produce(memory.streams().as_ref(), "orders", 0..20).await;
+        let recorder = Recorder::default();
+        let broken = Arc::new(AtomicBool::new(true));
+        let handler = {
+            let (recorder, broken) = (recorder.clone(), broken.clone());
+            tower::service_fn(move |msg: Message| {
+                let fail = broken.load(Ordering::SeqCst);
+                if !fail {
+                    recorder.record(&msg);
+                }
+                async move {
+                    if fail {
+                        Err("downstream is down")
+                    } else {
+                        Ok::<_, &str>(())
+                    }
+                }
+            })
+        };
+        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+            .build()
+            .unwrap();
+        let running = consumer.run(handler).spawn();
+        eventually(LIMIT, "both shards failing", || {
+            let h = running.health();
+            h.shards.len() == 2 && h.shards.iter().all(|s| s.failing())
+        })
+        .await;
+        let health = running.health();
+        assert!(health.is_live(), "{health:?}");
+        assert!(!health.is_ready(), "{health:?}");
+        assert_eq!(
+            health.shards[0].last_error.as_deref(),
+            Some("a handler failed")
+        );
+
+        broken.store(false, Ordering::SeqCst);
+        recorder.wait_for(20, LIMIT).await;
+        eventually(LIMIT, "ready again", || running.health().is_ready()).await;
+        assert!(running
+            .health()
+            .shards
+            .iter()
+            .all(|s| s.failures_in_a_row == 0));
+
+        // The lease table stops answering: within a lease duration the worker is no
+        // longer live (its leases are about to expire), and says so.
+        memory.table("billing").set_faults(LeaseFaults {
+            throttle: 1.0,
+            ..LeaseFaults::default()
+        });
+        eventually(LIMIT, "not live", || !running.health().is_live()).await;
+        let health = running.health();
+        assert!(!health.is_ready());
+        assert!(health.lease_table_ok_ago >= Some(health.lease_duration));
+        memory.table("billing").set_faults(LeaseFaults::default());
+        drop(running);
+    });
+}
+
+/// What one worker costs over ten minutes at the default configuration, on four shards:
+/// (GetRecords per shard per second, checkpoint writes per shard per minute).
+async fn cost_at_defaults(m: &PrometheusHandle, busy: bool) -> (f64, f64) {
+    const SHARDS: u32 = 4;
+    let memory = Memory::new();
+    memory
+        .streams()
+        .create_stream("orders", SHARDS)
+        .await
+        .unwrap();
+    let (running, recorder) = start_at_defaults(&memory, 11);
+    // Start-up: every shard leased and read once.
+    eventually(LIMIT, "every shard leased", || {
+        running.health().shards.len() == SHARDS as usize
+    })
+    .await;
+    let reads_before = total(m, names::REQUESTS, &[("op", "GetRecords")]);
+    let writes_before = total(m, names::CHECKPOINT_WRITES, &[]);
+    let minutes = 10u64;
+    let mut written = 0;
+    for _ in 0..minutes * 60 * 10 {
+        if busy {
+            // 100 records per second over the four shards.
+            produce(memory.streams().as_ref(), "orders", written..written + 10).await;
+            written += 10;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    recorder.wait_for(written, LIMIT).await;
+    let reads = total(m, names::REQUESTS, &[("op", "GetRecords")]) - reads_before;
+    let writes = total(m, names::CHECKPOINT_WRITES, &[]) - writes_before;
+    drop(running);
+    let seconds = (minutes * 60) as f64;
+    (
+        reads / SHARDS as f64 / seconds,
+        writes / SHARDS as f64 / minutes as f64,
+    )
+}
+
+#[test]
+fn an_idle_shard_writes_no_checkpoints_and_is_read_once_a_second() {
+    with_metrics(|m| async move {
+        let (reads, writes) = cost_at_defaults(&m, false).await;
+        assert_eq!(writes, 0.0, "checkpoint writes per shard per minute");
+        assert!(
+            (0.9..=1.01).contains(&reads),
+            "GetRecords per shard per second: {reads}"
+        );
+    });
+}
+
+#[test]
+fn a_busy_shard_writes_a_checkpoint_at_most_every_five_seconds() {
+    with_metrics(|m| async move {
+        let (reads, writes) = cost_at_defaults(&m, true).await;
+        assert!(
+            (10.0..=12.1).contains(&writes),
+            "checkpoint writes per shard per minute: {writes}"
+        );
+        assert!(reads <= 1.01, "GetRecords per shard per second: {reads}");
+    });
+}
