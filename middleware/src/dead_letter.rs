@@ -16,6 +16,24 @@
 //! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
 //! not ready, and any error of a record whose lease was lost (its new owner handles
 //! it). Those go up so the consumer delivers the record again.
+//!
+//! # Dead letters in a stream: the envelope
+//!
+//! A [`Producer`] is a sink as it is (`.dead_letter(producer.for_stream("orders-dlq"))`):
+//! each dead letter is written as a [`DeadLetterEnvelope`], one JSON object that keeps
+//! where the record came from and why it failed, with the original partition key as
+//! the dead letter's partition key:
+//!
+//! ```json
+//! {"shardflow_dead_letter":1,"stream":"orders","shard":"shardId-000000000001",
+//!  "sequence_number":"4959...","sub_sequence":0,"partition_key":"customer-7",
+//!  "error":"decode: expected value at line 1 column 1","attempts":null,
+//!  "failed_at_ms":1764530000000,"payload_base64":"bm90IGpzb24="}
+//! ```
+//!
+//! `shardflow stream tail` shows envelopes decoded, and `shardflow dlq replay` writes
+//! their payloads back to the original stream with their original partition keys. A
+//! sink of your own can use [`DeadLetterEnvelope::from_record`] as well.
 
 use std::error::Error;
 use std::fmt;
@@ -28,6 +46,8 @@ use pin_project_lite::pin_project;
 use shardflow::{Headers, Message};
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceExt};
+
+use shardflow::producer::{ProduceError, Producer, ProducerRecord};
 
 use crate::observe::{chain_any, error_chain, message_span};
 use crate::BoxError;
@@ -51,6 +71,128 @@ impl fmt::Debug for DeadLetterRecord {
             .field("payload_len", &self.payload.len())
             .field("error", &self.error)
             .finish()
+    }
+}
+
+/// A dead letter as written to a stream (see the [module docs](self)): JSON, with the
+/// payload in base64. `shardflow_dead_letter` (the format's version, 1) marks a record
+/// as an envelope.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct DeadLetterEnvelope {
+    /// The envelope format's version: [`DeadLetterEnvelope::VERSION`].
+    pub shardflow_dead_letter: u32,
+    /// The stream the record was read from.
+    pub stream: String,
+    /// The shard it was read from.
+    pub shard: String,
+    /// Its sequence number (decimal digits).
+    pub sequence_number: String,
+    /// Its sub-sequence number (the user record within a KPL aggregate; 0 otherwise).
+    pub sub_sequence: u64,
+    /// Its partition key (the dead letter's partition key too).
+    pub partition_key: String,
+    /// The error and its causes, joined with `": "`.
+    pub error: String,
+    /// How many calls of the handler failed, where known (`null` when the layers below
+    /// do not report it: the retry layer logs its attempts but does not return them).
+    pub attempts: Option<u32>,
+    /// When the record was dead-lettered, epoch milliseconds.
+    pub failed_at_ms: u64,
+    /// The payload exactly as read, base64 (standard alphabet, padded).
+    pub payload_base64: String,
+}
+
+/// A record that is not a [`DeadLetterEnvelope`].
+#[derive(Debug, thiserror::Error)]
+#[error("not a shardflow dead-letter envelope: {0}")]
+pub struct NotAnEnvelope(String);
+
+impl DeadLetterEnvelope {
+    /// The version this crate writes.
+    pub const VERSION: u32 = 1;
+
+    /// The envelope of a dead letter, failed now.
+    pub fn from_record(record: &DeadLetterRecord) -> Self {
+        let h = &record.headers;
+        DeadLetterEnvelope {
+            shardflow_dead_letter: Self::VERSION,
+            stream: h.stream.to_string(),
+            shard: h.shard_id.to_string(),
+            sequence_number: h.sequence_number.as_str().to_owned(),
+            sub_sequence: h.sub_sequence_number,
+            partition_key: h.partition_key.clone(),
+            error: record.error.clone(),
+            attempts: None,
+            failed_at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            payload_base64: aws_smithy_types::base64::encode(&record.payload),
+        }
+    }
+
+    /// The JSON written to the stream.
+    pub fn to_json(&self) -> Bytes {
+        // Serializing a struct of strings and integers cannot fail.
+        Bytes::from(serde_json::to_vec(self).unwrap_or_default())
+    }
+
+    /// Reads an envelope from a record's data; an error for anything else (other JSON,
+    /// another version, a payload that is not base64).
+    pub fn from_json(data: &[u8]) -> Result<Self, NotAnEnvelope> {
+        let envelope: DeadLetterEnvelope =
+            serde_json::from_slice(data).map_err(|e| NotAnEnvelope(e.to_string()))?;
+        if envelope.shardflow_dead_letter != Self::VERSION {
+            return Err(NotAnEnvelope(format!(
+                "version {}",
+                envelope.shardflow_dead_letter
+            )));
+        }
+        envelope.payload()?;
+        Ok(envelope)
+    }
+
+    /// The original payload.
+    pub fn payload(&self) -> Result<Bytes, NotAnEnvelope> {
+        aws_smithy_types::base64::decode(&self.payload_base64)
+            .map(Bytes::from)
+            .map_err(|e| NotAnEnvelope(format!("payload_base64: {e}")))
+    }
+}
+
+impl fmt::Debug for DeadLetterEnvelope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the payload.
+        f.debug_struct("DeadLetterEnvelope")
+            .field("stream", &self.stream)
+            .field("shard", &self.shard)
+            .field("sequence_number", &self.sequence_number)
+            .field("sub_sequence", &self.sub_sequence)
+            .field("error", &self.error)
+            .field("attempts", &self.attempts)
+            .field("failed_at_ms", &self.failed_at_ms)
+            .field("payload_base64_len", &self.payload_base64.len())
+            .finish()
+    }
+}
+
+/// A producer is a dead-letter sink as it is: each dead letter is written as a
+/// [`DeadLetterEnvelope`] under the record's own partition key.
+impl Service<DeadLetterRecord> for Producer {
+    type Response = shardflow::Stored;
+    type Error = ProduceError;
+    type Future = shardflow::producer::ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
+        Service::<ProducerRecord>::poll_ready(self, cx)
+    }
+
+    fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
+        let envelope = DeadLetterEnvelope::from_record(&record);
+        Service::<ProducerRecord>::call(
+            self,
+            ProducerRecord::new(envelope.to_json(), record.headers.partition_key),
+        )
     }
 }
 
@@ -478,5 +620,60 @@ mod tests {
             sunk[0].error
         );
         assert!(sunk[0].error.contains("line 1 column"), "{}", sunk[0].error);
+    }
+
+    /// A producer sink writes each dead letter as an envelope that keeps the record's
+    /// origin, error and exact payload, under the original partition key.
+    #[tokio::test(start_paused = true)]
+    async fn a_producer_sink_writes_the_envelope() {
+        use shardflow::kinesis::StartingPosition;
+        use shardflow::{Backend, Memory};
+        let memory = Memory::new();
+        let kinesis = memory.kinesis();
+        kinesis.create_stream("dlq", 1).await.unwrap();
+        let producer = Producer::builder()
+            .stream("dlq")
+            .backend(memory.clone())
+            .build()
+            .unwrap();
+        let svc =
+            DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
+        let msg = message(42, b"\x00binary\xff");
+        let (stream, shard, pk) = (
+            msg.headers.stream.to_string(),
+            msg.headers.shard_id.to_string(),
+            msg.headers.partition_key.clone(),
+        );
+        assert!(svc.oneshot(msg).await.unwrap().is_dead_lettered());
+        producer.close().await;
+        let shard_id = kinesis.list_shards("dlq").await.unwrap()[0]
+            .shard_id
+            .clone();
+        let it = kinesis
+            .shard_iterator("dlq", &shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        let page = kinesis.get_records(&it, 10).await.unwrap();
+        assert_eq!(page.records.len(), 1);
+        let record = &page.records[0];
+        assert_eq!(record.partition_key, pk);
+        let envelope = DeadLetterEnvelope::from_json(&record.data).unwrap();
+        assert_eq!(
+            (
+                envelope.stream.as_str(),
+                envelope.shard.as_str(),
+                envelope.sequence_number.as_str(),
+                envelope.sub_sequence,
+                envelope.partition_key.as_str(),
+            ),
+            (stream.as_str(), shard.as_str(), "42", 0, pk.as_str())
+        );
+        assert!(
+            envelope.error.contains("charge refused"),
+            "{}",
+            envelope.error
+        );
+        assert_eq!(&envelope.payload().unwrap()[..], b"\x00binary\xff");
+        assert!(DeadLetterEnvelope::from_json(b"{\"id\":1}").is_err());
     }
 }
