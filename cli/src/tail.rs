@@ -166,6 +166,7 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
                 _ = &mut ctrl_c => return Ok(ExitCode::SUCCESS),
                 page = kinesis.get_records(&iterator, PAGE) => page?,
             };
+            let last = page.records.last().map(|r| r.sequence_number.clone());
             for record in page.records.iter().cloned() {
                 for user in user_records(&shard, record) {
                     if printed >= limit {
@@ -176,11 +177,18 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
                     idle = false;
                 }
             }
-            match page.next_iterator {
-                Some(next) => {
+            match (page.next_iterator, last) {
+                (Some(next), _) => {
                     reading.insert(shard, next);
                 }
-                None => {
+                // The end is a read that brings nothing: a page with records but no
+                // next iterator is read again after its last record.
+                (None, Some(last)) => {
+                    let from = StartingPosition::AfterSequenceNumber(last);
+                    let it = kinesis.shard_iterator(stream, &shard, &from).await?;
+                    reading.insert(shard, it);
+                }
+                (None, None) => {
                     reading.remove(&shard);
                     ended.insert(shard);
                     idle = false;
