@@ -304,6 +304,28 @@ async fn reset_to_a_timestamp_while_the_group_runs() {
     for row in store.list().await.unwrap() {
         assert_eq!(row.reset_to, None, "{row:?}");
         assert!(matches!(row.checkpoint, Checkpoint::At(_)), "{row:?}");
+        assert_eq!(row.owner, None, "{row:?}");
+    }
+    // The group stopped: the rows are unowned and changed at once.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--to",
+        "trim-horizon",
+        "--yes",
+        "--json",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for shard in out.json()["reset"].as_array().unwrap() {
+        assert_eq!(shard["how"], "applied", "{shard}");
+    }
+    for row in store.list().await.unwrap() {
+        assert_eq!(row.checkpoint, Checkpoint::TrimHorizon, "{row:?}");
     }
     // A usage error: an unknown position.
     let out = run(&[
