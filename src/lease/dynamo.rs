@@ -915,6 +915,26 @@ mod tests {
     }
 
     #[test]
+    fn a_reset_request_round_trips_through_an_item() {
+        let mut lease = Lease::new("shardId-000000000002", Vec::new(), Checkpoint::ShardEnd);
+        lease.owner = Some("w1#abc123".into());
+        for reset in [
+            Checkpoint::TrimHorizon,
+            Checkpoint::AtTimestamp(Some(
+                std::time::SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_530_000_123),
+            )),
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("4".repeat(60)).unwrap(),
+                2,
+            )),
+        ] {
+            lease.reset_to = Some(reset);
+            let item = item_from_lease(&lease);
+            assert_eq!(lease_from_item(&item).unwrap(), lease);
+        }
+    }
+
+    #[test]
     fn an_incarnation_owner_and_a_timestamp_start_round_trip() {
         let mut lease = Lease::new(
             "shardId-000000000003",
