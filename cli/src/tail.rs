@@ -141,6 +141,13 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     };
     let kinesis = cx.aws.kinesis();
     let stream = args.stream.as_str();
+    // Installed before the first read: from here on ctrl-c stops tail cleanly.
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    // `ctrl_c` registers its handler when first polled.
+    if futures_util::FutureExt::now_or_never(ctrl_c.as_mut()).is_some() {
+        return Ok(ExitCode::SUCCESS);
+    }
     let all = kinesis.list_shards(stream).await?;
     // Shard id -> its iterator; ended shards are remembered to start their children.
     let mut reading: BTreeMap<String, String> = BTreeMap::new();
@@ -153,8 +160,6 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     let mut ended: BTreeSet<String> = BTreeSet::new();
     let mut printed = 0u64;
     let limit = args.limit.unwrap_or(u64::MAX);
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
     while printed < limit && !reading.is_empty() {
         let mut idle = true;
         let keys: Vec<String> = reading.keys().cloned().collect();

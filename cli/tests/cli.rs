@@ -625,3 +625,42 @@ async fn delete_refuses_a_running_group_and_deletes_a_stopped_ones_table() {
         Err(LeaseError::TableMissing { .. })
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_follows_new_records_and_stops_cleanly_on_ctrl_c() {
+    if !emulators_enabled() {
+        return;
+    }
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let aws = Aws::from_env().await;
+    let kinesis = aws.kinesis();
+    let stream = unique("cli-follow");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args(["stream", "tail", &stream, "--from", "trim-horizon"])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Records written after tail started reach it; its signal handler is installed
+    // before its first read, so the line proves it is in place.
+    produce(kinesis.as_ref(), &stream, 0..1).await;
+    let first = within(RUN_LIMIT, "the first line", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.ends_with(" 0"), "{first}");
+    let pid = child.id().unwrap().to_string();
+    let status = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(status.success());
+    let status = within(RUN_LIMIT, "tail stops on SIGINT", child.wait())
+        .await
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a clean stop, not killed by the signal"
+    );
+}
