@@ -476,6 +476,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
                 .build(),
             payload: Bytes::from(format!("order-{v}")),
             error: "charge refused".into(),
+            attempts: Some(3),
         };
         producer.clone().oneshot(record).await.unwrap();
     }

@@ -27,7 +27,7 @@
 //! ```json
 //! {"shardflow_dead_letter":1,"stream":"orders","shard":"shardId-000000000001",
 //!  "sequence_number":"4959...","sub_sequence":0,"partition_key":"customer-7",
-//!  "error":"decode: expected value at line 1 column 1","attempts":null,
+//!  "error":"decode: expected value at line 1 column 1","attempts":4,
 //!  "failed_at_ms":1764530000000,"payload_base64":"bm90IGpzb24="}
 //! ```
 //!
@@ -35,6 +35,7 @@
 //! their payloads back to the original stream with their original partition keys. A
 //! sink of your own can use [`DeadLetterEnvelope::from_record`] as well.
 
+use std::cell::Cell;
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
@@ -61,6 +62,47 @@ pub struct DeadLetterRecord {
     pub payload: Bytes,
     /// The error and its causes, joined with `": "`.
     pub error: String,
+    /// How many calls of the handler failed, when a [`retry`](crate::retry) layer below
+    /// reported it (it does when it gives up); `None` otherwise.
+    pub attempts: Option<u32>,
+}
+
+thread_local! {
+    /// Where the retry layer below reports its attempts for the call the dead-letter
+    /// layer is polling on this thread: `Some` only while the dead-letter layer polls
+    /// its inner future (see [`with_attempts_slot`]), so a report from anywhere else is
+    /// dropped. No allocation per record: the count lives in the dead-letter future.
+    static ATTEMPTS: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Called by the retry layer when it gives a record up after `attempts` calls: the
+/// dead-letter layer above, if any, puts it in the dead letter.
+pub(crate) fn report_attempts(attempts: u32) {
+    ATTEMPTS.with(|slot| {
+        if slot.get().is_some() {
+            slot.set(Some(attempts));
+        }
+    });
+}
+
+/// Polls `poll` with `attempts` (0 = none reported yet) as this thread's attempts slot,
+/// and keeps what the retry layer reported meanwhile. The slot is restored even if
+/// `poll` panics.
+fn with_attempts_slot<T>(attempts: &mut u32, poll: impl FnOnce() -> T) -> T {
+    struct Restore<'a> {
+        attempts: &'a mut u32,
+        previous: Option<u32>,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            *self.attempts = ATTEMPTS
+                .with(|slot| slot.replace(self.previous))
+                .unwrap_or(0);
+        }
+    }
+    let previous = ATTEMPTS.with(|slot| slot.replace(Some(*attempts)));
+    let _restore = Restore { attempts, previous };
+    poll()
 }
 
 impl fmt::Debug for DeadLetterRecord {
@@ -70,6 +112,7 @@ impl fmt::Debug for DeadLetterRecord {
             .field("headers", &self.headers)
             .field("payload_len", &self.payload.len())
             .field("error", &self.error)
+            .field("attempts", &self.attempts)
             .finish()
     }
 }
@@ -94,8 +137,8 @@ pub struct DeadLetterEnvelope {
     pub partition_key: String,
     /// The error and its causes, joined with `": "`.
     pub error: String,
-    /// How many calls of the handler failed, where known (`null` when the layers below
-    /// do not report it: the retry layer logs its attempts but does not return them).
+    /// How many calls of the handler failed, where known: reported by a
+    /// [`retry`](crate::retry) layer below the dead-letter layer, `null` without one.
     pub attempts: Option<u32>,
     /// When the record was dead-lettered, epoch milliseconds.
     pub failed_at_ms: u64,
@@ -123,7 +166,7 @@ impl DeadLetterEnvelope {
             sub_sequence: h.sub_sequence_number,
             partition_key: h.partition_key.clone(),
             error: record.error.clone(),
-            attempts: None,
+            attempts: record.attempts,
             failed_at_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
@@ -328,6 +371,7 @@ where
         ResponseFuture {
             state: State::Handling { future },
             copy,
+            attempts: 0,
             sink: self.sink.clone(),
             policy: self.policy.clone(),
             span,
@@ -395,6 +439,8 @@ pin_project! {
         #[pin]
         state: State<F, K>,
         copy: Option<(Headers, Bytes)>,
+        // What a retry layer below reported (0: nothing).
+        attempts: u32,
         sink: K,
         policy: P,
         span: tracing::Span,
@@ -433,7 +479,8 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Handling { future } => {
-                    let error: BoxError = match ready!(future.poll(cx)) {
+                    let polled = with_attempts_slot(this.attempts, || future.poll(cx));
+                    let error: BoxError = match ready!(polled) {
                         Ok(response) => return Poll::Ready(Ok(Outcome::Handled(response))),
                         Err(e) => e.into(),
                     };
@@ -450,6 +497,7 @@ where
                         headers,
                         payload,
                         error: text.clone(),
+                        attempts: (*this.attempts > 0).then_some(*this.attempts),
                     };
                     this.state.set(State::Sinking {
                         future: Box::pin(this.sink.clone().oneshot(record)),
@@ -675,5 +723,40 @@ mod tests {
         );
         assert_eq!(&envelope.payload().unwrap()[..], b"\x00binary\xff");
         assert!(DeadLetterEnvelope::from_json(b"{\"id\":1}").is_err());
+    }
+
+    /// The retry layer below reports how many calls failed; without one it is unknown.
+    #[tokio::test(start_paused = true)]
+    async fn the_dead_letter_carries_the_retry_layers_attempts() {
+        use crate::retry::{Backoff, RetryLayer};
+        let (sunk, sink) = recording_sink(false);
+        let retried = RetryLayer::new(
+            Backoff::exponential()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(5)),
+        )
+        .layer(failing_with(|| "still failing".into()));
+        let svc = DeadLetterLayer::new(sink.clone()).layer(retried);
+        assert!(svc
+            .oneshot(message(7, b"x"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "no retry".into()));
+        assert!(svc
+            .oneshot(message(8, b"y"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let sunk = sunk.lock().unwrap();
+        assert_eq!(
+            sunk.iter().map(|r| r.attempts).collect::<Vec<_>>(),
+            vec![Some(3), None]
+        );
+        assert_eq!(
+            DeadLetterEnvelope::from_record(&sunk[0]).attempts,
+            Some(3),
+            "the envelope keeps them"
+        );
     }
 }
