@@ -6,8 +6,10 @@
 //!
 //! Orders arrive as JSON on the `orders` stream. The stack, outermost first:
 //! - `dead_letter`: what still fails below is written to the `orders-dlq` stream by the
-//!   producer (the raw record, with its error logged); the record counts as handled
-//!   only once the dead-letter stream stored it.
+//!   producer, as a dead-letter envelope (the payload with its origin and error, see
+//!   `shardflow_middleware::dead_letter`); the record counts as handled only once the
+//!   dead-letter stream stored it. `shardflow stream tail` shows them and
+//!   `shardflow dlq replay` writes them back.
 //! - `decode::<Order>()`: bad JSON becomes a typed error (and so a dead letter).
 //! - `dedup`: a redelivered order (after a crash or a retry) is not charged twice.
 //! - `retry`: a flaky payment provider is retried with backoff; a declined card is
@@ -30,12 +32,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
-use shardflow::producer::{Producer, ProducerRecord};
+use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Consumer, Memory, Message};
-use shardflow_middleware::dead_letter::DeadLetterRecord;
 use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
 use tokio::sync::Notify;
-use tower::{ServiceBuilder, ServiceExt};
+use tower::ServiceBuilder;
 
 const ORDERS: u64 = 1_000;
 
@@ -84,10 +85,8 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
         .stream(&dlq)
         .backend(backend.clone())
         .build()?;
-    // (The dead-letter layer logs each record's error; the DLQ keeps the raw record.)
-    let sink = producer.clone().map_request(|dead: DeadLetterRecord| {
-        ProducerRecord::new(dead.payload, dead.headers.partition_key)
-    });
+    // A producer is a dead-letter sink as it is: it writes envelopes.
+    let sink = producer.clone();
 
     let ledger = Ledger::default();
     let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));

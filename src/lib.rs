@@ -21,6 +21,7 @@
 //! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
 //! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
 //! | [`aggregation`] | KPL aggregation and de-aggregation |
+//! | [`admin`] | operating a group from outside: checkpoint resets, safe while it runs |
 //! | [`backend`], [`message`], [`producer`], [`sequence`] | the modules of the items above |
 //!
 //! # Testing your handlers
@@ -54,6 +55,7 @@
 //! # }
 //! ```
 
+pub mod admin;
 pub mod aggregation;
 pub mod backend;
 mod backoff;

@@ -1090,6 +1090,24 @@ impl LeaseStore for MemoryLeaseStore {
         .await
     }
 
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| row.reset_to = Some(to.clone()))
+        })
+        .await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.checkpoint = to.clone();
+                row.owner_switches = 0;
+                row.reset_to = None;
+            })
+        })
+        .await
+    }
+
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {

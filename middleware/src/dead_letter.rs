@@ -16,7 +16,26 @@
 //! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
 //! not ready, and any error of a record whose lease was lost (its new owner handles
 //! it). Those go up so the consumer delivers the record again.
+//!
+//! # Dead letters in a stream: the envelope
+//!
+//! A [`Producer`] is a sink as it is (`.dead_letter(producer.for_stream("orders-dlq"))`):
+//! each dead letter is written as a [`DeadLetterEnvelope`], one JSON object that keeps
+//! where the record came from and why it failed, with the original partition key as
+//! the dead letter's partition key:
+//!
+//! ```json
+//! {"shardflow_dead_letter":1,"stream":"orders","shard":"shardId-000000000001",
+//!  "sequence_number":"4959...","sub_sequence":0,"partition_key":"customer-7",
+//!  "error":"decode: expected value at line 1 column 1","attempts":4,
+//!  "failed_at_ms":1764530000000,"payload_base64":"bm90IGpzb24="}
+//! ```
+//!
+//! `shardflow stream tail` shows envelopes decoded, and `shardflow dlq replay` writes
+//! their payloads back to the original stream with their original partition keys. A
+//! sink of your own can use [`DeadLetterEnvelope::from_record`] as well.
 
+use std::cell::Cell;
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
@@ -28,6 +47,8 @@ use pin_project_lite::pin_project;
 use shardflow::{Headers, Message};
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceExt};
+
+use shardflow::producer::{ProduceError, Producer, ProducerRecord};
 
 use crate::observe::{chain_any, error_chain, message_span};
 use crate::BoxError;
@@ -41,6 +62,47 @@ pub struct DeadLetterRecord {
     pub payload: Bytes,
     /// The error and its causes, joined with `": "`.
     pub error: String,
+    /// How many calls of the handler failed, when a [`retry`](crate::retry) layer below
+    /// reported it (it does when it gives up); `None` otherwise.
+    pub attempts: Option<u32>,
+}
+
+thread_local! {
+    /// Where the retry layer below reports its attempts for the call the dead-letter
+    /// layer is polling on this thread: `Some` only while the dead-letter layer polls
+    /// its inner future (see [`with_attempts_slot`]), so a report from anywhere else is
+    /// dropped. No allocation per record: the count lives in the dead-letter future.
+    static ATTEMPTS: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Called by the retry layer when it gives a record up after `attempts` calls: the
+/// dead-letter layer above, if any, puts it in the dead letter.
+pub(crate) fn report_attempts(attempts: u32) {
+    ATTEMPTS.with(|slot| {
+        if slot.get().is_some() {
+            slot.set(Some(attempts));
+        }
+    });
+}
+
+/// Polls `poll` with `attempts` (0 = none reported yet) as this thread's attempts slot,
+/// and keeps what the retry layer reported meanwhile. The slot is restored even if
+/// `poll` panics.
+fn with_attempts_slot<T>(attempts: &mut u32, poll: impl FnOnce() -> T) -> T {
+    struct Restore<'a> {
+        attempts: &'a mut u32,
+        previous: Option<u32>,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            *self.attempts = ATTEMPTS
+                .with(|slot| slot.replace(self.previous))
+                .unwrap_or(0);
+        }
+    }
+    let previous = ATTEMPTS.with(|slot| slot.replace(Some(*attempts)));
+    let _restore = Restore { attempts, previous };
+    poll()
 }
 
 impl fmt::Debug for DeadLetterRecord {
@@ -50,7 +112,130 @@ impl fmt::Debug for DeadLetterRecord {
             .field("headers", &self.headers)
             .field("payload_len", &self.payload.len())
             .field("error", &self.error)
+            .field("attempts", &self.attempts)
             .finish()
+    }
+}
+
+/// A dead letter as written to a stream (see the [module docs](self)): JSON, with the
+/// payload in base64. `shardflow_dead_letter` (the format's version, 1) marks a record
+/// as an envelope.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct DeadLetterEnvelope {
+    /// The envelope format's version: [`DeadLetterEnvelope::VERSION`].
+    pub shardflow_dead_letter: u32,
+    /// The stream the record was read from.
+    pub stream: String,
+    /// The shard it was read from.
+    pub shard: String,
+    /// Its sequence number (decimal digits).
+    pub sequence_number: String,
+    /// Its sub-sequence number (the user record within a KPL aggregate; 0 otherwise).
+    pub sub_sequence: u64,
+    /// Its partition key (the dead letter's partition key too).
+    pub partition_key: String,
+    /// The error and its causes, joined with `": "`.
+    pub error: String,
+    /// How many calls of the handler failed, where known: reported by a
+    /// [`retry`](crate::retry) layer below the dead-letter layer, `null` without one.
+    pub attempts: Option<u32>,
+    /// When the record was dead-lettered, epoch milliseconds.
+    pub failed_at_ms: u64,
+    /// The payload exactly as read, base64 (standard alphabet, padded).
+    pub payload_base64: String,
+}
+
+/// A record that is not a [`DeadLetterEnvelope`].
+#[derive(Debug, thiserror::Error)]
+#[error("not a shardflow dead-letter envelope: {0}")]
+pub struct NotAnEnvelope(String);
+
+impl DeadLetterEnvelope {
+    /// The version this crate writes.
+    pub const VERSION: u32 = 1;
+
+    /// The envelope of a dead letter, failed now.
+    pub fn from_record(record: &DeadLetterRecord) -> Self {
+        let h = &record.headers;
+        DeadLetterEnvelope {
+            shardflow_dead_letter: Self::VERSION,
+            stream: h.stream.to_string(),
+            shard: h.shard_id.to_string(),
+            sequence_number: h.sequence_number.as_str().to_owned(),
+            sub_sequence: h.sub_sequence_number,
+            partition_key: h.partition_key.clone(),
+            error: record.error.clone(),
+            attempts: record.attempts,
+            failed_at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            payload_base64: aws_smithy_types::base64::encode(&record.payload),
+        }
+    }
+
+    /// The JSON written to the stream.
+    pub fn to_json(&self) -> Bytes {
+        // Serializing a struct of strings and integers cannot fail.
+        Bytes::from(serde_json::to_vec(self).unwrap_or_default())
+    }
+
+    /// Reads an envelope from a record's data; an error for anything else (other JSON,
+    /// another version, a payload that is not base64).
+    pub fn from_json(data: &[u8]) -> Result<Self, NotAnEnvelope> {
+        let envelope: DeadLetterEnvelope =
+            serde_json::from_slice(data).map_err(|e| NotAnEnvelope(e.to_string()))?;
+        if envelope.shardflow_dead_letter != Self::VERSION {
+            return Err(NotAnEnvelope(format!(
+                "version {}",
+                envelope.shardflow_dead_letter
+            )));
+        }
+        envelope.payload()?;
+        Ok(envelope)
+    }
+
+    /// The original payload.
+    pub fn payload(&self) -> Result<Bytes, NotAnEnvelope> {
+        aws_smithy_types::base64::decode(&self.payload_base64)
+            .map(Bytes::from)
+            .map_err(|e| NotAnEnvelope(format!("payload_base64: {e}")))
+    }
+}
+
+impl fmt::Debug for DeadLetterEnvelope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the payload.
+        f.debug_struct("DeadLetterEnvelope")
+            .field("stream", &self.stream)
+            .field("shard", &self.shard)
+            .field("sequence_number", &self.sequence_number)
+            .field("sub_sequence", &self.sub_sequence)
+            .field("error", &self.error)
+            .field("attempts", &self.attempts)
+            .field("failed_at_ms", &self.failed_at_ms)
+            .field("payload_base64_len", &self.payload_base64.len())
+            .finish()
+    }
+}
+
+/// A producer is a dead-letter sink as it is: each dead letter is written as a
+/// [`DeadLetterEnvelope`] under the record's own partition key.
+impl Service<DeadLetterRecord> for Producer {
+    type Response = shardflow::Stored;
+    type Error = ProduceError;
+    type Future = shardflow::producer::ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
+        Service::<ProducerRecord>::poll_ready(self, cx)
+    }
+
+    fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
+        let envelope = DeadLetterEnvelope::from_record(&record);
+        Service::<ProducerRecord>::call(
+            self,
+            ProducerRecord::new(envelope.to_json(), record.headers.partition_key),
+        )
     }
 }
 
@@ -186,6 +371,7 @@ where
         ResponseFuture {
             state: State::Handling { future },
             copy,
+            attempts: 0,
             sink: self.sink.clone(),
             policy: self.policy.clone(),
             span,
@@ -253,6 +439,8 @@ pin_project! {
         #[pin]
         state: State<F, K>,
         copy: Option<(Headers, Bytes)>,
+        // What a retry layer below reported (0: nothing).
+        attempts: u32,
         sink: K,
         policy: P,
         span: tracing::Span,
@@ -291,7 +479,8 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Handling { future } => {
-                    let error: BoxError = match ready!(future.poll(cx)) {
+                    let polled = with_attempts_slot(this.attempts, || future.poll(cx));
+                    let error: BoxError = match ready!(polled) {
                         Ok(response) => return Poll::Ready(Ok(Outcome::Handled(response))),
                         Err(e) => e.into(),
                     };
@@ -308,6 +497,7 @@ where
                         headers,
                         payload,
                         error: text.clone(),
+                        attempts: (*this.attempts > 0).then_some(*this.attempts),
                     };
                     this.state.set(State::Sinking {
                         future: Box::pin(this.sink.clone().oneshot(record)),
@@ -478,5 +668,95 @@ mod tests {
             sunk[0].error
         );
         assert!(sunk[0].error.contains("line 1 column"), "{}", sunk[0].error);
+    }
+
+    /// A producer sink writes each dead letter as an envelope that keeps the record's
+    /// origin, error and exact payload, under the original partition key.
+    #[tokio::test(start_paused = true)]
+    async fn a_producer_sink_writes_the_envelope() {
+        use shardflow::kinesis::{KinesisApi, StartingPosition, StreamAdmin};
+        use shardflow::Memory;
+        let memory = Memory::new();
+        let kinesis = memory.streams().clone();
+        kinesis.create_stream("dlq", 1).await.unwrap();
+        let producer = Producer::builder()
+            .stream("dlq")
+            .backend(memory.clone())
+            .build()
+            .unwrap();
+        let svc =
+            DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
+        let msg = message(42, b"\x00binary\xff");
+        let (stream, shard, pk) = (
+            msg.headers.stream.to_string(),
+            msg.headers.shard_id.to_string(),
+            msg.headers.partition_key.clone(),
+        );
+        assert!(svc.oneshot(msg).await.unwrap().is_dead_lettered());
+        producer.close().await;
+        let shard_id = kinesis.list_shards("dlq").await.unwrap()[0]
+            .shard_id
+            .clone();
+        let it = kinesis
+            .shard_iterator("dlq", &shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        let page = kinesis.get_records(&it, 10).await.unwrap();
+        assert_eq!(page.records.len(), 1);
+        let record = &page.records[0];
+        assert_eq!(record.partition_key, pk);
+        let envelope = DeadLetterEnvelope::from_json(&record.data).unwrap();
+        assert_eq!(
+            (
+                envelope.stream.as_str(),
+                envelope.shard.as_str(),
+                envelope.sequence_number.as_str(),
+                envelope.sub_sequence,
+                envelope.partition_key.as_str(),
+            ),
+            (stream.as_str(), shard.as_str(), "42", 0, pk.as_str())
+        );
+        assert!(
+            envelope.error.contains("charge refused"),
+            "{}",
+            envelope.error
+        );
+        assert_eq!(&envelope.payload().unwrap()[..], b"\x00binary\xff");
+        assert!(DeadLetterEnvelope::from_json(b"{\"id\":1}").is_err());
+    }
+
+    /// The retry layer below reports how many calls failed; without one it is unknown.
+    #[tokio::test(start_paused = true)]
+    async fn the_dead_letter_carries_the_retry_layers_attempts() {
+        use crate::retry::{Backoff, RetryLayer};
+        let (sunk, sink) = recording_sink(false);
+        let retried = RetryLayer::new(
+            Backoff::exponential()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(5)),
+        )
+        .layer(failing_with(|| "still failing".into()));
+        let svc = DeadLetterLayer::new(sink.clone()).layer(retried);
+        assert!(svc
+            .oneshot(message(7, b"x"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "no retry".into()));
+        assert!(svc
+            .oneshot(message(8, b"y"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let sunk = sunk.lock().unwrap();
+        assert_eq!(
+            sunk.iter().map(|r| r.attempts).collect::<Vec<_>>(),
+            vec![Some(3), None]
+        );
+        assert_eq!(
+            DeadLetterEnvelope::from_record(&sunk[0]).attempts,
+            Some(3),
+            "the envelope keeps them"
+        );
     }
 }

@@ -46,12 +46,17 @@ pub(crate) enum Sink {
 enum Event {
     Exit(String, ShardExit),
     HandoffRequested(String, String),
+    /// An operator asked for a checkpoint reset on the row (see `crate::admin`).
+    ResetRequested(String),
 }
 
 struct Slot {
     lease: Arc<HeldLease>,
     stop: CancellationToken,
     handoff_to: Option<String>,
+    /// A reset request is being applied: once the task stopped and drained, the
+    /// requested checkpoint is stored and the lease released (read again from there).
+    reset: bool,
 }
 
 /// How many more ListShards answers a shard sync asks for when a parent is unknown
@@ -280,6 +285,16 @@ impl Coordinator {
                 }
                 false
             }
+            Event::ResetRequested(key) => {
+                if let Some(slot) = self.slots.get_mut(&key) {
+                    if !slot.reset {
+                        tracing::info!(lease = %key, "checkpoint reset requested; stopping the shard to apply it");
+                        slot.reset = true;
+                        slot.stop.cancel();
+                    }
+                }
+                false
+            }
             Event::Exit(key, exit) => {
                 let Some(slot) = self.slots.remove(&key) else {
                     return false;
@@ -287,6 +302,10 @@ impl Coordinator {
                 lock(&self.held).remove(&key);
                 self.labels.leases_held(self.slots.len());
                 self.health.shard_stopped(&key);
+                if slot.reset && matches!(exit, ShardExit::Stopped | ShardExit::Ended) {
+                    apply_reset(&slot.lease, &key).await;
+                    self.need_sync = true;
+                }
                 let ended = matches!(exit, ShardExit::Ended);
                 let events = &self.config.events;
                 let shard = || key.clone();
@@ -942,6 +961,8 @@ impl Coordinator {
     /// Starts the shard task of a lease whose take was sent at `sent`.
     fn start(&mut self, row: Lease, sent: Instant) {
         let key = row.key.clone();
+        // A reset requested before this take is applied at once (after the stop).
+        let (reset_pending, key_for_reset) = (row.reset_to.is_some(), key.clone());
         let lease = Arc::new(HeldLease::taken_at(
             row,
             self.store.clone(),
@@ -996,9 +1017,13 @@ impl Coordinator {
                 lease,
                 stop,
                 handoff_to: None,
+                reset: false,
             },
         );
         self.labels.leases_held(self.slots.len());
+        if reset_pending {
+            let _ = self.events_tx.send(Event::ResetRequested(key_for_reset));
+        }
     }
 
     /// Stops every shard (drain, commit) and releases its lease.
@@ -1012,7 +1037,7 @@ impl Coordinator {
                 Ok(Some(event @ Event::Exit(..))) => {
                     self.on_event(event).await;
                 }
-                Ok(Some(Event::HandoffRequested(..))) => {}
+                Ok(Some(Event::HandoffRequested(..) | Event::ResetRequested(..))) => {}
                 Ok(None) | Err(_) => break,
             }
         }
@@ -1126,6 +1151,18 @@ fn descendants<'a>(
     })
 }
 
+/// Stores the checkpoint an operator asked for on a stopped shard's lease.
+async fn apply_reset(lease: &HeldLease, key: &str) {
+    match lease.apply_reset().await {
+        Ok(row) => {
+            tracing::info!(lease = %key, checkpoint = %row.checkpoint, "checkpoint reset applied")
+        }
+        Err(e) => {
+            tracing::warn!(lease = %key, error = %e, "could not apply the checkpoint reset; the next owner will")
+        }
+    }
+}
+
 async fn release(lease: &HeldLease, key: &str) {
     if let Err(e) = lease.release().await {
         tracing::warn!(lease = %key, error = %e, "release failed; the lease will expire instead");
@@ -1179,6 +1216,9 @@ async fn renew_loop(
                 match lease.renew().await {
                     Ok(row) => {
                         health.lease_table_ok();
+                        if row.reset_to.is_some() {
+                            let _ = events.send(Event::ResetRequested(key.clone()));
+                        }
                         if let Some(to) = row.pending_owner.filter(|w| *w != me) {
                             let _ = events.send(Event::HandoffRequested(key.clone(), to));
                         }

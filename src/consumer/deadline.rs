@@ -125,6 +125,15 @@ impl LeaseStore for BoundedLeaseStore {
         self.bound("delete", self.inner.delete(expected)).await
     }
 
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.bound("request_reset", self.inner.request_reset(expected, to))
+            .await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.bound("reset", self.inner.reset(expected, to)).await
+    }
+
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
         self.bound(
             "claim_for_stream",

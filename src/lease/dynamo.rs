@@ -23,6 +23,7 @@
 //! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
 //! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
 //! | `throughputKBps` | N | KCL 3: not used, kept |
+//! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
 //! DynamoDB Number holds. No condition compares them; fencing is on the counter.
@@ -47,6 +48,8 @@
 //! | `request_handoff` | `SET pendingOwner` (counter kept, so the owner's token stays valid) |
 //! | `claim_for_stream` | `SET streamName = if_not_exists(streamName, stream)` (counter kept) |
 //! | `record_children` | `SET childShardIds` of a row at `SHARD_END` (counter kept) |
+//! | `request_reset` | `SET resetCheckpoint, resetCheckpointSubSequenceNumber` and `SET` or `REMOVE resetCheckpointTimestamp` (counter kept) |
+//! | `reset` | as `checkpoint` (the checkpoint may move backwards), and `REMOVE resetCheckpoint*` (counter kept) |
 //! | `delete` | DeleteItem under the same condition |
 //!
 //! Reads (`get`, `list`) are strongly consistent.
@@ -99,6 +102,12 @@ const PENDING_CHECKPOINT: &str = "pendingCheckpoint";
 const PENDING_SUB_SEQUENCE: &str = "pendingCheckpointSubSequenceNumber";
 /// The application state saved with a pending checkpoint (B; some KCL 3 versions write N).
 const PENDING_STATE: &str = "pendingCheckpointState";
+/// An operator's reset request: the checkpoint to move to (shardflow's).
+const RESET: &str = "resetCheckpoint";
+/// The reset request's sub-sequence number.
+const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
+/// The reset request's `AT_TIMESTAMP` time, epoch milliseconds.
+const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
 
 /// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
 const ACTIVE_WAIT: Duration = Duration::from_secs(60);
@@ -372,6 +381,20 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
             AttributeValue::S(checkpoint_owner.clone()),
         );
     }
+    if let Some(reset) = &lease.reset_to {
+        let (value, sub_sequence) = reset.as_attribute();
+        item.insert(RESET.to_owned(), AttributeValue::S(value));
+        item.insert(
+            RESET_SUB_SEQUENCE.to_owned(),
+            AttributeValue::N(sub_sequence.to_string()),
+        );
+        if let Some(millis) = reset.timestamp_millis() {
+            item.insert(
+                RESET_TIMESTAMP.to_owned(),
+                AttributeValue::N(millis.to_string()),
+            );
+        }
+    }
     item
 }
 
@@ -410,7 +433,22 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
         )),
         _ => None,
     };
+    let reset_to = match string(item, RESET, &key)? {
+        Some(value) => {
+            let sub_sequence = match number(item, RESET_SUB_SEQUENCE, &key)? {
+                Some(n) => parse_number(&key, RESET_SUB_SEQUENCE, &n)?,
+                None => 0,
+            };
+            let timestamp = match number(item, RESET_TIMESTAMP, &key)? {
+                Some(n) => Some(parse_number(&key, RESET_TIMESTAMP, &n)?),
+                None => None,
+            };
+            Some(Checkpoint::from_attribute(&value, sub_sequence)?.with_timestamp_millis(timestamp))
+        }
+        None => None,
+    };
     Ok(Lease {
+        reset_to,
         parents: string_set(item, PARENTS, &key)?,
         children: string_set(item, CHILDREN, &key)?,
         stream: string(item, STREAM, &key)?,
@@ -717,6 +755,82 @@ impl LeaseStore for DynamoLeaseStore {
         .await
     }
 
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        let (value, sub_sequence) = to.as_attribute();
+        let mut values = vec![
+            (":reset", AttributeValue::S(value)),
+            (":reset_sub", AttributeValue::N(sub_sequence.to_string())),
+        ];
+        let update = match to.timestamp_millis() {
+            Some(millis) => {
+                values.push((":reset_ts", AttributeValue::N(millis.to_string())));
+                "SET #reset = :reset, #reset_sub = :reset_sub, #reset_ts = :reset_ts"
+            }
+            None => "SET #reset = :reset, #reset_sub = :reset_sub REMOVE #reset_ts",
+        };
+        self.fenced_update(
+            "request_reset",
+            expected,
+            update,
+            &[
+                ("#reset", RESET),
+                ("#reset_sub", RESET_SUB_SEQUENCE),
+                ("#reset_ts", RESET_TIMESTAMP),
+            ],
+            values,
+            || Lease {
+                reset_to: Some(to.clone()),
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        let (value, sub_sequence) = to.as_attribute();
+        let mut values = vec![
+            (":checkpoint", AttributeValue::S(value)),
+            (":sub", AttributeValue::N(sub_sequence.to_string())),
+            (":zero", AttributeValue::N("0".into())),
+        ];
+        let update = match to.timestamp_millis() {
+            Some(millis) => {
+                values.push((":timestamp", AttributeValue::N(millis.to_string())));
+                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp, \
+                 #switches = :zero REMOVE #pcp, #pcp_sub, #pcp_state, #reset, #reset_sub, #reset_ts"
+            }
+            None => {
+                "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero \
+                 REMOVE #timestamp, #pcp, #pcp_sub, #pcp_state, #reset, #reset_sub, #reset_ts"
+            }
+        };
+        self.fenced_update(
+            "reset",
+            expected,
+            update,
+            &[
+                ("#checkpoint", CHECKPOINT),
+                ("#sub", SUB_SEQUENCE),
+                ("#timestamp", TIMESTAMP),
+                ("#switches", OWNER_SWITCHES),
+                ("#pcp", PENDING_CHECKPOINT),
+                ("#pcp_sub", PENDING_SUB_SEQUENCE),
+                ("#pcp_state", PENDING_STATE),
+                ("#reset", RESET),
+                ("#reset_sub", RESET_SUB_SEQUENCE),
+                ("#reset_ts", RESET_TIMESTAMP),
+            ],
+            values,
+            || Lease {
+                checkpoint: to.clone(),
+                owner_switches: 0,
+                reset_to: None,
+                ..expected.clone()
+            },
+        )
+        .await
+    }
+
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
         self.fenced_update(
             "claim_for_stream",
@@ -798,6 +912,26 @@ mod tests {
         ));
         let item = item_from_lease(&lease);
         assert_eq!(lease_from_item(&item).unwrap(), lease);
+    }
+
+    #[test]
+    fn a_reset_request_round_trips_through_an_item() {
+        let mut lease = Lease::new("shardId-000000000002", Vec::new(), Checkpoint::ShardEnd);
+        lease.owner = Some("w1#abc123".into());
+        for reset in [
+            Checkpoint::TrimHorizon,
+            Checkpoint::AtTimestamp(Some(
+                std::time::SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_530_000_123),
+            )),
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("4".repeat(60)).unwrap(),
+                2,
+            )),
+        ] {
+            lease.reset_to = Some(reset);
+            let item = item_from_lease(&lease);
+            assert_eq!(lease_from_item(&item).unwrap(), lease);
+        }
     }
 
     #[test]

@@ -107,6 +107,22 @@ impl HeldLease {
         .await
     }
 
+    /// Applies the operator's reset request on the row as last read (see
+    /// [`Lease::reset_to`](super::Lease::reset_to)): stores its checkpoint, fenced like
+    /// every write, and removes the request. Call it only once the shard task stopped
+    /// and drained. Returns the row unchanged when there is no request.
+    pub async fn apply_reset(&self) -> Result<Lease, LeaseError> {
+        self.write(|store, row| {
+            Box::pin(async move {
+                match row.reset_to.clone() {
+                    Some(to) => store.reset(&row, &to).await,
+                    None => Ok(row),
+                }
+            })
+        })
+        .await
+    }
+
     /// Gives the lease up (to nobody). Marks it lost for this worker either way.
     pub async fn release(&self) -> Result<Lease, LeaseError> {
         let result = self

@@ -214,6 +214,10 @@ pub struct Lease {
     /// The KCL 3 worker still processing the shard during a graceful hand-off to
     /// `owner` (`checkpointOwner`). shardflow never sets it; a take removes it.
     pub checkpoint_owner: Option<String>,
+    /// A checkpoint reset requested by an operator (`resetCheckpoint`, shardflow's; see
+    /// [`crate::admin`]): the owner stops the shard, drains, stores this checkpoint and
+    /// lets the shard be read again from it. Kept by takes, so a new owner applies it.
+    pub reset_to: Option<Checkpoint>,
 }
 
 impl Lease {
@@ -231,6 +235,7 @@ impl Lease {
             children: Vec::new(),
             owner_switches: 0,
             checkpoint_owner: None,
+            reset_to: None,
         }
     }
 
@@ -330,6 +335,30 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// and no other worker asked already (the first request wins; the counter is kept
     /// so the owner's fencing token stays valid).
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError>;
+
+    /// Records an operator's request to move the checkpoint of an owned row to `to`
+    /// (`reset_to`), if the row still matches `expected`. The counter is kept, so the
+    /// owner's fencing token stays valid; the owner applies it with [`Self::reset`]. A
+    /// store that cannot record it (the default) refuses.
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        let _ = to;
+        Err(LeaseError::Other(format!(
+            "lease {}: this lease store cannot reset checkpoints",
+            expected.key
+        )))
+    }
+
+    /// Stores `to` as the checkpoint, whatever the stored one (it may move backwards),
+    /// and removes a reset request, if the row still matches `expected` (the counter is
+    /// kept). Used by an operator on an unowned row and by the owner applying a
+    /// request. A store that cannot do it (the default) refuses.
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        let _ = to;
+        Err(LeaseError::Other(format!(
+            "lease {}: this lease store cannot reset checkpoints",
+            expected.key
+        )))
+    }
 
     /// Deletes the row if it still matches `expected` (clean-up of finished shards).
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError>;

@@ -144,6 +144,7 @@ where
                                     %error,
                                     "permanent error; not retrying",
                                 );
+                                crate::dead_letter::report_attempts(*this.attempts);
                                 return Poll::Ready(Err(error));
                             }
                             Err(Stop::LeaseLost) => {
@@ -161,6 +162,7 @@ where
                                     %error,
                                     "retries exhausted",
                                 );
+                                crate::dead_letter::report_attempts(*this.attempts);
                                 return Poll::Ready(Err(error));
                             }
                         }

@@ -1,0 +1,185 @@
+//! `shardflow`: the command line of a shardflow consumer group. It describes a group and
+//! its lag, resets checkpoints safely while the group runs, tails a stream and replays
+//! dead letters, talking to AWS through `aws-config` (regions, profiles, credentials and
+//! `AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_KINESIS`, `AWS_ENDPOINT_URL_DYNAMODB` work the
+//! standard way).
+//!
+//! Exit codes: 0 done; 1 an error (AWS, a missing table or stream, a refused delete);
+//! 2 a usage error; 3 a plan printed and nothing changed (a reset, delete or replay
+//! without `--yes`).
+
+mod describe;
+mod dlq;
+mod position;
+mod read;
+mod reset;
+mod tail;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use shardflow::lease::dynamo::DynamoLeaseStore;
+use shardflow::Aws;
+
+/// Exit code: a plan was printed and nothing changed (no `--yes`).
+pub const EXIT_PLAN_ONLY: u8 = 3;
+
+/// Operate shardflow consumer groups and Kinesis streams.
+#[derive(Parser, Debug)]
+#[command(name = "shardflow", version, about, long_about = None)]
+#[command(
+    after_help = "Exit codes: 0 done, 1 error, 2 usage error, 3 plan printed and nothing changed (no --yes)."
+)]
+struct Cli {
+    /// Print JSON instead of tables (one object; `stream tail` prints one per line).
+    #[arg(long, global = true, env = "SHARDFLOW_JSON")]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Consumer groups: describe, reset checkpoints, delete.
+    #[command(subcommand)]
+    Group(GroupCommand),
+    /// Streams: tail.
+    #[command(subcommand)]
+    Stream(StreamCommand),
+    /// Dead-letter streams: replay.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum GroupCommand {
+    /// One row per shard: state, owner, lease activity, checkpoint and lag. Changes nothing.
+    Describe(describe::DescribeArgs),
+    /// Moves checkpoints; prints the plan only, unless --yes.
+    Reset(reset::ResetArgs),
+    /// Deletes the group's lease table (refused while leases are live, unless --force).
+    Delete(describe::DeleteArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum StreamCommand {
+    /// Prints a stream's records, KPL aggregates split, following new shards.
+    Tail(tail::TailArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum DlqCommand {
+    /// Re-publishes dead letters to their stream with their partition keys.
+    Replay(dlq::ReplayArgs),
+}
+
+/// The group a command works on: its stream and lease table.
+#[derive(Args, Debug, Clone)]
+pub struct GroupArgs {
+    /// The stream the group consumes.
+    #[arg(long, env = "SHARDFLOW_STREAM")]
+    pub stream: String,
+    /// The consumer group (its lease table has the group's name unless --table).
+    #[arg(long, env = "SHARDFLOW_GROUP", required_unless_present = "table")]
+    pub group: Option<String>,
+    /// The lease table, when it is not named after the group.
+    #[arg(long, env = "SHARDFLOW_LEASE_TABLE")]
+    pub table: Option<String>,
+}
+
+impl GroupArgs {
+    /// The lease table's name.
+    pub fn table(&self) -> &str {
+        // `group` is required unless `table` is given (clap enforces it).
+        self.table
+            .as_deref()
+            .or(self.group.as_deref())
+            .unwrap_or_default()
+    }
+
+    /// The lease store over the group's table.
+    pub fn store(&self, aws: &Aws) -> Arc<DynamoLeaseStore> {
+        Arc::new(DynamoLeaseStore::new(
+            aws.dynamodb_client().clone(),
+            self.table(),
+        ))
+    }
+}
+
+/// What every command gets: the AWS clients and the output mode.
+pub struct Context {
+    /// Kinesis and DynamoDB clients configured by `aws-config`.
+    pub aws: Aws,
+    /// `--json`.
+    pub json: bool,
+}
+
+/// A failed command: its message is printed, the exit code is 1.
+pub type CliError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a command returns: the exit code.
+pub type CliResult = Result<ExitCode, CliError>;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let context = Context {
+        aws: Aws::from_env().await,
+        json: cli.json,
+    };
+    let result = match cli.command {
+        Command::Group(GroupCommand::Describe(args)) => describe::describe(&context, args).await,
+        Command::Group(GroupCommand::Reset(args)) => reset::reset(&context, args).await,
+        Command::Group(GroupCommand::Delete(args)) => describe::delete(&context, args).await,
+        Command::Stream(StreamCommand::Tail(args)) => tail::tail(&context, args).await,
+        Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(&context, args).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("shardflow: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A table that fits the terminal (or 120 columns when not a terminal).
+pub fn table(header: &[&str]) -> comfy_table::Table {
+    let mut table = comfy_table::Table::new();
+    table
+        .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
+        .set_header(header.to_vec());
+    if !table.is_tty() {
+        table.set_width(120);
+    }
+    table
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub fn progress(len: Option<u64>, what: &str) -> indicatif::ProgressBar {
+    let bar = match len {
+        Some(n) => indicatif::ProgressBar::new(n),
+        None => indicatif::ProgressBar::new_spinner(),
+    };
+    let template = match len {
+        Some(_) => "{msg} {bar:30} {pos}/{len} ({per_sec})",
+        None => "{spinner} {msg} {pos} ({per_sec})",
+    };
+    if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar.set_message(what.to_owned());
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// Prints `value` as pretty JSON on stdout.
+pub fn print_json(value: &serde_json::Value) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string())
+    );
+}

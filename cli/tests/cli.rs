@@ -1,0 +1,667 @@
+//! The `shardflow` binary against the emulators (`scripts/test.sh` starts them and sets
+//! the AWS endpoints): every subcommand, its output, its exit code and its effect on the
+//! lease table and the streams.
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use common::*;
+use serde_json::Value;
+use shardflow::aggregation::Aggregator;
+use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
+use shardflow::lease::{Checkpoint, LeaseError};
+use shardflow::producer::Producer;
+use shardflow::{Aws, Backend, Headers};
+use shardflow_middleware::dead_letter::DeadLetterRecord;
+use tower::ServiceExt;
+
+/// How long one run of the binary may take before the test fails (and kills it).
+const RUN_LIMIT: Duration = Duration::from_secs(120);
+/// How long a test waits for records.
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// What a run of the binary printed, and its exit code.
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.stdout, self.stderr))
+    }
+}
+
+/// Runs `shardflow ARGS` (the AWS settings come from the environment), bounded.
+async fn run(args: &[&str]) -> Out {
+    let mut child = tokio::process::Command::from({
+        let mut c = Command::new(env!("CARGO_BIN_EXE_shardflow"));
+        c.args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null());
+        c
+    })
+    .kill_on_drop(true)
+    .spawn()
+    .expect("start the binary");
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let output = async {
+        use tokio::io::AsyncReadExt;
+        let (mut out, mut err) = (String::new(), String::new());
+        let (a, b) = tokio::join!(so.read_to_string(&mut out), se.read_to_string(&mut err));
+        a.unwrap();
+        b.unwrap();
+        let status = child.wait().await.unwrap();
+        (status, out, err)
+    };
+    let (status, stdout, stderr) = within(RUN_LIMIT, &format!("shardflow {args:?}"), output).await;
+    Out {
+        code: status.code().unwrap_or(-1),
+        stdout,
+        stderr,
+    }
+}
+
+fn group_consumer(aws: &Aws, stream: &str, group: &str) -> shardflow::Consumer {
+    test_consumer(aws.clone(), stream, group, "w1")
+        .build()
+        .unwrap()
+}
+
+/// Every user record of a stream (all shards, oldest first), with its arrival time.
+async fn read_all(kinesis: &dyn KinesisApi, stream: &str) -> Vec<(String, String, SystemTime)> {
+    let mut out = Vec::new();
+    for shard in kinesis.list_shards(stream).await.unwrap() {
+        let mut it = kinesis
+            .shard_iterator(stream, &shard.shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        loop {
+            let page = kinesis.get_records(&it, 10_000).await.unwrap();
+            let empty = page.records.is_empty();
+            for r in page.records {
+                let data = String::from_utf8(r.data.to_vec()).unwrap();
+                out.push((data, r.partition_key, r.approximate_arrival.unwrap()));
+            }
+            match page.next_iterator {
+                Some(next) if !empty => it = next,
+                _ => break,
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_shows_owners_checkpoints_and_lag() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-describe"), unique("cli-describe-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..40).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(40, LIMIT).await;
+
+    // While the group runs: both shards owned by w1, renewed, nothing behind once the
+    // checkpoints caught up.
+    let mut described = Value::Null;
+    for _ in 0..20 {
+        let out = run(&[
+            "group",
+            "describe",
+            "--stream",
+            &stream,
+            "--group",
+            &group,
+            "--json",
+            "--count",
+            "--sample-ms",
+            "1500",
+        ])
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        described = out.json();
+        if described["records_behind"] == 0 {
+            break;
+        }
+    }
+    assert_eq!(described["records_behind"], 0, "{described}");
+    let shards = described["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2);
+    for s in shards {
+        assert_eq!(s["state"], "open");
+        assert!(s["owner"].as_str().unwrap().starts_with("w1#"), "{s}");
+        assert_eq!(s["renewing"], true, "{s}");
+        assert_eq!(s["millis_behind_latest"], 0, "{s}");
+    }
+    assert_eq!(described["workers"]["w1"], 2);
+    running.stop().await;
+
+    // Stopped, with 10 records written since: no owners, 10 records behind.
+    produce(kinesis.as_ref(), &stream, 40..50).await;
+    let out = run(&[
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--json",
+        "--count",
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let described = out.json();
+    assert_eq!(described["records_behind"], 10, "{described}");
+    assert_eq!(described["workers"], serde_json::json!({}));
+    // The table for people names every shard and the summary.
+    let out = run(&[
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--count",
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for s in shards {
+        assert!(
+            out.stdout.contains(s["shard"].as_str().unwrap()),
+            "{}",
+            out.stdout
+        );
+    }
+    assert!(out.stdout.contains("2 shards, 0 workers"), "{}", out.stdout);
+    assert!(out.stdout.contains("10 records behind"), "{}", out.stdout);
+    // A group without a table is an error (exit 1), a bad option a usage error (2).
+    let out = run(&[
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        "no-such-group-table",
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stderr.contains("no-such-group-table"), "{}", out.stderr);
+    let out = run(&["group", "describe", "--stream", &stream]).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_a_timestamp_while_the_group_runs() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-reset"), unique("cli-reset-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..30).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(30, LIMIT).await;
+    produce(kinesis.as_ref(), &stream, 30..60).await;
+    recorder.wait_for(60, LIMIT).await;
+
+    // The reset point: the earliest arrival of the second batch. Every record that
+    // arrived at or after it must come again, none before it.
+    let arrivals: BTreeMap<usize, SystemTime> = read_all(kinesis.as_ref(), &stream)
+        .await
+        .into_iter()
+        .map(|(v, _, at)| (v.parse().unwrap(), at))
+        .collect();
+    let at = (30..60).map(|v| arrivals[&v]).min().unwrap();
+    let at_ms = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    let again: Vec<usize> = (0..60).filter(|v| arrivals[v] >= at).collect();
+    assert!(
+        again.len() < 60,
+        "some records arrived before the reset point"
+    );
+
+    // The plan changes nothing (exit 3).
+    let store = aws.lease_store(&group);
+    let before = checkpoints(&store.list().await.unwrap());
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--to",
+        "timestamp",
+        &at_ms,
+    ])
+    .await;
+    assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("plan only"), "{}", out.stdout);
+    assert_eq!(checkpoints(&store.list().await.unwrap()), before);
+
+    // With --yes, while the group runs: each owner applies it.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--to",
+        "timestamp",
+        &at_ms,
+        "--yes",
+        "--json",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let done = out.json();
+    for shard in done["reset"].as_array().unwrap() {
+        assert_eq!(shard["how"], "requested from the owner", "{shard}");
+    }
+    recorder.wait_for(60 + again.len(), LIMIT).await;
+    // A sentinel per shard: a shard is read in order, so once they arrived, whatever the
+    // reset delivers again has been delivered.
+    let shards = open_shards(kinesis.as_ref(), &stream).await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), &stream, &shards, 1000).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    running.stop().await;
+    let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
+    for h in recorder.snapshot() {
+        *seen.entry(h.value).or_default() += 1;
+    }
+    for v in 0..60 {
+        let expected = if again.contains(&v) { 2 } else { 1 };
+        assert_eq!(
+            seen[&v], expected,
+            "value {v} (arrived {:?}, reset to {at:?})",
+            arrivals[&v]
+        );
+    }
+    for row in store.list().await.unwrap() {
+        assert_eq!(row.reset_to, None, "{row:?}");
+        assert!(matches!(row.checkpoint, Checkpoint::At(_)), "{row:?}");
+        assert_eq!(row.owner, None, "{row:?}");
+    }
+    // The group stopped: the rows are unowned and changed at once.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--to",
+        "trim-horizon",
+        "--yes",
+        "--json",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for shard in out.json()["reset"].as_array().unwrap() {
+        assert_eq!(shard["how"], "applied", "{shard}");
+    }
+    for row in store.list().await.unwrap() {
+        assert_eq!(row.checkpoint, Checkpoint::TrimHorizon, "{row:?}");
+    }
+    // A usage error: an unknown position.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--to",
+        "yesterday",
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_splits_aggregates_and_follows_a_split() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-tail");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..5).await;
+    let mut aggregator = Aggregator::new();
+    for v in 5..8 {
+        let put = PutRecord {
+            data: Bytes::from(v.to_string()),
+            partition_key: format!("pk-{v}"),
+            explicit_hash_key: None,
+        };
+        assert!(aggregator.add(put).unwrap().is_none());
+    }
+    kinesis
+        .put_records(&stream, &[aggregator.flush().unwrap()])
+        .await
+        .unwrap();
+    let parent = kinesis.list_shards(&stream).await.unwrap()[0].clone();
+    kinesis
+        .split_shard(&stream, &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    produce(kinesis.as_ref(), &stream, 8..20).await;
+
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "trim-horizon",
+        "--format",
+        "json",
+        "--limit",
+        "20",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let lines: Vec<Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut values: Vec<usize> = lines
+        .iter()
+        .map(|l| l["data"].as_str().unwrap().parse().unwrap())
+        .collect();
+    values.sort();
+    assert_eq!(values, (0..20).collect::<Vec<_>>());
+    let aggregated: Vec<&Value> = lines.iter().filter(|l| l["aggregated"] == true).collect();
+    assert_eq!(aggregated.len(), 3);
+    assert_eq!(aggregated[2]["sub_sequence"], 2);
+    assert_eq!(aggregated[1]["partition_key"], "pk-6");
+    let children = lines
+        .iter()
+        .filter(|l| l["shard"] != parent.shard_id.as_str())
+        .count();
+    assert_eq!(
+        children, 12,
+        "the records after the split come from the children"
+    );
+    // Text and hex: one line per record with its headers.
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "2",
+        "--shard",
+        &parent.shard_id,
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout.lines().count(), 2);
+    assert!(
+        out.stdout
+            .lines()
+            .all(|l| l.starts_with(parent.shard_id.as_str())),
+        "{}",
+        out.stdout
+    );
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "1",
+        "--format",
+        "hex",
+    ])
+    .await;
+    assert!(
+        out.stdout.trim_end().ends_with(" 30"),
+        "0 is 0x30: {}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_republishes_with_the_original_partition_keys() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    // Three dead letters through the default sink (a producer writes envelopes), and a
+    // record that is not one.
+    let producer = Producer::builder()
+        .stream(&dlq)
+        .backend(aws.clone())
+        .build()
+        .unwrap();
+    for v in 0..3 {
+        let record = DeadLetterRecord {
+            headers: Headers::builder()
+                .stream(orders.as_str())
+                .partition_key(format!("customer-{v}"))
+                .sequence_number(100u64 + v)
+                .build(),
+            payload: Bytes::from(format!("order-{v}")),
+            error: "charge refused".into(),
+            attempts: Some(3),
+        };
+        producer.clone().oneshot(record).await.unwrap();
+    }
+    producer.close().await;
+    kinesis
+        .put_records(
+            &dlq,
+            &[PutRecord {
+                data: Bytes::from_static(b"not an envelope"),
+                partition_key: "x".into(),
+                explicit_hash_key: None,
+            }],
+        )
+        .await
+        .unwrap();
+
+    // Tail shows them decoded.
+    let out = run(&[
+        "stream",
+        "tail",
+        &dlq,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "4",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        out.stdout.matches("dead-letter from").count(),
+        3,
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("error=\"charge refused\": order-1"),
+        "{}",
+        out.stdout
+    );
+
+    let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders]).await;
+    assert_eq!(out.code, 3, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("would re-publish 3 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        read_all(kinesis.as_ref(), &orders).await.is_empty(),
+        "the plan writes nothing"
+    );
+
+    let out = run(&[
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let summary = out.json();
+    assert_eq!(
+        (
+            summary["published"].clone(),
+            summary["not_envelopes"].clone()
+        ),
+        (3.into(), 1.into())
+    );
+    let mut replayed: Vec<(String, String)> = read_all(kinesis.as_ref(), &orders)
+        .await
+        .into_iter()
+        .map(|(data, key, _)| (data, key))
+        .collect();
+    replayed.sort();
+    assert_eq!(
+        replayed,
+        (0..3)
+            .map(|v| (format!("order-{v}"), format!("customer-{v}")))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_refuses_a_running_group_and_deletes_a_stopped_ones_table() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-delete"), unique("cli-delete-g"));
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..5).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(5, LIMIT).await;
+    let out = run(&[
+        "group",
+        "delete",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--yes",
+        "--sample-ms",
+        "1500",
+    ])
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stderr.contains("live"), "{}", out.stderr);
+    running.stop().await;
+    let store = aws.lease_store(&group);
+    assert_eq!(
+        store.list().await.unwrap().len(),
+        1,
+        "the refused delete kept the table"
+    );
+
+    let out = run(&[
+        "group",
+        "delete",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 3, "{}", out.stderr);
+    assert_eq!(
+        store.list().await.unwrap().len(),
+        1,
+        "the plan deleted nothing"
+    );
+    let out = run(&[
+        "group",
+        "delete",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--yes",
+        "--sample-ms",
+        "1500",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(matches!(
+        store.list().await,
+        Err(LeaseError::TableMissing { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_follows_new_records_and_stops_cleanly_on_ctrl_c() {
+    if !emulators_enabled() {
+        return;
+    }
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-follow");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args(["stream", "tail", &stream, "--from", "trim-horizon"])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Records written after tail started reach it; its signal handler is installed
+    // before its first read, so the line proves it is in place.
+    produce(kinesis.as_ref(), &stream, 0..1).await;
+    let first = within(RUN_LIMIT, "the first line", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.ends_with(" 0"), "{first}");
+    let pid = child.id().unwrap().to_string();
+    let status = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(status.success());
+    let status = within(RUN_LIMIT, "tail stops on SIGINT", child.wait())
+        .await
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a clean stop, not killed by the signal"
+    );
+}
