@@ -241,17 +241,17 @@ impl Service<DeadLetterRecord> for Producer {
 
 /// What a dead-lettering call returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome<R> {
+pub enum DeadLetterOutcome<R> {
     /// The inner service succeeded.
     Handled(R),
     /// The inner service failed and the sink accepted the record.
     DeadLettered,
 }
 
-impl<R> Outcome<R> {
+impl<R> DeadLetterOutcome<R> {
     /// Whether the record went to the sink.
     pub fn is_dead_lettered(&self) -> bool {
-        matches!(self, Outcome::DeadLettered)
+        matches!(self, DeadLetterOutcome::DeadLettered)
     }
 }
 
@@ -352,7 +352,7 @@ where
     K::Error: Into<BoxError>,
     P: DeadLetterPolicy + Clone,
 {
-    type Response = Outcome<S::Response>;
+    type Response = DeadLetterOutcome<S::Response>;
     type Error = BoxError;
     type Future = ResponseFuture<S::Future, K, P>;
 
@@ -471,7 +471,7 @@ where
     K::Error: Into<BoxError>,
     P: DeadLetterPolicy,
 {
-    type Output = Result<Outcome<R>, BoxError>;
+    type Output = Result<DeadLetterOutcome<R>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -481,7 +481,9 @@ where
                 StateProj::Handling { future } => {
                     let polled = with_attempts_slot(this.attempts, || future.poll(cx));
                     let error: BoxError = match ready!(polled) {
-                        Ok(response) => return Poll::Ready(Ok(Outcome::Handled(response))),
+                        Ok(response) => {
+                            return Poll::Ready(Ok(DeadLetterOutcome::Handled(response)))
+                        }
                         Err(e) => e.into(),
                     };
                     let Some((headers, payload)) = this.copy.take() else {
@@ -517,7 +519,7 @@ where
                                 monotonic_counter.shardflow.dead_lettered = 1u64,
                                 "dead-lettered",
                             );
-                            Ok(Outcome::DeadLettered)
+                            Ok(DeadLetterOutcome::DeadLettered)
                         }
                         Err(e) => Err(Box::new(DeadLetterError {
                             position: position.clone(),
@@ -580,7 +582,7 @@ mod tests {
         }));
         assert_eq!(
             svc.oneshot(message(1, b"x")).await.unwrap(),
-            Outcome::Handled(5)
+            DeadLetterOutcome::Handled(5)
         );
         assert!(sunk.lock().unwrap().is_empty());
     }
@@ -590,7 +592,7 @@ mod tests {
         let (sunk, sink) = recording_sink(false);
         let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
         let out = svc.oneshot(message(9, b"raw bytes")).await.unwrap();
-        assert_eq!(out, Outcome::DeadLettered);
+        assert_eq!(out, DeadLetterOutcome::DeadLettered);
         let sunk = sunk.lock().unwrap();
         assert_eq!(sunk.len(), 1);
         assert_eq!(sunk[0].headers.sequence_number.as_str(), "9");

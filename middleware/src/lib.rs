@@ -110,7 +110,9 @@ mod observe;
 
 pub use batch::{BatchConfig, BatchLayer, Batching};
 pub use builder::ServiceBuilderExt;
-pub use dead_letter::{DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterRecord};
+pub use dead_letter::{
+    DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
+};
 pub use decode::{Decode, DecodeError, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
 pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};

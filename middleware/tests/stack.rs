@@ -162,9 +162,13 @@ async fn run(seed: u64) -> Run {
                 }
             };
             let outcome = match outcome {
-                dead_letter::Outcome::Handled(dedup::DedupOutcome::Handled(_)) => Ended::Handled,
-                dead_letter::Outcome::Handled(dedup::DedupOutcome::Duplicate) => Ended::Duplicate,
-                dead_letter::Outcome::DeadLettered => Ended::DeadLettered,
+                dead_letter::DeadLetterOutcome::Handled(dedup::DedupOutcome::Handled(_)) => {
+                    Ended::Handled
+                }
+                dead_letter::DeadLetterOutcome::Handled(dedup::DedupOutcome::Duplicate) => {
+                    Ended::Duplicate
+                }
+                dead_letter::DeadLetterOutcome::DeadLettered => Ended::DeadLettered,
             };
             if pass == 0 {
                 ended.push(outcome);
