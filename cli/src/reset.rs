@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use clap::Args;
 use serde_json::json;
 use shardflow::admin::{reset_checkpoint, ResetOutcome};
-use shardflow::lease::{Lease, LeaseStore};
+use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 
-use crate::position::{parse, show};
+use crate::position::{parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
 
 /// `group reset`.
@@ -49,10 +49,36 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
             .into());
         }
     }
-    let chosen: Vec<&Lease> = rows
+    // A finished shard read again must be read before its children again: its
+    // descendants are reset too (so they wait for it), to the same time, or from their
+    // start when the reset names a sequence number of the finished shard.
+    let mut chosen: Vec<(&Lease, Checkpoint)> = rows
         .iter()
         .filter(|r| args.shards.is_empty() || args.shards.contains(&r.key))
+        .map(|r| (r, to.clone()))
         .collect();
+    if !args.shards.is_empty() {
+        let below = match spot {
+            Spot::Sequence(_) => Checkpoint::TrimHorizon,
+            _ => to.clone(),
+        };
+        let mut todo: Vec<&str> = chosen
+            .iter()
+            .filter(|(r, _)| r.checkpoint == Checkpoint::ShardEnd)
+            .map(|(r, _)| r.key.as_str())
+            .collect();
+        while let Some(parent) = todo.pop() {
+            for child in rows
+                .iter()
+                .filter(|r| r.parents.iter().any(|p| p == parent))
+            {
+                if chosen.iter().all(|(r, _)| r.key != child.key) {
+                    chosen.push((child, below.clone()));
+                    todo.push(&child.key);
+                }
+            }
+        }
+    }
     let how = |r: &Lease| {
         if r.owner.is_some() {
             "requested from the owner"
@@ -64,17 +90,17 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
         if cx.json {
             let plan: Vec<_> = chosen
                 .iter()
-                .map(|r| json!({"shard": r.key, "owner": r.owner, "from": show(&r.checkpoint), "to": show(&to), "how": how(r)}))
+                .map(|(r, to)| json!({"shard": r.key, "owner": r.owner, "from": show(&r.checkpoint), "to": show(to), "how": how(r)}))
                 .collect();
             print_json(&json!({"plan": plan, "changed": false}));
         } else {
             let mut t = table(&["shard", "owner", "checkpoint now", "new checkpoint", "how"]);
-            for r in &chosen {
+            for (r, to) in &chosen {
                 t.add_row(vec![
                     r.key.clone(),
                     r.owner.clone().unwrap_or_else(|| "-".into()),
                     show(&r.checkpoint),
-                    show(&to),
+                    show(to),
                     how(r).to_owned(),
                 ]);
             }
@@ -87,16 +113,16 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
         return Ok(ExitCode::from(EXIT_PLAN_ONLY));
     }
     let mut done = Vec::new();
-    for r in &chosen {
-        let outcome = reset_checkpoint(store.as_ref() as &dyn LeaseStore, &r.key, &to).await?;
+    for (r, to) in &chosen {
+        let outcome = reset_checkpoint(store.as_ref() as &dyn LeaseStore, &r.key, to).await?;
         let (how, owner) = match &outcome {
             ResetOutcome::Applied(_) => ("applied", None),
             ResetOutcome::Requested(row) => ("requested from the owner", row.owner.clone()),
             _ => ("done", None),
         };
-        done.push(json!({"shard": r.key, "from": show(&r.checkpoint), "to": show(&to), "how": how, "owner": owner}));
+        done.push(json!({"shard": r.key, "from": show(&r.checkpoint), "to": show(to), "how": how, "owner": owner}));
         if !cx.json {
-            println!("{}: {} -> {}: {how}", r.key, show(&r.checkpoint), show(&to));
+            println!("{}: {} -> {}: {how}", r.key, show(&r.checkpoint), show(to));
         }
     }
     if cx.json {

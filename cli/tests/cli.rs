@@ -243,9 +243,19 @@ async fn reset_to_a_timestamp_while_the_group_runs() {
         "some records arrived before the reset point"
     );
 
-    // The plan changes nothing (exit 3).
+    // The plan changes nothing (exit 3). Compared once the group committed what it
+    // handled (the group keeps running and would move the checkpoints meanwhile).
     let store = aws.lease_store(&group);
-    let before = checkpoints(&store.list().await.unwrap());
+    let before = within(LIMIT, "the handled records checkpointed", async {
+        loop {
+            let now = checkpoints(&store.list().await.unwrap());
+            if now.values().all(|c| matches!(c, Checkpoint::At(_))) {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
     let out = run(&[
         "group",
         "reset",
@@ -664,4 +674,84 @@ async fn tail_follows_new_records_and_stops_cleanly_on_ctrl_c() {
         Some(0),
         "a clean stop, not killed by the signal"
     );
+}
+
+/// Resetting one finished shard resets its descendants too (they must wait for it and
+/// be read after it again): to the same time, or from their start after a reset to a
+/// sequence number of the finished shard. Shown in the plan, applied with --yes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resetting_a_finished_shard_resets_its_descendants() {
+    use shardflow::lease::Lease;
+    use shardflow::{Position, SequenceNumber};
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let (stream, group) = (unique("cli-reset-tree"), unique("cli-reset-tree-g"));
+    let store = aws.lease_store(&group);
+    store.ensure_table().await.unwrap();
+    // A finished parent, a finished child of it, a grandchild being read, and an
+    // unrelated open shard.
+    let at = |n: u64| Checkpoint::At(Position::new(SequenceNumber::from(n), 0));
+    let rows = [
+        ("p", vec![], Checkpoint::ShardEnd),
+        ("c", vec!["p"], Checkpoint::ShardEnd),
+        ("g", vec!["c"], at(70)),
+        ("other", vec![], at(5)),
+    ];
+    for (key, parents, checkpoint) in rows {
+        let mut lease = Lease::new(
+            key.to_owned(),
+            parents.into_iter().map(str::to_owned).collect(),
+            checkpoint,
+        );
+        lease.stream = Some(stream.clone());
+        assert!(store.create(&lease).await.unwrap());
+    }
+    let reset = |to: &'static str| {
+        let (stream, group) = (stream.clone(), group.clone());
+        async move {
+            let out = run(&[
+                "group", "reset", "--stream", &stream, "--group", &group, "--to", "sequence", to,
+                "--shard", "p", "--json",
+            ])
+            .await;
+            assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+            let plan: BTreeMap<String, String> = out.json()["plan"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    (
+                        p["shard"].as_str().unwrap().to_owned(),
+                        p["to"].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect();
+            plan
+        }
+    };
+    let plan = reset("41").await;
+    assert_eq!(
+        plan.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["c", "g", "p"],
+        "the finished shard and its descendants, nothing else: {plan:?}"
+    );
+    assert_ne!(plan["p"], plan["c"], "{plan:?}");
+    assert_eq!(
+        plan["c"], plan["g"],
+        "descendants from their start: {plan:?}"
+    );
+
+    let out = run(&[
+        "group", "reset", "--stream", &stream, "--group", &group, "--to", "sequence", "41",
+        "--shard", "p", "--yes",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let after = checkpoints(&store.list().await.unwrap());
+    assert_eq!(after["p"], at(41));
+    assert_eq!(after["c"], Checkpoint::TrimHorizon);
+    assert_eq!(after["g"], Checkpoint::TrimHorizon);
+    assert_eq!(after["other"], at(5), "an unrelated shard is left alone");
 }
