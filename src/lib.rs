@@ -16,6 +16,7 @@
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
+//! | [`AwsError`], [`ErrorDetail`] | what AWS answered to a failed call (code, message, HTTP status): the `source()` of a Kinesis or lease-store error |
 //! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
 //! | [`kinesis`] ([`kinesis::KinesisApi`], [`kinesis::StreamAdmin`]) | the Kinesis calls shardflow makes, for wrapping or reimplementing a backend; stream administration (create, split, merge) for examples, tests and tools, through [`Backend::admin`] |
 //! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
@@ -61,6 +62,7 @@ pub mod backend;
 mod backoff;
 mod checkpoint;
 pub mod consumer;
+mod error;
 pub mod kinesis;
 pub mod lease;
 pub mod memory;
@@ -76,6 +78,7 @@ pub use consumer::{
     BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
+pub use error::{AwsError, ErrorDetail};
 pub use memory::Memory;
 pub use message::{Batch, Headers, HeadersBuilder, Message};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};

@@ -324,18 +324,20 @@ impl MemoryKinesis {
     ) -> Result<&'a mut MemShard, KinesisError> {
         s.streams
             .get_mut(stream)
-            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?
             .shards
             .iter_mut()
             .find(|sh| sh.info.shard_id == shard_id)
-            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id} of {stream}")))
+            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id} of {stream}").into()))
     }
 
     fn close(s: &mut KinesisState, stream: &str, shard_id: &str) -> Result<(), KinesisError> {
         let end = Self::sequence(s);
         let shard = Self::shard_mut(s, stream, shard_id)?;
         if shard.info.is_closed() {
-            return Err(KinesisError::Invalid(format!("shard {shard_id} is closed")));
+            return Err(KinesisError::Invalid(
+                format!("shard {shard_id} is closed").into(),
+            ));
         }
         shard.info.ending_sequence_number = Some(end);
         Ok(())
@@ -351,7 +353,7 @@ impl MemoryKinesis {
         let st = s
             .streams
             .get_mut(stream)
-            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
         let shard_id = format!("shardId-{:012}", st.shards.len());
         st.shards.push(MemShard {
             info: ShardInfo {
@@ -421,7 +423,7 @@ impl KinesisApi for MemoryKinesis {
         let st = s
             .streams
             .get(stream)
-            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
         let stale = &mut s.stale_list_shards;
         Ok(st
             .shards
@@ -436,7 +438,7 @@ impl KinesisApi for MemoryKinesis {
         s.streams
             .get(stream)
             .map(|st| st.updating)
-            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))
     }
 
     async fn shard_iterator(
@@ -451,9 +453,9 @@ impl KinesisApi for MemoryKinesis {
             return Err(KinesisError::Other("injected service error".into()));
         }
         if Self::use_fault(&mut s.shard_not_found, shard_id) {
-            return Err(KinesisError::NotFound(format!(
-                "shard {shard_id} of {stream} (injected)"
-            )));
+            return Err(KinesisError::NotFound(
+                format!("shard {shard_id} of {stream} (injected)").into(),
+            ));
         }
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
@@ -466,16 +468,18 @@ impl KinesisApi for MemoryKinesis {
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         self.delay().await;
         let mut s = lock(&self.state);
-        let (stream, shard_id, index, issued) = Self::parse_iterator(iterator)
-            .ok_or_else(|| KinesisError::Invalid(format!("bad shard iterator {iterator:?}")))?;
+        let (stream, shard_id, index, issued) =
+            Self::parse_iterator(iterator).ok_or_else(|| {
+                KinesisError::Invalid(format!("bad shard iterator {iterator:?}").into())
+            })?;
         let age = Instant::now()
             .duration_since(s.epoch)
             .as_millis()
             .saturating_sub(issued);
         if age > s.iterator_ttl.as_millis() || Self::draw(&mut s, |f| f.expire_iterator) {
-            return Err(KinesisError::ExpiredIterator(format!(
-                "iterator for {shard_id} is {age} ms old"
-            )));
+            return Err(KinesisError::ExpiredIterator(
+                format!("iterator for {shard_id} is {age} ms old").into(),
+            ));
         }
         if Self::draw(&mut s, |f| f.throttle) {
             return Err(KinesisError::Throttled("injected throttle".into()));
@@ -488,12 +492,12 @@ impl KinesisApi for MemoryKinesis {
         let st = s
             .streams
             .get(stream)
-            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
         let shard = st
             .shards
             .iter()
             .find(|sh| sh.info.shard_id == shard_id)
-            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}")))?;
+            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}").into()))?;
         let start = index
             .max(Self::first_retained(&s, &shard.records))
             .min(shard.records.len());
@@ -533,7 +537,7 @@ impl KinesisApi for MemoryKinesis {
             return Err(KinesisError::Throttled("injected throttle".into()));
         }
         if !s.streams.contains_key(stream) {
-            return Err(KinesisError::NotFound(format!("stream {stream}")));
+            return Err(KinesisError::NotFound(format!("stream {stream}").into()));
         }
         let mut outcomes = Vec::with_capacity(records.len());
         for r in records {
@@ -546,9 +550,9 @@ impl KinesisApi for MemoryKinesis {
             }
             let hash = match &r.explicit_hash_key {
                 Some(h) => h.parse::<u128>().map_err(|_| {
-                    KinesisError::Invalid(format!(
-                        "explicit hash key {h:?} is not a 128-bit number"
-                    ))
+                    KinesisError::Invalid(
+                        format!("explicit hash key {h:?} is not a 128-bit number").into(),
+                    )
                 })?,
                 None => partition_hash(&r.partition_key),
             };
@@ -556,7 +560,7 @@ impl KinesisApi for MemoryKinesis {
             let st = s
                 .streams
                 .get_mut(stream)
-                .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}")))?;
+                .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
             let shard = st
                 .shards
                 .iter_mut()
@@ -590,7 +594,7 @@ impl KinesisApi for MemoryKinesis {
         }
         let mut s = lock(&self.state);
         if !s.streams.contains_key(stream) {
-            return Err(KinesisError::NotFound(format!("stream {stream}")));
+            return Err(KinesisError::NotFound(format!("stream {stream}").into()));
         }
         let arn = format!("arn:aws:kinesis:memory:000000000000:stream/{stream}/consumer/{name}:1");
         s.consumers.insert(arn.clone(), stream.to_owned());
@@ -616,17 +620,19 @@ impl KinesisApi for MemoryKinesis {
             .consumers
             .get(consumer_arn)
             .cloned()
-            .ok_or_else(|| KinesisError::NotFound(format!("consumer {consumer_arn}")))?;
+            .ok_or_else(|| KinesisError::NotFound(format!("consumer {consumer_arn}").into()))?;
         if Self::use_fault(&mut s.shard_not_found, shard_id) {
-            return Err(KinesisError::NotFound(format!(
-                "shard {shard_id} of {stream} (injected)"
-            )));
+            return Err(KinesisError::NotFound(
+                format!("shard {shard_id} of {stream} (injected)").into(),
+            ));
         }
         let shard = s
             .streams
             .get(&stream)
             .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
-            .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id} of {stream}")))?;
+            .ok_or_else(|| {
+                KinesisError::NotFound(format!("shard {shard_id} of {stream}").into())
+            })?;
         let next = Self::start_index(&s, &shard.records, from);
         let now = Instant::now();
         let subscription = MemSubscription {
@@ -692,9 +698,9 @@ impl StreamAdmin for MemoryKinesis {
         if new_starting_hash_key <= info.starting_hash_key
             || new_starting_hash_key > info.ending_hash_key
         {
-            return Err(KinesisError::Invalid(format!(
-                "hash key {new_starting_hash_key} is not inside {shard_id}"
-            )));
+            return Err(KinesisError::Invalid(
+                format!("hash key {new_starting_hash_key} is not inside {shard_id}").into(),
+            ));
         }
         Self::close(&mut s, stream, shard_id)?;
         let parent = Some(shard_id.to_owned());
@@ -728,9 +734,9 @@ impl StreamAdmin for MemoryKinesis {
         let adjacent = a.ending_hash_key.checked_add(1) == Some(b.starting_hash_key)
             || b.ending_hash_key.checked_add(1) == Some(a.starting_hash_key);
         if !adjacent || a.is_closed() || b.is_closed() {
-            return Err(KinesisError::Invalid(format!(
-                "{shard_id} and {adjacent_shard_id} are not adjacent open shards"
-            )));
+            return Err(KinesisError::Invalid(
+                format!("{shard_id} and {adjacent_shard_id} are not adjacent open shards").into(),
+            ));
         }
         Self::close(&mut s, stream, shard_id)?;
         Self::close(&mut s, stream, adjacent_shard_id)?;
@@ -836,10 +842,9 @@ impl MemSubscription {
                 .iter()
                 .find(|sh| sh.info.shard_id == self.shard_id)
         }) else {
-            return Step::Event(Err(KinesisError::NotFound(format!(
-                "shard {} of {}",
-                self.shard_id, self.stream
-            ))));
+            return Step::Event(Err(KinesisError::NotFound(
+                format!("shard {} of {}", self.shard_id, self.stream).into(),
+            )));
         };
         let start = self
             .next

@@ -664,7 +664,9 @@ async fn ensure_table_refuses_a_table_with_another_key() {
             .await
             .expect("CreateTable");
         match aws.lease_store(&table).ensure_table().await {
-            Err(LeaseError::Other(message)) => assert!(message.contains("leaseKey"), "{message}"),
+            Err(LeaseError::Other(message)) => {
+                assert!(message.as_str().contains("leaseKey"), "{message}")
+            }
             other => panic!("a table with another key: {other:?}"),
         }
     })
@@ -944,10 +946,21 @@ async fn wire_errors_are_classified() {
             .shard_iterator("orders", "shardId-000000000000", &StartingPosition::Latest)
             .await;
         assert!(
-            matches!(&results[0], KinesisError::Throttled(m) if m.contains("Rate exceeded")),
+            matches!(&results[0], KinesisError::Throttled(m) if m.as_str().contains("Rate exceeded")),
             "{:?}",
             results[0]
         );
+        // What AWS answered is the error's source: its code can be matched.
+        let aws = std::error::Error::source(&results[0])
+            .and_then(|s| s.downcast_ref::<shardflow::AwsError>())
+            .expect("an AWS error as the source");
+        assert_eq!(
+            aws.code.as_deref(),
+            Some("ProvisionedThroughputExceededException")
+        );
+        assert_eq!(aws.message.as_deref(), Some("Rate exceeded"));
+        assert_eq!(aws.operation, "GetRecords");
+        assert_eq!(aws.status, Some(400));
         assert!(
             matches!(results[1], KinesisError::Throttled(_)),
             "{:?}",

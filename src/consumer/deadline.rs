@@ -194,9 +194,9 @@ async fn bound_kinesis_call<T>(
     call: impl Future<Output = Result<T, KinesisError>>,
 ) -> Result<T, KinesisError> {
     tokio::time::timeout(after, call).await.unwrap_or_else(|_| {
-        Err(KinesisError::Other(format!(
-            "{op} did not answer within {after:?}"
-        )))
+        Err(KinesisError::Other(
+            format!("{op} did not answer within {after:?}").into(),
+        ))
     })
 }
 

@@ -241,9 +241,9 @@ impl ShardReader {
             let failure = loop {
                 let event = match tokio::time::timeout(silence, events.next()).await {
                     Err(_) => {
-                        break Some(KinesisError::Other(format!(
-                            "no subscription event within {silence:?}"
-                        )))
+                        break Some(KinesisError::Other(
+                            format!("no subscription event within {silence:?}").into(),
+                        ))
                     }
                     Ok(None) => break None,
                     Ok(Some(Err(e))) => break Some(e),

@@ -32,6 +32,7 @@
 //! last item. The service ends a subscription after five minutes; AWS needs HTTP/2 for
 //! it, which the SDK's default HTTPS client negotiates.
 
+use crate::error::{AwsError, ErrorDetail};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -61,8 +62,8 @@ const CONSUMER_ACTIVE_WAIT: Duration = Duration::from_secs(120);
 
 /// Kinesis through the official SDK.
 ///
-/// [`create_stream`](KinesisApi::create_stream), [`split_shard`](KinesisApi::split_shard)
-/// and [`merge_shards`](KinesisApi::merge_shards) return once the stream is ACTIVE again
+/// [`create_stream`](StreamAdmin::create_stream), [`split_shard`](StreamAdmin::split_shard)
+/// and [`merge_shards`](StreamAdmin::merge_shards) return once the stream is ACTIVE again
 /// (polling DescribeStreamSummary, at most 60 s), so a following
 /// [`list_shards`](KinesisApi::list_shards) already sees the new shards — the same
 /// behaviour as the embedded backend.
@@ -90,9 +91,10 @@ impl AwsKinesis {
             .await
             .map_err(|e| classify("DescribeStreamSummary", e))?;
         out.stream_description_summary.ok_or_else(|| {
-            KinesisError::Other(format!(
-                "DescribeStreamSummary of {stream}: the answer has no stream description"
-            ))
+            KinesisError::Other(
+                format!("DescribeStreamSummary of {stream}: the answer has no stream description")
+                    .into(),
+            )
         })
     }
 
@@ -115,10 +117,13 @@ impl AwsKinesis {
                 Err(e) => return Err(e),
             };
             if tokio::time::Instant::now() + pause > deadline {
-                return Err(KinesisError::Other(format!(
-                    "stream {stream} not ACTIVE after {} s ({last})",
-                    ACTIVE_WAIT.as_secs()
-                )));
+                return Err(KinesisError::Other(
+                    format!(
+                        "stream {stream} not ACTIVE after {} s ({last})",
+                        ACTIVE_WAIT.as_secs()
+                    )
+                    .into(),
+                ));
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 3 / 2).min(Duration::from_millis(250));
@@ -130,9 +135,10 @@ impl AwsKinesis {
         Some(self.describe_summary(stream).await?.stream_arn)
             .filter(|arn| !arn.is_empty())
             .ok_or_else(|| {
-                KinesisError::Other(format!(
-                    "DescribeStreamSummary of {stream}: the answer has no stream ARN"
-                ))
+                KinesisError::Other(
+                    format!("DescribeStreamSummary of {stream}: the answer has no stream ARN")
+                        .into(),
+                )
             })
     }
 
@@ -153,9 +159,12 @@ impl AwsKinesis {
         out.consumer_description
             .map(|c| (c.consumer_arn, c.consumer_status))
             .ok_or_else(|| {
-                KinesisError::Other(format!(
-                    "DescribeStreamConsumer {name}: the answer has no consumer description"
-                ))
+                KinesisError::Other(
+                    format!(
+                        "DescribeStreamConsumer {name}: the answer has no consumer description"
+                    )
+                    .into(),
+                )
             })
     }
 }
@@ -168,7 +177,22 @@ where
 {
     let code = err.code().unwrap_or_default().to_owned();
     let message = err.message().unwrap_or_default().to_owned();
-    classify_code(op, &code, &message, describe_sdk_error(op, &err))
+    let detail = ErrorDetail::from_aws(describe_sdk_error(op, &err), aws_error_of(op, &err));
+    classify_code(op, &code, &message, detail)
+}
+
+/// What AWS answered to a failed call, for the error's `source()`: its code, message
+/// and HTTP status, never the response body. Shared with the DynamoDB lease store.
+pub(crate) fn aws_error_of<E>(op: &str, err: &SdkError<E>) -> AwsError
+where
+    E: ProvideErrorMetadata,
+{
+    AwsError::new(
+        op,
+        err.code().map(str::to_owned),
+        err.message().map(str::to_owned),
+        err.raw_response().map(|r| r.status().as_u16()),
+    )
 }
 
 /// A one-line description of an SDK error for errors and logs: the operation, what failed,
@@ -201,7 +225,7 @@ where
 }
 
 /// The classification itself, on the code and message alone (unit-tested below).
-fn classify_code(op: &str, code: &str, message: &str, text: String) -> KinesisError {
+fn classify_code(op: &str, code: &str, message: &str, text: ErrorDetail) -> KinesisError {
     match code {
         "ProvisionedThroughputExceededException"
         | "LimitExceededException"
@@ -251,7 +275,13 @@ where
         Some(source) => format!("{OP} event stream: {what}: {}", DisplayErrorContext(source)),
         None => format!("{OP} event stream: {what}"),
     };
-    classify_code(OP, &code, &message, text)
+    let aws = AwsError::new(
+        OP,
+        Some(code.clone()).filter(|c| !c.is_empty()),
+        Some(message.clone()).filter(|m| !m.is_empty()),
+        None,
+    );
+    classify_code(OP, &code, &message, ErrorDetail::from_aws(text, aws))
 }
 
 /// Maps a record of a GetRecords answer or a SubscribeToShard event.
@@ -307,16 +337,17 @@ fn subscription_event(
 /// Parses a hash key (a decimal string below 2^128).
 fn parse_hash_key(shard_id: &str, which: &str, value: &str) -> Result<u128, KinesisError> {
     value.parse::<u128>().map_err(|e| {
-        KinesisError::Other(format!(
-            "ListShards: shard {shard_id} has an invalid {which} hash key {value:?}: {e}"
-        ))
+        KinesisError::Other(
+            format!("ListShards: shard {shard_id} has an invalid {which} hash key {value:?}: {e}")
+                .into(),
+        )
     })
 }
 
 /// Parses a sequence number the service sent.
 fn parse_sequence(op: &str, value: String) -> Result<SequenceNumber, KinesisError> {
     SequenceNumber::new(value)
-        .map_err(|e| KinesisError::Other(format!("{op}: invalid sequence number: {e}")))
+        .map_err(|e| KinesisError::Other(format!("{op}: invalid sequence number: {e}").into()))
 }
 
 /// Maps one shard of a ListShards answer.
@@ -330,14 +361,12 @@ fn shard_info(shard: aws_sdk_kinesis::types::Shard) -> Result<ShardInfo, Kinesis
         ..
     } = shard;
     let range = hash_key_range.ok_or_else(|| {
-        KinesisError::Other(format!(
-            "ListShards: shard {shard_id} has no hash key range"
-        ))
+        KinesisError::Other(format!("ListShards: shard {shard_id} has no hash key range").into())
     })?;
     let sequences = sequence_number_range.ok_or_else(|| {
-        KinesisError::Other(format!(
-            "ListShards: shard {shard_id} has no sequence number range"
-        ))
+        KinesisError::Other(
+            format!("ListShards: shard {shard_id} has no sequence number range").into(),
+        )
     })?;
     Ok(ShardInfo {
         starting_hash_key: parse_hash_key(&shard_id, "starting", &range.starting_hash_key)?,
@@ -414,9 +443,10 @@ impl KinesisApi for AwsKinesis {
             .await
             .map_err(|e| classify("GetShardIterator", e))?;
         out.shard_iterator.ok_or_else(|| {
-            KinesisError::Other(format!(
-                "GetShardIterator for {stream}/{shard_id}: the answer has no iterator"
-            ))
+            KinesisError::Other(
+                format!("GetShardIterator for {stream}/{shard_id}: the answer has no iterator")
+                    .into(),
+            )
         })
     }
 
@@ -470,7 +500,7 @@ impl KinesisApi for AwsKinesis {
                 .set_explicit_hash_key(record.explicit_hash_key.clone())
                 .build()
                 .map_err(|e| {
-                    KinesisError::Invalid(format!("PutRecords: {}", DisplayErrorContext(&e)))
+                    KinesisError::Invalid(format!("PutRecords: {}", DisplayErrorContext(&e)).into())
                 })?;
             entries.push(entry);
         }
@@ -483,11 +513,14 @@ impl KinesisApi for AwsKinesis {
             .await
             .map_err(|e| classify("PutRecords", e))?;
         if out.records.len() != records.len() {
-            return Err(KinesisError::Other(format!(
-                "PutRecords to {stream}: sent {} records, the answer has {} results",
-                records.len(),
-                out.records.len()
-            )));
+            return Err(KinesisError::Other(
+                format!(
+                    "PutRecords to {stream}: sent {} records, the answer has {} results",
+                    records.len(),
+                    out.records.len()
+                )
+                .into(),
+            ));
         }
         out.records
             .into_iter()
@@ -547,10 +580,13 @@ impl KinesisApi for AwsKinesis {
                 Err(e) => return Err(e),
             };
             if tokio::time::Instant::now() + pause > deadline {
-                return Err(KinesisError::Other(format!(
-                    "stream consumer {name} of {stream} not ACTIVE after {} s ({last})",
-                    CONSUMER_ACTIVE_WAIT.as_secs()
-                )));
+                return Err(KinesisError::Other(
+                    format!(
+                        "stream consumer {name} of {stream} not ACTIVE after {} s ({last})",
+                        CONSUMER_ACTIVE_WAIT.as_secs()
+                    )
+                    .into(),
+                ));
             }
             tracing::debug!(consumer = name, %last, "waiting for the stream consumer to be ACTIVE");
             tokio::time::sleep(pause).await;
@@ -584,7 +620,7 @@ impl KinesisApi for AwsKinesis {
         }
         .build()
         .map_err(|e| {
-            KinesisError::Invalid(format!("SubscribeToShard: {}", DisplayErrorContext(&e)))
+            KinesisError::Invalid(format!("SubscribeToShard: {}", DisplayErrorContext(&e)).into())
         })?;
         let out = self
             .client
@@ -620,9 +656,9 @@ impl KinesisApi for AwsKinesis {
 impl StreamAdmin for AwsKinesis {
     async fn create_stream(&self, stream: &str, shards: u32) -> Result<(), KinesisError> {
         let shard_count = i32::try_from(shards).map_err(|_| {
-            KinesisError::Invalid(format!(
-                "CreateStream {stream}: {shards} shards is too many"
-            ))
+            KinesisError::Invalid(
+                format!("CreateStream {stream}: {shards} shards is too many").into(),
+            )
         })?;
         match self
             .client
@@ -679,7 +715,7 @@ mod tests {
     use super::*;
 
     fn kind(op: &str, code: &str, message: &str) -> KinesisError {
-        classify_code(op, code, message, String::new())
+        classify_code(op, code, message, ErrorDetail::new(""))
     }
 
     #[test]

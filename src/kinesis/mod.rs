@@ -4,6 +4,7 @@
 
 pub mod aws;
 
+use crate::error::ErrorDetail;
 use std::pin::Pin;
 use std::time::SystemTime;
 
@@ -144,28 +145,51 @@ pub enum PutOutcome {
 }
 
 /// Errors of the Kinesis calls, classified by what the caller should do.
-#[derive(Debug, thiserror::Error)]
+///
+/// An error that came from an AWS call has what AWS answered (code, message, HTTP
+/// status) as its [`source`](std::error::Error::source): an [`AwsError`](crate::AwsError).
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum KinesisError {
     /// Throttled (ProvisionedThroughputExceeded, LimitExceeded, KMS throttling): back off and retry.
-    #[error("throttled by Kinesis: {0}")]
-    Throttled(String),
+    Throttled(ErrorDetail),
     /// The shard iterator expired (or is otherwise no longer valid): get a new one from
     /// the last delivered position.
-    #[error("shard iterator expired: {0}")]
-    ExpiredIterator(String),
+    ExpiredIterator(ErrorDetail),
     /// The stream or shard does not exist.
-    #[error("not found: {0}")]
-    NotFound(String),
+    NotFound(ErrorDetail),
     /// The request was refused as invalid.
-    #[error("invalid request: {0}")]
-    Invalid(String),
+    Invalid(ErrorDetail),
     /// The backend does not offer this call (for example enhanced fan-out on an emulator).
-    #[error("not supported: {0}")]
     Unsupported(String),
     /// A network, service or other transient failure: retry with backoff.
-    #[error("kinesis call failed: {0}")]
-    Other(String),
+    Other(ErrorDetail),
+}
+
+impl std::fmt::Display for KinesisError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KinesisError::Throttled(d) => write!(f, "throttled by Kinesis: {d}"),
+            KinesisError::ExpiredIterator(d) => write!(f, "shard iterator expired: {d}"),
+            KinesisError::NotFound(d) => write!(f, "not found: {d}"),
+            KinesisError::Invalid(d) => write!(f, "invalid request: {d}"),
+            KinesisError::Unsupported(what) => write!(f, "not supported: {what}"),
+            KinesisError::Other(d) => write!(f, "kinesis call failed: {d}"),
+        }
+    }
+}
+
+impl std::error::Error for KinesisError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            KinesisError::Throttled(d)
+            | KinesisError::ExpiredIterator(d)
+            | KinesisError::NotFound(d)
+            | KinesisError::Invalid(d)
+            | KinesisError::Other(d) => d.source(),
+            KinesisError::Unsupported(_) => None,
+        }
+    }
 }
 
 impl KinesisError {

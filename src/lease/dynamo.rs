@@ -65,7 +65,8 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
-use crate::kinesis::aws::describe_sdk_error;
+use crate::error::ErrorDetail;
+use crate::kinesis::aws::{aws_error_of, describe_sdk_error};
 
 /// The hash key: the shard id.
 const KEY: &str = "leaseKey";
@@ -156,10 +157,13 @@ impl DynamoLeaseStore {
                 .iter()
                 .all(|k| k.attribute_name() == KEY && *k.key_type() == KeyType::Hash);
         if !is_lease_table {
-            return Err(LeaseError::Other(format!(
+            return Err(LeaseError::Other(
+                format!(
                 "table {} exists but its key is not the hash key {KEY}: it is not a lease table",
                 self.table
-            )));
+            )
+                .into(),
+            ));
         }
         Ok(Some(table.table_status.unwrap_or(TableStatus::Creating)))
     }
@@ -167,7 +171,7 @@ impl DynamoLeaseStore {
     /// Creates the table (on-demand capacity); a concurrent creation is not an error.
     async fn create_table(&self) -> Result<(), LeaseError> {
         let build_error = |e: aws_sdk_dynamodb::error::BuildError| {
-            LeaseError::Other(format!("CreateTable: {}", DisplayErrorContext(&e)))
+            LeaseError::Other(format!("CreateTable: {}", DisplayErrorContext(&e)).into())
         };
         let result = self
             .client
@@ -319,8 +323,14 @@ where
                 | "ThrottlingException",
             ),
             _,
-        ) => LeaseError::Throttled(describe_sdk_error(op, &err)),
-        _ => LeaseError::Other(describe_sdk_error(op, &err)),
+        ) => LeaseError::Throttled(ErrorDetail::from_aws(
+            describe_sdk_error(op, &err),
+            aws_error_of(op, &err),
+        )),
+        _ => LeaseError::Other(ErrorDetail::from_aws(
+            describe_sdk_error(op, &err),
+            aws_error_of(op, &err),
+        )),
     }
 }
 
@@ -546,11 +556,14 @@ impl LeaseStore for DynamoLeaseStore {
                 Err(e) => return Err(e),
             }
             if tokio::time::Instant::now() + pause > deadline {
-                return Err(LeaseError::Other(format!(
-                    "lease table {} not ACTIVE after {} s",
-                    self.table,
-                    ACTIVE_WAIT.as_secs()
-                )));
+                return Err(LeaseError::Other(
+                    format!(
+                        "lease table {} not ACTIVE after {} s",
+                        self.table,
+                        ACTIVE_WAIT.as_secs()
+                    )
+                    .into(),
+                ));
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 3 / 2).min(Duration::from_millis(250));

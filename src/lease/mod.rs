@@ -11,6 +11,7 @@ mod held;
 
 pub(crate) use held::HeldLease;
 
+use crate::error::ErrorDetail;
 use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
@@ -251,30 +252,28 @@ impl Lease {
 }
 
 /// Errors of the lease store.
-#[derive(Debug, thiserror::Error)]
+///
+/// An error that came from an AWS call has what AWS answered (code, message, HTTP
+/// status) as its [`source`](std::error::Error::source): an [`AwsError`](crate::AwsError).
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum LeaseError {
     /// The conditional write failed: someone else changed the lease (it was taken,
     /// renewed by another owner, or released). The caller no longer holds it.
-    #[error("lease {0} changed under us (conditional write failed)")]
     Conflict(String),
     /// Throttled by the store: back off and retry.
-    #[error("lease store throttled: {0}")]
-    Throttled(String),
+    Throttled(ErrorDetail),
     /// A row that does not parse.
-    #[error("corrupt lease row: {0}")]
     Corrupt(String),
     /// The lease table does not exist (deleted while the group runs). Re-creating it
     /// would restart every shard at its initial position, so it is never done after
     /// start-up: a worker whose table stays missing stops with this error.
-    #[error("the lease table {table} does not exist")]
     TableMissing {
         /// The table's name.
         table: String,
     },
     /// The call did not answer within its deadline. Its outcome is unknown: a write may
     /// have landed (a renewal or take that landed is found out and adopted).
-    #[error("lease store call {op} did not answer within {after:?}")]
     TimedOut {
         /// The call (`renew`, `checkpoint`, `list`, ...).
         op: &'static str,
@@ -282,8 +281,35 @@ pub enum LeaseError {
         after: std::time::Duration,
     },
     /// Another failure (network, service error); retry with backoff.
-    #[error("lease store call failed: {0}")]
-    Other(String),
+    Other(ErrorDetail),
+}
+
+impl std::fmt::Display for LeaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeaseError::Conflict(key) => {
+                write!(f, "lease {key} changed under us (conditional write failed)")
+            }
+            LeaseError::Throttled(d) => write!(f, "lease store throttled: {d}"),
+            LeaseError::Corrupt(why) => write!(f, "corrupt lease row: {why}"),
+            LeaseError::TableMissing { table } => {
+                write!(f, "the lease table {table} does not exist")
+            }
+            LeaseError::TimedOut { op, after } => {
+                write!(f, "lease store call {op} did not answer within {after:?}")
+            }
+            LeaseError::Other(d) => write!(f, "lease store call failed: {d}"),
+        }
+    }
+}
+
+impl std::error::Error for LeaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LeaseError::Throttled(d) | LeaseError::Other(d) => d.source(),
+            _ => None,
+        }
+    }
 }
 
 impl LeaseError {
@@ -342,10 +368,13 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// store that cannot record it (the default) refuses.
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let _ = to;
-        Err(LeaseError::Other(format!(
-            "lease {}: this lease store cannot reset checkpoints",
-            expected.key
-        )))
+        Err(LeaseError::Other(
+            format!(
+                "lease {}: this lease store cannot reset checkpoints",
+                expected.key
+            )
+            .into(),
+        ))
     }
 
     /// Stores `to` as the checkpoint, whatever the stored one (it may move backwards),
@@ -354,10 +383,13 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// request. A store that cannot do it (the default) refuses.
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let _ = to;
-        Err(LeaseError::Other(format!(
-            "lease {}: this lease store cannot reset checkpoints",
-            expected.key
-        )))
+        Err(LeaseError::Other(
+            format!(
+                "lease {}: this lease store cannot reset checkpoints",
+                expected.key
+            )
+            .into(),
+        ))
     }
 
     /// Deletes the row if it still matches `expected` (clean-up of finished shards).

@@ -390,11 +390,14 @@ impl Worker {
         let outcomes = match result {
             Ok(outcomes) if outcomes.len() == records.len() => outcomes,
             Ok(outcomes) => {
-                let error = KinesisError::Other(format!(
-                    "PutRecords sent {} records, the answer has {} results",
-                    records.len(),
-                    outcomes.len()
-                ));
+                let error = KinesisError::Other(
+                    format!(
+                        "PutRecords sent {} records, the answer has {} results",
+                        records.len(),
+                        outcomes.len()
+                    )
+                    .into(),
+                );
                 return self.call_failed(records, metas, error, jitter, now);
             }
             Err(error) => return self.call_failed(records, metas, error, jitter, now),
