@@ -15,8 +15,9 @@ pub use crate::kinesis::{MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES};
 /// an explicit hash key that picks the shard instead.
 #[derive(Clone)]
 pub struct ProducerRecord {
-    /// The payload (never logged, never part of an error).
-    pub data: Bytes,
+    /// The payload (never logged, never part of an error): `Data` on the wire, named as
+    /// a consumed [`Message`](crate::Message)'s is.
+    pub payload: Bytes,
     /// The partition key: 1 to 256 Unicode characters.
     pub partition_key: String,
     /// A decimal number in `0..2^128` that decides the shard instead of the MD5 of the
@@ -26,9 +27,9 @@ pub struct ProducerRecord {
 
 impl ProducerRecord {
     /// A record routed by its partition key.
-    pub fn new(data: impl Into<Bytes>, partition_key: impl Into<String>) -> Self {
+    pub fn new(payload: impl Into<Bytes>, partition_key: impl Into<String>) -> Self {
         ProducerRecord {
-            data: data.into(),
+            payload: payload.into(),
             partition_key: partition_key.into(),
             explicit_hash_key: None,
         }
@@ -43,7 +44,7 @@ impl ProducerRecord {
     /// The size Kinesis counts against its limits: payload bytes plus the partition
     /// key's UTF-8 bytes.
     pub fn size(&self) -> usize {
-        self.data.len().saturating_add(self.partition_key.len())
+        self.payload.len().saturating_add(self.partition_key.len())
     }
 
     /// Checks the record against Kinesis' limits; returns its size.
@@ -78,7 +79,7 @@ impl ProducerRecord {
 
     pub(crate) fn into_put_record(self) -> PutRecord {
         PutRecord {
-            data: self.data,
+            data: self.payload,
             partition_key: self.partition_key,
             explicit_hash_key: self.explicit_hash_key,
         }
@@ -89,7 +90,7 @@ impl fmt::Debug for ProducerRecord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the payload.
         f.debug_struct("ProducerRecord")
-            .field("data_len", &self.data.len())
+            .field("data_len", &self.payload.len())
             .field("partition_key", &self.partition_key)
             .field("explicit_hash_key", &self.explicit_hash_key)
             .finish()
