@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use aws_smithy_types::timeout::TimeoutConfig;
 
-use crate::consumer::ConfigError;
+use crate::error::ConfigError;
 use crate::kinesis::{KinesisApi, StreamAdmin};
 use crate::lease::LeaseStore;
 

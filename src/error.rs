@@ -1,7 +1,30 @@
-//! What a failed remote call carries besides its text: the AWS error code, message and
-//! HTTP status, kept as the error's `source()` so callers can match AWS error codes.
+//! Errors every part shares: a refused configuration (consumer, producer, backend
+//! builders), and what a failed remote call carries besides its text (the AWS error
+//! code, message and HTTP status, kept as the error's `source()` so callers can match
+//! AWS error codes).
 
 use std::fmt;
+
+/// A configuration value a builder refused (consumer, producer, backend), naming the
+/// builder method that sets it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A required field was not set.
+    #[error("`{field}` is required")]
+    Missing {
+        /// The builder method that sets it.
+        field: &'static str,
+    },
+    /// A field has a value that cannot work.
+    #[error("`{field}` is invalid: {reason}")]
+    Invalid {
+        /// The builder method that sets it.
+        field: &'static str,
+        /// Why the value was refused.
+        reason: String,
+    },
+}
 
 /// What AWS answered to a failed call: the `source()` of a
 /// [`KinesisError`](crate::kinesis::KinesisError) or [`LeaseError`](crate::lease::LeaseError)

@@ -56,11 +56,11 @@
 //! # }
 //! ```
 
+mod ack;
 pub mod admin;
 pub mod aggregation;
 pub mod backend;
 mod backoff;
-mod checkpoint;
 pub mod consumer;
 mod error;
 pub mod kinesis;
@@ -72,8 +72,8 @@ pub mod metrics;
 pub mod producer;
 pub mod sequence;
 
+pub use ack::AckHandle;
 pub use backend::{Aws, AwsTimeouts, Backend};
-pub use checkpoint::AckHandle;
 pub use consumer::{
     BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,

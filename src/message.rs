@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::AckHandle;
+use crate::ack::AckHandle;
 use crate::sequence::{Position, SequenceNumber};
 
 /// Where a record came from and what Kinesis said about it.

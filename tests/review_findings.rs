@@ -193,7 +193,7 @@ async fn one_record_events_cut_short_do_not_end_a_closed_shard() {
     one_record_reads_cut_short_do_not_end_a_closed_shard(true).await;
 }
 
-/// Finding 4 (order, fixed), `dispatch.rs` records/batches + `checkpoint.rs` nack: after a
+/// Finding 4 (order, fixed), `dispatch.rs` records/batches + `ack.rs` nack: after a
 /// handler error the dispatch task goes straight on to the next queued batch of the same
 /// generation; until the shard task wakes up and stops accepting, `wait_start` still
 /// says yes, so records after the failed one reach the handler before the failed one is

@@ -8,6 +8,7 @@ use tokio::sync::OnceCell;
 
 use super::events::{EventHook, ShardEvent};
 use crate::backend::Backend;
+pub use crate::error::ConfigError;
 use crate::kinesis::{KinesisApi, KinesisError};
 
 /// The longest duration any setting accepts (one week).
@@ -130,26 +131,6 @@ impl FanOut {
             .await
             .map(String::as_str)
     }
-}
-
-/// A configuration value the builder refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// A required field was not set.
-    #[error("`{field}` is required")]
-    Missing {
-        /// The builder method that sets it.
-        field: &'static str,
-    },
-    /// A field has a value that cannot work.
-    #[error("`{field}` is invalid: {reason}")]
-    Invalid {
-        /// The builder method that sets it.
-        field: &'static str,
-        /// Why the value was refused.
-        reason: String,
-    },
 }
 
 /// A validated consumer configuration (see [`ConsumerBuilder`] for each field).

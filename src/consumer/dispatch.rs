@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tower::{Service, ServiceExt};
 
 use super::events::{EventHook, ShardEvent};
-use crate::checkpoint::{AckHandle, RecordMarks};
+use crate::ack::{AckHandle, RecordMarks};
 use crate::message::{Batch, Message};
 use crate::sequence::Position;
 

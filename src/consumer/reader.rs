@@ -12,9 +12,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::ack::{Mark, ShardProgress};
 use crate::aggregation::{self, Deaggregated};
 use crate::backoff::Backoff;
-use crate::checkpoint::{Mark, ShardProgress};
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease};
 use crate::message::{Batch, Headers, Message};

@@ -8,8 +8,8 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
+use crate::ack::ShardProgress;
 use crate::backoff::Backoff;
-use crate::checkpoint::ShardProgress;
 use crate::kinesis::KinesisApi;
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::consumer::ConfigError;
+use crate::error::ConfigError;
 use crate::kinesis::KinesisApi;
 
 use super::Producer;

@@ -108,7 +108,7 @@ use std::task::{Context, Poll, Waker};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::PollSender;
 
-use crate::consumer::ConfigError;
+use crate::error::ConfigError;
 
 pub use builder::{ProducerBuilder, MAX_BATCH_BYTES, MAX_BATCH_RECORDS};
 pub use future::ResponseFuture;

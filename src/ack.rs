@@ -1,6 +1,7 @@
-//! Per-shard progress: the [`Watermark`] of acknowledged records, the [`AckHandle`]
-//! a batch carries to move it, and [`RecordMarks`] for records of a batch that finish
-//! out of order (per-key concurrency).
+//! Acknowledgements, in memory (the durable checkpoint is [`crate::lease::Checkpoint`],
+//! written by the shard task): per-shard progress, the [`Watermark`] of acknowledged
+//! records, the [`AckHandle`] a batch carries to move it, and [`RecordMarks`] for
+//! records of a batch that finish out of order (per-key concurrency).
 //!
 //! Batches of a shard are registered in delivery order; handlers may acknowledge them in
 //! any order. The watermark is the last position of the longest prefix of acknowledged
