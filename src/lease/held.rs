@@ -24,6 +24,12 @@ pub(crate) struct HeldLease {
     renewed: Notify,
 }
 
+/// Attempts at a release before the lease is left to expire.
+const RELEASE_ATTEMPTS: u32 = 3;
+
+/// The pause before the second release attempt (doubled before the third).
+const RELEASE_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl HeldLease {
     /// Wraps a row this incarnation took with a take sent at `sent`. Other workers'
     /// expiry timers run from when the take landed, which may be long before its answer
@@ -124,10 +130,24 @@ impl HeldLease {
     }
 
     /// Gives the lease up (to nobody). Marks it lost for this worker either way.
+    ///
+    /// A release that failed transiently (throttled, cut by its deadline, a network
+    /// error) is tried again, [`RELEASE_ATTEMPTS`] times in all: a lease left owned
+    /// waits a whole lease duration before another worker takes it. One that landed
+    /// although an error was seen shows as a conflict on the next attempt.
     pub async fn release(&self) -> Result<Lease, LeaseError> {
-        let result = self
-            .write(|store, row| Box::pin(async move { store.release(&row).await }))
-            .await;
+        let mut result = Err(LeaseError::Conflict(String::new()));
+        for attempt in 1..=RELEASE_ATTEMPTS {
+            result = self
+                .write(|store, row| Box::pin(async move { store.release(&row).await }))
+                .await;
+            match &result {
+                Err(e) if e.is_transient() && attempt < RELEASE_ATTEMPTS => {
+                    tokio::time::sleep(RELEASE_PAUSE * attempt).await;
+                }
+                _ => break,
+            }
+        }
         self.lost.cancel();
         result
     }
@@ -219,5 +239,34 @@ mod tests {
         assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(10));
         held.checkpoint(&at(12)).await.unwrap();
         assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(12));
+    }
+
+    /// A release that fails transiently is tried again: the lease is released, not left
+    /// owned until it expires. (Seed 3 fails the first release attempt.)
+    #[tokio::test(start_paused = true)]
+    async fn a_release_that_fails_transiently_is_tried_again() {
+        use crate::memory::LeaseFaults;
+        let memory = Memory::new();
+        let table = memory.table("held-release");
+        let store: Arc<dyn LeaseStore> = table.clone();
+        let row = Lease::new("s", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&row).await.unwrap());
+        let taken = store.take(&row, "w#a").await.unwrap();
+        let held = HeldLease::taken_at(taken, store.clone(), "w#a", Instant::now());
+        table.set_faults(LeaseFaults {
+            fail_before_write: 0.5,
+            seed: 3,
+            ..LeaseFaults::default()
+        });
+        let before = table.requests();
+        let released = held.release().await;
+        let attempts = table.requests() - before;
+        table.set_faults(LeaseFaults::default());
+        assert!(
+            attempts >= 2,
+            "the first attempt failed ({attempts} requests)"
+        );
+        assert!(released.is_ok(), "{released:?}");
+        assert_eq!(store.get("s").await.unwrap().unwrap().owner, None);
     }
 }
