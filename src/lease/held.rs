@@ -136,18 +136,19 @@ impl HeldLease {
     /// waits a whole lease duration before another worker takes it. One that landed
     /// although an error was seen shows as a conflict on the next attempt.
     pub async fn release(&self) -> Result<Lease, LeaseError> {
-        let mut result = Err(LeaseError::Conflict(String::new()));
-        for attempt in 1..=RELEASE_ATTEMPTS {
-            result = self
+        let mut attempt = 1;
+        let result = loop {
+            let result = self
                 .write(|store, row| Box::pin(async move { store.release(&row).await }))
                 .await;
             match &result {
                 Err(e) if e.is_transient() && attempt < RELEASE_ATTEMPTS => {
                     tokio::time::sleep(RELEASE_PAUSE * attempt).await;
+                    attempt += 1;
                 }
-                _ => break,
+                _ => break result,
             }
-        }
+        };
         self.lost.cancel();
         result
     }
