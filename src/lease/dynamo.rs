@@ -204,6 +204,63 @@ impl DynamoLeaseStore {
         }
     }
 
+    /// Writes `to` as the checkpoint the way the KCL's checkpoint does: the owner
+    /// switches reset and a pending (two-phase) checkpoint dropped, which this one
+    /// supersedes. `clear_reset` also removes a reset request (the write that applies
+    /// it).
+    async fn write_checkpoint(
+        &self,
+        op: &str,
+        expected: &Lease,
+        to: &Checkpoint,
+        clear_reset: bool,
+    ) -> Result<Lease, LeaseError> {
+        let (value, sub_sequence) = to.as_attribute();
+        let mut values = vec![
+            (":checkpoint", AttributeValue::S(value)),
+            (":sub", AttributeValue::N(sub_sequence.to_string())),
+            (":zero", AttributeValue::N("0".into())),
+        ];
+        let mut set = "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero".to_owned();
+        let mut remove = vec!["#pcp", "#pcp_sub", "#pcp_state"];
+        match to.timestamp_millis() {
+            Some(millis) => {
+                values.push((":timestamp", AttributeValue::N(millis.to_string())));
+                set.push_str(", #timestamp = :timestamp");
+            }
+            None => remove.push("#timestamp"),
+        }
+        let mut names = vec![
+            ("#checkpoint", CHECKPOINT),
+            ("#sub", SUB_SEQUENCE),
+            ("#timestamp", TIMESTAMP),
+            ("#switches", OWNER_SWITCHES),
+            ("#pcp", PENDING_CHECKPOINT),
+            ("#pcp_sub", PENDING_SUB_SEQUENCE),
+            ("#pcp_state", PENDING_STATE),
+        ];
+        if clear_reset {
+            remove.extend(["#reset", "#reset_sub", "#reset_ts"]);
+            names.extend([
+                ("#reset", RESET),
+                ("#reset_sub", RESET_SUB_SEQUENCE),
+                ("#reset_ts", RESET_TIMESTAMP),
+            ]);
+        }
+        let update = format!("{set} REMOVE {}", remove.join(", "));
+        self.fenced_update(op, expected, &update, &names, values, || Lease {
+            checkpoint: to.clone(),
+            owner_switches: 0,
+            reset_to: if clear_reset {
+                None
+            } else {
+                expected.reset_to.clone()
+            },
+            ..expected.clone()
+        })
+        .await
+    }
+
     /// A conditional UpdateItem of `expected`'s row: `update` (with its own `names` and
     /// `values`) applies only if the row still has `expected`'s owner and counter.
     /// `after` is what the row is expected to become; it is returned only if the store
@@ -690,46 +747,8 @@ impl LeaseStore for DynamoLeaseStore {
         expected: &Lease,
         checkpoint: &Checkpoint,
     ) -> Result<Lease, LeaseError> {
-        let (value, sub_sequence) = checkpoint.as_attribute();
-        let mut values = vec![
-            (":checkpoint", AttributeValue::S(value)),
-            (":sub", AttributeValue::N(sub_sequence.to_string())),
-        ];
-        values.push((":zero", AttributeValue::N("0".into())));
-        // As the KCL's checkpoint does: reset the owner switches and drop a pending
-        // (two-phase) checkpoint, which this checkpoint supersedes.
-        let update = match checkpoint.timestamp_millis() {
-            Some(millis) => {
-                values.push((":timestamp", AttributeValue::N(millis.to_string())));
-                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp, \
-                 #switches = :zero REMOVE #pcp, #pcp_sub, #pcp_state"
-            }
-            None => {
-                "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero \
-                 REMOVE #timestamp, #pcp, #pcp_sub, #pcp_state"
-            }
-        };
-        self.fenced_update(
-            "checkpoint",
-            expected,
-            update,
-            &[
-                ("#checkpoint", CHECKPOINT),
-                ("#sub", SUB_SEQUENCE),
-                ("#timestamp", TIMESTAMP),
-                ("#switches", OWNER_SWITCHES),
-                ("#pcp", PENDING_CHECKPOINT),
-                ("#pcp_sub", PENDING_SUB_SEQUENCE),
-                ("#pcp_state", PENDING_STATE),
-            ],
-            values,
-            || Lease {
-                checkpoint: checkpoint.clone(),
-                owner_switches: 0,
-                ..expected.clone()
-            },
-        )
-        .await
+        self.write_checkpoint("checkpoint", expected, checkpoint, false)
+            .await
     }
 
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
@@ -800,48 +819,7 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        let (value, sub_sequence) = to.as_attribute();
-        let mut values = vec![
-            (":checkpoint", AttributeValue::S(value)),
-            (":sub", AttributeValue::N(sub_sequence.to_string())),
-            (":zero", AttributeValue::N("0".into())),
-        ];
-        let update = match to.timestamp_millis() {
-            Some(millis) => {
-                values.push((":timestamp", AttributeValue::N(millis.to_string())));
-                "SET #checkpoint = :checkpoint, #sub = :sub, #timestamp = :timestamp, \
-                 #switches = :zero REMOVE #pcp, #pcp_sub, #pcp_state, #reset, #reset_sub, #reset_ts"
-            }
-            None => {
-                "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero \
-                 REMOVE #timestamp, #pcp, #pcp_sub, #pcp_state, #reset, #reset_sub, #reset_ts"
-            }
-        };
-        self.fenced_update(
-            "reset",
-            expected,
-            update,
-            &[
-                ("#checkpoint", CHECKPOINT),
-                ("#sub", SUB_SEQUENCE),
-                ("#timestamp", TIMESTAMP),
-                ("#switches", OWNER_SWITCHES),
-                ("#pcp", PENDING_CHECKPOINT),
-                ("#pcp_sub", PENDING_SUB_SEQUENCE),
-                ("#pcp_state", PENDING_STATE),
-                ("#reset", RESET),
-                ("#reset_sub", RESET_SUB_SEQUENCE),
-                ("#reset_ts", RESET_TIMESTAMP),
-            ],
-            values,
-            || Lease {
-                checkpoint: to.clone(),
-                owner_switches: 0,
-                reset_to: None,
-                ..expected.clone()
-            },
-        )
-        .await
+        self.write_checkpoint("reset", expected, to, true).await
     }
 
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
