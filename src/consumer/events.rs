@@ -82,6 +82,39 @@ impl EventHook {
     }
 }
 
+impl ShardEvent {
+    /// The event with its shard named `stream/shard` (multi-stream mode).
+    fn in_stream(&self, stream: &str) -> ShardEvent {
+        let mut event = self.clone();
+        let shard = match &mut event {
+            ShardEvent::LeaseTaken { shard }
+            | ShardEvent::LeaseLost { shard }
+            | ShardEvent::HandedOff { shard, .. }
+            | ShardEvent::Released { shard }
+            | ShardEvent::ShardEnded { shard }
+            | ShardEvent::HandlerFailed { shard, .. } => shard,
+        };
+        *shard = format!("{stream}/{shard}");
+        event
+    }
+}
+
+impl EventHook {
+    /// The hook of one stream of a multi-stream consumer: its events name the shard
+    /// `stream/shardId`, so shards of different streams are told apart.
+    pub(crate) fn for_stream(&self, stream: &str) -> Self {
+        match &self.0 {
+            None => EventHook(None),
+            Some(hook) => {
+                let (hook, stream) = (hook.clone(), stream.to_owned());
+                EventHook(Some(Arc::new(move |event: &ShardEvent| {
+                    hook(&event.in_stream(&stream))
+                })))
+            }
+        }
+    }
+}
+
 impl fmt::Debug for EventHook {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(if self.0.is_some() {

@@ -8,7 +8,8 @@
 //!
 //! | attribute | type | meaning |
 //! |---|---|---|
-//! | `leaseKey` | S, **hash key** | the shard id |
+//! | `leaseKey` | S, **hash key** | the shard id; in multi-stream mode `account:stream:creationEpoch:shardId`, the KCL's multi-stream key |
+//! | `shardId` | S, multi-stream rows only | the shard id, as the KCL's multi-stream serializer writes it |
 //! | `leaseOwner` | S, absent when unowned | the worker incarnation holding the lease: `<worker id>#<nonce>` (see [`worker_of`](super::worker_of)) |
 //! | `leaseCounter` | N | bumped by every take, renewal and release: the fencing token |
 //! | `checkpoint` | S | the sequence number's digits, or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
@@ -16,7 +17,7 @@
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
-//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
+//! | `streamName` | S | in multi-stream mode the KCL's: the stream identifier `account:stream:creationEpoch`; in single-stream mode shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
 //! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
 //! | `childShardIds` | SS, optional | the KCL's: an ended shard's children, written after it reached `SHARD_END` (`record_children`) |
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
@@ -67,6 +68,7 @@ use aws_sdk_dynamodb::types::{
 use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::error::ErrorDetail;
 use crate::kinesis::aws::{aws_error_of, describe_sdk_error};
+use crate::kinesis::StreamIdentity;
 
 /// The hash key: the shard id.
 const KEY: &str = "leaseKey";
@@ -86,6 +88,8 @@ const PARENTS: &str = "parentShardId";
 const PENDING_OWNER: &str = "pendingOwner";
 /// The stream the row belongs to (shardflow's).
 const STREAM: &str = "streamName";
+/// The shard id of a multi-stream row (the KCL's multi-stream serializer writes it).
+const SHARD_ID: &str = "shardId";
 /// Owner changes since the last checkpoint (the KCL's).
 const OWNER_SWITCHES: &str = "ownerSwitchesSinceCheckpoint";
 /// The child shards of an ended shard (the KCL's).
@@ -428,6 +432,11 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
     );
     if let Some(stream) = &lease.stream {
         item.insert(STREAM.to_owned(), AttributeValue::S(stream.clone()));
+    }
+    // A multi-stream row (`account:stream:creationEpoch:shardId`) also carries its shard
+    // id, as the KCL's multi-stream serializer writes it.
+    if let Some((_, shard_id)) = StreamIdentity::split_lease_key(&lease.key) {
+        item.insert(SHARD_ID.to_owned(), AttributeValue::S(shard_id.to_owned()));
     }
     if !lease.children.is_empty() {
         item.insert(
@@ -1019,7 +1028,7 @@ mod tests {
         for (name, value) in item {
             let ok = match name.as_str() {
                 KEY | OWNER | CHECKPOINT | PENDING_CHECKPOINT | STARTING_HASH | ENDING_HASH
-                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER => {
+                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER | SHARD_ID => {
                     matches!(value, AttributeValue::S(_))
                 }
                 COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP

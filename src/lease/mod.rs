@@ -8,8 +8,10 @@
 
 pub mod dynamo;
 mod held;
+mod scoped;
 
 pub(crate) use held::HeldLease;
+pub(crate) use scoped::StreamScopedStore;
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;
