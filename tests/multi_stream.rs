@@ -614,3 +614,51 @@ async fn events_and_health_name_the_stream() {
         .await
         .unwrap();
 }
+
+/// A KCL multi-stream table (rows keyed `account:stream:creationEpoch:shardId`, with the
+/// stream identifier in `streamName`) is taken over in place: each shard continues
+/// after its committed checkpoint, nothing before it is read again, and the rows keep
+/// their keys.
+#[tokio::test(start_paused = true)]
+async fn a_kcl_multi_stream_table_is_continued_from_its_checkpoints() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 1).await.unwrap();
+    kinesis.create_stream("refunds", 1).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..100).await;
+    produce(kinesis.as_ref(), "refunds", 1_000..1_100).await;
+    let table = memory.lease_store("kcl-app");
+    table.ensure_table().await.unwrap();
+    let shard = "shardId-000000000000";
+    for (stream, handled) in [("orders", 40), ("refunds", 70)] {
+        let identity = kinesis.stream_identity(stream).await.unwrap();
+        let last = &memory.streams().records(stream, shard)[handled - 1];
+        let mut row = Lease::new(
+            identity.lease_key(shard),
+            Vec::new(),
+            Checkpoint::At(Position::new(last.sequence_number.clone(), 0)),
+        );
+        row.stream = Some(identity.to_string());
+        row.counter = 12;
+        assert!(table.create(&row).await.unwrap());
+    }
+    let log = Log::default();
+    let consumer = test_timings(
+        shardflow::Consumer::builder()
+            .streams(["orders", "refunds"])
+            .group("kcl-app")
+            .backend(memory.clone()),
+    )
+    .build()
+    .unwrap();
+    let running = consumer.run(log.handler()).spawn();
+    log.wait_for(40..100, Duration::from_secs(60)).await;
+    log.wait_for(1_070..1_100, Duration::from_secs(60)).await;
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+    let expected: HashSet<usize> = (40..100).chain(1_070..1_100).collect();
+    assert_exactly_once_in_order(&log.snapshot(), &expected);
+    let rows = table.list().await.unwrap();
+    assert_eq!(rows.len(), 2, "no rows added: {rows:?}");
+}

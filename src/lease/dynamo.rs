@@ -1128,6 +1128,8 @@ mod tests {
             "kcl2_trim_horizon_unowned.json",
             "kcl3_handoff.json",
             "kcl3_at_timestamp.json",
+            "kcl2_multi_stream.json",
+            "kcl3_multi_stream_shard_end.json",
         ] {
             let item = fixture(name);
             assert_kcl_reads(&item);
@@ -1148,6 +1150,8 @@ mod tests {
                 STARTING_HASH,
                 ENDING_HASH,
                 CHECKPOINT_OWNER,
+                STREAM,
+                SHARD_ID,
             ] {
                 let sorted = |v: Option<&AttributeValue>| match v {
                     Some(AttributeValue::Ss(set)) => {
@@ -1176,6 +1180,79 @@ mod tests {
             Some(&AttributeValue::S(u128::MAX.to_string()))
         );
         assert_eq!(lease_from_item(&item).unwrap(), fresh);
+    }
+
+    #[test]
+    fn kcl_multi_stream_rows_parse_and_round_trip() {
+        let lease = lease_from_item(&fixture("kcl2_multi_stream.json")).unwrap();
+        assert_eq!(
+            lease.key,
+            "123456789012:orders:1700000000:shardId-000000000002"
+        );
+        let (identity, shard) = StreamIdentity::split_lease_key(&lease.key).unwrap();
+        assert_eq!(
+            (
+                identity.account.as_str(),
+                identity.name.as_str(),
+                identity.creation_epoch,
+                shard
+            ),
+            (
+                "123456789012",
+                "orders",
+                1_700_000_000,
+                "shardId-000000000002"
+            )
+        );
+        assert_eq!(
+            lease.stream.as_deref(),
+            Some("123456789012:orders:1700000000")
+        );
+        assert_eq!(lease.parents, vec!["shardId-000000000000".to_owned()]);
+        assert_eq!(lease.counter, 912);
+        assert_eq!(
+            lease.checkpoint,
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("49654231871269856788003409185127350380960574536328806434")
+                    .unwrap(),
+                2
+            ))
+        );
+        let end = lease_from_item(&fixture("kcl3_multi_stream_shard_end.json")).unwrap();
+        assert_eq!(end.checkpoint, Checkpoint::ShardEnd);
+        assert_eq!(end.owner, None);
+        assert_eq!(
+            end.children,
+            vec![
+                "shardId-000000000001".to_owned(),
+                "shardId-000000000002".to_owned()
+            ]
+        );
+        // A row shardflow creates in multi-stream mode has the KCL's shardId too.
+        let mut fresh = Lease::new(
+            identity.lease_key("shardId-000000000007"),
+            vec!["shardId-000000000002".into()],
+            Checkpoint::TrimHorizon,
+        );
+        fresh.stream = Some(identity.to_string());
+        let item = item_from_lease(&fresh);
+        assert_kcl_reads(&item);
+        assert_eq!(
+            item.get(SHARD_ID),
+            Some(&AttributeValue::S("shardId-000000000007".into()))
+        );
+        assert_eq!(
+            item.get(STREAM),
+            Some(&AttributeValue::S("123456789012:orders:1700000000".into()))
+        );
+        assert_eq!(lease_from_item(&item).unwrap(), fresh);
+        // Single-stream rows carry no shardId.
+        let single = item_from_lease(&Lease::new(
+            "shardId-000000000007",
+            Vec::new(),
+            Checkpoint::TrimHorizon,
+        ));
+        assert!(!single.contains_key(SHARD_ID));
     }
 
     #[test]
