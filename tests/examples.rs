@@ -1,4 +1,4 @@
-//! The README's main example and the pipeline example run to completion on the embedded
+//! The README's main example, the multi-stream example and the pipeline example run to completion on the embedded
 //! backend: the quickstart verifies its own totals (it exits non-zero otherwise); the
 //! pipeline's rule (each good order charged exactly once, each bad one dead-lettered) is
 //! checked here from what it prints.
@@ -92,6 +92,21 @@ fn run(name: &str) -> String {
 fn quickstart_handles_every_record() {
     let stdout = run("quickstart");
     eprintln!("{stdout}");
+}
+
+#[test]
+fn multi_stream_reads_every_stream_and_follows_the_list() {
+    let stdout = run("multi_stream");
+    assert!(
+        stdout.contains("2000 of 2000 records handled"),
+        "every record of the four streams: {stdout}"
+    );
+    // The removed stream's rows stay, in the KCL's multi-stream key form.
+    let audit_rows = stdout
+        .lines()
+        .filter(|l| l.contains("(audit-") && l.contains(":audit-"))
+        .count();
+    assert_eq!(audit_rows, 1, "the removed stream's row is kept: {stdout}");
 }
 
 #[test]
