@@ -662,3 +662,52 @@ async fn a_kcl_multi_stream_table_is_continued_from_its_checkpoints() {
     let rows = table.list().await.unwrap();
     assert_eq!(rows.len(), 2, "no rows added: {rows:?}");
 }
+
+/// `stream()` mode over several streams: one stream of batches from every stream's
+/// shards, each batch naming its stream; every record once, and the checkpoints at the
+/// end of each shard after the shutdown.
+#[tokio::test(start_paused = true)]
+async fn batches_of_several_streams_in_stream_mode() {
+    use futures_util::StreamExt;
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 2).await.unwrap();
+    kinesis.create_stream("refunds", 1).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
+    produce(kinesis.as_ref(), "refunds", 1_000..1_000 + RECORDS).await;
+    let consumer = test_timings(
+        shardflow::Consumer::builder()
+            .streams(["orders", "refunds"])
+            .group("batches")
+            .backend(memory.clone()),
+    )
+    .build()
+    .unwrap();
+    let mut batches = consumer.stream();
+    let mut seen = Vec::new();
+    within(Duration::from_secs(60), "every record in batches", async {
+        while seen.len() < 2 * RECORDS {
+            let batch = batches.next().await.unwrap().unwrap();
+            for msg in &batch.messages {
+                assert_eq!(msg.headers.stream, batch.stream);
+                seen.push(Seen {
+                    stream: batch.stream.to_string(),
+                    shard: batch.shard_id.to_string(),
+                    sequence: msg.headers.sequence_number.clone(),
+                    value: std::str::from_utf8(&msg.payload).unwrap().parse().unwrap(),
+                });
+            }
+            batch.ack();
+        }
+    })
+    .await;
+    within(STOP_LIMIT, "the stream shuts down", batches.shutdown())
+        .await
+        .unwrap();
+    let expected: HashSet<usize> = (0..RECORDS).chain(1_000..1_000 + RECORDS).collect();
+    assert_exactly_once_in_order(&seen, &expected);
+    let rows = memory.lease_store("batches").list().await.unwrap();
+    for stream in ["orders", "refunds"] {
+        assert_checkpoints(kinesis.as_ref(), &rows, stream, &seen).await;
+    }
+}

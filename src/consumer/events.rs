@@ -9,6 +9,10 @@ use crate::sequence::SequenceNumber;
 
 /// Something that happened to one of this worker's shards.
 ///
+/// `shard` is the shard id; in multi-stream mode
+/// ([`ConsumerBuilder::streams`](super::ConsumerBuilder::streams)) it is
+/// `stream/shardId`, so the same shard id in two streams is told apart.
+///
 /// The hook is called on the worker's own tasks, in the order things happened for a
 /// shard: keep it quick (count, log, send on a channel); it must not block.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -38,7 +38,8 @@ pub struct Health {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShardHealth {
-    /// The shard id.
+    /// The shard id; `stream/shardId` in multi-stream mode
+    /// ([`ConsumerBuilder::streams`](super::ConsumerBuilder::streams)).
     pub shard_id: String,
     /// How long ago the shard last made progress: its checkpoint was written (records
     /// were handled) or a read found nothing new (caught up with the tip); before the

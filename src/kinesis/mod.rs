@@ -391,3 +391,56 @@ pub trait StreamAdmin: KinesisApi {
         adjacent_shard_id: &str,
     ) -> Result<(), KinesisError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_identities_and_multi_stream_keys_parse_as_the_kcl_writes_them() {
+        let id = StreamIdentity::parse("123456789012:orders:1700000000").unwrap();
+        assert_eq!(
+            (id.account.as_str(), id.name.as_str(), id.creation_epoch),
+            ("123456789012", "orders", 1_700_000_000)
+        );
+        assert_eq!(id.to_string(), "123456789012:orders:1700000000");
+        let key = id.lease_key("shardId-000000000001");
+        assert_eq!(key, "123456789012:orders:1700000000:shardId-000000000001");
+        assert_eq!(
+            StreamIdentity::split_lease_key(&key),
+            Some((id, "shardId-000000000001"))
+        );
+        for not_multi in [
+            "shardId-000000000001",
+            "orders:1700000000:shardId-000000000001",
+            "acct:orders:1700000000:shardId-000000000001",
+            "123456789012:orders:soon:shardId-000000000001",
+            "123456789012::1700000000:shardId-000000000001",
+        ] {
+            assert_eq!(
+                StreamIdentity::split_lease_key(not_multi),
+                None,
+                "{not_multi}"
+            );
+        }
+    }
+
+    #[test]
+    fn stream_arns_give_the_account_and_name() {
+        let arn = "arn:aws:kinesis:eu-west-1:123456789012:stream/orders";
+        assert_eq!(stream_name_of_arn(arn), Some("orders"));
+        assert_eq!(
+            stream_name_of_arn("arn:aws-cn:kinesis:cn-north-1:123456789012:stream/a.b"),
+            Some("a.b")
+        );
+        assert_eq!(stream_name_of_arn("orders"), None);
+        assert_eq!(
+            stream_name_of_arn("arn:aws:sqs:eu-west-1:123456789012:orders"),
+            None
+        );
+        let created = SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(1_700_000_000_999);
+        let id = StreamIdentity::from_description("orders", arn, created).unwrap();
+        assert_eq!(id.to_string(), "123456789012:orders:1700000000");
+        assert!(StreamIdentity::from_description("orders", "not an arn", created).is_err());
+    }
+}
