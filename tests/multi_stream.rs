@@ -206,9 +206,18 @@ async fn assert_checkpoints(kinesis: &dyn KinesisApi, rows: &[Lease], stream: &s
     }
 }
 
-struct Worker {
-    shutdown: shardflow::ShutdownHandle,
-    task: tokio::task::JoinHandle<Result<(), ConsumerError>>,
+/// A multi-stream consumer of `streams` in `group` with the tests' timings.
+fn multi_consumer<const N: usize>(
+    memory: &Memory,
+    streams: [&str; N],
+    group: &str,
+) -> shardflow::ConsumerBuilder {
+    test_timings(
+        shardflow::Consumer::builder()
+            .streams(streams)
+            .group(group)
+            .backend(memory.clone()),
+    )
 }
 
 async fn scenario<B: Backend + Clone>(
@@ -246,7 +255,7 @@ async fn scenario<B: Backend + Clone>(
     // The fourth stream has records before it is added: they are read from the start.
     produce(kinesis.as_ref(), fourth, values(3, 0)).await;
 
-    let running: Vec<Worker> = (0..workers)
+    let running: Vec<Running> = (0..workers)
         .map(|w| {
             let builder = shardflow::Consumer::builder()
                 .group(&group)
@@ -258,9 +267,7 @@ async fn scenario<B: Backend + Clone>(
                 builder.streams(first_three.iter().copied())
             };
             let consumer = test_timings(builder).seed(w as u64).build().unwrap();
-            let shutdown = consumer.shutdown_handle();
-            let task = tokio::spawn(consumer.run(log.handler()).into_future());
-            Worker { shutdown, task }
+            start_service(consumer, log.handler())
         })
         .collect();
     for i in 0..3 {
@@ -316,11 +323,7 @@ async fn scenario<B: Backend + Clone>(
     }
 
     for worker in running {
-        worker.shutdown.shutdown();
-        within(STOP_LIMIT, "a worker stops", worker.task)
-            .await
-            .unwrap()
-            .unwrap();
+        worker.stop().await;
     }
     let seen = log.snapshot();
     assert_exactly_once_in_order(&seen, &expected);
@@ -398,13 +401,7 @@ async fn single_and_multi_stream_consumers_never_share_a_table() {
         produce(admin.as_ref(), "orders", 0..50).await;
         produce(admin.as_ref(), "refunds", 1_000..1_050).await;
         let single = test_consumer(memory.clone(), "orders", "billing", "single");
-        let multi = test_timings(
-            shardflow::Consumer::builder()
-                .streams(["orders", "refunds"])
-                .group("billing")
-                .worker_id("multi")
-                .backend(memory.clone()),
-        );
+        let multi = multi_consumer(&memory, ["orders", "refunds"], "billing").worker_id("multi");
         let (first, second) = if multi_first {
             (multi, single)
         } else {
@@ -412,8 +409,7 @@ async fn single_and_multi_stream_consumers_never_share_a_table() {
         };
         let first_log = Log::default();
         let consumer = first.build().unwrap();
-        let shutdown = consumer.shutdown_handle();
-        let task = tokio::spawn(consumer.run(first_log.handler()).into_future());
+        let first_run = start_service(consumer, first_log.handler());
         first_log.wait_for(0..50, Duration::from_secs(60)).await;
 
         let second_log = Log::default();
@@ -456,11 +452,7 @@ async fn single_and_multi_stream_consumers_never_share_a_table() {
             second_log.snapshot().is_empty(),
             "the refused consumer handled nothing"
         );
-        shutdown.shutdown();
-        within(STOP_LIMIT, "the first consumer stops", task)
-            .await
-            .unwrap()
-            .unwrap();
+        first_run.stop().await;
     }
 }
 
@@ -538,22 +530,10 @@ async fn a_recreated_stream_is_another_stream() {
     assert!(table.create(&old).await.unwrap());
     produce(kinesis.as_ref(), "orders", 0..30).await;
     let log = Log::default();
-    let consumer = test_timings(
-        shardflow::Consumer::builder()
-            .streams(["orders"])
-            .group("grp")
-            .backend(memory.clone()),
-    )
-    .build()
-    .unwrap();
-    let shutdown = consumer.shutdown_handle();
-    let task = tokio::spawn(consumer.run(log.handler()).into_future());
+    let consumer = multi_consumer(&memory, ["orders"], "grp").build().unwrap();
+    let running = start_service(consumer, log.handler());
     log.wait_for(0..30, Duration::from_secs(60)).await;
-    shutdown.shutdown();
-    within(STOP_LIMIT, "the consumer stops", task)
-        .await
-        .unwrap()
-        .unwrap();
+    running.stop().await;
     let keys: Vec<String> = table
         .list()
         .await
@@ -580,19 +560,14 @@ async fn events_and_health_name_the_stream() {
     let taken = Arc::new(Mutex::new(Vec::new()));
     let events = taken.clone();
     let log = Log::default();
-    let consumer = test_timings(
-        shardflow::Consumer::builder()
-            .streams(["orders", "refunds"])
-            .group("grp")
-            .backend(memory.clone())
-            .on_event(move |event| {
-                if let shardflow::ShardEvent::LeaseTaken { shard } = event {
-                    events.lock().unwrap().push(shard.clone());
-                }
-            }),
-    )
-    .build()
-    .unwrap();
+    let consumer = multi_consumer(&memory, ["orders", "refunds"], "grp")
+        .on_event(move |event| {
+            if let shardflow::ShardEvent::LeaseTaken { shard } = event {
+                events.lock().unwrap().push(shard.clone());
+            }
+        })
+        .build()
+        .unwrap();
     let running = consumer.run(log.handler()).spawn();
     log.wait_for(0..20, Duration::from_secs(60)).await;
     let mut health: Vec<String> = running
@@ -643,14 +618,9 @@ async fn a_kcl_multi_stream_table_is_continued_from_its_checkpoints() {
         assert!(table.create(&row).await.unwrap());
     }
     let log = Log::default();
-    let consumer = test_timings(
-        shardflow::Consumer::builder()
-            .streams(["orders", "refunds"])
-            .group("kcl-app")
-            .backend(memory.clone()),
-    )
-    .build()
-    .unwrap();
+    let consumer = multi_consumer(&memory, ["orders", "refunds"], "kcl-app")
+        .build()
+        .unwrap();
     let running = consumer.run(log.handler()).spawn();
     log.wait_for(40..100, Duration::from_secs(60)).await;
     log.wait_for(1_070..1_100, Duration::from_secs(60)).await;
@@ -675,14 +645,9 @@ async fn batches_of_several_streams_in_stream_mode() {
     kinesis.create_stream("refunds", 1).await.unwrap();
     produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
     produce(kinesis.as_ref(), "refunds", 1_000..1_000 + RECORDS).await;
-    let consumer = test_timings(
-        shardflow::Consumer::builder()
-            .streams(["orders", "refunds"])
-            .group("batches")
-            .backend(memory.clone()),
-    )
-    .build()
-    .unwrap();
+    let consumer = multi_consumer(&memory, ["orders", "refunds"], "batches")
+        .build()
+        .unwrap();
     let mut batches = consumer.stream();
     let mut seen = Vec::new();
     within(Duration::from_secs(60), "every record in batches", async {
