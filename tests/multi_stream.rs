@@ -676,3 +676,32 @@ async fn batches_of_several_streams_in_stream_mode() {
         assert_checkpoints(kinesis.as_ref(), &rows, stream, &seen).await;
     }
 }
+
+/// With a changing list, a stream that cannot be read (here: it does not exist yet)
+/// stops only itself: the others go on, and it is tried again when the list changes.
+#[tokio::test(start_paused = true)]
+async fn a_missing_stream_in_a_changing_list_does_not_stop_the_others() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 1).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..30).await;
+    let (list, rx) = watch::channel(vec!["orders".to_owned(), "later".to_owned()]);
+    let consumer = test_timings(
+        shardflow::Consumer::builder()
+            .streams_from(rx)
+            .group("grp")
+            .backend(memory.clone()),
+    )
+    .build()
+    .unwrap();
+    let log = Log::default();
+    let running = start_service(consumer, log.handler());
+    log.wait_for(0..30, Duration::from_secs(60)).await;
+    kinesis.create_stream("later", 1).await.unwrap();
+    produce(kinesis.as_ref(), "later", 100..130).await;
+    // The same streams, written again: a change, so the failed one is tried again.
+    list.send_modify(|_| {});
+    log.wait_for(100..130, Duration::from_secs(60)).await;
+    running.stop().await;
+    assert_exactly_once_in_order(&log.snapshot(), &(0..30).chain(100..130).collect());
+}

@@ -72,7 +72,7 @@ impl Group {
         let mut failed: BTreeSet<String> = BTreeSet::new();
         let mut list_open = true;
         let mut failure = None;
-        loop {
+        while !shutdown.is_cancelled() {
             // Start the streams added, stop those removed. A stream removed and added
             // again before it stopped is started again once it has.
             let wanted = self.wanted(&watched.borrow_and_update());
