@@ -1048,7 +1048,58 @@ impl Coordinator {
                 .events
                 .emit(|| ShardEvent::Released { shard: key.clone() });
         }
+        self.release_unheld().await;
         tracing::info!("worker stopped; leases released");
+    }
+
+    /// The last step of a shutdown, once no shard task runs: withdraws this worker's
+    /// hand-off requests, so that no owner hands a lease to a worker that is gone, and
+    /// releases the rows the table says are this incarnation's although no task held
+    /// them (a hand-over that landed after the last lease round, a take whose answer was
+    /// lost). Without it such a row waits a whole lease duration before another worker
+    /// takes it. A withdrawal that lost the race to the hand-over finds the row ours and
+    /// releases it. Costs one listing of the table.
+    async fn release_unheld(&self) {
+        let me = self.config.owner.as_str();
+        let mut attempt = 1;
+        let rows = loop {
+            match self.store.list().await {
+                Ok(rows) => break rows,
+                Err(e) if e.is_transient() && attempt < 3 => attempt += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not list the leases at shutdown; a lease handed to this worker meanwhile will expire instead");
+                    return;
+                }
+            }
+        };
+        for row in rows {
+            let asked =
+                row.pending_owner.as_deref() == Some(me) && row.owner.as_deref() != Some(me);
+            let row = if asked {
+                match self.store.withdraw_handoff(&row, me).await {
+                    Ok(_) => continue,
+                    // Handed over (or taken by someone else) meanwhile: look again.
+                    Err(LeaseError::Conflict(_)) => match self.store.get(&row.key).await {
+                        Ok(Some(current)) => current,
+                        _ => continue,
+                    },
+                    Err(e) => {
+                        tracing::warn!(lease = %row.key, error = %e, "could not withdraw a hand-off request; if the owner hands the lease over, it will expire instead");
+                        continue;
+                    }
+                }
+            } else {
+                row
+            };
+            if row.owner.as_deref() != Some(me) {
+                continue;
+            }
+            // Released like a held lease: retried, and adopted if an answer was lost.
+            let key = row.key.clone();
+            tracing::info!(lease = %key, "releasing a lease handed to this worker that it never ran");
+            let unheld = HeldLease::taken_at(row, self.store.clone(), me, Instant::now());
+            release(&unheld, &key).await;
+        }
     }
 }
 

@@ -153,12 +153,20 @@ impl HeldLease {
         result
     }
 
-    /// Hands the lease straight to `worker` (the graceful end of a steal).
+    /// Hands the lease straight to `worker` (the graceful end of a steal), as long as
+    /// `worker`'s request still stands: a worker that stopped meanwhile withdrew it, and
+    /// the hand-over fails with a conflict (the row stays ours, unheld, for the next
+    /// lease round to take back or the shutdown to release).
     pub async fn transfer(&self, worker: &str) -> Result<Lease, LeaseError> {
         let to = worker.to_owned();
         let result = self
             .write(move |store, row| {
                 let to = to.clone();
+                // The store checks that the request naming `to` is still on the row.
+                let row = Lease {
+                    pending_owner: Some(to.clone()),
+                    ..row
+                };
                 Box::pin(async move { store.take(&row, &to).await })
             })
             .await;

@@ -341,7 +341,10 @@ pub trait LeaseStore: Send + Sync + 'static {
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError>;
 
     /// Sets the owner to `new_owner`, bumps the counter and clears `pending_owner`,
-    /// if the row still matches `expected`.
+    /// if the row still matches `expected`. When `expected` carries `new_owner`'s own
+    /// hand-off request (a hand-over), that request must still stand: a worker that
+    /// withdrew it on its way out (see [`Self::withdraw_handoff`]) is never handed the
+    /// lease after it stopped.
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError>;
 
     /// Bumps the counter (a heartbeat) if the row still matches `expected`.
@@ -361,6 +364,22 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// and no other worker asked already (the first request wins; the counter is kept
     /// so the owner's fencing token stays valid).
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError>;
+
+    /// Removes `worker`'s hand-off request from the row, if it is still the row's request
+    /// (the owner and counter are not checked, and the counter is kept, so the owner's
+    /// fencing token stays valid). A stopping worker withdraws its requests so that no
+    /// lease is handed to it after it is gone. A store that cannot do it (the default)
+    /// refuses.
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        let _ = worker;
+        Err(LeaseError::Other(
+            format!(
+                "lease {}: this lease store cannot withdraw hand-off requests",
+                expected.key
+            )
+            .into(),
+        ))
+    }
 
     /// Records an operator's request to move the checkpoint of an owned row to `to`
     /// (`reset_to`), if the row still matches `expected`. The counter is kept, so the
