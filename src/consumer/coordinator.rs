@@ -272,7 +272,8 @@ impl Coordinator {
     }
 
     /// Handles a shard task's exit or a hand-off request; returns whether a lease round
-    /// should run right away (a shard ended, so its children may be ready).
+    /// should run right away (a shard ended, so its children may be ready; a hand-over
+    /// failed, so the lease may still be ours to run).
     async fn on_event(&mut self, event: Event) -> bool {
         match event {
             Event::HandoffRequested(key, to) => {
@@ -306,7 +307,9 @@ impl Coordinator {
                     apply_reset(&slot.lease, &key).await;
                     self.need_sync = true;
                 }
-                let ended = matches!(exit, ShardExit::Ended);
+                // A round runs at once after a shard ended (its children may be ready)
+                // and after a failed hand-over (the lease may still be ours to run).
+                let mut round_now = matches!(exit, ShardExit::Ended);
                 let events = &self.config.events;
                 let shard = || key.clone();
                 match exit {
@@ -326,6 +329,7 @@ impl Coordinator {
                                 });
                             }
                             Err(e) => {
+                                round_now = true;
                                 tracing::warn!(lease = %key, error = %e, "hand-off failed");
                                 self.labels.lease_event(LeaseEvent::Lost);
                                 events.emit(|| ShardEvent::LeaseLost { shard: shard() });
@@ -348,7 +352,7 @@ impl Coordinator {
                         events.emit(|| ShardEvent::Released { shard: shard() });
                     }
                 }
-                ended
+                round_now
             }
         }
     }
