@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
-use crate::lease::{worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
+use crate::lease::{with_retries, worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
 use crate::message::Batch;
 use crate::metrics::{Labels, LeaseEvent};
 
@@ -1061,48 +1061,32 @@ impl Coordinator {
     /// releases the rows the table says are this incarnation's although no task held
     /// them (a hand-over that landed after the last lease round, a take whose answer was
     /// lost). Without it such a row waits a whole lease duration before another worker
-    /// takes it. A withdrawal that lost the race to the hand-over finds the row ours and
-    /// releases it. Costs one listing of the table.
+    /// takes it. Costs one listing of the table; the calls are retried when they fail
+    /// transiently, run [`MAX_CONCURRENT_WRITES`] at a time, and the whole step ends
+    /// after one lease duration at most, whatever the store does (by then any such row
+    /// has expired and is taken by another worker anyway).
     async fn release_unheld(&self) {
-        let me = self.config.owner.as_str();
-        let mut attempt = 1;
-        let rows = loop {
-            match self.store.list().await {
-                Ok(rows) => break rows,
-                Err(e) if e.is_transient() && attempt < 3 => attempt += 1,
+        let (store, me) = (self.store.clone(), self.config.owner.clone());
+        let sweep = async {
+            let rows = match with_retries(|| store.list()).await {
+                Ok(rows) => rows,
                 Err(e) => {
                     tracing::warn!(error = %e, "could not list the leases at shutdown; a lease handed to this worker meanwhile will expire instead");
                     return;
                 }
-            }
-        };
-        for row in rows {
-            let asked =
-                row.pending_owner.as_deref() == Some(me) && row.owner.as_deref() != Some(me);
-            let row = if asked {
-                match self.store.withdraw_handoff(&row, me).await {
-                    Ok(_) => continue,
-                    // Handed over (or taken by someone else) meanwhile: look again.
-                    Err(LeaseError::Conflict(_)) => match self.store.get(&row.key).await {
-                        Ok(Some(current)) => current,
-                        _ => continue,
-                    },
-                    Err(e) => {
-                        tracing::warn!(lease = %row.key, error = %e, "could not withdraw a hand-off request; if the owner hands the lease over, it will expire instead");
-                        continue;
-                    }
-                }
-            } else {
-                row
             };
-            if row.owner.as_deref() != Some(me) {
-                continue;
-            }
-            // Released like a held lease: retried, and adopted if an answer was lost.
-            let key = row.key.clone();
-            tracing::info!(lease = %key, "releasing a lease handed to this worker that it never ran");
-            let unheld = HeldLease::taken_at(row, self.store.clone(), me, Instant::now());
-            release(&unheld, &key).await;
+            let settles: Vec<BoxFuture<'static, ()>> = rows
+                .into_iter()
+                .filter(|r| {
+                    r.owner.as_deref() == Some(&me) || r.pending_owner.as_deref() == Some(&me)
+                })
+                .map(|row| settle_unheld(store.clone(), me.clone(), row).boxed())
+                .collect();
+            concurrently(settles).await;
+        };
+        let limit = self.config.lease_duration;
+        if tokio::time::timeout(limit, sweep).await.is_err() {
+            tracing::warn!(?limit, "leases handed to this worker at shutdown were not all settled in time; they will expire instead");
         }
     }
 }
@@ -1216,6 +1200,33 @@ async fn apply_reset(lease: &HeldLease, key: &str) {
             tracing::warn!(lease = %key, error = %e, "could not apply the checkpoint reset; the next owner will")
         }
     }
+}
+
+/// Settles one row a stopping worker found naming it (see
+/// [`Coordinator::release_unheld`]): its request on another worker's row is withdrawn;
+/// a row that is its own (owned from the start, or handed over before the withdrawal
+/// landed) is released.
+async fn settle_unheld(store: Arc<dyn LeaseStore>, me: String, row: Lease) {
+    let row = if row.owner.as_deref() == Some(&me) {
+        row
+    } else {
+        match with_retries(|| store.withdraw_handoff(&row, &me)).await {
+            Ok(_) => return,
+            // Handed over meanwhile, or the outcome is unknown: look again.
+            Err(e) => match with_retries(|| store.get(&row.key)).await {
+                Ok(Some(current)) if current.owner.as_deref() == Some(&me) => current,
+                Ok(Some(current)) if current.pending_owner.as_deref() == Some(&me) => {
+                    tracing::warn!(lease = %row.key, error = %e, "could not withdraw a hand-off request; if the owner hands the lease over, it will expire instead");
+                    return;
+                }
+                _ => return,
+            },
+        }
+    };
+    let key = row.key.clone();
+    tracing::info!(lease = %key, "releasing a lease handed to this worker that it never ran");
+    // Released like a held lease: retried, and adopted if an answer was lost.
+    release(&HeldLease::taken_at(row, store, &me, Instant::now()), &key).await;
 }
 
 async fn release(lease: &HeldLease, key: &str) {
