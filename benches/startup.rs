@@ -171,6 +171,10 @@ impl LeaseStore for CountingStore {
         self.calls.bump(8);
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.calls.bump(8);
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.calls.bump(9);
         self.inner.delete(expected).await

@@ -229,6 +229,10 @@ impl LeaseStore for GatedStore {
         self.backend.gate().await;
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.backend.gate().await;
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.backend.gate().await;
         self.inner.delete(expected).await

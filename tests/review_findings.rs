@@ -296,6 +296,9 @@ impl LeaseStore for FailingCheckpoints {
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.0.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.0.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.0.delete(expected).await
     }
@@ -390,6 +393,9 @@ impl LeaseStore for SlowTakes {
     }
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.0.request_handoff(expected, worker).await
+    }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.0.withdraw_handoff(expected, worker).await
     }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.0.delete(expected).await

@@ -103,6 +103,9 @@ impl LeaseStore for BadCreateStore {
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.inner.delete(expected).await
     }

@@ -124,6 +124,14 @@ impl LeaseStore for StreamScopedStore {
         self.ours(row)
     }
 
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        let row = self
+            .inner
+            .withdraw_handoff(&self.table_row(expected), worker)
+            .await?;
+        self.ours(row)
+    }
+
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let row = self
             .inner
@@ -225,5 +233,12 @@ mod tests {
             refunds_row.owner, None,
             "the other stream's row is untouched"
         );
+
+        // A hand-off request and its withdrawal go to the stream's row.
+        let asked = orders.request_handoff(&taken, "w#2").await.unwrap();
+        assert_eq!(asked.pending_owner.as_deref(), Some("w#2"));
+        let withdrawn = orders.withdraw_handoff(&asked, "w#2").await.unwrap();
+        assert_eq!(withdrawn.key, "shardId-000000000002");
+        assert_eq!(withdrawn.pending_owner, None);
     }
 }

@@ -148,6 +148,10 @@ impl LeaseStore for KillableStore {
         self.gate().await;
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.gate().await;
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.gate().await;
         self.inner.delete(expected).await
