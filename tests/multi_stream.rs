@@ -705,3 +705,33 @@ async fn a_missing_stream_in_a_changing_list_does_not_stop_the_others() {
     running.stop().await;
     assert_exactly_once_in_order(&log.snapshot(), &(0..30).chain(100..130).collect());
 }
+
+/// Enhanced fan-out over several streams: the stream consumer is registered on each
+/// stream and each stream's shards are read through its own registration (one shared
+/// consumer ARN would subscribe to the first stream's shards for every stream).
+#[tokio::test(start_paused = true)]
+async fn fan_out_registers_on_every_stream() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 2).await.unwrap();
+    kinesis.create_stream("refunds", 2).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..RECORDS).await;
+    produce(kinesis.as_ref(), "refunds", 1_000..1_000 + RECORDS).await;
+    let consumer = multi_consumer(&memory, ["orders", "refunds"], "fan-out")
+        .fan_out("billing")
+        .build()
+        .unwrap();
+    let log = Log::default();
+    let running = start_service(consumer, log.handler());
+    log.wait_for(0..RECORDS, Duration::from_secs(60)).await;
+    log.wait_for(1_000..1_000 + RECORDS, Duration::from_secs(60))
+        .await;
+    running.stop().await;
+    let seen = log.snapshot();
+    assert_exactly_once_in_order(&seen, &(0..RECORDS).chain(1_000..1_000 + RECORDS).collect());
+    assert!(
+        seen.iter()
+            .all(|s| (s.stream == "orders") == (s.value < 1_000)),
+        "each record under its own stream"
+    );
+}
