@@ -401,7 +401,20 @@ async fn single_and_multi_stream_consumers_never_share_a_table() {
         produce(admin.as_ref(), "orders", 0..50).await;
         produce(admin.as_ref(), "refunds", 1_000..1_050).await;
         let single = test_consumer(memory.clone(), "orders", "billing", "single");
-        let multi = multi_consumer(&memory, ["orders", "refunds"], "billing").worker_id("multi");
+        // Second, the multi-stream consumer follows a changing list: the refusal stops
+        // it all the same (it is no stream's passing failure).
+        let (_list, rx) = watch::channel(vec!["orders".to_owned(), "refunds".to_owned()]);
+        let multi = if multi_first {
+            multi_consumer(&memory, ["orders", "refunds"], "billing")
+        } else {
+            test_timings(
+                shardflow::Consumer::builder()
+                    .streams_from(rx)
+                    .group("billing")
+                    .backend(memory.clone()),
+            )
+        }
+        .worker_id("multi");
         let (first, second) = if multi_first {
             (multi, single)
         } else {

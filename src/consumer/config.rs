@@ -367,7 +367,10 @@ impl ConsumerBuilder {
 
     /// Multi-stream mode with a list that can change while the consumer runs: the
     /// consumer follows the receiver's value (names or ARNs; an invalid one is logged
-    /// and left out). An added stream starts at the initial position, or where its
+    /// and left out). A stream that fails (say, it does not exist yet) is logged and
+    /// left out until the list changes, while the others go on; a lease table of the
+    /// other mode or of another stream stops the consumer as with a fixed list. An
+    /// added stream starts at the initial position, or where its
     /// rows say if the group read it before. A removed stream is drained, checkpointed
     /// and its leases released, as at shutdown; its rows (and checkpoints) are kept, so
     /// adding it again continues where it left off. The list is this worker's: give

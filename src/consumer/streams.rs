@@ -113,7 +113,16 @@ impl Group {
                     };
                     running.remove(&stream);
                     if let Err(e) = result {
-                        if tolerant && !matches!(e, ConsumerError::Worker(_)) {
+                        // A table of another kind or stream is a configuration
+                        // error for every stream: it always stops the consumer.
+                        let fatal = matches!(
+                            e,
+                            ConsumerError::Worker(_)
+                                | ConsumerError::Config(_)
+                                | ConsumerError::TableModeMismatch { .. }
+                                | ConsumerError::TableOfAnotherStream { .. }
+                        );
+                        if tolerant && !fatal {
                             // A changing list keeps the other streams going; the stream
                             // is tried again once the list changes.
                             tracing::error!(%stream, error = %e, "stream stopped with an error; left out until the list changes");
