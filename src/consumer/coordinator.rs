@@ -131,11 +131,13 @@ impl Coordinator {
             config.read_call_timeout,
             Labels::of(&config),
         ));
-        let store: Arc<dyn LeaseStore> = Arc::new(BoundedLeaseStore::new(
-            store,
-            config.lease_call_timeout,
-            Labels::of(&config),
-        ));
+        let store = BoundedLeaseStore::new(store, config.lease_call_timeout, Labels::of(&config));
+        // Multi-stream: the worker's shared listing counts the Scans (streams.rs).
+        let store: Arc<dyn LeaseStore> = Arc::new(if multi_stream {
+            store.listing_counted_below()
+        } else {
+            store
+        });
         Coordinator {
             labels: Labels::of(&config),
             health,

@@ -30,6 +30,9 @@ pub(crate) struct BoundedLeaseStore {
     inner: Arc<dyn LeaseStore>,
     timeout: Duration,
     labels: Labels,
+    /// Whether `list` calls are counted here (not when a shared listing below counts
+    /// the Scans it makes: [`crate::lease::SharedListing`]).
+    count_list: bool,
 }
 
 impl BoundedLeaseStore {
@@ -38,7 +41,15 @@ impl BoundedLeaseStore {
             inner,
             timeout,
             labels,
+            count_list: true,
         }
+    }
+
+    /// Leaves `list` calls uncounted: the store below shares Scans between callers and
+    /// counts each Scan it makes (one request, however many calls it answered).
+    pub(crate) fn listing_counted_below(mut self) -> Self {
+        self.count_list = false;
+        self
     }
 
     async fn bound<T>(
@@ -48,7 +59,9 @@ impl BoundedLeaseStore {
     ) -> Result<T, LeaseError> {
         let result = bound_lease_call(op, self.timeout, call).await;
         let throttled = matches!(result, Err(LeaseError::Throttled(_)));
-        self.labels.request("dynamodb", op, throttled);
+        if op != "list" || self.count_list {
+            self.labels.request("dynamodb", op, throttled);
+        }
         result
     }
 }

@@ -10,7 +10,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::kinesis::KinesisApi;
-use crate::lease::LeaseStore;
+use crate::lease::{LeaseStore, SharedListing};
+use crate::metrics::Labels;
 
 use super::config::{stream_name, Config, StreamList};
 use super::coordinator::{Coordinator, Sink};
@@ -61,6 +62,15 @@ impl Group {
             );
             return coordinator.run(shutdown).await;
         };
+        // One Scan of the table per round for all the streams' coordinators (see
+        // SharedListing for why sharing it is as safe as a Scan each). The window covers
+        // coordinators whose rounds are a little apart, at an eighth of the renewal
+        // interval.
+        let store: Arc<dyn LeaseStore> = Arc::new(SharedListing::new(
+            self.store.clone(),
+            self.config.renew_interval / 8,
+            Labels::of(&self.config),
+        ));
         let (mut watched, tolerant) = match list {
             StreamList::Fixed(names) => (watch::channel(names).1, false),
             StreamList::Watched(rx) => (rx, true),
@@ -90,7 +100,7 @@ impl Group {
                     let coordinator = Coordinator::new(
                         Arc::new(self.config.for_stream(stream)),
                         self.kinesis.clone(),
-                        self.store.clone(),
+                        store.clone(),
                         self.sink.clone(),
                         self.health.for_stream(stream),
                         true,

@@ -13,7 +13,7 @@ mod held;
 mod scoped;
 
 pub(crate) use held::{with_retries, HeldLease};
-pub(crate) use scoped::StreamScopedStore;
+pub(crate) use scoped::{SharedListing, StreamScopedStore};
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;

@@ -1,14 +1,171 @@
 //! One stream's view of a multi-stream lease table: its rows, keyed in the table the
 //! KCL's multi-stream way (`account:stream:creationEpoch:shardId`, `streamName` holding
 //! `account:stream:creationEpoch`), appear as a single-stream table of bare shard ids
-//! and stream names, so the coordinator runs per stream exactly as for one stream.
+//! and stream names, so the coordinator runs per stream exactly as for one stream; and
+//! the one listing of the table that all of a worker's streams share in a round.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::time::Instant;
 
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::kinesis::StreamIdentity;
+use crate::metrics::Labels;
+
+/// One Scan of the table per worker and round, whatever the number of its streams: the
+/// multi-stream worker's coordinators list the table below their [`StreamScopedStore`]s
+/// through this one store, and `list()` calls that come together share one Scan
+/// (single-flight: a call made while a Scan runs waits for it; a call made within
+/// `window` of a Scan's start gets its rows). Every other call goes straight through.
+///
+/// Why sharing is never less safe than a Scan per coordinator:
+/// - Decisions taken on a listing are all conditional writes (on the owner and counter,
+///   or on the row's absence for a create), checked by the table when they land, so a
+///   row that changed since it was listed makes a write fail, never land on the wrong
+///   row; that holds for a listing of any age, and per coordinator it was already so.
+/// - What a listing's age could change is how old a coordinator believes its view is
+///   (lease expiry counts from when a counter was seen; a create is not sent on a
+///   listing older than a renewal interval). A shared listing is older than a Scan of
+///   one's own by at most `window`, the same as a Scan whose pages came back `window`
+///   later; the window is an eighth of the renewal interval, well inside the renewal
+///   margin those checks leave.
+/// - This worker's own ownership changes are never hidden by a shared listing: a
+///   take, release, hand-off request or withdrawal, reset, create or delete made
+///   through this store after a Scan started makes that Scan's rows unusable for later
+///   calls (only renewals and checkpoints, which change no owner and which the
+///   coordinators track from their own writes, do not).
+/// - Errors are not shared: a failed Scan fails only the calls that waited for it;
+///   the next call Scans again.
+pub(crate) struct SharedListing {
+    inner: Arc<dyn LeaseStore>,
+    window: Duration,
+    labels: Labels,
+    /// Ownership writes begun through this store (see the type's docs).
+    writes: AtomicU64,
+    /// The last good Scan: when it started, the write count then, its rows. Held while a
+    /// Scan runs, which makes concurrent callers wait for it.
+    last: tokio::sync::Mutex<Option<(Instant, u64, Vec<Lease>)>>,
+}
+
+impl SharedListing {
+    /// `window`: how long after a Scan started its rows are still handed out. Each
+    /// Scan is counted as a `list` request under `labels` (the coordinators' own
+    /// stores then leave `list` uncounted).
+    pub(crate) fn new(inner: Arc<dyn LeaseStore>, window: Duration, labels: Labels) -> Self {
+        SharedListing {
+            inner,
+            window,
+            labels,
+            writes: AtomicU64::new(0),
+            last: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    fn wrote(&self) {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl LeaseStore for SharedListing {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.inner.ensure_table().await
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        let mut last = self.last.lock().await;
+        if let Some((started, writes, rows)) = last.as_ref() {
+            if started.elapsed() <= self.window && *writes == self.writes.load(Ordering::SeqCst) {
+                return Ok(rows.clone());
+            }
+        }
+        let (started, writes) = (Instant::now(), self.writes.load(Ordering::SeqCst));
+        let result = self.inner.list().await;
+        self.labels.request(
+            "dynamodb",
+            "list",
+            matches!(result, Err(LeaseError::Throttled(_))),
+        );
+        *last = match &result {
+            Ok(rows) => Some((started, writes, rows.clone())),
+            Err(_) => None,
+        };
+        result
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.inner.get(key).await
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.wrote();
+        self.inner.create(lease).await
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.take(expected, new_owner).await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.inner.renew(expected).await
+    }
+
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        self.inner.checkpoint(expected, checkpoint).await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.release(expected).await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.request_handoff(expected, worker).await
+    }
+
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.withdraw_handoff(expected, worker).await
+    }
+
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.request_reset(expected, to).await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.reset(expected, to).await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.wrote();
+        self.inner.delete(expected).await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.claim_for_stream(expected, stream).await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.wrote();
+        self.inner.record_children(expected, children).await
+    }
+}
 
 /// The rows of one stream in a shared multi-stream table. Rows of other streams (and
 /// single-stream rows) are not listed; every key and `streamName` is translated on the
@@ -240,5 +397,166 @@ mod tests {
         let withdrawn = orders.withdraw_handoff(&asked, "w#2").await.unwrap();
         assert_eq!(withdrawn.key, "shardId-000000000002");
         assert_eq!(withdrawn.pending_owner, None);
+    }
+
+    /// Counts the Scans (`list` calls) that reach the table.
+    struct CountingScans {
+        inner: Arc<MemoryLeaseStore>,
+        scans: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    #[async_trait]
+    impl LeaseStore for CountingScans {
+        async fn ensure_table(&self) -> Result<(), LeaseError> {
+            self.inner.ensure_table().await
+        }
+        async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+            self.scans.fetch_add(1, Ordering::SeqCst);
+            self.inner.list().await
+        }
+        async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+            self.inner.get(key).await
+        }
+        async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+            self.inner.create(lease).await
+        }
+        async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
+            self.inner.take(expected, owner).await
+        }
+        async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+            self.inner.renew(expected).await
+        }
+        async fn checkpoint(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+            self.inner.checkpoint(expected, to).await
+        }
+        async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+            self.inner.release(expected).await
+        }
+        async fn request_handoff(&self, expected: &Lease, w: &str) -> Result<Lease, LeaseError> {
+            self.inner.request_handoff(expected, w).await
+        }
+        async fn withdraw_handoff(&self, expected: &Lease, w: &str) -> Result<Lease, LeaseError> {
+            self.inner.withdraw_handoff(expected, w).await
+        }
+        async fn request_reset(
+            &self,
+            expected: &Lease,
+            to: &Checkpoint,
+        ) -> Result<Lease, LeaseError> {
+            self.inner.request_reset(expected, to).await
+        }
+        async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+            self.inner.reset(expected, to).await
+        }
+        async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+            self.inner.delete(expected).await
+        }
+        async fn claim_for_stream(&self, expected: &Lease, s: &str) -> Result<Lease, LeaseError> {
+            self.inner.claim_for_stream(expected, s).await
+        }
+        async fn record_children(
+            &self,
+            expected: &Lease,
+            c: &[String],
+        ) -> Result<Lease, LeaseError> {
+            self.inner.record_children(expected, c).await
+        }
+    }
+
+    /// The memory backend with a lease table that counts its Scans.
+    #[derive(Clone)]
+    struct Counted {
+        memory: crate::Memory,
+        scans: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl crate::Backend for Counted {
+        fn kinesis(&self) -> Arc<dyn crate::kinesis::KinesisApi> {
+            self.memory.kinesis()
+        }
+        fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+            Arc::new(CountingScans {
+                inner: self.memory.table(table),
+                scans: self.scans.clone(),
+            })
+        }
+    }
+
+    /// A worker reading four streams Scans its table once per lease round, not once per
+    /// stream and round, and still reads every stream.
+    #[tokio::test(start_paused = true)]
+    async fn a_four_stream_worker_scans_once_per_round() {
+        use crate::kinesis::{KinesisApi, PutRecord, StreamAdmin};
+        use std::sync::atomic::AtomicUsize;
+        let backend = Counted {
+            memory: crate::Memory::new(),
+            scans: Arc::new(AtomicUsize::new(0)),
+        };
+        let streams: Vec<String> = (0..4).map(|i| format!("s{i}")).collect();
+        for stream in &streams {
+            backend
+                .memory
+                .streams()
+                .create_stream(stream, 1)
+                .await
+                .unwrap();
+            backend
+                .memory
+                .streams()
+                .put_records(
+                    stream,
+                    &[PutRecord {
+                        data: bytes::Bytes::from_static(b"x"),
+                        partition_key: "k".into(),
+                        explicit_hash_key: None,
+                    }],
+                )
+                .await
+                .unwrap();
+        }
+        backend
+            .memory
+            .table("scans")
+            .set_faults(crate::memory::LeaseFaults {
+                latency: Duration::from_millis(8),
+                ..Default::default()
+            });
+        let (seen, mut handled) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let running = crate::Consumer::builder()
+            .streams(streams)
+            .group("scans")
+            .worker_id("w1")
+            .seed(3)
+            .backend(backend.clone())
+            .build()
+            .unwrap()
+            .run(tower::service_fn(move |_m: crate::Message| {
+                let _ = seen.send(());
+                async { Ok::<_, std::convert::Infallible>(()) }
+            }))
+            .spawn();
+        // Every stream's record is handled (a shared listing hides no stream's rows).
+        tokio::time::timeout(Duration::from_secs(60), async {
+            for _ in 0..4 {
+                handled.recv().await;
+            }
+        })
+        .await
+        .expect("a record of each stream handled");
+        // Steady state: 10 minutes of lease rounds, one every take interval (the lease
+        // duration, 10 s), plus a shard sync a minute. A Scan per stream would be 4 a
+        // round (240 and more).
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let before = backend.scans.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        let scans = backend.scans.load(Ordering::SeqCst) - before;
+        assert!(
+            (58..=66).contains(&scans),
+            "{scans} Scans in 60 lease rounds of a 4-stream worker"
+        );
+        tokio::time::timeout(Duration::from_secs(60), running.shutdown())
+            .await
+            .expect("shutdown ends")
+            .unwrap();
     }
 }
