@@ -1,5 +1,5 @@
 //! `group describe` (one row per shard with its owner, lease activity, checkpoint and
-//! lag) and `group delete` (the lease table, refused while leases are live).
+//! lag; in a multi-stream table its stream too, and the lag per stream) and `group delete` (the lease table, refused while leases are live).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use serde_json::json;
-use shardflow::kinesis::{KinesisApi, ShardInfo};
+use shardflow::admin::{select_rows, table_rows, TableRow};
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
 use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseStore};
 use shardflow::Backend;
 
@@ -80,14 +81,14 @@ fn state(row: &Lease, shard: Option<&ShardInfo>) -> &'static str {
 async fn lag(
     kinesis: &dyn KinesisApi,
     stream: &str,
-    row: &Lease,
+    row: &TableRow,
     count: Option<&indicatif::ProgressBar>,
 ) -> Result<(Option<i64>, Option<u64>), String> {
-    let Some(from) = after_checkpoint(&row.checkpoint) else {
+    let Some(from) = after_checkpoint(&row.lease.checkpoint) else {
         return Ok((Some(0), Some(0)));
     };
     let iterator = kinesis
-        .shard_iterator(stream, &row.key, &from)
+        .shard_iterator(stream, &row.shard, &from)
         .await
         .map_err(|e| e.to_string())?;
     let page = kinesis
@@ -99,7 +100,7 @@ async fn lag(
         return Ok((millis, None));
     };
     let mut behind = 0u64;
-    read_to_tip(kinesis, stream, &row.key, &from, |_| {
+    read_to_tip(kinesis, stream, &row.shard, &from, |_| {
         behind += 1;
         bar.inc(1);
         true
@@ -109,25 +110,77 @@ async fn lag(
     Ok((millis, Some(behind)))
 }
 
+/// The shards of the streams of `rows`, by stream (`None`: a single-stream table's
+/// stream, `single`). The shards of a multi-stream row's stream are those of the
+/// stream now under its name only if it is the same incarnation (creation time):
+/// otherwise, or when the stream is gone, its rows' shards are gone.
+async fn shards_of(
+    kinesis: &dyn KinesisApi,
+    rows: &[&TableRow],
+    single: Option<&str>,
+) -> Result<BTreeMap<Option<StreamIdentity>, BTreeMap<String, ShardInfo>>, crate::CliError> {
+    let by_id = |shards: Vec<ShardInfo>| {
+        shards
+            .into_iter()
+            .map(|s| (s.shard_id.clone(), s))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let mut out = BTreeMap::new();
+    if let Some(stream) = single {
+        out.insert(None, by_id(kinesis.list_shards(stream).await?));
+        return Ok(out);
+    }
+    let identities: BTreeSet<&StreamIdentity> =
+        rows.iter().filter_map(|r| r.stream.as_ref()).collect();
+    for identity in identities {
+        let now = kinesis.stream_identity(&identity.name).await.ok();
+        let shards = if now.as_ref() == Some(identity) {
+            by_id(kinesis.list_shards(&identity.name).await?)
+        } else {
+            BTreeMap::new()
+        };
+        out.insert(Some(identity.clone()), shards);
+    }
+    Ok(out)
+}
+
+/// One described row: the row, its state, its lag (ms, records) or the error reading it.
+type Described<'a> = (
+    &'a TableRow,
+    &'static str,
+    Option<i64>,
+    Option<u64>,
+    Option<String>,
+);
+
 /// `group describe`.
 pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     let store = args.group.store(&cx.aws);
     let kinesis = cx.aws.kinesis();
-    let stream = args.group.stream.as_str();
     let (rows, moved) = sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
-    let shards: BTreeMap<String, ShardInfo> = kinesis
-        .list_shards(stream)
-        .await?
-        .into_iter()
-        .map(|s| (s.shard_id.clone(), s))
-        .collect();
+    let all = table_rows(rows)?;
+    let multi = all.iter().any(|r| r.stream.is_some());
+    // A single-stream table is the stream's; a multi-stream one shows every stream or
+    // the one named.
+    let single = if multi {
+        None
+    } else {
+        Some(args.group.single_stream()?)
+    };
+    let rows: Vec<&TableRow> = if multi && args.group.stream.is_some() {
+        select_rows(&all, args.group.table(), args.group.stream.as_deref(), &[])?
+    } else {
+        all.iter().collect()
+    };
+    let shards = shards_of(kinesis.as_ref(), &rows, single).await?;
     let bar = args
         .count
         .then(|| progress(None, "counting records behind"));
-    let mut out = Vec::new();
+    let mut out: Vec<Described> = Vec::new();
     for row in &rows {
-        let shard = shards.get(&row.key);
-        let state = state(row, shard);
+        let stream = single.or(row.stream_name()).unwrap_or_default();
+        let shard = shards.get(&row.stream).and_then(|s| s.get(&row.shard));
+        let state = state(&row.lease, shard);
         let (millis, records, error) = if state == "gone" {
             (None, None, None)
         } else {
@@ -143,35 +196,71 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     }
     let mut workers: BTreeMap<&str, usize> = BTreeMap::new();
     for row in &rows {
-        if let Some(owner) = row.owner.as_deref() {
+        if let Some(owner) = row.lease.owner.as_deref() {
             *workers.entry(worker_of(owner)).or_default() += 1;
         }
     }
     let total_ms = out.iter().filter_map(|o| o.2).max();
     let total_records: Option<u64> = args.count.then(|| out.iter().filter_map(|o| o.3).sum());
+    // Lag per stream (multi-stream tables): shards, max ms behind, records behind.
+    let mut per_stream: BTreeMap<String, (usize, Option<i64>, Option<u64>)> = BTreeMap::new();
+    if multi {
+        for (row, _, millis, records, _) in &out {
+            let name = row
+                .stream
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            let entry = per_stream
+                .entry(name)
+                .or_insert((0, None, args.count.then_some(0)));
+            entry.0 += 1;
+            entry.1 = entry.1.max(*millis);
+            if let (Some(sum), Some(r)) = (entry.2.as_mut(), records) {
+                *sum += r;
+            }
+        }
+    }
     let renewing = |key: &str| moved.as_ref().map(|m| m.contains(key));
     if cx.json {
         let shards_json: Vec<_> = out
             .iter()
             .map(|(row, state, millis, records, error)| {
+                let lease = &row.lease;
                 json!({
-                    "shard": row.key,
+                    "stream": row.stream_name(),
+                    "shard": row.shard,
+                    "lease_key": lease.key,
                     "state": state,
-                    "parents": row.parents,
-                    "owner": row.owner,
-                    "counter": row.counter,
-                    "renewing": renewing(&row.key),
-                    "pending_owner": row.pending_owner,
-                    "reset_to": row.reset_to.as_ref().map(show),
-                    "checkpoint": show(&row.checkpoint),
+                    "parents": lease.parents,
+                    "owner": lease.owner,
+                    "counter": lease.counter,
+                    "renewing": renewing(&lease.key),
+                    "pending_owner": lease.pending_owner,
+                    "reset_to": lease.reset_to.as_ref().map(show),
+                    "checkpoint": show(&lease.checkpoint),
                     "millis_behind_latest": millis,
                     "records_behind": records,
                     "error": error,
                 })
             })
             .collect();
+        let streams_json: Vec<_> = per_stream
+            .iter()
+            .map(|(identity, (n, ms, records))| {
+                json!({
+                    "stream": StreamIdentity::parse(identity).map(|i| i.name),
+                    "identity": identity,
+                    "shards": n,
+                    "max_millis_behind_latest": ms,
+                    "records_behind": records,
+                })
+            })
+            .collect();
         print_json(&json!({
-            "stream": stream,
+            "stream": single,
+            "multi_stream": multi,
+            "streams": streams_json,
             "table": args.group.table(),
             "shards": shards_json,
             "workers": workers,
@@ -181,7 +270,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         }));
         return Ok(ExitCode::SUCCESS);
     }
-    let mut t = table(&[
+    let mut header = vec![
         "shard",
         "state",
         "parents",
@@ -191,25 +280,30 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         "checkpoint",
         "lag ms",
         "behind",
-    ]);
+    ];
+    if multi {
+        header.insert(0, "stream");
+    }
+    let mut t = table(&header);
     for (row, state, millis, records, error) in &out {
-        let lease = match (row.owner.is_some(), renewing(&row.key)) {
+        let lease = &row.lease;
+        let activity = match (lease.owner.is_some(), renewing(&lease.key)) {
             (false, _) => "-".to_owned(),
             (true, None) => "?".to_owned(),
             (true, Some(true)) => format!("renewed <{} s", args.sample_ms.div_ceil(1000)),
             (true, Some(false)) => format!("idle >={} s", args.sample_ms / 1000),
         };
-        let mut checkpoint = show(&row.checkpoint);
-        if let Some(to) = &row.reset_to {
+        let mut checkpoint = show(&lease.checkpoint);
+        if let Some(to) = &lease.reset_to {
             checkpoint.push_str(&format!(" (reset to {} pending)", show(to)));
         }
-        t.add_row(vec![
-            row.key.clone(),
+        let mut cells = vec![
+            row.shard.clone(),
             state.to_string(),
-            row.parents.join(" "),
-            row.owner.clone().unwrap_or_else(|| "-".into()),
-            lease,
-            row.pending_owner.clone().unwrap_or_else(|| "-".into()),
+            lease.parents.join(" "),
+            lease.owner.clone().unwrap_or_else(|| "-".into()),
+            activity,
+            lease.pending_owner.clone().unwrap_or_else(|| "-".into()),
             checkpoint,
             match (millis, error) {
                 (_, Some(e)) => format!("error: {e}"),
@@ -217,12 +311,28 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                 (None, None) => "-".into(),
             },
             records.map_or_else(|| "-".into(), |r| r.to_string()),
-        ]);
+        ];
+        if multi {
+            cells.insert(0, row.stream_name().unwrap_or_default().to_owned());
+        }
+        t.add_row(cells);
     }
     println!("{t}");
+    for (identity, (n, ms, records)) in &per_stream {
+        println!(
+            "stream {identity}: {n} shards, max lag {} ms{}",
+            ms.unwrap_or(0),
+            records.map_or_else(String::new, |r| format!(", {r} records behind")),
+        );
+    }
     let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
     println!(
-        "{} shards, {} workers ({}), max lag {} ms{}",
+        "{}{} shards, {} workers ({}), max lag {} ms{}",
+        if multi {
+            format!("{} streams, ", per_stream.len())
+        } else {
+            String::new()
+        },
         rows.len(),
         workers.len(),
         if per_worker.is_empty() {

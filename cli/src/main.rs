@@ -5,7 +5,7 @@
 //! standard way).
 //!
 //! Exit codes: 0 done; 1 an error (AWS, a missing table or stream, a refused delete);
-//! 2 a usage error; 3 a plan printed and nothing changed (a reset, delete or replay
+//! 2 a usage error (among them a shard id that names rows of several streams); 3 a plan printed and nothing changed (a reset, delete or replay
 //! without `--yes`).
 
 mod describe;
@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use shardflow::admin::AdminError;
 use shardflow::lease::dynamo::DynamoLeaseStore;
 use shardflow::Aws;
 
@@ -78,9 +79,11 @@ enum DlqCommand {
 /// The group a command works on: its stream and lease table.
 #[derive(Args, Debug, Clone)]
 pub struct GroupArgs {
-    /// The stream the group consumes.
+    /// The stream the group consumes. Required for a single-stream table; on a
+    /// multi-stream table (keys `account:stream:creationEpoch:shardId`) it selects that
+    /// stream's rows, and without it `describe` shows every stream.
     #[arg(long, env = "SHARDFLOW_STREAM")]
-    pub stream: String,
+    pub stream: Option<String>,
     /// The consumer group (its lease table has the group's name unless --table).
     #[arg(long, env = "SHARDFLOW_GROUP", required_unless_present = "table")]
     pub group: Option<String>,
@@ -97,6 +100,17 @@ impl GroupArgs {
             .as_deref()
             .or(self.group.as_deref())
             .unwrap_or_default()
+    }
+
+    /// The stream of a single-stream table (`--stream`, required there).
+    pub fn single_stream(&self) -> Result<&str, CliError> {
+        self.stream.as_deref().ok_or_else(|| {
+            format!(
+                "{} is a single-stream table: name its stream with --stream",
+                self.table()
+            )
+            .into()
+        })
     }
 
     /// The lease store over the group's table.
@@ -138,6 +152,20 @@ async fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // Input that could name rows of several streams is a usage error.
+        Err(e)
+            if e.downcast_ref::<AdminError>().is_some_and(|e| {
+                matches!(
+                    e,
+                    AdminError::AmbiguousShard { .. }
+                        | AdminError::AmbiguousStream { .. }
+                        | AdminError::StreamRequired(_)
+                )
+            }) =>
+        {
+            eprintln!("shardflow: error: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("shardflow: error: {e}");
             ExitCode::FAILURE

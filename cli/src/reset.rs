@@ -1,12 +1,15 @@
 //! `group reset`: moves checkpoints through [`shardflow::admin::reset_checkpoint`], safe
-//! while the group runs (an owned shard's owner applies the reset itself).
+//! while the group runs (an owned shard's owner applies the reset itself), on
+//! single-stream and multi-stream tables.
 
 use std::process::ExitCode;
 
 use clap::Args;
 use serde_json::json;
-use shardflow::admin::{reset_checkpoint, ResetOutcome};
-use shardflow::lease::{Checkpoint, Lease, LeaseStore};
+use shardflow::admin::{
+    descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome, TableRow,
+};
+use shardflow::lease::{Checkpoint, LeaseStore};
 
 use crate::position::{parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
@@ -20,7 +23,10 @@ pub struct ResetArgs {
     /// sequence N (N counts as handled: reading goes on after it).
     #[arg(long, num_args = 1..=2, required = true, value_names = ["POSITION", "VALUE"])]
     to: Vec<String>,
-    /// Only these shards (repeat for several); every shard of the table by default.
+    /// Only these shards (repeat for several); every shard of the table (of --stream on
+    /// a multi-stream table) by default. On a multi-stream table a shard id with
+    /// --stream, or a full lease key (`account:stream:creationEpoch:shardId`); a shard
+    /// id that rows of several streams have is refused (exit code 2).
     #[arg(long = "shard", value_name = "ID")]
     shards: Vec<String>,
     /// Make the change; without it only the plan is printed (exit code 3).
@@ -39,48 +45,43 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     };
     let to = spot.checkpoint();
     let store = args.group.store(&cx.aws);
-    let rows = store.list().await?;
-    for wanted in &args.shards {
-        if !rows.iter().any(|r| &r.key == wanted) {
-            return Err(format!(
-                "the lease table {} has no row for shard {wanted}",
-                args.group.table()
-            )
-            .into());
-        }
-    }
+    let table_name = args.group.table();
+    let all = table_rows(store.list().await?)?;
+    // A shard of a multi-stream table is named by --stream and --shard, or by its full
+    // lease key; input that could mean rows of several streams is refused.
+    let selected = select_rows(&all, table_name, args.group.stream.as_deref(), &args.shards)?;
+    let mut chosen: Vec<(&TableRow, Checkpoint)> =
+        selected.into_iter().map(|r| (r, to.clone())).collect();
     // A finished shard read again must be read before its children again: its
-    // descendants are reset too (so they wait for it), to the same time, or from their
-    // start when the reset names a sequence number of the finished shard.
-    let mut chosen: Vec<(&Lease, Checkpoint)> = rows
-        .iter()
-        .filter(|r| args.shards.is_empty() || args.shards.contains(&r.key))
-        .map(|r| (r, to.clone()))
-        .collect();
+    // descendants (in its stream) are reset too (so they wait for it), to the same
+    // time, or from their start when the reset names a sequence number of the finished
+    // shard.
     if !args.shards.is_empty() {
         let below = match spot {
             Spot::Sequence(_) => Checkpoint::TrimHorizon,
             _ => to.clone(),
         };
-        let mut todo: Vec<&str> = chosen
+        let finished: Vec<&TableRow> = chosen
             .iter()
-            .filter(|(r, _)| r.checkpoint == Checkpoint::ShardEnd)
-            .map(|(r, _)| r.key.as_str())
+            .filter(|(r, _)| r.lease.checkpoint == Checkpoint::ShardEnd)
+            .map(|(r, _)| *r)
             .collect();
-        while let Some(parent) = todo.pop() {
-            for child in rows
-                .iter()
-                .filter(|r| r.parents.iter().any(|p| p == parent))
-            {
-                if chosen.iter().all(|(r, _)| r.key != child.key) {
+        for parent in finished {
+            for child in descendants(&all, parent) {
+                if chosen.iter().all(|(r, _)| r.lease.key != child.lease.key) {
                     chosen.push((child, below.clone()));
-                    todo.push(&child.key);
                 }
             }
         }
     }
-    let how = |r: &Lease| {
-        if r.owner.is_some() {
+    // How a row is named: its shard, and in a multi-stream table `stream/shard` (as
+    // the consumer's events and health name it).
+    let name = |r: &TableRow| match r.stream_name() {
+        Some(stream) => format!("{stream}/{}", r.shard),
+        None => r.shard.clone(),
+    };
+    let how = |r: &TableRow| {
+        if r.lease.owner.is_some() {
             "requested from the owner"
         } else {
             "applied"
@@ -90,16 +91,16 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
         if cx.json {
             let plan: Vec<_> = chosen
                 .iter()
-                .map(|(r, to)| json!({"shard": r.key, "owner": r.owner, "from": show(&r.checkpoint), "to": show(to), "how": how(r)}))
+                .map(|(r, to)| json!({"stream": r.stream_name(), "shard": r.shard, "lease_key": r.lease.key, "owner": r.lease.owner, "from": show(&r.lease.checkpoint), "to": show(to), "how": how(r)}))
                 .collect();
             print_json(&json!({"plan": plan, "changed": false}));
         } else {
             let mut t = table(&["shard", "owner", "checkpoint now", "new checkpoint", "how"]);
             for (r, to) in &chosen {
                 t.add_row(vec![
-                    r.key.clone(),
-                    r.owner.clone().unwrap_or_else(|| "-".into()),
-                    show(&r.checkpoint),
+                    name(r),
+                    r.lease.owner.clone().unwrap_or_else(|| "-".into()),
+                    show(&r.lease.checkpoint),
                     show(to),
                     how(r).to_owned(),
                 ]);
@@ -114,15 +115,20 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     }
     let mut done = Vec::new();
     for (r, to) in &chosen {
-        let outcome = reset_checkpoint(store.as_ref() as &dyn LeaseStore, &r.key, to).await?;
+        let outcome = reset_checkpoint(store.as_ref() as &dyn LeaseStore, &r.lease.key, to).await?;
         let (how, owner) = match &outcome {
             ResetOutcome::Applied(_) => ("applied", None),
             ResetOutcome::Requested(row) => ("requested from the owner", row.owner.clone()),
             _ => ("done", None),
         };
-        done.push(json!({"shard": r.key, "from": show(&r.checkpoint), "to": show(to), "how": how, "owner": owner}));
+        done.push(json!({"stream": r.stream_name(), "shard": r.shard, "lease_key": r.lease.key, "from": show(&r.lease.checkpoint), "to": show(to), "how": how, "owner": owner}));
         if !cx.json {
-            println!("{}: {} -> {}: {how}", r.key, show(&r.checkpoint), show(to));
+            println!(
+                "{}: {} -> {}: {how}",
+                name(r),
+                show(&r.lease.checkpoint),
+                show(to)
+            );
         }
     }
     if cx.json {

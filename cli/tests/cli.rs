@@ -755,3 +755,207 @@ async fn resetting_a_finished_shard_resets_its_descendants() {
     assert_eq!(after["g"], Checkpoint::TrimHorizon);
     assert_eq!(after["other"], at(5), "an unrelated shard is left alone");
 }
+
+/// A multi-stream table written by a running multi-stream consumer: `describe` shows
+/// each row's stream and shard and the lag per stream; `reset` refuses a shard id that
+/// both streams have, and with `--stream` moves only that stream's row, whose running
+/// owner applies it (that stream's records come again, the other's do not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_stream_tables_are_described_and_reset_per_stream() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, refunds, group) = (unique("cli-ms-a"), unique("cli-ms-b"), unique("cli-ms-g"));
+    kinesis.create_stream(&orders, 2).await.unwrap();
+    kinesis.create_stream(&refunds, 1).await.unwrap();
+    produce(kinesis.as_ref(), &orders, 0..20).await;
+    produce(kinesis.as_ref(), &refunds, 100..110).await;
+    let recorder = Recorder::default();
+    let consumer = test_timings(
+        shardflow::Consumer::builder()
+            .streams([orders.as_str(), refunds.as_str()])
+            .group(&group)
+            .worker_id("w1")
+            .backend(aws.clone()),
+    )
+    .build()
+    .unwrap();
+    let running = start(consumer, &recorder);
+    recorder.wait_for(30, LIMIT).await;
+
+    // Every row with its stream, every stream with its lag.
+    let mut described = Value::Null;
+    for _ in 0..20 {
+        let out = run(&[
+            "group",
+            "describe",
+            "--group",
+            &group,
+            "--json",
+            "--count",
+            "--sample-ms",
+            "1500",
+        ])
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        described = out.json();
+        if described["records_behind"] == 0 {
+            break;
+        }
+    }
+    assert_eq!(described["records_behind"], 0, "{described}");
+    assert_eq!(described["multi_stream"], true, "{described}");
+    let shards = described["shards"].as_array().unwrap();
+    let of = |stream: &str| {
+        shards
+            .iter()
+            .filter(|s| s["stream"] == stream)
+            .map(|s| s["shard"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(of(&orders).len(), 2, "{described}");
+    assert_eq!(of(&refunds), ["shardId-000000000000"], "{described}");
+    for s in shards {
+        assert_eq!(s["state"], "open", "{s}");
+        assert!(s["owner"].as_str().unwrap().starts_with("w1#"), "{s}");
+        assert_eq!(s["renewing"], true, "{s}");
+        let key = s["lease_key"].as_str().unwrap();
+        assert!(
+            key.ends_with(&format!(":{}", s["shard"].as_str().unwrap()))
+                && key.contains(&format!(":{}:", s["stream"].as_str().unwrap())),
+            "{s}"
+        );
+    }
+    let streams: BTreeMap<String, (u64, u64)> = described["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["stream"].as_str().unwrap().to_owned(),
+                (
+                    s["shards"].as_u64().unwrap(),
+                    s["records_behind"].as_u64().unwrap(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(streams[&orders], (2, 0), "{described}");
+    assert_eq!(streams[&refunds], (1, 0), "{described}");
+    // One stream's rows; and the table for people names streams and the lag of each.
+    let out = run(&[
+        "group",
+        "describe",
+        "--group",
+        &group,
+        "--stream",
+        &refunds,
+        "--json",
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let only = out.json();
+    let only = only["shards"].as_array().unwrap();
+    assert_eq!(only.len(), 1, "{only:?}");
+    assert_eq!(only[0]["stream"], refunds.as_str());
+    let out = run(&["group", "describe", "--group", &group, "--sample-ms", "0"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("2 streams, 3 shards"), "{}", out.stdout);
+    for stream in [&orders, &refunds] {
+        assert!(
+            out.stdout.contains(&format!(":{stream}:")),
+            "a lag line per stream: {}",
+            out.stdout
+        );
+    }
+
+    // The handled records are checkpointed (compared below: the reset leaves orders).
+    let store = aws.lease_store(&group);
+    let before = within(LIMIT, "the handled records checkpointed", async {
+        loop {
+            let now = checkpoints(&store.list().await.unwrap());
+            if now.values().all(|c| matches!(c, Checkpoint::At(_))) {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    // shardId-000000000000 is in both streams: refused (a usage error), nothing changed.
+    let out = run(&[
+        "group",
+        "reset",
+        "--group",
+        &group,
+        "--to",
+        "trim-horizon",
+        "--shard",
+        "shardId-000000000000",
+        "--yes",
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("several streams"), "{}", out.stderr);
+    assert!(out.stderr.contains(&refunds), "{}", out.stderr);
+    // Without a stream or shards on a multi-stream table: refused too.
+    let out = run(&["group", "reset", "--group", &group, "--to", "trim-horizon"]).await;
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(checkpoints(&store.list().await.unwrap()), before);
+
+    // With --stream: the refunds row only, requested from its running owner.
+    let out = run(&[
+        "group",
+        "reset",
+        "--group",
+        &group,
+        "--stream",
+        &refunds,
+        "--shard",
+        "shardId-000000000000",
+        "--to",
+        "trim-horizon",
+        "--yes",
+        "--json",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let done = out.json();
+    let done = done["reset"].as_array().unwrap();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0]["stream"], refunds.as_str());
+    assert_eq!(done[0]["how"], "requested from the owner", "{done:?}");
+    let refunds_key = done[0]["lease_key"].as_str().unwrap().to_owned();
+    // The owner applies it: refunds' 10 records come again.
+    recorder.wait_for(40, LIMIT).await;
+    let after = checkpoints(&store.list().await.unwrap());
+    for (key, checkpoint) in &before {
+        if key != &refunds_key {
+            assert_eq!(&after[key], checkpoint, "{key}: another stream's row moved");
+        }
+    }
+    // Sentinels: once they arrived, whatever the reset delivers again has come.
+    let mut sentinels = Vec::new();
+    for (stream, first) in [(&orders, 1000), (&refunds, 2000)] {
+        let shards = open_shards(kinesis.as_ref(), stream).await;
+        sentinels.extend(produce_sentinels(kinesis.as_ref(), stream, &shards, first).await);
+    }
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    running.stop().await;
+    let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
+    for h in recorder.snapshot() {
+        *seen.entry(h.value).or_default() += 1;
+    }
+    for v in 0..20 {
+        assert_eq!(seen[&v], 1, "orders value {v} delivered again");
+    }
+    for v in 100..110 {
+        assert_eq!(seen[&v], 2, "refunds value {v} not delivered again");
+    }
+    let row = store.get(&refunds_key).await.unwrap().unwrap();
+    assert_eq!(row.reset_to, None, "{row:?}");
+    assert!(matches!(row.checkpoint, Checkpoint::At(_)), "{row:?}");
+}
