@@ -136,7 +136,20 @@ pub fn table_rows(rows: Vec<Lease>) -> Result<Vec<TableRow>, AdminError> {
 /// single-stream table `stream` is the table's stream and selects nothing. Refused with
 /// an error: a shard id found in several streams without `stream`, a stream name with
 /// rows of several incarnations, a stream or shard without rows.
+/// A row named twice is selected once.
 pub fn select_rows<'a>(
+    table: &'a [TableRow],
+    table_name: &str,
+    stream: Option<&str>,
+    shards: &[String],
+) -> Result<Vec<&'a TableRow>, AdminError> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut rows = pick_rows(table, table_name, stream, shards)?;
+    rows.retain(|r| seen.insert(r.lease.key.as_str()));
+    Ok(rows)
+}
+
+fn pick_rows<'a>(
     table: &'a [TableRow],
     table_name: &str,
     stream: Option<&str>,
@@ -144,6 +157,9 @@ pub fn select_rows<'a>(
 ) -> Result<Vec<&'a TableRow>, AdminError> {
     let multi = table.iter().any(|r| r.stream.is_some());
     if !multi {
+        if shards.is_empty() {
+            return Ok(table.iter().collect());
+        }
         return shards
             .iter()
             .map(|s| {
@@ -152,14 +168,7 @@ pub fn select_rows<'a>(
                     .find(|r| &r.shard == s)
                     .ok_or_else(|| AdminError::NoSuchLease(s.clone()))
             })
-            .collect::<Result<_, _>>()
-            .map(|rows| {
-                if shards.is_empty() {
-                    table.iter().collect()
-                } else {
-                    rows
-                }
-            });
+            .collect();
     }
     // The stream's identity, when a stream is named: exactly one in the table.
     let identity = match stream {
@@ -324,6 +333,10 @@ mod tests {
         let picked = select_rows(&t, "tbl", Some("refunds"), &shard("shardId-1")).unwrap();
         assert_eq!(keys(&picked), ["1:refunds:20:shardId-1"]);
         let picked = select_rows(&t, "tbl", None, &shard("1:orders:10:shardId-1")).unwrap();
+        assert_eq!(keys(&picked), ["1:orders:10:shardId-1"]);
+        // Named twice (by key and by stream and shard): once.
+        let twice = ["1:orders:10:shardId-1".to_owned(), "shardId-1".to_owned()];
+        let picked = select_rows(&t, "tbl", Some("orders"), &twice).unwrap();
         assert_eq!(keys(&picked), ["1:orders:10:shardId-1"]);
         // Only orders has shardId-2: unambiguous without a stream.
         let picked = select_rows(&t, "tbl", None, &shard("shardId-2")).unwrap();
