@@ -1235,11 +1235,25 @@ async fn release(lease: &HeldLease, key: &str) {
     }
 }
 
+/// Ticks per renew interval of [`renew_loop`]: each tick renews only the leases due then,
+/// so a worker holding many leases spreads their renewals over the interval (32 ticks:
+/// a worker with 200 leases sends about 7 UpdateItems every 100 ms at the defaults,
+/// instead of 200 in the same millisecond, which a DynamoDB partition would throttle).
+const RENEWAL_TICKS: u32 = 32;
+
 /// Renews every held lease on its own timer, independent of reading and handling, and
 /// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
 /// in its own task under the lease call deadline, so one slow or hung renewal never
 /// delays the others; a lease whose previous renewal is still in flight is skipped for
 /// that tick rather than renewed twice at once.
+///
+/// Renewals are paced: every lease is renewed once per renew interval, but at its own
+/// phase. A lease first seen by the loop is due somewhere in the coming interval (the
+/// leases seen together spread evenly over it: renewing early only adds margin), and
+/// never later than one interval minus one tick after its take was sent; after
+/// that it is due one interval minus one tick after its last renewal was sent, so with
+/// the tick's rounding no lease waits longer between renewals than the renew interval,
+/// exactly as without pacing.
 async fn renew_loop(
     config: Arc<Config>,
     health: Arc<HealthState>,
@@ -1247,14 +1261,15 @@ async fn renew_loop(
     events: mpsc::UnboundedSender<Event>,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval_at(
-        Instant::now() + config.renew_interval,
-        config.renew_interval,
-    );
+    let step = (config.renew_interval / RENEWAL_TICKS).max(Duration::from_millis(1));
+    let period = config.renew_interval.saturating_sub(step).max(step);
+    let mut tick = tokio::time::interval_at(Instant::now() + step, step);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     // Dropped (aborting what still runs) when the loop ends.
     let mut renewals: JoinSet<String> = JoinSet::new();
     let mut in_flight: BTreeSet<String> = BTreeSet::new();
+    // When each held lease is due for its next renewal.
+    let mut due: BTreeMap<String, Instant> = BTreeMap::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -1266,15 +1281,28 @@ async fn renew_loop(
             }
             _ = tick.tick() => {}
         }
-        let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let now = Instant::now();
+        let leases: Vec<(String, Arc<HeldLease>)> = {
+            let held = lock(&held);
+            due.retain(|key, _| held.contains_key(key));
+            let new: Vec<(&String, &Arc<HeldLease>)> =
+                held.iter().filter(|(k, _)| !due.contains_key(*k)).collect();
+            let n = new.len() as f64;
+            for (i, (key, lease)) in new.into_iter().enumerate() {
+                let spread = now + period.mul_f64((i + 1) as f64 / n);
+                due.insert(key.clone(), spread.min(lease.renewed_at() + period));
+            }
+            held.iter()
+                .filter(|(k, _)| due.get(*k).is_some_and(|at| *at <= now))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
         for (key, lease) in leases {
             if !in_flight.insert(key.clone()) {
                 tracing::debug!(lease = %key, "the previous renewal is still in flight");
                 continue;
             }
+            due.insert(key.clone(), now + period);
             let events = events.clone();
             let me = config.owner.clone();
             let health = health.clone();
