@@ -82,8 +82,8 @@ fn main() {
         Ok("scale-out") => return scale_out(),
         _ => {}
     }
-    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | wall time |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | of which creates / lists | wall time |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (shards, workers) in sizes() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -100,6 +100,11 @@ fn main() {
                 running.until(LIMIT, |r| r.balanced()).await
             };
             let requests = running.memory.table(fleet::GROUP).requests();
+            let (creates, lists) = {
+                let calls = running.calls.lock().expect("the call log");
+                let count = |op: &str| calls.iter().filter(|c| c.op == op).count();
+                (count("create"), count("list"))
+            };
             let counts = leases_per_owner(&running.memory);
             let min = counts.values().min().copied().unwrap_or(0);
             let max = counts.values().max().copied().unwrap_or(0);
@@ -108,7 +113,7 @@ fn main() {
                 None => format!("not within {} s", LIMIT.as_secs()),
             };
             println!(
-                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {:.1} s |",
+                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {creates} / {lists} | {:.1} s |",
                 show(delivered),
                 show(balanced),
                 wall.elapsed().as_secs_f64()

@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -869,7 +869,10 @@ impl Coordinator {
     /// Creates `leases` (in parent-before-child order), many at once but never a child
     /// before its parents: in waves, each holding the leases whose parents are not
     /// waiting to be created, so no worker can see a child without its parent. A fleet
-    /// started on a new table then creates thousands of rows in a few round trips.
+    /// started on a new table then creates thousands of rows in a few round trips. Each
+    /// wave goes out [`MAX_CONCURRENT_WRITES`] creates at a time in a worker's own
+    /// random order; once a row turns out to exist already, the rows listed since are
+    /// left out, so workers started together share the creation.
     /// Returns whether every lease was sent (or already existed).
     ///
     /// Every decision was taken on the rows listed at `listed_at`. A worker paused
@@ -888,38 +891,67 @@ impl Coordinator {
                 .into_iter()
                 .partition(|l| l.parents.iter().all(|p| !waiting.contains(p)));
             leases = later;
-            // Workers that start together then mostly create different rows first.
-            wave.shuffle(&mut self.rng);
-            let creates: Vec<BoxFuture<'static, _>> = wave
-                .into_iter()
-                .map(|lease| {
-                    let store = self.store.clone();
-                    async move {
-                        if listed_at.elapsed() > max_age {
-                            return (lease, None);
+            // Each worker starts at its own random place in the wave and goes on in order:
+            // workers that start together then create different runs of rows, and meet
+            // only where one run reaches the next.
+            let from = self.rng.gen_range(0..wave.len().max(1));
+            wave.rotate_left(from);
+            while !wave.is_empty() {
+                let chunk: Vec<Lease> = wave
+                    .drain(..wave.len().min(MAX_CONCURRENT_WRITES))
+                    .collect();
+                let creates: Vec<BoxFuture<'static, _>> = chunk
+                    .into_iter()
+                    .map(|lease| {
+                        let store = self.store.clone();
+                        async move {
+                            if listed_at.elapsed() > max_age {
+                                return (lease, None);
+                            }
+                            let created = store.create(&lease).await;
+                            (lease, Some(created))
                         }
-                        let created = store.create(&lease).await;
-                        (lease, Some(created))
-                    }
-                    .boxed()
-                })
-                .collect();
-            let results = concurrently(creates).await;
-            let mut complete = true;
-            for (lease, created) in results {
-                match created {
-                    Some(created) => {
-                        if created? {
-                            tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                        .boxed()
+                    })
+                    .collect();
+                let mut complete = true;
+                let mut existed = false;
+                for (lease, created) in concurrently(creates).await {
+                    match created {
+                        Some(created) => {
+                            if created? {
+                                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                            } else {
+                                existed = true;
+                            }
                         }
+                        None => complete = false,
                     }
-                    None => complete = false,
                 }
-            }
-            if !complete {
-                // No child after a parent that was not created; decide again.
-                tracing::info!("the shard listing is too old to create leases from; syncing again");
-                return Ok(false);
+                if !complete {
+                    // No child after a parent that was not created; decide again.
+                    tracing::info!(
+                        "the shard listing is too old to create leases from; syncing again"
+                    );
+                    return Ok(false);
+                }
+                // A row that already existed: other workers (a group started together)
+                // are creating the same rows. One listing leaves out what they created
+                // meanwhile, instead of one conditional put per shard per worker (40
+                // workers x 2,000 shards were 80,000 puts). A failed listing changes
+                // nothing: the creates go on.
+                if existed && !wave.is_empty() {
+                    match self.store.list().await {
+                        Ok(rows) => {
+                            let keys: BTreeSet<&str> =
+                                rows.iter().map(|r| r.key.as_str()).collect();
+                            wave.retain(|l| !keys.contains(l.key.as_str()));
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "could not list the rows others created; creating on")
+                        }
+                    }
+                }
             }
         }
         Ok(true)
