@@ -173,7 +173,7 @@ impl LeaseStore for KillableStore {
         self.inner.request_handoff(expected, worker).await
     }
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("withdraw_handoff", Some(&expected.key)).await;
         self.inner.withdraw_handoff(expected, worker).await
     }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
