@@ -159,3 +159,41 @@ async fn a_budget_smaller_than_one_read_delivers_everything_one_read_at_a_time()
         seen.max_outstanding
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn batches_dropped_unacknowledged_give_their_share_back() {
+    let memory = Memory::new();
+    memory.streams().create_stream("dropped", 1).await.unwrap();
+    let total = 100;
+    produce_sized(&memory, "dropped", total, 1_000).await;
+    // Room for about one read of 2 records: if a dropped batch kept its share, the
+    // reader would wait for ever after the first few.
+    let consumer = test_consumer(memory.clone(), "dropped", "dropped-g", "w1")
+        .max_records_per_read(2)
+        .read_ahead_bytes(4 * 1024)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let shutdown = batches.shutdown_handle();
+    let mut values = HashSet::new();
+    within(
+        WAIT_LIMIT,
+        "every record delivered although none was acknowledged",
+        async {
+            while values.len() < total {
+                let batch = batches.next().await.unwrap().unwrap();
+                values.extend(batch.messages.iter().map(|m| value(&m.payload)));
+                drop(batch);
+            }
+        },
+    )
+    .await;
+    assert_eq!(values, (0..total).collect::<HashSet<_>>());
+    shutdown.shutdown();
+    within(STOP_LIMIT, "the stream ends after shutdown()", async {
+        while let Some(batch) = batches.next().await {
+            drop(batch);
+        }
+    })
+    .await;
+}
