@@ -86,7 +86,7 @@ fn main() {
         Ok("steady") => return steady(),
         _ => {}
     }
-    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | of which creates / lists | wall time |");
+    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | of which creates / lists / takes | wall time |");
     println!("|---|---|---|---|---|---|---|---|");
     for (shards, workers) in sizes() {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -104,10 +104,10 @@ fn main() {
                 running.until(LIMIT, |r| r.balanced()).await
             };
             let requests = running.memory.table(fleet::GROUP).requests();
-            let (creates, lists) = {
+            let (creates, lists, takes) = {
                 let calls = running.calls.lock().expect("the call log");
                 let count = |op: &str| calls.iter().filter(|c| c.op == op).count();
-                (count("create"), count("list"))
+                (count("create"), count("list"), count("take"))
             };
             let counts = leases_per_owner(&running.memory);
             let min = counts.values().min().copied().unwrap_or(0);
@@ -117,7 +117,7 @@ fn main() {
                 None => format!("not within {} s", LIMIT.as_secs()),
             };
             println!(
-                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {creates} / {lists} | {:.1} s |",
+                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {creates} / {lists} / {takes} | {:.1} s |",
                 show(delivered),
                 show(balanced),
                 wall.elapsed().as_secs_f64()
