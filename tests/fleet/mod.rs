@@ -52,6 +52,16 @@ impl Fleet {
     }
 }
 
+/// One lease-store call a worker made: when it was sent, by which worker, which call
+/// (`"renew"`, `"create"`, ...) and on which lease (none for `list`, `ensure_table`).
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub at: Instant,
+    pub worker: String,
+    pub op: &'static str,
+    pub key: Option<String>,
+}
+
 /// A started fleet: the backend, the workers and which shards delivered a record.
 pub struct Running {
     pub memory: Memory,
@@ -63,6 +73,8 @@ pub struct Running {
     pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
     /// Records put in the stream so far.
     pub put: Arc<Mutex<usize>>,
+    /// Every lease-store call of every worker, in the order sent.
+    pub calls: Arc<Mutex<Vec<Call>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -81,6 +93,8 @@ struct Worker {
 struct Killable {
     memory: Memory,
     dead: Arc<AtomicBool>,
+    worker: String,
+    calls: Arc<Mutex<Vec<Call>>>,
 }
 
 impl Backend for Killable {
@@ -92,6 +106,8 @@ impl Backend for Killable {
         Arc::new(KillableStore {
             inner: self.memory.lease_store(table),
             dead: self.dead.clone(),
+            worker: self.worker.clone(),
+            calls: self.calls.clone(),
         })
     }
 }
@@ -99,65 +115,73 @@ impl Backend for Killable {
 struct KillableStore {
     inner: Arc<dyn LeaseStore>,
     dead: Arc<AtomicBool>,
+    worker: String,
+    calls: Arc<Mutex<Vec<Call>>>,
 }
 
 impl KillableStore {
-    /// Never returns once the process is dead.
-    async fn gate(&self) {
+    /// Never returns once the process is dead; logs the call otherwise.
+    async fn gate(&self, op: &'static str, key: Option<&str>) {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
+        self.calls.lock().unwrap().push(Call {
+            at: Instant::now(),
+            worker: self.worker.clone(),
+            op,
+            key: key.map(str::to_owned),
+        });
     }
 }
 
 #[async_trait]
 impl LeaseStore for KillableStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.gate().await;
+        self.gate("ensure_table", None).await;
         self.inner.ensure_table().await
     }
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.gate().await;
+        self.gate("list", None).await;
         self.inner.list().await
     }
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.gate().await;
+        self.gate("get", Some(key)).await;
         self.inner.get(key).await
     }
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.gate().await;
+        self.gate("create", Some(&lease.key)).await;
         self.inner.create(lease).await
     }
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("take", Some(&expected.key)).await;
         self.inner.take(expected, new_owner).await
     }
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("renew", Some(&expected.key)).await;
         self.inner.renew(expected).await
     }
     async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("checkpoint", Some(&expected.key)).await;
         self.inner.checkpoint(expected, at).await
     }
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("release", Some(&expected.key)).await;
         self.inner.release(expected).await
     }
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("request_handoff", Some(&expected.key)).await;
         self.inner.request_handoff(expected, worker).await
     }
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("withdraw_handoff", Some(&expected.key)).await;
         self.inner.withdraw_handoff(expected, worker).await
     }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.gate().await;
+        self.gate("delete", Some(&expected.key)).await;
         self.inner.delete(expected).await
     }
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("claim_for_stream", Some(&expected.key)).await;
         self.inner.claim_for_stream(expected, stream).await
     }
     async fn record_children(
@@ -165,7 +189,7 @@ impl LeaseStore for KillableStore {
         expected: &Lease,
         children: &[String],
     ) -> Result<Lease, LeaseError> {
-        self.gate().await;
+        self.gate("record_children", Some(&expected.key)).await;
         self.inner.record_children(expected, children).await
     }
 }
@@ -224,6 +248,7 @@ pub async fn start(fleet: Fleet) -> Running {
         last_delivery: Arc::default(),
         handled: Arc::default(),
         put,
+        calls: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -261,6 +286,8 @@ impl Running {
                 .backend(Killable {
                     memory: self.memory.clone(),
                     dead: dead.clone(),
+                    worker: id.clone(),
+                    calls: self.calls.clone(),
                 })
                 .seed(self.fleet.seed.wrapping_add(i as u64))
                 .build()
