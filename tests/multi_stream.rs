@@ -510,8 +510,9 @@ fn stream_lists_are_checked_at_build() {
 }
 
 /// A stream deleted and created again under the same name has a new creation time, so
-/// its lease keys have another prefix: the new stream starts afresh at the initial
-/// position instead of reading the old stream's checkpoints.
+/// its lease keys have another prefix: once the old stream's rows are all finished, the
+/// new stream starts afresh at the initial position instead of reading the old stream's
+/// checkpoints. (Unfinished old rows stop it: see the next test.)
 #[tokio::test(start_paused = true)]
 async fn a_recreated_stream_is_another_stream() {
     let memory = Memory::new();
@@ -558,6 +559,66 @@ async fn a_recreated_stream_is_another_stream() {
         keys.contains(&after.lease_key("shardId-000000000000")),
         "{keys:?}"
     );
+}
+
+/// Unfinished rows of an older stream of the same name (or rows a KCL application wrote
+/// under its own creation time) are never silently left behind: the consumer refuses
+/// with `StreamCreatedAgain`, at start-up and when the stream is deleted and created
+/// again while it runs. Before, it started afresh at the initial position and the old
+/// rows' positions were skipped (LATEST) or re-read (TRIM_HORIZON) without a word.
+#[tokio::test(start_paused = true)]
+async fn unfinished_rows_of_another_creation_time_stop_the_stream() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 1).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..10).await;
+    // While running: the stream is deleted and created again under the consumer.
+    let log = Log::default();
+    let running = multi_consumer(&memory, ["orders"], "grp")
+        .build()
+        .unwrap()
+        .run(log.handler())
+        .spawn();
+    log.wait_for(0..10, Duration::from_secs(60)).await;
+    let before = kinesis.stream_identity("orders").await.unwrap();
+    kinesis.delete_stream("orders");
+    kinesis.create_stream("orders", 1).await.unwrap();
+    let result = within(
+        Duration::from_secs(60),
+        "the consumer stops on the re-created stream",
+        running.into_future(),
+    )
+    .await;
+    let now = kinesis.stream_identity("orders").await.unwrap();
+    match result {
+        Err(ConsumerError::StreamCreatedAgain { stream, rows, .. }) => {
+            assert_eq!((stream, rows), (now.to_string(), before.to_string()))
+        }
+        other => panic!("expected StreamCreatedAgain, got {other:?}"),
+    }
+    // At start-up: the old stream's row is not finished.
+    let result = within(
+        Duration::from_secs(60),
+        "a new consumer refuses",
+        multi_consumer(&memory, ["orders"], "grp")
+            .build()
+            .unwrap()
+            .run(Log::default().handler())
+            .into_future(),
+    )
+    .await;
+    match result {
+        Err(ConsumerError::StreamCreatedAgain {
+            stream,
+            rows,
+            lease,
+            ..
+        }) => {
+            assert_eq!((stream, rows), (now.to_string(), before.to_string()));
+            assert_eq!(lease, before.lease_key("shardId-000000000000"));
+        }
+        other => panic!("expected StreamCreatedAgain, got {other:?}"),
+    }
 }
 
 /// Events and health name the shard `stream/shardId` in multi-stream mode, so the same

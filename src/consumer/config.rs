@@ -367,7 +367,11 @@ impl ConsumerBuilder {
     /// checkpointed exactly as a single stream's; rows are keyed the KCL's multi-stream
     /// way (`account:stream:creationEpoch:shardId`), so a KCL multi-stream table is read
     /// and written as the KCL does. A stream that was deleted and created again has a
-    /// new creation time and so starts afresh at the initial position. Messages, events
+    /// new creation time: it starts afresh at the initial position once the old
+    /// stream's rows are all finished, and is refused with
+    /// [`ConsumerError::StreamCreatedAgain`](super::ConsumerError::StreamCreatedAgain)
+    /// while some are not. An ARN names a stream of the backend's own account and
+    /// region. Messages, events
     /// and health name the stream (events and health as `stream/shardId`).
     ///
     /// A table of a single-stream consumer is refused (and the other way round) with

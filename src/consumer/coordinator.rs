@@ -86,6 +86,10 @@ pub(crate) struct Coordinator {
     /// One stream of a multi-stream consumer: `store` is the whole table until
     /// start-up resolved the stream's identity and scoped it to the stream's rows.
     multi_stream: bool,
+    /// Multi-stream mode, once scoped: the identity the lease keys carry, checked
+    /// again at every shard sync (a stream deleted and re-created under the same
+    /// name is another stream).
+    identity: Option<StreamIdentity>,
     sink: Sink,
     slots: BTreeMap<String, Slot>,
     held: HeldSet,
@@ -140,6 +144,7 @@ impl Coordinator {
             labels: Labels::of(&config),
             health,
             multi_stream,
+            identity: None,
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -377,6 +382,7 @@ impl Coordinator {
         if self.need_sync || sync_due {
             // While a reshard is in progress, keep reading what we hold and leave the
             // shard map and other workers' leases alone until the stream is ACTIVE.
+            self.check_identity().await?;
             self.updating = matches!(self.kinesis.is_updating(&self.stream).await, Ok(true));
             if self.updating {
                 tracing::debug!("stream is UPDATING; postponing shard discovery and steals");
@@ -828,6 +834,29 @@ impl Coordinator {
     async fn scope_to_stream(&mut self) -> Result<(), ConsumerError> {
         let identity = self.kinesis.stream_identity(&self.stream).await?;
         let rows = self.store.list().await?;
+        // Unfinished rows of this stream name under another creation time, and none
+        // under ours: the stream was deleted and created again, or the rows were
+        // written with another creation time (a KCL application's own identifier).
+        // Starting afresh would skip or re-read what those rows hold, so the consumer
+        // refuses. (Old rows that are all finished hold nothing more to read.)
+        let keyed = || {
+            rows.iter()
+                .filter_map(|r| StreamIdentity::split_lease_key(&r.key).map(|(id, _)| (id, r)))
+        };
+        if !keyed().any(|(id, _)| id == identity) {
+            if let Some((found, row)) = keyed().find(|(id, row)| {
+                id.name == identity.name
+                    && id.account == identity.account
+                    && row.checkpoint != Checkpoint::ShardEnd
+            }) {
+                return Err(ConsumerError::StreamCreatedAgain {
+                    table: self.config.lease_table.clone(),
+                    stream: identity.to_string(),
+                    rows: found.to_string(),
+                    lease: row.key.clone(),
+                });
+            }
+        }
         if let Some(row) = rows
             .iter()
             .find(|r| StreamIdentity::split_lease_key(&r.key).is_none())
@@ -844,8 +873,33 @@ impl Coordinator {
         }
         tracing::info!(stream = %identity, "multi-stream mode: this stream's lease keys start with its identity");
         self.multi_stream = false;
+        self.identity = Some(identity.clone());
         self.store = Arc::new(StreamScopedStore::new(self.store.clone(), identity));
         Ok(())
+    }
+
+    /// Multi-stream mode: stops this stream's coordinator when the stream's identity
+    /// changed (deleted and created again while the group runs): its rows hold positions
+    /// in the old stream, and a worker started later would key the new stream's shards
+    /// differently, so two workers could read one shard. Not knowing (the call failed)
+    /// keeps going; the next sync asks again.
+    async fn check_identity(&self) -> Result<(), ConsumerError> {
+        let Some(known) = &self.identity else {
+            return Ok(());
+        };
+        match self.kinesis.stream_identity(&self.stream).await {
+            Ok(now) if now != *known => Err(ConsumerError::StreamCreatedAgain {
+                table: self.config.lease_table.clone(),
+                stream: now.to_string(),
+                rows: known.to_string(),
+                lease: String::new(),
+            }),
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not check the stream's identity; will ask again");
+                Ok(())
+            }
+        }
     }
 
     /// Refuses a table whose rows name another stream. Rows without a stream (written

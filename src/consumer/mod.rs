@@ -131,6 +131,27 @@ pub enum ConsumerError {
         /// A row of the other stream.
         lease: String,
     },
+    /// Multi-stream mode: the table's unfinished rows of this stream name carry another
+    /// creation time than the stream has now. Either the stream was deleted and created again (at
+    /// start-up, or while the group ran), or the rows were written under another
+    /// creation time (a KCL application that configured its own stream identifier).
+    /// Starting afresh would skip or re-read what the rows hold, so the stream is not
+    /// read: delete the old rows to start the new stream at the initial position.
+    #[error(
+        "lease table {table:?} holds the leases of stream {rows} (row {lease:?}), \
+         but the stream is now {stream} (created at another time): delete those rows to \
+         start it afresh"
+    )]
+    StreamCreatedAgain {
+        /// The lease table.
+        table: String,
+        /// The stream's identity now (`account:name:creationEpoch`).
+        stream: String,
+        /// The identity the rows carry.
+        rows: String,
+        /// A row of that identity (empty when found while running).
+        lease: String,
+    },
 }
 
 impl ConsumerError {
