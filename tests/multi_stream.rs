@@ -46,8 +46,12 @@ struct Log {
 impl Log {
     fn handler(
         &self,
-    ) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send>
-           + Clone
+    ) -> impl tower::Service<
+        Message,
+        Response = (),
+        Error = Infallible,
+        Future = impl std::future::Future<Output = Result<(), Infallible>> + Send,
+    > + Clone
            + Send
            + 'static {
         let log = self.clone();
@@ -621,7 +625,8 @@ async fn unfinished_rows_of_another_creation_time_stop_the_stream() {
     }
 }
 
-/// Events and health name the shard `stream/shardId` in multi-stream mode, so the same
+/// Events (the coordinators' and the handlers') and health name the shard
+/// `stream/shardId` in multi-stream mode, so the same
 /// shard id in two streams is told apart.
 #[tokio::test(start_paused = true)]
 async fn events_and_health_name_the_stream() {
@@ -632,17 +637,37 @@ async fn events_and_health_name_the_stream() {
     produce(kinesis.as_ref(), "orders", 0..10).await;
     produce(kinesis.as_ref(), "refunds", 10..20).await;
     let taken = Arc::new(Mutex::new(Vec::new()));
-    let events = taken.clone();
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let (events, failures) = (taken.clone(), failed.clone());
     let log = Log::default();
     let consumer = multi_consumer(&memory, ["orders", "refunds"], "grp")
-        .on_event(move |event| {
-            if let shardflow::ShardEvent::LeaseTaken { shard } = event {
-                events.lock().unwrap().push(shard.clone());
+        .on_event(move |event| match event {
+            shardflow::ShardEvent::LeaseTaken { shard } => {
+                events.lock().unwrap().push(shard.clone())
             }
+            shardflow::ShardEvent::HandlerFailed { shard, .. } => {
+                failures.lock().unwrap().push(shard.clone())
+            }
+            _ => {}
         })
         .build()
         .unwrap();
-    let running = consumer.run(log.handler()).spawn();
+    // The first record of each stream fails once (a HandlerFailed event each).
+    let tried = Arc::new(Mutex::new(HashSet::new()));
+    let inner = log.handler();
+    let handler = tower::service_fn(move |msg: Message| {
+        let first = tried.lock().unwrap().insert(msg.headers.stream.to_string());
+        let mut inner = inner.clone();
+        async move {
+            if first {
+                return Err("the first try fails");
+            }
+            tower::Service::call(&mut inner, msg)
+                .await
+                .map_err(|never| match never {})
+        }
+    });
+    let running = consumer.run(handler).spawn();
     log.wait_for(0..20, Duration::from_secs(60)).await;
     let mut health: Vec<String> = running
         .health()
@@ -659,6 +684,9 @@ async fn events_and_health_name_the_stream() {
     let mut taken = taken.lock().unwrap().clone();
     taken.sort();
     assert_eq!(taken, expected);
+    let mut failed = failed.lock().unwrap().clone();
+    failed.sort();
+    assert_eq!(failed, expected, "handler failures name the stream too");
     within(STOP_LIMIT, "the consumer stops", running.shutdown())
         .await
         .unwrap();

@@ -201,6 +201,17 @@ impl ShutdownHandle {
 }
 
 impl Consumer {
+    /// The event hook of the handlers' tasks: in multi-stream mode their events name
+    /// the shard `stream/shardId`, as the coordinators' do.
+    fn handler_events(&self) -> events::EventHook {
+        let events = self.config.events.clone();
+        if self.config.streams.is_some() {
+            events.naming_streams()
+        } else {
+            events
+        }
+    }
+
     /// Starts configuring a consumer.
     pub fn builder() -> ConsumerBuilder {
         ConsumerBuilder::default()
@@ -230,7 +241,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let events = self.config.events.clone();
+        let events = self.handler_events();
         let service = Measured::new(service, &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
             Concurrency::PerKey(n) => (n, true),
@@ -282,7 +293,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let events = self.config.events.clone();
+        let events = self.handler_events();
         let service = Measured::new(service, &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {
             tokio::spawn(dispatch::batches(rx, service, events.clone()))
