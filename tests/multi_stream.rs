@@ -797,14 +797,28 @@ async fn a_missing_stream_in_a_changing_list_does_not_stop_the_others() {
     .build()
     .unwrap();
     let log = Log::default();
-    let running = start_service(consumer, log.handler());
+    let running = consumer.run(log.handler()).spawn();
     log.wait_for(0..30, Duration::from_secs(60)).await;
+    // The stream left out shows in the health, and the worker is not ready.
+    let left_out = async {
+        while running.health().failed_streams.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    within(Duration::from_secs(60), "the failed stream shows", left_out).await;
+    let health = running.health();
+    assert_eq!(health.failed_streams.len(), 1);
+    assert_eq!(health.failed_streams[0].0, "later");
+    assert!(!health.is_ready());
     kinesis.create_stream("later", 1).await.unwrap();
     produce(kinesis.as_ref(), "later", 100..130).await;
     // The same streams, written again: a change, so the failed one is tried again.
     list.send_modify(|_| {});
     log.wait_for(100..130, Duration::from_secs(60)).await;
-    running.stop().await;
+    assert!(running.health().failed_streams.is_empty());
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
     assert_exactly_once_in_order(&log.snapshot(), &(0..30).chain(100..130).collect());
 }
 
