@@ -86,6 +86,10 @@ pub(crate) struct Coordinator {
     /// One stream of a multi-stream consumer: `store` is the whole table until
     /// start-up resolved the stream's identity and scoped it to the stream's rows.
     multi_stream: bool,
+    /// The last round stopped taking free leases after losing a race for one, having
+    /// taken some: the next round runs at once, from a listing that shows the workers
+    /// taking too (a round that took nothing waits for the usual quick round).
+    raced: bool,
     /// Multi-stream mode, once scoped: the identity the lease keys carry, checked
     /// again at every shard sync (a stream deleted and re-created under the same
     /// name is another stream).
@@ -145,6 +149,7 @@ impl Coordinator {
             health,
             multi_stream,
             identity: None,
+            raced: false,
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -236,6 +241,10 @@ impl Coordinator {
                         } else {
                             Ok(())
                         }
+                    }
+                    _ = std::future::ready(()), if self.raced => {
+                        self.raced = false;
+                        self.round().await
                     }
                     _ = take_tick.tick() => self.round().await,
                     _ = settle, if settling => self.round().await,
@@ -511,23 +520,34 @@ impl Coordinator {
             free.extend(others.into_iter().take(room));
         }
         free.shuffle(&mut self.rng);
+        // One batch of concurrent takes at a time, until one loses a race: then other
+        // workers are taking too, and the next round, at once, plans again from a
+        // listing that shows them, instead of every worker of a fleet started together
+        // trying every row (40 workers x 2,000 takes).
         let mut failure = None;
-        for (row, result, sent) in self.take_many(&free).await {
-            match result {
-                Ok(taken) => {
-                    match &row.owner {
-                        Some(old) => {
-                            self.labels.lease_event(LeaseEvent::Expired);
-                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+        for chunk in free.chunks(MAX_CONCURRENT_WRITES) {
+            let mut raced = false;
+            for (row, result, sent) in self.take_many(chunk).await {
+                match result {
+                    Ok(taken) => {
+                        match &row.owner {
+                            Some(old) => {
+                                self.labels.lease_event(LeaseEvent::Expired);
+                                tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                            }
+                            None => self.labels.lease_event(LeaseEvent::Taken),
                         }
-                        None => self.labels.lease_event(LeaseEvent::Taken),
+                        self.steals.remove(&row.key);
+                        self.start(taken, sent);
+                        holds += 1;
                     }
-                    self.steals.remove(&row.key);
-                    self.start(taken, sent);
-                    holds += 1;
+                    Err(LeaseError::Conflict(_)) => raced = true,
+                    Err(e) => failure = Some(e),
                 }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => failure = Some(e),
+            }
+            if raced || failure.is_some() {
+                self.raced = raced && holds > plan.holds;
+                break;
             }
         }
         if let Some(e) = failure {
