@@ -39,7 +39,7 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 use shardflow::kinesis::PutRecord;
 use shardflow::producer::Producer;
-use shardflow::{Aws, Backend, CheckpointPolicy, Consumer, Memory, Message};
+use shardflow::{Aws, Backend, CheckpointPolicy, Concurrency, Consumer, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::{DedupLayer, MemoryDedupStore, ServiceBuilderExt};
 use tokio::signal::unix::{signal, SignalKind};
@@ -61,6 +61,10 @@ struct Args {
     /// This worker's id (worker mode).
     #[arg(long, default_value = "processor")]
     worker: String,
+    /// How many records of different partition keys (customers) each shard handles at
+    /// once; one customer's orders are handled one after the other.
+    #[arg(long, default_value_t = 32)]
+    per_key: usize,
     /// How many orders the demo writes.
     #[arg(long, default_value_t = 1_000)]
     count: u64,
@@ -113,6 +117,7 @@ fn processor_consumer(
     orders: &str,
     group: &str,
     worker: &str,
+    per_key: usize,
 ) -> Result<Consumer, shardflow::ConfigError> {
     Consumer::builder()
         .stream(orders)
@@ -124,6 +129,7 @@ fn processor_consumer(
         .idle_read_interval(Duration::from_millis(50))
         .shard_sync_interval(Duration::from_secs(1))
         .checkpoint(CheckpointPolicy::Interval(Duration::from_millis(200)))
+        .concurrency(Concurrency::PerKey(per_key))
         .build()
 }
 
@@ -151,21 +157,14 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let result = match (&args.orders, &args.shipments, &args.group) {
         (Some(orders), Some(shipments), Some(group)) => {
-            worker(
-                Aws::from_env().await,
-                orders,
-                shipments,
-                group,
-                &args.worker,
-            )
-            .await
+            worker(Aws::from_env().await, orders, shipments, group, &args).await
         }
         _ if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some()
             || std::env::var("SHARDFLOW_BACKEND").as_deref() == Ok("aws") =>
         {
-            demo(Aws::from_env().await, args.count).await
+            demo(Aws::from_env().await, &args).await
         }
-        _ => demo(Memory::new(), args.count).await,
+        _ => demo(Memory::new(), &args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -182,8 +181,9 @@ async fn worker(
     orders: &str,
     shipments: &str,
     group: &str,
-    id: &str,
+    args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    let id = args.worker.as_str();
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let shutdown = async move {
@@ -197,7 +197,7 @@ async fn worker(
         .produce_to(producer.clone())
         .decode::<Order>()
         .service_fn(enrich);
-    let consumer = processor_consumer(aws, orders, group, id)?;
+    let consumer = processor_consumer(aws, orders, group, id, args.per_key)?;
     tracing::info!(orders, shipments, group, worker = id, "processor starting");
     // Drains in-flight orders (each waits for its shipment), checkpoints, releases;
     // then the producer has nothing left to write.
@@ -207,7 +207,11 @@ async fn worker(
 }
 
 /// Writes the orders, runs the processor and the warehouse, checks the rule.
-async fn demo(backend: impl Backend + Clone, count: u64) -> Result<(), Box<dyn std::error::Error>> {
+async fn demo(
+    backend: impl Backend + Clone,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let count = args.count;
     let suffix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() % 1_000_000_000;
     let (orders, shipments) = (format!("orders-{suffix}"), format!("shipments-{suffix}"));
     let admin = backend
@@ -228,6 +232,7 @@ async fn demo(backend: impl Backend + Clone, count: u64) -> Result<(), Box<dyn s
         &orders,
         &format!("shipping-{suffix}"),
         "p1",
+        args.per_key,
     )?
     .run(processor)
     .spawn();
@@ -252,6 +257,7 @@ async fn demo(backend: impl Backend + Clone, count: u64) -> Result<(), Box<dyn s
         &shipments,
         &format!("warehouse-{suffix}"),
         "w1",
+        args.per_key,
     )?
     .run(handler)
     .spawn();
