@@ -1,7 +1,9 @@
 //! A processor in a real process, killed and restarted: `examples/processor.rs` (worker
 //! mode) reads 20,000 orders from a 4-shard stream on the emulators and writes one
-//! shipment per order to a 2-shard stream; the test SIGKILLs it twice while it works,
-//! starts it again each time, and lets the third process finish (SIGTERM, exit 0).
+//! shipment per order to a 2-shard stream. The orders arrive in three waves; right after
+//! the second and the third wave are written the test SIGKILLs the running processor
+//! (and checks from the shipments stream that it was killed mid-work), starts another,
+//! and lets the third process finish (SIGTERM, exit 0).
 //! Skipped when `SHARDFLOW_EMULATORS` is unset; run it with
 //! `scripts/test.sh --test processor_processes`.
 //!
@@ -26,7 +28,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{put_all, test_consumer, unique, wait_until_active, within};
 use process::Worker;
-use shardflow::kinesis::PutRecord;
+use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::{Aws, Backend, Concurrency, Message};
 use shardflow_middleware::{DedupLayer, DynamoDedupStore, ServiceBuilderExt};
 use tokio::sync::Notify;
@@ -102,22 +104,10 @@ async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect(
     admin.create_stream(&shipments, 2).await.unwrap();
     wait_until_active(kinesis.as_ref(), &orders).await;
     wait_until_active(kinesis.as_ref(), &shipments).await;
-    let records: Vec<PutRecord> = (0..ORDERS)
-        .map(|id| {
-            let c = id % CUSTOMERS;
-            let json = format!(
-                r#"{{"id":{id},"customer":"customer-{c}","n":{},"items":{}}}"#,
-                id / CUSTOMERS,
-                1 + id % 9
-            );
-            PutRecord {
-                data: Bytes::from(json),
-                partition_key: format!("customer-{c}"),
-                explicit_hash_key: None,
-            }
-        })
-        .collect();
-    put_all(kinesis.as_ref(), &orders, records).await;
+    // The orders go in three waves; each kill follows a wave's write at once, so the
+    // processor is killed while it works (checked below from the shipments stream).
+    let waves = [0..6_000, 6_000..13_000, 13_000..ORDERS];
+    write_orders(kinesis.as_ref(), &orders, waves[0].clone()).await;
 
     // The warehouse: sees every shipment, applies each order's effect once.
     let store = DynamoDedupStore::new(&aws, unique("warehouse-dedup"));
@@ -178,14 +168,16 @@ async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect(
         )
     };
     let mut kills = Vec::new();
-    for (id, after) in [("p1", 4_000), ("p2", 11_000)] {
+    for (id, wave) in [("p1", 1), ("p2", 2)] {
         let worker = spawn(id);
+        let before = waves[wave].start as usize;
         within(
             RUN_LIMIT,
-            &format!("{after} shipments seen while {id} runs"),
-            warehouse.until(|w| w.raw() >= after),
+            &format!("shipments of the first orders seen while {id} runs"),
+            warehouse.until(|w| w.raw() >= before / 3),
         )
         .await;
+        write_orders(kinesis.as_ref(), &orders, waves[wave].clone()).await;
         worker.kill();
         let status = worker.wait_exit(Duration::from_secs(30)).await;
         assert!(
@@ -193,7 +185,13 @@ async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect(
             "{id} did not die: {}",
             worker.log_tail(20)
         );
-        kills.push((id, warehouse.raw(), warehouse.effects()));
+        let stored = count(kinesis.as_ref(), &shipments).await;
+        assert!(
+            stored < waves[wave].end as usize,
+            "{id} was killed while it worked: {stored} orders shipped of {} written",
+            waves[wave].end
+        );
+        kills.push((id, stored));
     }
     let last = spawn("p3");
     within(
@@ -244,10 +242,53 @@ async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect(
     );
     assert_eq!(effects.len(), ORDERS as usize);
     eprintln!(
-        "{ORDERS} orders through a processor killed at {kills:?} (id, shipments seen, \
-         effects): {} shipments written, {repeats} repeated after the kills, every \
-         order's effect once",
+        "{ORDERS} orders through a processor killed at {kills:?} (id, shipments stored \
+         then): {} shipments seen, {repeats} repeated after the kills, every order's \
+         effect once",
         warehouse.raw()
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Writes orders `ids` (customer `id % CUSTOMERS`, its `n`-th order).
+async fn write_orders(kinesis: &dyn KinesisApi, stream: &str, ids: std::ops::Range<u64>) {
+    let records: Vec<PutRecord> = ids
+        .map(|id| {
+            let c = id % CUSTOMERS;
+            let json = format!(
+                r#"{{"id":{id},"customer":"customer-{c}","n":{},"items":{}}}"#,
+                id / CUSTOMERS,
+                1 + id % 9
+            );
+            PutRecord {
+                data: Bytes::from(json),
+                partition_key: format!("customer-{c}"),
+                explicit_hash_key: None,
+            }
+        })
+        .collect();
+    put_all(kinesis, stream, records).await;
+}
+
+/// How many orders have a shipment in `stream` (every shard read from its start).
+async fn count(kinesis: &dyn KinesisApi, stream: &str) -> usize {
+    let mut shipped = std::collections::HashSet::new();
+    for shard in kinesis.list_shards(stream).await.unwrap() {
+        let mut iterator = kinesis
+            .shard_iterator(stream, &shard.shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        loop {
+            let page = kinesis.get_records(&iterator, 10_000).await.unwrap();
+            for record in &page.records {
+                let shipment: Shipment = serde_json::from_slice(&record.data).unwrap();
+                shipped.insert(shipment.order_id);
+            }
+            match page.next_iterator {
+                Some(next) if !page.records.is_empty() => iterator = next,
+                _ => break,
+            }
+        }
+    }
+    shipped.len()
 }
