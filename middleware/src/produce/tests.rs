@@ -1,13 +1,15 @@
 use std::convert::Infallible;
+use std::sync::Mutex;
 
 use shardflow::kinesis::StreamAdmin;
 use shardflow::producer::InvalidRecord;
 use shardflow::Memory;
-use tower::{service_fn, ServiceExt};
+use tower::{service_fn, ServiceBuilder, ServiceExt};
 
 use super::*;
-use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
+use crate::dead_letter::{DeadLetterPolicy, DeadLetterRecord, PermanentFailures};
 use crate::test_support::{headers, message};
+use crate::ServiceBuilderExt;
 
 async fn memory_producer() -> (Memory, Producer) {
     let memory = Memory::new();
@@ -139,4 +141,32 @@ fn only_permanent_produce_failures_are_dead_lettered() {
             "{permanent:?} is dead-lettered"
         );
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_output_goes_to_the_dead_letter_layer_above() {
+    let (memory, producer) = memory_producer().await;
+    let letters = Arc::new(Mutex::new(Vec::new()));
+    let sink = {
+        let letters = letters.clone();
+        service_fn(move |r: DeadLetterRecord| {
+            letters.lock().unwrap().push(r.error);
+            async { Ok::<_, Infallible>(()) }
+        })
+    };
+    let svc = ServiceBuilder::new()
+        .dead_letter(sink)
+        .produce_to(producer)
+        .service_fn(|_m: Message<Bytes>| async {
+            Ok::<_, Infallible>(Output::new("x").partition_key(""))
+        });
+    let outcome = svc.oneshot(message(1, b"in")).await.unwrap();
+    assert!(outcome.is_dead_lettered(), "the input counts as handled");
+    let letters = letters.lock().unwrap().clone();
+    assert_eq!(letters.len(), 1);
+    assert!(
+        letters[0].starts_with("output 0 of 1 was not stored in stream out"),
+        "{letters:?}"
+    );
+    assert!(stored(&memory).is_empty());
 }
