@@ -1,7 +1,8 @@
-//! The README's main example, the multi-stream example and the pipeline example run to completion on the embedded
-//! backend: the quickstart verifies its own totals (it exits non-zero otherwise); the
-//! pipeline's rule (each good order charged exactly once, each bad one dead-lettered) is
-//! checked here from what it prints.
+//! The README's main example, the multi-stream example, the pipeline and the processor
+//! run to completion on the embedded backend: the quickstart and the processor verify
+//! their own rules (they exit non-zero otherwise); the pipeline's rule (each good order
+//! charged exactly once, each bad one dead-lettered) is checked here from what it
+//! prints.
 //!
 //! Each test builds its example first (`common::build_example`: a no-op when the suite
 //! already built the examples), so it always runs the current code and never skips. A run
@@ -138,5 +139,18 @@ fn pipeline_charges_each_good_order_once_and_dead_letters_the_rest() {
         stdout.contains(&format!(", {bad_count} in the dead-letter stream")),
         "each of the {bad_count} bad orders dead-lettered once: {}",
         stdout.lines().last().unwrap_or_default()
+    );
+}
+
+#[test]
+fn processor_ships_each_order_once_and_in_order_per_customer() {
+    let stdout = run("processor");
+    // The example checks the rule itself and exits non-zero when it is broken; the
+    // summary says what it counted.
+    assert!(
+        stdout.contains(
+            "1000 orders, 1000 shipped, 0 shipped more than once, 0 customers out of order"
+        ),
+        "{stdout}"
     );
 }
