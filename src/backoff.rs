@@ -1,6 +1,7 @@
 //! Exponential backoff with jitter, seeded so simulations replay exactly: the one delay
 //! schedule of the consumer (reads, handler failures, lease calls), the producer
-//! (resends) and the middleware's retry layer.
+//! (resends) and the middleware's retry layer; and the deadline-bounded poll of the AWS
+//! backends' waits for a resource to become ACTIVE.
 
 use std::time::Duration;
 
@@ -122,6 +123,34 @@ impl Iterator for Backoff {
     }
 }
 
+/// Polls with pauses growing by half from `first` up to `cap`, until a deadline: the
+/// AWS backends' loops that wait for a stream, stream consumer or table to be ACTIVE.
+pub(crate) struct DeadlinePoll {
+    deadline: tokio::time::Instant,
+    pauses: Backoff,
+}
+
+impl DeadlinePoll {
+    /// Polls for at most `wait` from now.
+    pub(crate) fn new(wait: Duration, first: Duration, cap: Duration) -> Self {
+        DeadlinePoll {
+            deadline: tokio::time::Instant::now() + wait,
+            pauses: Backoff::new(first, cap, 0).factor(1.5).without_jitter(),
+        }
+    }
+
+    /// Sleeps until the next poll; `false` (at once) when that poll would start past the
+    /// deadline: the caller gives up.
+    pub(crate) async fn pause(&mut self) -> bool {
+        let pause = self.pauses.next_delay();
+        if tokio::time::Instant::now() + pause > self.deadline {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +179,23 @@ mod tests {
             exact.clone().take(2).collect::<Vec<_>>()[1],
             Duration::from_millis(150)
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_poll_pauses_growing_until_the_deadline() {
+        let start = tokio::time::Instant::now();
+        let mut poll = DeadlinePoll::new(
+            Duration::from_millis(200),
+            Duration::from_millis(20),
+            Duration::from_millis(40),
+        );
+        let mut woke = Vec::new();
+        while poll.pause().await {
+            woke.push(start.elapsed().as_millis());
+        }
+        // 20, 30, 40, 40, 40 ms pauses; the next would end past 200 ms.
+        assert_eq!(woke, [20, 50, 90, 130, 170]);
+        assert_eq!(start.elapsed().as_millis(), 170, "giving up does not sleep");
     }
 
     #[test]
