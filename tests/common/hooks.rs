@@ -1,0 +1,240 @@
+//! Forwarding wrappers of a backend's Kinesis API and lease store with hooks around every
+//! call: the one base of the tests' frozen, killed, slow, failing or counting backends.
+//!
+//! A test implements [`Hooks`] (every method defaults to "let the call through") and
+//! wraps its backend in [`Hooked`]. A new method of `LeaseStore` or `KinesisApi` needs
+//! one forwarding method below, like its neighbours.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin, Subscription,
+};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::Backend;
+
+/// What a test does around the calls of a [`Hooked`] backend. `op` is the name of the
+/// trait method called (`"take"`, `"get_records"`, ...).
+#[async_trait]
+pub trait Hooks: Send + Sync + 'static {
+    /// Before a lease-store call: an error is returned instead of making the call;
+    /// waiting here delays it (never returning hangs it).
+    async fn before_lease(&self, op: &'static str) -> Result<(), LeaseError> {
+        let _ = op;
+        Ok(())
+    }
+
+    /// After a lease-store call landed, before its caller sees the result.
+    async fn after_lease(&self, op: &'static str) {
+        let _ = op;
+    }
+
+    /// Before a Kinesis call, as [`before_lease`](Self::before_lease).
+    async fn before_kinesis(&self, op: &'static str) -> Result<(), KinesisError> {
+        let _ = op;
+        Ok(())
+    }
+
+    /// After a Kinesis call answered, before its caller sees the result.
+    async fn after_kinesis(&self, op: &'static str) {
+        let _ = op;
+    }
+}
+
+/// A backend whose Kinesis API and lease stores call `hooks` around every call.
+#[derive(Clone)]
+pub struct Hooked<B, H> {
+    pub backend: B,
+    pub hooks: Arc<H>,
+}
+
+impl<B, H> Hooked<B, H> {
+    pub fn new(backend: B, hooks: H) -> Self {
+        Hooked {
+            backend,
+            hooks: Arc::new(hooks),
+        }
+    }
+}
+
+impl<B: Backend, H: Hooks> Backend for Hooked<B, H> {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(HookedKinesis {
+            inner: self.backend.kinesis(),
+            hooks: self.hooks.clone(),
+        })
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(HookedStore {
+            inner: self.backend.lease_store(table),
+            hooks: self.hooks.clone(),
+        })
+    }
+
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        self.backend.admin()
+    }
+}
+
+/// A lease store calling its hooks around every call of `inner`.
+pub struct HookedStore<H> {
+    pub inner: Arc<dyn LeaseStore>,
+    pub hooks: Arc<H>,
+}
+
+impl<H: Hooks> HookedStore<H> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, LeaseError>>,
+    ) -> Result<T, LeaseError> {
+        self.hooks.before_lease(op).await?;
+        let result = call.await;
+        self.hooks.after_lease(op).await;
+        result
+    }
+}
+
+#[async_trait]
+impl<H: Hooks> LeaseStore for HookedStore<H> {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.call("ensure_table", self.inner.ensure_table()).await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.call("list", self.inner.list()).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.call("get", self.inner.get(key)).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.call("create", self.inner.create(lease)).await
+    }
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.call("take", self.inner.take(expected, new_owner))
+            .await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call("renew", self.inner.renew(expected)).await
+    }
+    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call("checkpoint", self.inner.checkpoint(expected, at))
+            .await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call("release", self.inner.release(expected)).await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "request_handoff",
+            self.inner.request_handoff(expected, worker),
+        )
+        .await
+    }
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call("request_reset", self.inner.request_reset(expected, to))
+            .await
+    }
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call("reset", self.inner.reset(expected, to)).await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.call("delete", self.inner.delete(expected)).await
+    }
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "claim_for_stream",
+            self.inner.claim_for_stream(expected, stream),
+        )
+        .await
+    }
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.call(
+            "record_children",
+            self.inner.record_children(expected, children),
+        )
+        .await
+    }
+}
+
+/// A Kinesis API calling its hooks around every call of `inner`.
+pub struct HookedKinesis<H> {
+    pub inner: Arc<dyn KinesisApi>,
+    pub hooks: Arc<H>,
+}
+
+impl<H: Hooks> HookedKinesis<H> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, KinesisError>>,
+    ) -> Result<T, KinesisError> {
+        self.hooks.before_kinesis(op).await?;
+        let result = call.await;
+        self.hooks.after_kinesis(op).await;
+        result
+    }
+}
+
+#[async_trait]
+impl<H: Hooks> KinesisApi for HookedKinesis<H> {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.call("list_shards", self.inner.list_shards(stream))
+            .await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.call("is_updating", self.inner.is_updating(stream))
+            .await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.call(
+            "shard_iterator",
+            self.inner.shard_iterator(stream, shard_id, from),
+        )
+        .await
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.call("get_records", self.inner.get_records(iterator, limit))
+            .await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.call("put_records", self.inner.put_records(stream, records))
+            .await
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.call(
+            "register_consumer",
+            self.inner.register_consumer(stream, name),
+        )
+        .await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.call(
+            "subscribe_to_shard",
+            self.inner.subscribe_to_shard(consumer_arn, shard_id, from),
+        )
+        .await
+    }
+}
