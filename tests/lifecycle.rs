@@ -162,7 +162,7 @@ struct Freezable(watch::Receiver<bool>);
 
 #[async_trait]
 impl Hooks for Freezable {
-    async fn before_lease(&self, _op: &'static str) -> Result<(), LeaseError> {
+    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
         let _ = self.0.clone().wait_for(|frozen| !frozen).await;
         Ok(())
     }

@@ -21,16 +21,17 @@ use shardflow::Backend;
 /// trait method called (`"take"`, `"get_records"`, ...).
 #[async_trait]
 pub trait Hooks: Send + Sync + 'static {
-    /// Before a lease-store call: an error is returned instead of making the call;
-    /// waiting here delays it (never returning hangs it).
-    async fn before_lease(&self, op: &'static str) -> Result<(), LeaseError> {
-        let _ = op;
+    /// Before a lease-store call on the row `key` (`None` for `list` and
+    /// `ensure_table`): an error is returned instead of making the call; waiting here
+    /// delays it (never returning hangs it).
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        let _ = (op, key);
         Ok(())
     }
 
     /// After a lease-store call landed, before its caller sees the result.
-    async fn after_lease(&self, op: &'static str) {
-        let _ = op;
+    async fn after_lease(&self, op: &'static str, key: Option<&str>) {
+        let _ = (op, key);
     }
 
     /// Before a Kinesis call, as [`before_lease`](Self::before_lease).
@@ -46,10 +47,19 @@ pub trait Hooks: Send + Sync + 'static {
 }
 
 /// A backend whose Kinesis API and lease stores call `hooks` around every call.
-#[derive(Clone)]
 pub struct Hooked<B, H> {
     pub backend: B,
     pub hooks: Arc<H>,
+}
+
+// By hand: a derive would want `H: Clone`, and clones share the one `hooks`.
+impl<B: Clone, H> Clone for Hooked<B, H> {
+    fn clone(&self) -> Self {
+        Hooked {
+            backend: self.backend.clone(),
+            hooks: self.hooks.clone(),
+        }
+    }
 }
 
 impl<B, H> Hooked<B, H> {
@@ -91,11 +101,12 @@ impl<H: Hooks> HookedStore<H> {
     async fn call<T>(
         &self,
         op: &'static str,
+        key: Option<&str>,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        self.hooks.before_lease(op).await?;
+        self.hooks.before_lease(op, key).await?;
         let result = call.await;
-        self.hooks.after_lease(op).await;
+        self.hooks.after_lease(op, key).await;
         result
     }
 }
@@ -103,51 +114,71 @@ impl<H: Hooks> HookedStore<H> {
 #[async_trait]
 impl<H: Hooks> LeaseStore for HookedStore<H> {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.call("ensure_table", self.inner.ensure_table()).await
+        self.call("ensure_table", None, self.inner.ensure_table())
+            .await
     }
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.call("list", self.inner.list()).await
+        self.call("list", None, self.inner.list()).await
     }
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.call("get", self.inner.get(key)).await
+        self.call("get", Some(key), self.inner.get(key)).await
     }
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.call("create", self.inner.create(lease)).await
+        self.call("create", Some(&lease.key), self.inner.create(lease))
+            .await
     }
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.call("take", self.inner.take(expected, new_owner))
-            .await
+        self.call(
+            "take",
+            Some(&expected.key),
+            self.inner.take(expected, new_owner),
+        )
+        .await
     }
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.call("renew", self.inner.renew(expected)).await
-    }
-    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.call("checkpoint", self.inner.checkpoint(expected, at))
+        self.call("renew", Some(&expected.key), self.inner.renew(expected))
             .await
     }
+    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(
+            "checkpoint",
+            Some(&expected.key),
+            self.inner.checkpoint(expected, at),
+        )
+        .await
+    }
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.call("release", self.inner.release(expected)).await
+        self.call("release", Some(&expected.key), self.inner.release(expected))
+            .await
     }
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.call(
             "request_handoff",
+            Some(&expected.key),
             self.inner.request_handoff(expected, worker),
         )
         .await
     }
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.call("request_reset", self.inner.request_reset(expected, to))
-            .await
+        self.call(
+            "request_reset",
+            Some(&expected.key),
+            self.inner.request_reset(expected, to),
+        )
+        .await
     }
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.call("reset", self.inner.reset(expected, to)).await
+        self.call("reset", Some(&expected.key), self.inner.reset(expected, to))
+            .await
     }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.call("delete", self.inner.delete(expected)).await
+        self.call("delete", Some(&expected.key), self.inner.delete(expected))
+            .await
     }
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
         self.call(
             "claim_for_stream",
+            Some(&expected.key),
             self.inner.claim_for_stream(expected, stream),
         )
         .await
@@ -159,6 +190,7 @@ impl<H: Hooks> LeaseStore for HookedStore<H> {
     ) -> Result<Lease, LeaseError> {
         self.call(
             "record_children",
+            Some(&expected.key),
             self.inner.record_children(expected, children),
         )
         .await

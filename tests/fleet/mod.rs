@@ -87,7 +87,7 @@ struct Killable(Arc<AtomicBool>);
 
 #[async_trait]
 impl Hooks for Killable {
-    async fn before_lease(&self, _op: &'static str) -> Result<(), LeaseError> {
+    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
         if self.0.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
