@@ -2,6 +2,8 @@
 //! handler failures, the stream mode and shutdown.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::convert::Infallible;
 use std::future::IntoFuture;
@@ -9,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::hooks::{Hooked, Hooks};
 use common::*;
 use futures_util::StreamExt;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::lease::LeaseStore;

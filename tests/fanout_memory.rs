@@ -4,6 +4,8 @@
 //! never reported. Paused tokio time where the scenario is about time.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,9 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::hooks::{Hooked, Hooks};
 use common::*;
 use futures_util::StreamExt;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
 };

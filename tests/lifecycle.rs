@@ -3,15 +3,17 @@
 //! waited through a long pause of the process.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::hooks::{Hooked, Hooks};
 use common::*;
 use futures_util::StreamExt;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, LeaseError};
 use shardflow::{Batch, BatchStream, Memory, Message};

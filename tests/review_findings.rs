@@ -4,6 +4,8 @@
 //! Embedded backend, tokio's paused clock, fixed seeds, every wait bounded.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::collections::HashSet;
 use std::future::IntoFuture;
@@ -11,8 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::hooks::{Hooked, Hooks};
 use common::*;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{InitialPosition, Memory, Message};

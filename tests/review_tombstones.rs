@@ -6,14 +6,16 @@
 //! tokio's paused clock, every wait bounded.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::hooks::{Hooked, Hooks};
 use common::*;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamAdmin};
 use shardflow::lease::LeaseError;
 use shardflow::Memory;

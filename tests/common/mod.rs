@@ -2,8 +2,6 @@
 //! against the embedded backend and against Kinesis/DynamoDB emulators over HTTP.
 #![allow(dead_code)]
 
-pub mod hooks;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
