@@ -9,7 +9,7 @@
 
 pub mod backend;
 pub mod history;
-mod invariants;
+pub mod invariants;
 pub mod log;
 
 use std::future::IntoFuture;
