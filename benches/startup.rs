@@ -70,7 +70,7 @@ fn cpu_time() -> Duration {
 // ---------------------------------------------------------------------------------------
 // Counting lease-store calls: a Backend wrapper.
 
-const OPS: [&str; 14] = [
+const OPS: [&str; 15] = [
     "ensure_table",
     "list",
     "get",
@@ -80,6 +80,7 @@ const OPS: [&str; 14] = [
     "checkpoint",
     "release",
     "request_handoff",
+    "withdraw_handoff",
     "delete",
     "request_reset",
     "reset",

@@ -1030,6 +1030,14 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
+            // A hand-over needs the new owner's request to still stand.
+            let handover = expected.pending_owner.as_deref() == Some(new_owner);
+            let withdrawn = rows
+                .get(&expected.key)
+                .is_some_and(|row| row.pending_owner.as_deref() != Some(new_owner));
+            if handover && withdrawn {
+                return Err(LeaseError::Conflict(expected.key.clone()));
+            }
             conditional(rows, expected, |row| {
                 row.owner_switches = row
                     .owner_switches
@@ -1095,6 +1103,17 @@ impl LeaseStore for MemoryLeaseStore {
         .await
     }
 
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| match rows.get_mut(&expected.key) {
+            Some(row) if row.pending_owner.as_deref() == Some(worker) => {
+                row.pending_owner = None;
+                Ok(row.clone())
+            }
+            _ => Err(LeaseError::Conflict(expected.key.clone())),
+        })
+        .await
+    }
+
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |row| row.reset_to = Some(to.clone()))
@@ -1152,7 +1171,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn the_first_hand_off_request_wins() {
+    async fn the_first_hand_off_request_wins_and_only_its_worker_withdraws_it() {
         let store = MemoryLeaseStore::default();
         let fresh = Lease::new("shard-a", Vec::new(), Checkpoint::TrimHorizon);
         assert!(store.create(&fresh).await.unwrap());
@@ -1165,5 +1184,19 @@ mod tests {
         ));
         let again = store.request_handoff(&asked, "w2#b").await.unwrap();
         assert_eq!(again.pending_owner.as_deref(), Some("w2#b"));
+        // Withdrawn by its own worker only; a hand-over after that fails.
+        assert!(matches!(
+            store.withdraw_handoff(&again, "w3#c").await,
+            Err(LeaseError::Conflict(_))
+        ));
+        let withdrawn = store.withdraw_handoff(&again, "w2#b").await.unwrap();
+        assert_eq!(
+            (withdrawn.pending_owner, withdrawn.counter),
+            (None, again.counter)
+        );
+        assert!(matches!(
+            store.take(&again, "w2#b").await,
+            Err(LeaseError::Conflict(_))
+        ));
     }
 }

@@ -541,6 +541,30 @@ async fn leases_are_fenced_on_owner_and_counter() {
             .await
             .expect("the same requester asks again");
         assert_eq!(requested.pending_owner.as_deref(), Some("w2"));
+        // A request is withdrawn only by its own worker; once withdrawn, a hand-over to
+        // that worker fails and the owner keeps the row.
+        assert_conflict(
+            store.withdraw_handoff(&requested, "w3").await,
+            key,
+            "withdraw_handoff of another worker's request",
+        );
+        let withdrawn = store
+            .withdraw_handoff(&requested, "w2")
+            .await
+            .expect("withdraw_handoff");
+        assert_eq!(
+            (withdrawn.pending_owner.as_deref(), withdrawn.counter),
+            (None, 2)
+        );
+        assert_conflict(
+            store.take(&requested, "w2").await,
+            key,
+            "hand-over after the request was withdrawn",
+        );
+        let requested = store
+            .request_handoff(&withdrawn, "w2")
+            .await
+            .expect("asked again");
         let requested = store
             .checkpoint(&requested, &position)
             .await

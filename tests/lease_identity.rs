@@ -123,6 +123,10 @@ impl LeaseStore for ObservedStore {
         self.alive()?;
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.alive()?;
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.alive()?;
         self.inner.delete(expected).await

@@ -15,8 +15,8 @@ use common::*;
 use futures_util::StreamExt;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
-use shardflow::lease::{Checkpoint, LeaseError};
-use shardflow::{Batch, BatchStream, Memory, Message};
+use shardflow::lease::{self, Checkpoint, LeaseError};
+use shardflow::{Backend, Batch, BatchStream, Memory, Message};
 use tokio::sync::watch;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -513,4 +513,101 @@ async fn the_event_hook_sees_leases_failures_shard_ends_and_hand_offs() {
     assert!(!events
         .iter()
         .any(|e| matches!(e, ShardEvent::LeaseLost { .. })));
+}
+
+/// A worker that stops while its hand-off request is pending withdraws it: the owner,
+/// once drained, keeps the lease (and reads on) instead of handing it to a worker that
+/// is gone, where it would sit unread until it expired. Before, the hand-over landed
+/// after the requester stopped and the row named the stopped worker.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_worker_is_never_handed_a_lease() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("withdraw", 2).await.unwrap();
+    produce(kinesis.as_ref(), "withdraw", 0..20).await;
+    // Worker a owns both shards; the first record of each takes 5 s to handle.
+    let a_seen = Recorder::default();
+    let a_handler = {
+        let a_seen = a_seen.clone();
+        let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        tower::service_fn(move |msg: Message| {
+            a_seen.record(&msg);
+            let slow = started
+                .lock()
+                .unwrap()
+                .insert(msg.headers.shard_id.to_string());
+            async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                Ok::<_, std::convert::Infallible>(())
+            }
+        })
+    };
+    let a = test_consumer(memory.clone(), "withdraw", "withdraw-group", "a")
+        .build()
+        .unwrap()
+        .run(a_handler)
+        .spawn();
+    a_seen.wait_for(2, LIMIT).await;
+    // Worker b joins, asks a for one shard, and stops while a is still draining it.
+    let b = test_consumer(memory.clone(), "withdraw", "withdraw-group", "b")
+        .build()
+        .unwrap()
+        .run(recording_handler(Recorder::default()))
+        .spawn();
+    let store = memory.lease_store("withdraw-group");
+    let asked = async {
+        loop {
+            let rows = store.list().await.unwrap();
+            if rows.iter().any(|r| {
+                r.pending_owner
+                    .as_deref()
+                    .is_some_and(|p| lease::worker_of(p) == "b")
+            }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, asked)
+        .await
+        .expect("b asks for a shard");
+    tokio::time::timeout(LIMIT, b.shutdown())
+        .await
+        .expect("b stops")
+        .unwrap();
+    // From now on no row names b, and a reads everything, records written later too.
+    produce(kinesis.as_ref(), "withdraw", 20..40).await;
+    let watch = async {
+        loop {
+            for row in store.list().await.unwrap() {
+                assert!(
+                    row.owner
+                        .as_deref()
+                        .is_none_or(|o| lease::worker_of(o) != "b"),
+                    "lease {} handed to the stopped worker",
+                    row.key
+                );
+            }
+            let mut values: Vec<usize> = a_seen.snapshot().iter().map(|h| h.value).collect();
+            values.sort_unstable();
+            values.dedup();
+            if values.len() == 40 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    // Well within one lease duration (3 s) after a's 5 s drain.
+    tokio::time::timeout(Duration::from_secs(7), watch)
+        .await
+        .expect("a reads every record without waiting for a lease to expire");
+    tokio::time::timeout(LIMIT, a.shutdown())
+        .await
+        .expect("a stops")
+        .unwrap();
+    for row in store.list().await.unwrap() {
+        assert_eq!(row.owner, None, "lease {} released", row.key);
+    }
 }

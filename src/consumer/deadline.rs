@@ -162,6 +162,14 @@ impl LeaseStore for BoundedLeaseStore {
         .await
     }
 
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.bound(
+            "withdraw_handoff",
+            self.inner.withdraw_handoff(expected, worker),
+        )
+        .await
+    }
+
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.bound("delete", self.inner.delete(expected)).await
     }

@@ -699,9 +699,12 @@ impl LeaseStore for DynamoLeaseStore {
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         let next = next_counter(expected)?;
         let switch = owner_switch(expected, new_owner);
-        self.fenced_update(
+        // A hand-over needs the new owner's request to still stand.
+        let handover = expected.pending_owner.as_deref() == Some(new_owner);
+        self.fenced_update_if(
             "take",
             expected,
+            handover.then_some("#pending = :new_owner"),
             "SET #owner = :new_owner, #counter = :next, \
              #switches = if_not_exists(#switches, :zero) + :switch \
              REMOVE #pending, #checkpoint_owner",
@@ -769,6 +772,29 @@ impl LeaseStore for DynamoLeaseStore {
             },
         )
         .await
+    }
+
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        let out = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(expected.key.clone()))
+            .update_expression("REMOVE #pending")
+            .condition_expression("#pending = :worker")
+            .expression_attribute_names("#pending", PENDING_OWNER)
+            .expression_attribute_values(":worker", AttributeValue::S(worker.to_owned()))
+            .return_values(ReturnValue::AllNew)
+            .send()
+            .await
+            .map_err(|e| classify(&self.table, "withdraw_handoff", Some(&expected.key), e))?;
+        match out.attributes {
+            Some(item) if !item.is_empty() => lease_from_item(&item),
+            _ => Ok(Lease {
+                pending_owner: None,
+                ..expected.clone()
+            }),
+        }
     }
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {

@@ -24,11 +24,32 @@ pub(crate) struct HeldLease {
     renewed: Notify,
 }
 
-/// Attempts at a release before the lease is left to expire.
+/// Attempts at a release (and the other calls of a worker on its way out) before the
+/// lease is left to expire.
 const RELEASE_ATTEMPTS: u32 = 3;
 
 /// The pause before the second release attempt (doubled before the third).
 const RELEASE_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Runs `call` again after a transient failure (throttled, cut by its deadline, a
+/// network error), [`RELEASE_ATTEMPTS`] times in all, pausing [`RELEASE_PAUSE`] and then
+/// twice that: for the calls of a stopping worker, which has no later round to retry in.
+pub(crate) async fn with_retries<T, F, Fut>(mut call: F) -> Result<T, LeaseError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LeaseError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(e) if e.is_transient() && attempt < RELEASE_ATTEMPTS => {
+                tokio::time::sleep(RELEASE_PAUSE * attempt).await;
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
 
 impl HeldLease {
     /// Wraps a row this incarnation took with a take sent at `sent`. Other workers'
@@ -136,29 +157,28 @@ impl HeldLease {
     /// waits a whole lease duration before another worker takes it. One that landed
     /// although an error was seen shows as a conflict on the next attempt.
     pub async fn release(&self) -> Result<Lease, LeaseError> {
-        let mut attempt = 1;
-        let result = loop {
-            let result = self
-                .write(|store, row| Box::pin(async move { store.release(&row).await }))
-                .await;
-            match &result {
-                Err(e) if e.is_transient() && attempt < RELEASE_ATTEMPTS => {
-                    tokio::time::sleep(RELEASE_PAUSE * attempt).await;
-                    attempt += 1;
-                }
-                _ => break result,
-            }
-        };
+        let result = with_retries(|| {
+            self.write(|store, row| Box::pin(async move { store.release(&row).await }))
+        })
+        .await;
         self.lost.cancel();
         result
     }
 
-    /// Hands the lease straight to `worker` (the graceful end of a steal).
+    /// Hands the lease straight to `worker` (the graceful end of a steal), as long as
+    /// `worker`'s request still stands: a worker that stopped meanwhile withdrew it, and
+    /// the hand-over fails with a conflict (the row stays ours, unheld, for the next
+    /// lease round to take back or the shutdown to release).
     pub async fn transfer(&self, worker: &str) -> Result<Lease, LeaseError> {
         let to = worker.to_owned();
         let result = self
             .write(move |store, row| {
                 let to = to.clone();
+                // The store checks that the request naming `to` is still on the row.
+                let row = Lease {
+                    pending_owner: Some(to.clone()),
+                    ..row
+                };
                 Box::pin(async move { store.take(&row, &to).await })
             })
             .await;

@@ -3,13 +3,15 @@
 //!
 //! A lease row names the shard (`leaseKey`), its owner (`leaseOwner`), a counter the
 //! owner bumps on every renewal (`leaseCounter`, the fencing token), and the shard's
-//! checkpoint. Every write is conditional on the owner and counter the writer last
-//! saw, so a worker that lost a lease can never move its checkpoint.
+//! checkpoint. Every write of the owner or checkpoint is conditional on the owner and
+//! counter the writer last saw, so a worker that lost a lease can never move its
+//! checkpoint. (A worker withdrawing its own hand-off request is conditional on that
+//! request alone.)
 
 pub mod dynamo;
 mod held;
 
-pub(crate) use held::HeldLease;
+pub(crate) use held::{with_retries, HeldLease};
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;
@@ -197,7 +199,8 @@ pub struct Lease {
     /// The shard's parents (`parentShardId`): it is read only after they reach SHARD_END.
     pub parents: Vec<String>,
     /// A worker that wants this lease and asks the owner to hand it over (`pendingOwner`):
-    /// the owner drains, checkpoints and releases to it.
+    /// the owner drains, checkpoints and hands the lease to it, as long as the request
+    /// stands (a stopping worker withdraws its requests).
     pub pending_owner: Option<String>,
     /// The stream the shard belongs to (`streamName`, shardflow's): every row shardflow
     /// creates carries it, so a consumer of another stream pointed at the same table is
@@ -325,7 +328,8 @@ impl LeaseError {
 
 /// Where leases and checkpoints live. Every write is conditional: `expected` is the
 /// lease as the caller last saw it, and the write happens only if the stored row still
-/// has the same owner and counter. On success the new row is returned.
+/// has the same owner and counter ([`Self::withdraw_handoff`], conditional on the
+/// request alone, is the one exception). On success the new row is returned.
 #[async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
     /// Creates the table if it does not exist yet and waits until it can be used.
@@ -341,7 +345,10 @@ pub trait LeaseStore: Send + Sync + 'static {
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError>;
 
     /// Sets the owner to `new_owner`, bumps the counter and clears `pending_owner`,
-    /// if the row still matches `expected`.
+    /// if the row still matches `expected`. When `expected` carries `new_owner`'s own
+    /// hand-off request (a hand-over, or the requester taking the row itself), that
+    /// request must still stand: a worker that withdrew it on its way out (see
+    /// [`Self::withdraw_handoff`]) is never handed the lease after it stopped.
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError>;
 
     /// Bumps the counter (a heartbeat) if the row still matches `expected`.
@@ -361,6 +368,22 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// and no other worker asked already (the first request wins; the counter is kept
     /// so the owner's fencing token stays valid).
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError>;
+
+    /// Removes `worker`'s hand-off request from the row, if it is still the row's request
+    /// (the owner and counter are not checked, and the counter is kept, so the owner's
+    /// fencing token stays valid). A stopping worker withdraws its requests so that no
+    /// lease is handed to it after it is gone. A store that cannot do it (the default)
+    /// refuses.
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        let _ = worker;
+        Err(LeaseError::Other(
+            format!(
+                "lease {}: this lease store cannot withdraw hand-off requests",
+                expected.key
+            )
+            .into(),
+        ))
+    }
 
     /// Records an operator's request to move the checkpoint of an owned row to `to`
     /// (`reset_to`), if the row still matches `expected`. The counter is kept, so the

@@ -163,6 +163,14 @@ impl<H: Hooks> LeaseStore for HookedStore<H> {
         )
         .await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "withdraw_handoff",
+            Some(&expected.key),
+            self.inner.withdraw_handoff(expected, worker),
+        )
+        .await
+    }
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         self.call(
             "request_reset",

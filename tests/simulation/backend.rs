@@ -375,6 +375,10 @@ impl LeaseStore for SimStore {
         self.backend.enter_store().await?;
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.backend.enter_store().await?;
         let deleted = self.inner.delete(expected).await;

@@ -414,6 +414,10 @@ impl LeaseStore for FaultyStore {
         self.check()?;
         self.inner.request_handoff(expected, worker).await
     }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.check()?;
+        self.inner.withdraw_handoff(expected, worker).await
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.check()?;
         self.inner.delete(expected).await
