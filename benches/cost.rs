@@ -1,7 +1,7 @@
 //! What one worker costs in requests, in simulated time: DynamoDB requests per shard per
 //! hour and GetRecords calls per shard per second, for an idle stream and a busy one, at
 //! the old defaults (checkpoint every 500 ms, idle read interval 250 ms) and the current
-//! ones. Memory backend (8 ms per lease-store call, 25 ms per Kinesis call), tokio's
+//! ones, and the same four shards as four streams of one multi-stream consumer. Memory backend (8 ms per lease-store call, 25 ms per Kinesis call), tokio's
 //! paused clock, 4 shards, one worker; every remote call is counted by the consumer's own
 //! `shardflow_requests_total` metric (read through a local Prometheus recorder).
 //!
@@ -52,8 +52,9 @@ fn requests(m: &PrometheusHandle) -> BTreeMap<String, f64> {
 }
 
 /// Runs one case; returns (DynamoDB requests per shard per hour by op, GetRecords per
-/// shard per second, records handled).
-fn case(old: bool, busy: bool, minutes: u64) -> (BTreeMap<String, f64>, f64, usize) {
+/// shard per second, records handled). `multi`: the shards are four streams of one shard
+/// each, read by one multi-stream consumer (idle only).
+fn case(old: bool, busy: bool, multi: bool, minutes: u64) -> (BTreeMap<String, f64>, f64, usize) {
     let recorder = PrometheusBuilder::new().build_recorder();
     let m = recorder.handle();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -69,13 +70,25 @@ fn case(old: bool, busy: bool, minutes: u64) -> (BTreeMap<String, f64>, f64, usi
                 latency: Duration::from_millis(8),
                 ..LeaseFaults::default()
             });
-            memory
-                .streams()
-                .create_stream("orders", SHARDS)
-                .await
-                .expect("stream");
-            let mut builder: ConsumerBuilder = Consumer::builder()
-                .stream("orders")
+            let streams: Vec<String> = (0..SHARDS).map(|i| format!("orders-{i}")).collect();
+            let builder = if multi {
+                for stream in &streams {
+                    memory
+                        .streams()
+                        .create_stream(stream, 1)
+                        .await
+                        .expect("stream");
+                }
+                Consumer::builder().streams(streams)
+            } else {
+                memory
+                    .streams()
+                    .create_stream("orders", SHARDS)
+                    .await
+                    .expect("stream");
+                Consumer::builder().stream("orders")
+            };
+            let mut builder: ConsumerBuilder = builder
                 .group("cost")
                 .worker_id("w1")
                 .seed(1)
@@ -152,7 +165,7 @@ fn main() {
     println!("|---|---|---|---|---|");
     for old in [true, false] {
         for busy in [false, true] {
-            let (dynamo, reads, handled) = case(old, busy, minutes);
+            let (dynamo, reads, handled) = case(old, busy, false, minutes);
             let total: f64 = dynamo.values().sum();
             let by: Vec<String> = dynamo
                 .iter()
@@ -178,4 +191,17 @@ fn main() {
             }
         }
     }
+    // Multi-stream mode: each stream's coordinator runs its own lease rounds, so the
+    // table is listed once per stream per round.
+    let (dynamo, reads, _) = case(false, false, true, minutes);
+    let total: f64 = dynamo.values().sum();
+    let by: Vec<String> = dynamo
+        .iter()
+        .filter(|(_, n)| **n > 0.0)
+        .map(|(op, n)| format!("{op} {n:.0}"))
+        .collect();
+    println!(
+        "| new, {SHARDS} streams of 1 shard (multi-stream) | idle | **{total:.0}** ({}) | **{reads:.2}** | 0 |",
+        by.join(", ")
+    );
 }

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use crate::backend::Backend;
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
-    ShardInfo, StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
+    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, SubscriptionEvent,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::sequence::SequenceNumber;
@@ -108,7 +108,12 @@ struct MemShard {
 struct MemStream {
     shards: Vec<MemShard>,
     updating: bool,
+    /// Creation time, epoch seconds (see [`MemoryKinesis::delete_stream`]).
+    created: u64,
 }
+
+/// The account every embedded stream belongs to (in its ARN and multi-stream lease keys).
+pub const MEMORY_ACCOUNT: &str = "000000000000";
 
 struct KinesisState {
     streams: HashMap<String, MemStream>,
@@ -135,6 +140,9 @@ struct KinesisState {
     stale_list_shards: HashMap<String, u32>,
     /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
     shard_not_found: HashMap<String, u32>,
+    /// The creation time of the last stream of each name: a stream created again gets a
+    /// later one, as on AWS.
+    created: HashMap<String, u64>,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
@@ -167,6 +175,7 @@ impl Default for MemoryKinesis {
                 cut_short: 0.0,
                 stale_list_shards: HashMap::new(),
                 shard_not_found: HashMap::new(),
+                created: HashMap::new(),
             })),
             changes: watch::channel(()).0,
         }
@@ -282,6 +291,13 @@ impl MemoryKinesis {
             }
             _ => false,
         }
+    }
+
+    /// Deletes a stream with its shards and records. Created again, the stream has a
+    /// later creation time: another identity, so multi-stream consumers start it afresh.
+    pub fn delete_stream(&self, stream: &str) {
+        lock(&self.state).streams.remove(stream);
+        self.changes.send_replace(());
     }
 
     /// Removes a shard entirely, as Kinesis does once a closed shard is past retention.
@@ -439,6 +455,19 @@ impl KinesisApi for MemoryKinesis {
             .get(stream)
             .map(|st| st.updating)
             .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))
+    }
+
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        let s = lock(&self.state);
+        let st = s
+            .streams
+            .get(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
+        Ok(StreamIdentity {
+            account: MEMORY_ACCOUNT.to_owned(),
+            name: stream.to_owned(),
+            creation_epoch: st.created,
+        })
     }
 
     async fn shard_iterator(
@@ -669,11 +698,20 @@ impl StreamAdmin for MemoryKinesis {
         if s.streams.contains_key(stream) {
             return Ok(());
         }
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let created = match s.created.get(stream) {
+            Some(last) => now.max(last + 1),
+            None => now,
+        };
+        s.created.insert(stream.to_owned(), created);
         s.streams.insert(
             stream.to_owned(),
             MemStream {
                 shards: Vec::new(),
                 updating: false,
+                created,
             },
         );
         let width = MAX_HASH / shards as u128;

@@ -1,7 +1,8 @@
-//! The README's main example and the pipeline example run to completion on the embedded
-//! backend, and what they print is checked here: the quickstart's records per shard,
-//! split and checkpoints; the pipeline's rule (each good order charged exactly once,
-//! each bad one dead-lettered).
+//! The README's main example, the multi-stream example and the pipeline example run to
+//! completion on the embedded backend. What the quickstart prints is checked here (records
+//! per shard, the split, the checkpoints), as is the pipeline's rule (each good order
+//! charged exactly once, each bad one dead-lettered); the multi-stream example verifies
+//! its own totals (it exits non-zero otherwise).
 //!
 //! Each test builds its example first (`common::build_example`: a no-op when the suite
 //! already built the examples), so it always runs the current code and never skips. A run
@@ -128,6 +129,21 @@ fn quickstart_handles_every_record_and_says_so() {
             "the child {child} was read after the split"
         );
     }
+}
+
+#[test]
+fn multi_stream_reads_every_stream_and_follows_the_list() {
+    let stdout = run("multi_stream");
+    assert!(
+        stdout.contains("2000 of 2000 records handled"),
+        "every record of the four streams: {stdout}"
+    );
+    // The removed stream's rows stay, in the KCL's multi-stream key form.
+    let audit_rows = stdout
+        .lines()
+        .filter(|l| l.contains("(audit-") && l.contains(":audit-"))
+        .count();
+    assert_eq!(audit_rows, 1, "the removed stream's row is kept: {stdout}");
 }
 
 #[test]

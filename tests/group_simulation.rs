@@ -260,6 +260,15 @@ fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
     run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
 }
 
+/// The default features with every worker in multi-stream mode (issue 9): lease keys
+/// `account:stream:creationEpoch:shardId` through the stream's view of the table, under
+/// the same kills, freezes, reshards, hand-offs and faults.
+#[test]
+fn generated_histories_with_multi_stream_keys_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+multi-stream-keys").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
 /// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),
 /// `SHARDFLOW_SIM_SEEDS` (that many) or `default_seeds` seeds; fails naming each
 /// failing seed and how to replay it.

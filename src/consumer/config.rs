@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::OnceCell;
+use tokio::sync::{watch, OnceCell};
 
 use super::events::{EventHook, ShardEvent};
 use crate::backend::Backend;
@@ -133,10 +133,43 @@ impl FanOut {
     }
 }
 
+/// The streams of a multi-stream consumer.
+#[derive(Clone, Debug)]
+pub(crate) enum StreamList {
+    /// [`ConsumerBuilder::streams`]: names, validated by `build`.
+    Fixed(Vec<String>),
+    /// [`ConsumerBuilder::streams_from`]: names or ARNs, read whenever the value changes.
+    Watched(watch::Receiver<Vec<String>>),
+}
+
+/// The name of a stream given by name or ARN (`arn:aws:kinesis:<region>:<account>:stream/<name>`),
+/// refused with `field` in the error when it is neither.
+pub(crate) fn stream_name(field: &'static str, given: &str) -> Result<String, ConfigError> {
+    let name = crate::kinesis::stream_name_of_arn(given).unwrap_or(given);
+    if name.is_empty()
+        || name.len() > 128
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+    {
+        return Err(ConfigError::Invalid {
+            field,
+            reason: format!(
+                "{given:?} is neither a Kinesis stream name (1-128 of a-z A-Z 0-9 _ . -) nor a stream ARN"
+            ),
+        });
+    }
+    Ok(name.to_owned())
+}
+
 /// A validated consumer configuration (see [`ConsumerBuilder`] for each field).
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// The stream of a single-stream consumer, or of one stream's coordinator in
+    /// multi-stream mode; empty for a multi-stream consumer as a whole.
     pub(crate) stream: String,
+    /// `Some`: a multi-stream consumer (see [`ConsumerBuilder::streams`]).
+    pub(crate) streams: Option<StreamList>,
     pub(crate) group: String,
     pub(crate) worker_id: String,
     /// This incarnation's name in `leaseOwner`: the worker id and a per-start nonce.
@@ -172,9 +205,30 @@ impl Config {
     pub(crate) fn lease_fresh_for(&self) -> Duration {
         self.lease_duration.saturating_sub(self.renew_interval)
     }
-    /// The stream's name.
+    /// The stream's name (empty for a multi-stream consumer: see [`Config::streams`]).
     pub fn stream(&self) -> &str {
         &self.stream
+    }
+    /// The streams of a multi-stream consumer now (for [`ConsumerBuilder::streams_from`],
+    /// the list's current value); `None` for a single-stream consumer.
+    pub fn streams(&self) -> Option<Vec<String>> {
+        self.streams.as_ref().map(|list| match list {
+            StreamList::Fixed(names) => names.clone(),
+            StreamList::Watched(rx) => rx.borrow().clone(),
+        })
+    }
+    /// A multi-stream consumer's configuration for one of its streams.
+    pub(crate) fn for_stream(&self, stream: &str) -> Config {
+        let mut config = self.clone();
+        config.stream = stream.to_owned();
+        config.streams = None;
+        // The fan-out consumer is registered per stream: each gets its own ARN.
+        config.fan_out = self.fan_out.as_ref().map(|f| FanOut {
+            consumer_name: f.consumer_name.clone(),
+            consumer_arn: Arc::default(),
+        });
+        config.events = self.events.for_stream(stream);
+        config
     }
     /// The consumer group's name.
     pub fn group(&self) -> &str {
@@ -215,10 +269,13 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). `stream`, `group` and `backend` are required
+/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`),
+/// `group` and `backend` are required
 /// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,
+    streams: Option<Vec<String>>,
+    streams_from: Option<watch::Receiver<Vec<String>>>,
     group: Option<String>,
     worker_id: Option<String>,
     lease_table: Option<String>,
@@ -250,6 +307,8 @@ impl Default for ConsumerBuilder {
     fn default() -> Self {
         ConsumerBuilder {
             stream: None,
+            streams: None,
+            streams_from: None,
             group: None,
             worker_id: None,
             lease_table: None,
@@ -283,6 +342,42 @@ impl ConsumerBuilder {
     /// The Kinesis stream to consume (required).
     pub fn stream(mut self, name: impl Into<String>) -> Self {
         self.stream = Some(name.into());
+        self
+    }
+
+    /// Several streams (names or ARNs) consumed by one group through one lease table
+    /// (multi-stream mode, instead of [`ConsumerBuilder::stream`]). Each stream's shards
+    /// are leased, balanced over the group's workers, handed off, resharded and
+    /// checkpointed exactly as a single stream's; rows are keyed the KCL's multi-stream
+    /// way (`account:stream:creationEpoch:shardId`), so a KCL multi-stream table is read
+    /// and written as the KCL does. A stream that was deleted and created again has a
+    /// new creation time and so starts afresh at the initial position. Messages, events
+    /// and health name the stream (events and health as `stream/shardId`).
+    ///
+    /// A table of a single-stream consumer is refused (and the other way round) with
+    /// [`ConsumerError::TableModeMismatch`](super::ConsumerError::TableModeMismatch).
+    pub fn streams<I, S>(mut self, streams: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.streams = Some(streams.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Multi-stream mode with a list that can change while the consumer runs: the
+    /// consumer follows the receiver's value (names or ARNs; an invalid one is logged
+    /// and left out). A stream that fails (say, it does not exist yet) is logged and
+    /// left out until the list changes, while the others go on; a lease table of the
+    /// other mode or of another stream stops the consumer as with a fixed list. An
+    /// added stream starts at the initial position, or where its
+    /// rows say if the group read it before. A removed stream is drained, checkpointed
+    /// and its leases released, as at shutdown; its rows (and checkpoints) are kept, so
+    /// adding it again continues where it left off. The list is this worker's: give
+    /// every worker of the group the same list (a removed stream's leases are otherwise
+    /// taken by the workers that still read it).
+    pub fn streams_from(mut self, streams: watch::Receiver<Vec<String>>) -> Self {
+        self.streams_from = Some(streams);
         self
     }
 
@@ -548,20 +643,46 @@ impl ConsumerBuilder {
             }
             Ok(d)
         }
-        let stream = name("stream", &self.stream)?;
+        let (stream, streams) = match (&self.stream, &self.streams, &self.streams_from) {
+            (Some(_), None, None) => (stream_name("stream", &name("stream", &self.stream)?)?, None),
+            (None, Some(list), None) => {
+                if list.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        field: "streams",
+                        reason: "must name at least one stream".into(),
+                    });
+                }
+                let mut names: Vec<String> = Vec::with_capacity(list.len());
+                for given in list {
+                    let name = stream_name("streams", given)?;
+                    if names.contains(&name) {
+                        return Err(ConfigError::Invalid {
+                            field: "streams",
+                            reason: format!("{name:?} is listed twice"),
+                        });
+                    }
+                    names.push(name);
+                }
+                (String::new(), Some(StreamList::Fixed(names)))
+            }
+            (None, None, Some(rx)) => (String::new(), Some(StreamList::Watched(rx.clone()))),
+            (None, None, None) => return Err(ConfigError::Missing { field: "stream" }),
+            (Some(_), _, _) => {
+                return Err(ConfigError::Invalid {
+                    field: "streams",
+                    reason:
+                        "set either stream (one stream) or streams/streams_from (several), not both"
+                            .into(),
+                })
+            }
+            (None, Some(_), Some(_)) => return Err(ConfigError::Invalid {
+                field: "streams_from",
+                reason:
+                    "set either streams (a fixed list) or streams_from (a changing one), not both"
+                        .into(),
+            }),
+        };
         let group = name("group", &self.group)?;
-        if stream.len() > 128
-            || !stream
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
-        {
-            return Err(ConfigError::Invalid {
-                field: "stream",
-                reason: format!(
-                    "{stream:?} is not a Kinesis stream name (1-128 of a-z A-Z 0-9 _ . -)"
-                ),
-            });
-        }
         let lease_table = match &self.lease_table {
             Some(_) => name("lease_table", &self.lease_table)?,
             None => group.clone(),
@@ -698,6 +819,7 @@ impl ConsumerBuilder {
         };
         Ok(Config {
             stream,
+            streams,
             group,
             owner: crate::lease::incarnation(&worker_id, seed),
             worker_id,

@@ -19,8 +19,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
-use crate::kinesis::{KinesisApi, KinesisError, ShardInfo};
-use crate::lease::{with_retries, worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore};
+use crate::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamIdentity};
+use crate::lease::{
+    with_retries, worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore,
+    StreamScopedStore,
+};
 use crate::message::Batch;
 use crate::metrics::{Labels, LeaseEvent};
 
@@ -33,9 +36,10 @@ use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
 /// Starts the task that hands one shard's batches to the user's service.
-pub(crate) type SpawnDispatch = Box<dyn Fn(mpsc::Receiver<Batch>) -> JoinHandle<()> + Send + Sync>;
+pub(crate) type SpawnDispatch = Arc<dyn Fn(mpsc::Receiver<Batch>) -> JoinHandle<()> + Send + Sync>;
 
-/// Where shard tasks deliver batches.
+/// Where shard tasks deliver batches (shared by the streams of a multi-stream consumer).
+#[derive(Clone)]
 pub(crate) enum Sink {
     /// `run` mode: a channel and a dispatch task per shard.
     PerShard(SpawnDispatch),
@@ -79,6 +83,9 @@ pub(crate) struct Coordinator {
     kinesis: Arc<dyn KinesisApi>,
     store: Arc<dyn LeaseStore>,
     stream: Arc<str>,
+    /// One stream of a multi-stream consumer: `store` is the whole table until
+    /// start-up resolved the stream's identity and scoped it to the stream's rows.
+    multi_stream: bool,
     sink: Sink,
     slots: BTreeMap<String, Slot>,
     held: HeldSet,
@@ -114,6 +121,8 @@ impl Coordinator {
         kinesis: Arc<dyn KinesisApi>,
         store: Arc<dyn LeaseStore>,
         sink: Sink,
+        health: Arc<HealthState>,
+        multi_stream: bool,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         // Every remote call the worker and its shards make has a deadline.
@@ -129,7 +138,8 @@ impl Coordinator {
         ));
         Coordinator {
             labels: Labels::of(&config),
-            health: HealthState::new(config.lease_duration),
+            health,
+            multi_stream,
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -152,11 +162,6 @@ impl Coordinator {
             events_tx,
             events_rx,
         }
-    }
-
-    /// The health this worker reports (see [`super::Health`]).
-    pub(crate) fn health(&self) -> Arc<HealthState> {
-        self.health.clone()
     }
 
     pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
@@ -262,6 +267,9 @@ impl Coordinator {
     /// backend without fan-out refuses to start.
     async fn start_up(&mut self) -> Result<(), ConsumerError> {
         self.store.ensure_table().await?;
+        if self.multi_stream {
+            self.scope_to_stream().await?;
+        }
         self.sync_shards().await?;
         if let Some(fan_out) = &self.config.fan_out {
             fan_out
@@ -814,9 +822,47 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Multi-stream mode: resolves the stream's identity (account and creation time),
+    /// refuses a table of single-stream rows and from then on sees only this stream's
+    /// rows, under bare shard ids (see [`StreamScopedStore`]).
+    async fn scope_to_stream(&mut self) -> Result<(), ConsumerError> {
+        let identity = self.kinesis.stream_identity(&self.stream).await?;
+        let rows = self.store.list().await?;
+        if let Some(row) = rows
+            .iter()
+            .find(|r| StreamIdentity::split_lease_key(&r.key).is_none())
+        {
+            return Err(ConsumerError::TableModeMismatch {
+                table: self.config.lease_table.clone(),
+                consumer: format!("stream {:?} in multi-stream mode", &*self.stream),
+                rows: format!(
+                    "single-stream rows (of stream {:?})",
+                    row.stream.as_deref().unwrap_or("unnamed, a KCL table")
+                ),
+                lease: row.key.clone(),
+            });
+        }
+        tracing::info!(stream = %identity, "multi-stream mode: this stream's lease keys start with its identity");
+        self.multi_stream = false;
+        self.store = Arc::new(StreamScopedStore::new(self.store.clone(), identity));
+        Ok(())
+    }
+
     /// Refuses a table whose rows name another stream. Rows without a stream (written
-    /// by the KCL) are accepted: a KCL table is taken over as it is.
+    /// by the KCL) are accepted: a KCL table is taken over as it is. A single-stream
+    /// consumer refuses a multi-stream table (whose rows a scoped store never shows).
     fn check_stream(&self, rows: &[Lease]) -> Result<(), ConsumerError> {
+        if let Some((row, identity)) = rows
+            .iter()
+            .find_map(|r| StreamIdentity::split_lease_key(&r.key).map(|(id, _)| (r, id)))
+        {
+            return Err(ConsumerError::TableModeMismatch {
+                table: self.config.lease_table.clone(),
+                consumer: format!("the single stream {:?}", &*self.stream),
+                rows: format!("multi-stream rows (of stream {identity})"),
+                lease: row.key.clone(),
+            });
+        }
         match rows
             .iter()
             .find(|r| r.stream.as_deref().is_some_and(|s| s != &*self.stream))

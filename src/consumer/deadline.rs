@@ -12,7 +12,7 @@ use async_trait::async_trait;
 
 use crate::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    Subscription,
+    StreamIdentity, Subscription,
 };
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::metrics::Labels;
@@ -243,6 +243,11 @@ impl KinesisApi for BoundedKinesis {
 
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
         self.bound("DescribeStreamSummary", self.inner.is_updating(stream))
+            .await
+    }
+
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        self.bound("DescribeStreamSummary", self.inner.stream_identity(stream))
             .await
     }
 

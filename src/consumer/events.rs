@@ -9,6 +9,10 @@ use crate::sequence::SequenceNumber;
 
 /// Something that happened to one of this worker's shards.
 ///
+/// `shard` is the shard id; in multi-stream mode
+/// ([`ConsumerBuilder::streams`](super::ConsumerBuilder::streams)) it is
+/// `stream/shardId`, so the same shard id in two streams is told apart.
+///
 /// The hook is called on the worker's own tasks, in the order things happened for a
 /// shard: keep it quick (count, log, send on a channel); it must not block.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,6 +82,39 @@ impl EventHook {
     pub(crate) fn emit(&self, make: impl FnOnce() -> ShardEvent) {
         if let Some(hook) = &self.0 {
             hook(&make());
+        }
+    }
+}
+
+impl ShardEvent {
+    /// The event with its shard named `stream/shard` (multi-stream mode).
+    fn in_stream(&self, stream: &str) -> ShardEvent {
+        let mut event = self.clone();
+        let shard = match &mut event {
+            ShardEvent::LeaseTaken { shard }
+            | ShardEvent::LeaseLost { shard }
+            | ShardEvent::HandedOff { shard, .. }
+            | ShardEvent::Released { shard }
+            | ShardEvent::ShardEnded { shard }
+            | ShardEvent::HandlerFailed { shard, .. } => shard,
+        };
+        *shard = format!("{stream}/{shard}");
+        event
+    }
+}
+
+impl EventHook {
+    /// The hook of one stream of a multi-stream consumer: its events name the shard
+    /// `stream/shardId`, so shards of different streams are told apart.
+    pub(crate) fn for_stream(&self, stream: &str) -> Self {
+        match &self.0 {
+            None => EventHook(None),
+            Some(hook) => {
+                let (hook, stream) = (hook.clone(), stream.to_owned());
+                EventHook(Some(Arc::new(move |event: &ShardEvent| {
+                    hook(&event.in_stream(&stream))
+                })))
+            }
         }
     }
 }

@@ -38,7 +38,8 @@ pub struct Health {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShardHealth {
-    /// The shard id.
+    /// The shard id; `stream/shardId` in multi-stream mode
+    /// ([`ConsumerBuilder::streams`](super::ConsumerBuilder::streams)).
     pub shard_id: String,
     /// How long ago the shard last made progress: its checkpoint was written (records
     /// were handled) or a read found nothing new (caught up with the tip); before the
@@ -88,16 +89,38 @@ struct State {
 /// What the coordinator, shard tasks and readers report into; shared with the handles.
 #[derive(Debug)]
 pub(crate) struct HealthState {
-    state: Mutex<State>,
+    /// Shared by the views of a multi-stream consumer's streams (see `for_stream`).
+    state: Arc<Mutex<State>>,
     lease_duration: Duration,
+    /// `stream/` in one stream's view of a multi-stream consumer's health.
+    prefix: Option<Arc<str>>,
 }
 
 impl HealthState {
     pub(crate) fn new(lease_duration: Duration) -> Arc<Self> {
         Arc::new(HealthState {
-            state: Mutex::default(),
+            state: Arc::default(),
             lease_duration,
+            prefix: None,
         })
+    }
+
+    /// One stream's view of a multi-stream consumer's health: the same state, its
+    /// shards named `stream/shardId`.
+    pub(crate) fn for_stream(&self, stream: &str) -> Arc<Self> {
+        Arc::new(HealthState {
+            state: self.state.clone(),
+            lease_duration: self.lease_duration,
+            prefix: Some(format!("{stream}/").into()),
+        })
+    }
+
+    /// The name `shard` has in the health report.
+    fn name(&self, shard: &str) -> Arc<str> {
+        match &self.prefix {
+            Some(prefix) => format!("{prefix}{shard}").into(),
+            None => shard.into(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -113,7 +136,7 @@ impl HealthState {
     /// The worker started reading `shard` (its lease was taken).
     pub(crate) fn shard_started(&self, shard: &str) {
         self.lock().shards.insert(
-            shard.into(),
+            self.name(shard),
             ShardState {
                 progress_at: Instant::now(),
                 failures: 0,
@@ -124,12 +147,12 @@ impl HealthState {
 
     /// The worker no longer reads `shard`.
     pub(crate) fn shard_stopped(&self, shard: &str) {
-        self.lock().shards.remove(shard);
+        self.lock().shards.remove(&self.name(shard));
     }
 
     /// `shard`'s checkpoint was written, or a read of it found nothing new.
     pub(crate) fn progress(&self, shard: &str) {
-        if let Some(s) = self.lock().shards.get_mut(shard) {
+        if let Some(s) = self.lock().shards.get_mut(&self.name(shard)) {
             s.progress_at = Instant::now();
             s.failures = 0;
             s.last_error = None;
@@ -138,7 +161,7 @@ impl HealthState {
 
     /// A read of `shard` or a handler call on it failed.
     pub(crate) fn failure(&self, shard: &str, error: impl std::fmt::Display) {
-        if let Some(s) = self.lock().shards.get_mut(shard) {
+        if let Some(s) = self.lock().shards.get_mut(&self.name(shard)) {
             s.failures = s.failures.saturating_add(1);
             s.last_error = Some(error.to_string());
         }

@@ -48,6 +48,7 @@ mod events;
 mod health;
 mod reader;
 mod shard;
+mod streams;
 
 use std::fmt::Display;
 use std::future::{Future, IntoFuture};
@@ -70,10 +71,11 @@ pub use config::{
     CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
     DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
 };
-use coordinator::{Coordinator, Sink, SpawnDispatch};
+use coordinator::{Sink, SpawnDispatch};
 pub use events::ShardEvent;
 use health::HealthState;
 pub use health::{Health, ShardHealth, FAILING_AFTER};
+use streams::Group;
 
 use crate::metrics::{Labels, Measured};
 
@@ -90,6 +92,24 @@ pub enum ConsumerError {
     /// Kinesis refused (for example: the stream does not exist).
     #[error("kinesis: {0}")]
     Kinesis(#[from] KinesisError),
+    /// The lease table is a multi-stream table (keys `account:stream:creationEpoch:shardId`)
+    /// and the consumer reads a single stream ([`ConsumerBuilder::stream`]), or the other
+    /// way round ([`ConsumerBuilder::streams`]): the two key forms are never mixed in
+    /// one table. Use another `.lease_table(..)` (or group) for one of them.
+    #[error(
+        "lease table {table:?} holds {rows} (row {lease:?}), but this consumer reads {consumer}: \
+         single-stream and multi-stream consumers need separate lease tables"
+    )]
+    TableModeMismatch {
+        /// The lease table.
+        table: String,
+        /// What this consumer reads, e.g. `the single stream "orders"`.
+        consumer: String,
+        /// What the table holds, e.g. `multi-stream rows (of stream 123456789012:orders:1700000000)`.
+        rows: String,
+        /// The row that showed it.
+        lease: String,
+    },
     /// The worker task panicked or was cancelled (or its result was already returned).
     #[error("the worker task failed: {0}")]
     Worker(String),
@@ -261,14 +281,14 @@ impl Consumer {
     /// stream ends (so in-flight batches can still be acknowledged).
     pub fn stream(self) -> BatchStream {
         let (tx, rx) = mpsc::channel(self.config.prefetch_batches.max(1) * 4);
-        let coordinator = Coordinator::new(
+        let group = Group::new(
             self.config.clone(),
             self.kinesis.clone(),
             self.store.clone(),
             Sink::Shared(tx),
         );
-        let health = coordinator.health();
-        let worker = tokio::spawn(coordinator.run(self.shutdown.clone()));
+        let health = group.health();
+        let worker = tokio::spawn(group.run(self.shutdown.clone()));
         BatchStream {
             health,
             rx,
@@ -286,7 +306,7 @@ fn spawn_with<S: Clone + Send + 'static>(
     spawn: impl Fn(mpsc::Receiver<Batch>, S) -> JoinHandle<()> + Send + Sync + 'static,
 ) -> SpawnDispatch {
     let service = std::sync::Mutex::new(service);
-    Box::new(move |rx| {
+    Arc::new(move |rx| {
         let service = service.lock().unwrap_or_else(|p| p.into_inner()).clone();
         spawn(rx, service)
     })
@@ -343,16 +363,16 @@ impl Run {
             until,
         } = self;
         let shutdown = consumer.shutdown.clone();
-        let coordinator = Coordinator::new(
+        let group = Group::new(
             consumer.config,
             consumer.kinesis,
             consumer.store,
             Sink::PerShard(spawn),
         );
-        let health = coordinator.health();
+        let health = group.health();
         let token = shutdown.clone();
         let worker = tokio::spawn(async move {
-            let run = coordinator.run(token.clone());
+            let run = group.run(token.clone());
             tokio::pin!(run);
             if let Some(signal) = until {
                 tokio::select! {

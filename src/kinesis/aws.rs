@@ -46,7 +46,7 @@ use aws_sdk_kinesis::types::{
 
 use super::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
-    StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
+    StartingPosition, StreamAdmin, StreamIdentity, Subscription, SubscriptionEvent,
 };
 use crate::sequence::SequenceNumber;
 
@@ -412,6 +412,14 @@ impl KinesisApi for AwsKinesis {
 
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
         Ok(self.stream_status(stream).await? == StreamStatus::Updating)
+    }
+
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        let summary = self.describe_summary(stream).await?;
+        let created = SystemTime::try_from(summary.stream_creation_timestamp).map_err(|e| {
+            KinesisError::Other(format!("stream {stream}: creation time: {e}").into())
+        })?;
+        StreamIdentity::from_description(stream, &summary.stream_arn, created)
     }
 
     async fn shard_iterator(

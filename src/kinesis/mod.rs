@@ -5,6 +5,7 @@
 pub mod aws;
 
 use crate::error::ErrorDetail;
+use std::fmt;
 use std::pin::Pin;
 use std::time::SystemTime;
 
@@ -47,6 +48,103 @@ impl ShardInfo {
     pub fn is_closed(&self) -> bool {
         self.ending_sequence_number.is_some()
     }
+}
+
+/// A stream as the KCL's multi-stream mode names it: the account, the stream's name and
+/// its creation time in epoch seconds, serialized `account:stream:creationEpoch` (the
+/// prefix of every multi-stream lease key and the `streamName` attribute of its rows).
+/// The creation time makes a deleted and re-created stream of the same name another
+/// stream, with rows of its own.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamIdentity {
+    /// The AWS account the stream belongs to (12 digits on AWS).
+    pub account: String,
+    /// The stream's name.
+    pub name: String,
+    /// When the stream was created, in seconds since the Unix epoch.
+    pub creation_epoch: u64,
+}
+
+impl StreamIdentity {
+    /// The identity DescribeStreamSummary gives: the account from the stream's ARN
+    /// (`arn:aws:kinesis:<region>:<account>:stream/<name>`) and its creation time.
+    pub fn from_description(
+        name: &str,
+        arn: &str,
+        created: SystemTime,
+    ) -> Result<Self, KinesisError> {
+        let account = arn_account(arn).ok_or_else(|| {
+            KinesisError::Invalid(format!("stream {name}: {arn:?} is not a stream ARN").into())
+        })?;
+        let creation_epoch = created
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(StreamIdentity {
+            account: account.to_owned(),
+            name: name.to_owned(),
+            creation_epoch,
+        })
+    }
+
+    /// Parses `account:stream:creationEpoch` (the KCL's `StreamIdentifier` form: the
+    /// account and epoch are digits, the name has no `:`).
+    pub fn parse(serialized: &str) -> Option<Self> {
+        let mut parts = serialized.split(':');
+        let (account, name, epoch) = (parts.next()?, parts.next()?, parts.next()?);
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if parts.next().is_some() || !digits(account) || !digits(epoch) || name.is_empty() {
+            return None;
+        }
+        Some(StreamIdentity {
+            account: account.to_owned(),
+            name: name.to_owned(),
+            creation_epoch: epoch.parse().ok()?,
+        })
+    }
+
+    /// The lease key of one of its shards: `account:stream:creationEpoch:shardId`.
+    pub fn lease_key(&self, shard_id: &str) -> String {
+        format!("{self}:{shard_id}")
+    }
+
+    /// Splits a multi-stream lease key into the stream and the shard id; `None` for a
+    /// single-stream key (a bare shard id).
+    pub fn split_lease_key(key: &str) -> Option<(Self, &str)> {
+        let (stream, shard) = key.rsplit_once(':')?;
+        Some((Self::parse(stream)?, shard))
+    }
+}
+
+impl fmt::Display for StreamIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.account, self.name, self.creation_epoch)
+    }
+}
+
+/// The account of a Kinesis stream ARN, `arn:<partition>:kinesis:<region>:<account>:stream/<name>`.
+fn arn_account(arn: &str) -> Option<&str> {
+    let mut parts = arn.splitn(6, ':');
+    let (arn_tag, _partition, service, _region, account, resource) = (
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+        parts.next()?,
+    );
+    (arn_tag == "arn"
+        && service == "kinesis"
+        && resource.starts_with("stream/")
+        && !account.is_empty())
+    .then_some(account)
+}
+
+/// The stream name in a Kinesis stream ARN (`...:stream/<name>`), `None` if `arn` is
+/// not one.
+pub fn stream_name_of_arn(arn: &str) -> Option<&str> {
+    arn_account(arn)?;
+    arn.rsplit_once(":stream/").map(|(_, name)| name)
 }
 
 /// Where one shard iterator (GetShardIterator, SubscribeToShard) starts: a request
@@ -221,6 +319,16 @@ pub trait KinesisApi: Send + Sync + 'static {
     /// Whether the stream is being resharded (status UPDATING).
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError>;
 
+    /// The stream's identity (DescribeStreamSummary: its ARN's account and its
+    /// creation time), which multi-stream lease keys carry. A backend that cannot tell
+    /// (the default) refuses, and so cannot run a multi-stream consumer.
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        let _ = stream;
+        Err(KinesisError::Unsupported(
+            "stream identity (multi-stream mode)".into(),
+        ))
+    }
+
     /// An iterator into a shard.
     async fn shard_iterator(
         &self,
@@ -282,4 +390,57 @@ pub trait StreamAdmin: KinesisApi {
         shard_id: &str,
         adjacent_shard_id: &str,
     ) -> Result<(), KinesisError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_identities_and_multi_stream_keys_parse_as_the_kcl_writes_them() {
+        let id = StreamIdentity::parse("123456789012:orders:1700000000").unwrap();
+        assert_eq!(
+            (id.account.as_str(), id.name.as_str(), id.creation_epoch),
+            ("123456789012", "orders", 1_700_000_000)
+        );
+        assert_eq!(id.to_string(), "123456789012:orders:1700000000");
+        let key = id.lease_key("shardId-000000000001");
+        assert_eq!(key, "123456789012:orders:1700000000:shardId-000000000001");
+        assert_eq!(
+            StreamIdentity::split_lease_key(&key),
+            Some((id, "shardId-000000000001"))
+        );
+        for not_multi in [
+            "shardId-000000000001",
+            "orders:1700000000:shardId-000000000001",
+            "acct:orders:1700000000:shardId-000000000001",
+            "123456789012:orders:soon:shardId-000000000001",
+            "123456789012::1700000000:shardId-000000000001",
+        ] {
+            assert_eq!(
+                StreamIdentity::split_lease_key(not_multi),
+                None,
+                "{not_multi}"
+            );
+        }
+    }
+
+    #[test]
+    fn stream_arns_give_the_account_and_name() {
+        let arn = "arn:aws:kinesis:eu-west-1:123456789012:stream/orders";
+        assert_eq!(stream_name_of_arn(arn), Some("orders"));
+        assert_eq!(
+            stream_name_of_arn("arn:aws-cn:kinesis:cn-north-1:123456789012:stream/a.b"),
+            Some("a.b")
+        );
+        assert_eq!(stream_name_of_arn("orders"), None);
+        assert_eq!(
+            stream_name_of_arn("arn:aws:sqs:eu-west-1:123456789012:orders"),
+            None
+        );
+        let created = SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(1_700_000_000_999);
+        let id = StreamIdentity::from_description("orders", arn, created).unwrap();
+        assert_eq!(id.to_string(), "123456789012:orders:1700000000");
+        assert!(StreamIdentity::from_description("orders", "not an arn", created).is_err());
+    }
 }

@@ -8,7 +8,8 @@
 //!
 //! | attribute | type | meaning |
 //! |---|---|---|
-//! | `leaseKey` | S, **hash key** | the shard id |
+//! | `leaseKey` | S, **hash key** | the shard id; in multi-stream mode `account:stream:creationEpoch:shardId`, the KCL's multi-stream key |
+//! | `shardId` | S, multi-stream rows only | the shard id, as the KCL's multi-stream serializer writes it |
 //! | `leaseOwner` | S, absent when unowned | the worker incarnation holding the lease: `<worker id>#<nonce>` (see [`worker_of`](super::worker_of)) |
 //! | `leaseCounter` | N | bumped by every take, renewal and release: the fencing token |
 //! | `checkpoint` | S | the sequence number's digits, or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
@@ -16,7 +17,7 @@
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
 //! | `pendingOwner` | S, optional | shardflow's hand-off request: the worker that asks the owner to release to it |
-//! | `streamName` | S | shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
+//! | `streamName` | S | in multi-stream mode the KCL's: the stream identifier `account:stream:creationEpoch`; in single-stream mode shardflow's: the stream of the shard, on every row shardflow creates, and added (`claim_for_stream`) to a KCL row of the stream's shards; the consumer refuses a table whose rows name another stream (rows without it, the KCL's, are accepted) |
 //! | `ownerSwitchesSinceCheckpoint` | N | the KCL's: a take from another owner adds one, a checkpoint resets it; always written (the KCL's reader requires it) |
 //! | `childShardIds` | SS, optional | the KCL's: an ended shard's children, written after it reached `SHARD_END` (`record_children`) |
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
@@ -68,6 +69,7 @@ use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::backoff::DeadlinePoll;
 use crate::error::ErrorDetail;
 use crate::kinesis::aws::{aws_error_of, describe_sdk_error};
+use crate::kinesis::StreamIdentity;
 
 /// The hash key: the shard id.
 const KEY: &str = "leaseKey";
@@ -87,6 +89,8 @@ const PARENTS: &str = "parentShardId";
 const PENDING_OWNER: &str = "pendingOwner";
 /// The stream the row belongs to (shardflow's).
 const STREAM: &str = "streamName";
+/// The shard id of a multi-stream row (the KCL's multi-stream serializer writes it).
+const SHARD_ID: &str = "shardId";
 /// Owner changes since the last checkpoint (the KCL's).
 const OWNER_SWITCHES: &str = "ownerSwitchesSinceCheckpoint";
 /// The child shards of an ended shard (the KCL's).
@@ -429,6 +433,11 @@ fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
     );
     if let Some(stream) = &lease.stream {
         item.insert(STREAM.to_owned(), AttributeValue::S(stream.clone()));
+    }
+    // A multi-stream row (`account:stream:creationEpoch:shardId`) also carries its shard
+    // id, as the KCL's multi-stream serializer writes it.
+    if let Some((_, shard_id)) = StreamIdentity::split_lease_key(&lease.key) {
+        item.insert(SHARD_ID.to_owned(), AttributeValue::S(shard_id.to_owned()));
     }
     if !lease.children.is_empty() {
         item.insert(
@@ -1047,7 +1056,7 @@ mod tests {
         for (name, value) in item {
             let ok = match name.as_str() {
                 KEY | OWNER | CHECKPOINT | PENDING_CHECKPOINT | STARTING_HASH | ENDING_HASH
-                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER => {
+                | CHECKPOINT_OWNER | STREAM | PENDING_OWNER | SHARD_ID => {
                     matches!(value, AttributeValue::S(_))
                 }
                 COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
@@ -1147,6 +1156,8 @@ mod tests {
             "kcl2_trim_horizon_unowned.json",
             "kcl3_handoff.json",
             "kcl3_at_timestamp.json",
+            "kcl2_multi_stream.json",
+            "kcl3_multi_stream_shard_end.json",
         ] {
             let item = fixture(name);
             assert_kcl_reads(&item);
@@ -1167,6 +1178,8 @@ mod tests {
                 STARTING_HASH,
                 ENDING_HASH,
                 CHECKPOINT_OWNER,
+                STREAM,
+                SHARD_ID,
             ] {
                 let sorted = |v: Option<&AttributeValue>| match v {
                     Some(AttributeValue::Ss(set)) => {
@@ -1195,6 +1208,79 @@ mod tests {
             Some(&AttributeValue::S(u128::MAX.to_string()))
         );
         assert_eq!(lease_from_item(&item).unwrap(), fresh);
+    }
+
+    #[test]
+    fn kcl_multi_stream_rows_parse_and_round_trip() {
+        let lease = lease_from_item(&fixture("kcl2_multi_stream.json")).unwrap();
+        assert_eq!(
+            lease.key,
+            "123456789012:orders:1700000000:shardId-000000000002"
+        );
+        let (identity, shard) = StreamIdentity::split_lease_key(&lease.key).unwrap();
+        assert_eq!(
+            (
+                identity.account.as_str(),
+                identity.name.as_str(),
+                identity.creation_epoch,
+                shard
+            ),
+            (
+                "123456789012",
+                "orders",
+                1_700_000_000,
+                "shardId-000000000002"
+            )
+        );
+        assert_eq!(
+            lease.stream.as_deref(),
+            Some("123456789012:orders:1700000000")
+        );
+        assert_eq!(lease.parents, vec!["shardId-000000000000".to_owned()]);
+        assert_eq!(lease.counter, 912);
+        assert_eq!(
+            lease.checkpoint,
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("49654231871269856788003409185127350380960574536328806434")
+                    .unwrap(),
+                2
+            ))
+        );
+        let end = lease_from_item(&fixture("kcl3_multi_stream_shard_end.json")).unwrap();
+        assert_eq!(end.checkpoint, Checkpoint::ShardEnd);
+        assert_eq!(end.owner, None);
+        assert_eq!(
+            end.children,
+            vec![
+                "shardId-000000000001".to_owned(),
+                "shardId-000000000002".to_owned()
+            ]
+        );
+        // A row shardflow creates in multi-stream mode has the KCL's shardId too.
+        let mut fresh = Lease::new(
+            identity.lease_key("shardId-000000000007"),
+            vec!["shardId-000000000002".into()],
+            Checkpoint::TrimHorizon,
+        );
+        fresh.stream = Some(identity.to_string());
+        let item = item_from_lease(&fresh);
+        assert_kcl_reads(&item);
+        assert_eq!(
+            item.get(SHARD_ID),
+            Some(&AttributeValue::S("shardId-000000000007".into()))
+        );
+        assert_eq!(
+            item.get(STREAM),
+            Some(&AttributeValue::S("123456789012:orders:1700000000".into()))
+        );
+        assert_eq!(lease_from_item(&item).unwrap(), fresh);
+        // Single-stream rows carry no shardId.
+        let single = item_from_lease(&Lease::new(
+            "shardId-000000000007",
+            Vec::new(),
+            Checkpoint::TrimHorizon,
+        ));
+        assert!(!single.contains_key(SHARD_ID));
     }
 
     #[test]

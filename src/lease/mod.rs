@@ -10,8 +10,10 @@
 
 pub mod dynamo;
 mod held;
+mod scoped;
 
 pub(crate) use held::{with_retries, HeldLease};
+pub(crate) use scoped::StreamScopedStore;
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;
@@ -188,7 +190,10 @@ pub(crate) fn owner_switch(expected: &Lease, new_owner: &str) -> u64 {
 /// One shard's lease row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lease {
-    /// The shard id (`leaseKey`).
+    /// The shard id (`leaseKey`). In a multi-stream table the key is the KCL's
+    /// `account:stream:creationEpoch:shardId` (see
+    /// [`StreamIdentity`](crate::kinesis::StreamIdentity)); a stream's coordinator sees
+    /// its rows under the bare shard id.
     pub key: String,
     /// The worker incarnation holding it (`leaseOwner`, see [`worker_of`]), if any.
     pub owner: Option<String>,
@@ -204,7 +209,8 @@ pub struct Lease {
     pub pending_owner: Option<String>,
     /// The stream the shard belongs to (`streamName`, shardflow's): every row shardflow
     /// creates carries it, so a consumer of another stream pointed at the same table is
-    /// refused at start-up. `None` in a row the KCL wrote (accepted as ours).
+    /// refused at start-up. `None` in a row the KCL wrote (accepted as ours). In a
+    /// multi-stream table, the KCL's stream identifier `account:stream:creationEpoch`.
     pub stream: Option<String>,
     /// The shard's hash-key range, lowest and highest (`startingHashKey`,
     /// `endingHashKey`, decimal strings as the KCL writes them), where known.

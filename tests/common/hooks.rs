@@ -16,7 +16,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin, Subscription,
+    StreamAdmin, StreamIdentity, Subscription,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::Backend;
@@ -236,6 +236,10 @@ impl<H: Hooks> KinesisApi for HookedKinesis<H> {
     }
     async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
         self.call("is_updating", self.inner.is_updating(stream))
+            .await
+    }
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        self.call("stream_identity", self.inner.stream_identity(stream))
             .await
     }
     async fn shard_iterator(

@@ -187,11 +187,19 @@ pub fn test_consumer(
     group: &str,
     worker: &str,
 ) -> ConsumerBuilder {
-    Consumer::builder()
-        .stream(stream)
-        .group(group)
-        .worker_id(worker)
-        .backend(backend)
+    test_timings(
+        Consumer::builder()
+            .stream(stream)
+            .group(group)
+            .worker_id(worker)
+            .backend(backend),
+    )
+}
+
+/// The test-friendly timings of [`test_consumer`], for builders set up otherwise (for
+/// example with several streams).
+pub fn test_timings(builder: ConsumerBuilder) -> ConsumerBuilder {
+    builder
         .idle_read_interval(Duration::from_millis(20))
         .take_interval(Duration::from_millis(300))
         .shard_sync_interval(Duration::from_millis(500))

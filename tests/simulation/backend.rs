@@ -14,6 +14,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamIdentity,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
@@ -203,6 +204,10 @@ impl KinesisApi for SimBackend {
         self.enter_kinesis().await?;
         self.memory.streams().is_updating(stream).await
     }
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        self.enter_kinesis().await?;
+        self.memory.streams().stream_identity(stream).await
+    }
     async fn shard_iterator(
         &self,
         stream: &str,
@@ -247,6 +252,14 @@ impl KinesisApi for SimBackend {
     }
 }
 
+/// The shard of a lease key, single-stream or multi-stream: the log and the invariants
+/// speak of shards.
+fn shard_of(key: &str) -> String {
+    StreamIdentity::split_lease_key(key)
+        .map_or(key, |(_, shard)| shard)
+        .to_owned()
+}
+
 struct SimStore {
     backend: SimBackend,
     inner: Arc<dyn LeaseStore>,
@@ -260,7 +273,7 @@ impl SimStore {
         log.takes.lock().unwrap().push(Take {
             at: log.tick(),
             time: SystemTime::now(),
-            key: row.key.clone(),
+            key: shard_of(&row.key),
             owner: owner.to_owned(),
             before_first_checkpoint,
         });
@@ -285,7 +298,7 @@ impl SimStore {
             // The owner name the write was fenced on (worker id and the process's nonce).
             worker: row.owner.clone().unwrap_or_default(),
             incarnation: self.backend.incarnation.clone(),
-            key: row.key.clone(),
+            key: shard_of(&row.key),
             counter: row.counter,
             checkpoint: checkpoint.clone(),
             ambiguous,

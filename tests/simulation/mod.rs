@@ -5,7 +5,8 @@
 //! generations with records written in every generation; an initial position
 //! (TRIM_HORIZON, LATEST, AT_TIMESTAMP); workers in `run` or `stream()` mode joining,
 //! leaving, killed, frozen past their lease and woken, restarted under the same id;
-//! faults on both services (see [`backend`]). Each part is a [`history::Feature`].
+//! faults on both services (see [`backend`]); workers in multi-stream mode (the KCL's
+//! multi-stream keys). Each part is a [`history::Feature`].
 
 pub mod backend;
 pub mod history;
@@ -330,8 +331,12 @@ impl Sim {
             Start::Latest => InitialPosition::Latest,
             Start::AtTimestamp(t) => InitialPosition::AtTimestamp(*t),
         };
-        Consumer::builder()
-            .stream(STREAM)
+        let builder = if self.features.has(Feature::MultiStreamKeys) {
+            Consumer::builder().streams([STREAM])
+        } else {
+            Consumer::builder().stream(STREAM)
+        };
+        builder
             .group(GROUP)
             .worker_id(backend.worker.clone())
             .backend(backend)
