@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -915,7 +915,10 @@ impl Coordinator {
     /// Creates `leases` (in parent-before-child order), many at once but never a child
     /// before its parents: in waves, each holding the leases whose parents are not
     /// waiting to be created, so no worker can see a child without its parent. A fleet
-    /// started on a new table then creates thousands of rows in a few round trips.
+    /// started on a new table then creates thousands of rows in a few round trips. Each
+    /// wave goes out [`MAX_CONCURRENT_WRITES`] creates at a time in a worker's own
+    /// random order; once a row turns out to exist already, the rows listed since are
+    /// left out, so workers started together share the creation.
     /// Returns whether every lease was sent (or already existed).
     ///
     /// Every decision was taken on the rows listed at `listed_at`. A worker paused
@@ -934,38 +937,67 @@ impl Coordinator {
                 .into_iter()
                 .partition(|l| l.parents.iter().all(|p| !waiting.contains(p)));
             leases = later;
-            // Workers that start together then mostly create different rows first.
-            wave.shuffle(&mut self.rng);
-            let creates: Vec<BoxFuture<'static, _>> = wave
-                .into_iter()
-                .map(|lease| {
-                    let store = self.store.clone();
-                    async move {
-                        if listed_at.elapsed() > max_age {
-                            return (lease, None);
+            // Each worker starts at its own random place in the wave and goes on in order:
+            // workers that start together then create different runs of rows, and meet
+            // only where one run reaches the next.
+            let from = self.rng.gen_range(0..wave.len().max(1));
+            wave.rotate_left(from);
+            while !wave.is_empty() {
+                let chunk: Vec<Lease> = wave
+                    .drain(..wave.len().min(MAX_CONCURRENT_WRITES))
+                    .collect();
+                let creates: Vec<BoxFuture<'static, _>> = chunk
+                    .into_iter()
+                    .map(|lease| {
+                        let store = self.store.clone();
+                        async move {
+                            if listed_at.elapsed() > max_age {
+                                return (lease, None);
+                            }
+                            let created = store.create(&lease).await;
+                            (lease, Some(created))
                         }
-                        let created = store.create(&lease).await;
-                        (lease, Some(created))
-                    }
-                    .boxed()
-                })
-                .collect();
-            let results = concurrently(creates).await;
-            let mut complete = true;
-            for (lease, created) in results {
-                match created {
-                    Some(created) => {
-                        if created? {
-                            tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                        .boxed()
+                    })
+                    .collect();
+                let mut complete = true;
+                let mut existed = false;
+                for (lease, created) in concurrently(creates).await {
+                    match created {
+                        Some(created) => {
+                            if created? {
+                                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                            } else {
+                                existed = true;
+                            }
                         }
+                        None => complete = false,
                     }
-                    None => complete = false,
                 }
-            }
-            if !complete {
-                // No child after a parent that was not created; decide again.
-                tracing::info!("the shard listing is too old to create leases from; syncing again");
-                return Ok(false);
+                if !complete {
+                    // No child after a parent that was not created; decide again.
+                    tracing::info!(
+                        "the shard listing is too old to create leases from; syncing again"
+                    );
+                    return Ok(false);
+                }
+                // A row that already existed: other workers (a group started together)
+                // are creating the same rows. One listing leaves out what they created
+                // meanwhile, instead of one conditional put per shard per worker (40
+                // workers x 2,000 shards were 80,000 puts). A failed listing changes
+                // nothing: the creates go on.
+                if existed && !wave.is_empty() {
+                    match self.store.list().await {
+                        Ok(rows) => {
+                            let keys: BTreeSet<&str> =
+                                rows.iter().map(|r| r.key.as_str()).collect();
+                            wave.retain(|l| !keys.contains(l.key.as_str()));
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "could not list the rows others created; creating on")
+                        }
+                    }
+                }
             }
         }
         Ok(true)
@@ -1281,11 +1313,25 @@ async fn release(lease: &HeldLease, key: &str) {
     }
 }
 
+/// Ticks per renew interval of [`renew_loop`]: each tick renews only the leases due then,
+/// so a worker holding many leases spreads their renewals over the interval (32 ticks:
+/// a worker with 200 leases sends about 7 UpdateItems every 100 ms at the defaults,
+/// instead of 200 in the same millisecond, which a DynamoDB partition would throttle).
+const RENEWAL_TICKS: u32 = 32;
+
 /// Renews every held lease on its own timer, independent of reading and handling, and
 /// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
 /// in its own task under the lease call deadline, so one slow or hung renewal never
 /// delays the others; a lease whose previous renewal is still in flight is skipped for
 /// that tick rather than renewed twice at once.
+///
+/// Renewals are paced: every lease is renewed once per renew interval, but at its own
+/// phase. A lease first seen by the loop is due somewhere in the coming interval (the
+/// leases seen together spread evenly over it: renewing early only adds margin), and
+/// never later than one interval minus one tick after its take was sent; after
+/// that it is due one interval minus one tick after its last renewal was sent, so with
+/// the tick's rounding no lease waits longer between renewals than the renew interval,
+/// exactly as without pacing.
 async fn renew_loop(
     config: Arc<Config>,
     health: Arc<HealthState>,
@@ -1293,14 +1339,15 @@ async fn renew_loop(
     events: mpsc::UnboundedSender<Event>,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval_at(
-        Instant::now() + config.renew_interval,
-        config.renew_interval,
-    );
+    let step = (config.renew_interval / RENEWAL_TICKS).max(Duration::from_millis(1));
+    let period = config.renew_interval.saturating_sub(step).max(step);
+    let mut tick = tokio::time::interval_at(Instant::now() + step, step);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     // Dropped (aborting what still runs) when the loop ends.
     let mut renewals: JoinSet<String> = JoinSet::new();
     let mut in_flight: BTreeSet<String> = BTreeSet::new();
+    // When each held lease is due for its next renewal.
+    let mut due: BTreeMap<String, Instant> = BTreeMap::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -1312,15 +1359,28 @@ async fn renew_loop(
             }
             _ = tick.tick() => {}
         }
-        let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let now = Instant::now();
+        let leases: Vec<(String, Arc<HeldLease>)> = {
+            let held = lock(&held);
+            due.retain(|key, _| held.contains_key(key));
+            let new: Vec<(&String, &Arc<HeldLease>)> =
+                held.iter().filter(|(k, _)| !due.contains_key(*k)).collect();
+            let n = new.len() as f64;
+            for (i, (key, lease)) in new.into_iter().enumerate() {
+                let spread = now + period.mul_f64((i + 1) as f64 / n);
+                due.insert(key.clone(), spread.min(lease.renewed_at() + period));
+            }
+            held.iter()
+                .filter(|(k, _)| due.get(*k).is_some_and(|at| *at <= now))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
         for (key, lease) in leases {
             if !in_flight.insert(key.clone()) {
                 tracing::debug!(lease = %key, "the previous renewal is still in flight");
                 continue;
             }
+            due.insert(key.clone(), now + period);
             let events = events.clone();
             let me = config.owner.clone();
             let health = health.clone();

@@ -46,6 +46,7 @@ mod deadline;
 mod dispatch;
 mod events;
 mod health;
+pub(crate) mod read_ahead;
 mod reader;
 mod shard;
 mod streams;
@@ -69,7 +70,7 @@ use crate::message::{Batch, Message};
 
 pub use config::{
     CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
-    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
+    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
 };
 use coordinator::{Sink, SpawnDispatch};
 pub use events::ShardEvent;

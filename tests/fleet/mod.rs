@@ -57,6 +57,16 @@ impl Fleet {
     }
 }
 
+/// One lease-store call a worker made: when it was sent, by which worker, which call
+/// (`"renew"`, `"create"`, ...) and on which lease (none for `list`, `ensure_table`).
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub at: Instant,
+    pub worker: String,
+    pub op: &'static str,
+    pub key: Option<String>,
+}
+
 /// A started fleet: the backend, the workers and which shards delivered a record.
 pub struct Running {
     pub memory: Memory,
@@ -68,6 +78,8 @@ pub struct Running {
     pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
     /// Records put in the stream so far.
     pub put: Arc<Mutex<usize>>,
+    /// Every lease-store call of every worker, in the order sent.
+    pub calls: Arc<Mutex<Vec<Call>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -82,15 +94,25 @@ struct Worker {
 
 /// A worker process's view of the lease table: once the process is killed, none of its
 /// lease-store calls lands any more (they never answer), so its leases are neither
-/// renewed nor released and expire, as after a crash.
-struct Killable(Arc<AtomicBool>);
+/// renewed nor released and expire, as after a crash. Every call sent is logged.
+struct Killable {
+    dead: Arc<AtomicBool>,
+    worker: String,
+    calls: Arc<Mutex<Vec<Call>>>,
+}
 
 #[async_trait]
 impl Hooks for Killable {
-    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
-        if self.0.load(Ordering::SeqCst) {
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
+        self.calls.lock().unwrap().push(Call {
+            at: Instant::now(),
+            worker: self.worker.clone(),
+            op,
+            key: key.map(str::to_owned),
+        });
         Ok(())
     }
 }
@@ -149,6 +171,7 @@ pub async fn start(fleet: Fleet) -> Running {
         last_delivery: Arc::default(),
         handled: Arc::default(),
         put,
+        calls: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -183,7 +206,14 @@ impl Running {
                 .stream(STREAM)
                 .group(GROUP)
                 .worker_id(&id)
-                .backend(Hooked::new(self.memory.clone(), Killable(dead.clone())))
+                .backend(Hooked::new(
+                    self.memory.clone(),
+                    Killable {
+                        dead: dead.clone(),
+                        worker: id.clone(),
+                        calls: self.calls.clone(),
+                    },
+                ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
                 .build()
                 .expect("a valid configuration");
