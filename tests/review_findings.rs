@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::*;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
-use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{InitialPosition, Memory, Message};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -324,7 +324,7 @@ struct SlowTakeReplies(Duration);
 
 #[async_trait::async_trait]
 impl Hooks for SlowTakeReplies {
-    async fn after_lease(&self, op: &'static str, _: Option<&str>) {
+    async fn after_lease(&self, op: &'static str, _: Option<&str>, _: Option<&Lease>) {
         if op == "take" {
             tokio::time::sleep(self.0).await;
         }

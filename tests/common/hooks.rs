@@ -33,9 +33,11 @@ pub trait Hooks: Send + Sync + 'static {
         Ok(())
     }
 
-    /// After a lease-store call landed, before its caller sees the result.
-    async fn after_lease(&self, op: &'static str, key: Option<&str>) {
-        let _ = (op, key);
+    /// After a lease-store call answered, before its caller sees the answer: `row` is
+    /// the row a successful write returned (`None` for an error and for the calls that
+    /// return no single row).
+    async fn after_lease(&self, op: &'static str, key: Option<&str>, row: Option<&Lease>) {
+        let _ = (op, key, row);
     }
 
     /// Before a Kinesis call, as [`before_lease`](Self::before_lease).
@@ -102,7 +104,7 @@ pub struct HookedStore<H> {
 }
 
 impl<H: Hooks> HookedStore<H> {
-    async fn call<T>(
+    async fn call<T: Answer>(
         &self,
         op: &'static str,
         key: Option<&str>,
@@ -110,10 +112,30 @@ impl<H: Hooks> HookedStore<H> {
     ) -> Result<T, LeaseError> {
         self.hooks.before_lease(op, key).await?;
         let result = call.await;
-        self.hooks.after_lease(op, key).await;
+        let row = result.as_ref().ok().and_then(Answer::row);
+        self.hooks.after_lease(op, key, row).await;
         result
     }
 }
+
+/// The answer of a lease-store call, for [`Hooks::after_lease`]: the row it returned,
+/// if one.
+trait Answer: Send + Sync {
+    fn row(&self) -> Option<&Lease> {
+        None
+    }
+}
+
+impl Answer for Lease {
+    fn row(&self) -> Option<&Lease> {
+        Some(self)
+    }
+}
+
+impl Answer for () {}
+impl Answer for bool {}
+impl Answer for Vec<Lease> {}
+impl Answer for Option<Lease> {}
 
 #[async_trait]
 impl<H: Hooks> LeaseStore for HookedStore<H> {
