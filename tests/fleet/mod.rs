@@ -11,12 +11,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[path = "../common/hooks.rs"]
+mod hooks;
+
 use async_trait::async_trait;
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::LeaseError;
+
+use hooks::{Hooked, Hooks};
 use shardflow::memory::LeaseFaults;
-use shardflow::{Backend, Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -87,41 +92,18 @@ struct Worker {
     dead: Arc<AtomicBool>,
 }
 
-/// The memory backend as one worker process sees it: once the process is killed, none
-/// of its lease-store calls lands any more (they never answer), so its leases are
-/// neither renewed nor released and expire, as after a crash.
+/// A worker process's view of the lease table: once the process is killed, none of its
+/// lease-store calls lands any more (they never answer), so its leases are neither
+/// renewed nor released and expire, as after a crash. Every call sent is logged.
 struct Killable {
-    memory: Memory,
     dead: Arc<AtomicBool>,
     worker: String,
     calls: Arc<Mutex<Vec<Call>>>,
 }
 
-impl Backend for Killable {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.memory.kinesis()
-    }
-
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(KillableStore {
-            inner: self.memory.lease_store(table),
-            dead: self.dead.clone(),
-            worker: self.worker.clone(),
-            calls: self.calls.clone(),
-        })
-    }
-}
-
-struct KillableStore {
-    inner: Arc<dyn LeaseStore>,
-    dead: Arc<AtomicBool>,
-    worker: String,
-    calls: Arc<Mutex<Vec<Call>>>,
-}
-
-impl KillableStore {
-    /// Never returns once the process is dead; logs the call otherwise.
-    async fn gate(&self, op: &'static str, key: Option<&str>) {
+#[async_trait]
+impl Hooks for Killable {
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -131,66 +113,7 @@ impl KillableStore {
             op,
             key: key.map(str::to_owned),
         });
-    }
-}
-
-#[async_trait]
-impl LeaseStore for KillableStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.gate("ensure_table", None).await;
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.gate("list", None).await;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.gate("get", Some(key)).await;
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.gate("create", Some(&lease.key)).await;
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.gate("take", Some(&expected.key)).await;
-        self.inner.take(expected, new_owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate("renew", Some(&expected.key)).await;
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.gate("checkpoint", Some(&expected.key)).await;
-        self.inner.checkpoint(expected, at).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate("release", Some(&expected.key)).await;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate("request_handoff", Some(&expected.key)).await;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate("withdraw_handoff", Some(&expected.key)).await;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.gate("delete", Some(&expected.key)).await;
-        self.inner.delete(expected).await
-    }
-    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
-        self.gate("claim_for_stream", Some(&expected.key)).await;
-        self.inner.claim_for_stream(expected, stream).await
-    }
-    async fn record_children(
-        &self,
-        expected: &Lease,
-        children: &[String],
-    ) -> Result<Lease, LeaseError> {
-        self.gate("record_children", Some(&expected.key)).await;
-        self.inner.record_children(expected, children).await
+        Ok(())
     }
 }
 
@@ -283,12 +206,14 @@ impl Running {
                 .stream(STREAM)
                 .group(GROUP)
                 .worker_id(&id)
-                .backend(Killable {
-                    memory: self.memory.clone(),
-                    dead: dead.clone(),
-                    worker: id.clone(),
-                    calls: self.calls.clone(),
-                })
+                .backend(Hooked::new(
+                    self.memory.clone(),
+                    Killable {
+                        dead: dead.clone(),
+                        worker: id.clone(),
+                        calls: self.calls.clone(),
+                    },
+                ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
                 .build()
                 .expect("a valid configuration");
