@@ -20,6 +20,9 @@
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
 //! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers.
+//! `BENCH_SCENARIO=steady` lets balanced idle fleets of 500 shards x 4, 10 and 40
+//! workers run for 10 simulated minutes and prints the lease-store calls per shard per
+//! hour by kind, and the table rows the listings read (each `list` reads every row).
 //! `BENCH_SEED=n` changes the workers' seeds (default 11). Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
@@ -80,10 +83,11 @@ fn main() {
     match std::env::var("BENCH_SCENARIO").as_deref() {
         Ok("failover") => return failover(),
         Ok("scale-out") => return scale_out(),
+        Ok("steady") => return steady(),
         _ => {}
     }
-    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | wall time |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | of which creates / lists / takes | wall time |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (shards, workers) in sizes() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -100,6 +104,11 @@ fn main() {
                 running.until(LIMIT, |r| r.balanced()).await
             };
             let requests = running.memory.table(fleet::GROUP).requests();
+            let (creates, lists, takes) = {
+                let calls = running.calls.lock().expect("the call log");
+                let count = |op: &str| calls.iter().filter(|c| c.op == op).count();
+                (count("create"), count("list"), count("take"))
+            };
             let counts = leases_per_owner(&running.memory);
             let min = counts.values().min().copied().unwrap_or(0);
             let max = counts.values().max().copied().unwrap_or(0);
@@ -108,7 +117,7 @@ fn main() {
                 None => format!("not within {} s", LIMIT.as_secs()),
             };
             println!(
-                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {:.1} s |",
+                "| {shards} | {workers} | {} | {} | {min}-{max} | {requests} | {creates} / {lists} / {takes} | {:.1} s |",
                 show(delivered),
                 show(balanced),
                 wall.elapsed().as_secs_f64()
@@ -268,6 +277,56 @@ fn scale_out() {
                 running.duplicates().len(),
                 if handled.is_some() { "yes" } else { "no" },
                 wall.elapsed().as_secs_f64()
+            );
+            running.stop().await;
+        });
+    }
+}
+
+/// Balanced idle fleets: lease-store calls per shard-hour by kind, and the rows the
+/// listings read, which grow with the number of workers (every worker lists the whole
+/// table every take interval).
+fn steady() {
+    println!("per shard-hour:");
+    println!(
+        "| shards | workers | renew | checkpoint | list | take | other | rows read by lists |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let minutes: u64 = common::env_or("BENCH_MINUTES", if common::measuring() { 10 } else { 1 });
+    let sizes = match std::env::var("BENCH_SIZES") {
+        Ok(_) => sizes(),
+        Err(_) => vec![(500, 4), (500, 10), (500, 40)],
+    };
+    for (shards, workers) in sizes {
+        paused_runtime().block_on(async {
+            let running = fleet::start(fleet_of(shards, workers)).await;
+            let balanced = running.until(LIMIT, |r| r.balanced()).await;
+            assert!(balanced.is_some(), "{shards}x{workers} did not balance");
+            // A minute to settle, then the measured window.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            let from = tokio::time::Instant::now();
+            tokio::time::sleep(Duration::from_secs(60 * minutes)).await;
+            let calls = running.calls.lock().expect("the call log").clone();
+            let window: Vec<&fleet::Call> = calls.iter().filter(|c| c.at >= from).collect();
+            let hours = minutes as f64 / 60.0;
+            let per = |n: usize| n as f64 / shards as f64 / hours;
+            let count = |op: &str| window.iter().filter(|c| c.op == op).count();
+            let (renew, checkpoint, list, take) = (
+                count("renew"),
+                count("checkpoint"),
+                count("list"),
+                count("take"),
+            );
+            let other = window.len() - renew - checkpoint - list - take;
+            let rows = running.memory.table(fleet::GROUP).rows().len();
+            println!(
+                "| {shards} | {workers} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.0} |",
+                per(renew),
+                per(checkpoint),
+                per(list),
+                per(take),
+                per(other),
+                per(list * rows),
             );
             running.stop().await;
         });

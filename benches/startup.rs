@@ -39,8 +39,11 @@
 //! one warm-up and one timed iteration, `BENCH_ITERS` and `BENCH_RECORDS` ignored.
 
 mod common;
+#[path = "../tests/common/hooks.rs"]
+mod hooks;
 
 use common::*;
+use hooks::{HookedStore, Hooks};
 use std::collections::BTreeMap;
 use std::future::ready;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use shardflow::kinesis::KinesisApi;
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{LeaseError, LeaseStore};
 use shardflow::{Aws, Backend, Consumer, Memory, Message};
 use tokio::sync::Notify;
 
@@ -67,7 +70,7 @@ fn cpu_time() -> Duration {
 // ---------------------------------------------------------------------------------------
 // Counting lease-store calls: a Backend wrapper.
 
-const OPS: [&str; 10] = [
+const OPS: [&str; 15] = [
     "ensure_table",
     "list",
     "get",
@@ -77,7 +80,12 @@ const OPS: [&str; 10] = [
     "checkpoint",
     "release",
     "request_handoff",
+    "withdraw_handoff",
     "delete",
+    "request_reset",
+    "reset",
+    "claim_for_stream",
+    "record_children",
 ];
 
 /// Lease-store calls per operation (indexes into `OPS`).
@@ -117,72 +125,22 @@ impl Backend for CountingBackend {
     }
 
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(CountingStore {
+        Arc::new(HookedStore {
             inner: self.inner.lease_store(table),
-            calls: self.calls.clone(),
+            hooks: self.calls.clone(),
         })
     }
 }
 
-struct CountingStore {
-    inner: Arc<dyn LeaseStore>,
-    calls: Arc<CallCounts>,
-}
-
 #[async_trait]
-impl LeaseStore for CountingStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.calls.bump(0);
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.calls.bump(1);
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.calls.bump(2);
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.calls.bump(3);
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.calls.bump(4);
-        self.inner.take(expected, new_owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.calls.bump(5);
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(
-        &self,
-        expected: &Lease,
-        checkpoint: &Checkpoint,
-    ) -> Result<Lease, LeaseError> {
-        self.calls.bump(6);
-        self.inner.checkpoint(expected, checkpoint).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.calls.bump(7);
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.calls.bump(8);
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.calls.bump(8);
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.calls.bump(9);
-        self.inner.delete(expected).await
+impl Hooks for CallCounts {
+    async fn before_lease(&self, op: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
+        if let Some(i) = OPS.iter().position(|o| *o == op) {
+            self.bump(i);
+        }
+        Ok(())
     }
 }
-
-// ---------------------------------------------------------------------------------------
-// Counting DynamoDB HTTP requests: an SDK interceptor (one count per attempt).
 
 mod http_count {
     use super::*;

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::consumer::read_ahead::ReadAheadShare;
 use crate::lease::{Checkpoint, HeldLease};
 use crate::metrics::InFlight;
 use crate::sequence::Position;
@@ -305,6 +306,7 @@ impl ShardProgress {
             id,
             generation,
             in_flight: None,
+            read_ahead: None,
         }
     }
 
@@ -332,6 +334,9 @@ pub struct AckHandle {
     generation: u64,
     /// The batch's metrics: in flight until the last clone is dropped.
     in_flight: Option<Arc<InFlight>>,
+    /// The batch's share of the worker's read-ahead budget: given back on `ack`,
+    /// `nack` or `abandon`, or when the last clone is dropped.
+    read_ahead: Option<Arc<ReadAheadShare>>,
 }
 
 impl AckHandle {
@@ -341,11 +346,24 @@ impl AckHandle {
         self
     }
 
+    /// Keeps the batch's share of the read-ahead budget (see [`ReadAheadShare`]).
+    pub(crate) fn holding(mut self, share: ReadAheadShare) -> Self {
+        self.read_ahead = Some(Arc::new(share));
+        self
+    }
+
+    fn release_read_ahead(&self) {
+        if let Some(share) = &self.read_ahead {
+            share.release();
+        }
+    }
+
     /// Every record of the batch is handled.
     pub fn ack(&self) {
         if let Some(m) = &self.in_flight {
             m.handled();
         }
+        self.release_read_ahead();
         if self.progress.lock().ack(self.id, self.generation) {
             self.progress.changed.notify_one();
         }
@@ -394,6 +412,7 @@ impl AckHandle {
     /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
     /// stays unhandled and is delivered again later.
     pub(crate) fn abandon(&self) {
+        self.release_read_ahead();
         self.progress.lock().abandon(self.id, self.generation);
         self.progress.changed.notify_one();
     }
@@ -403,6 +422,7 @@ impl AckHandle {
     /// the shard stops and reads again from its watermark.
     /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
+        self.release_read_ahead();
         {
             let mut watermark = self.progress.lock();
             // Given up first, so the drain that the failure starts does not wait for it.

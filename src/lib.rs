@@ -23,6 +23,7 @@
 //! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
 //! | [`aggregation`] | KPL aggregation and de-aggregation |
 //! | [`admin`] | operating a group from outside: checkpoint resets, safe while it runs |
+//! | [`backoff`] | the exponential backoff with jitter that the consumer, the producer and the middleware's retry layer share |
 //! | [`backend`], [`message`], [`producer`], [`sequence`] | the modules of the items above |
 //!
 //! # Testing your handlers
@@ -60,7 +61,7 @@ mod ack;
 pub mod admin;
 pub mod aggregation;
 pub mod backend;
-mod backoff;
+pub mod backoff;
 pub mod consumer;
 mod error;
 pub mod kinesis;

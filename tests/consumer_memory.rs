@@ -2,6 +2,8 @@
 //! handler failures, the stream mode and shutdown.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::convert::Infallible;
 use std::future::IntoFuture;
@@ -11,10 +13,8 @@ use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt;
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
-};
+use hooks::{Hooked, Hooks};
+use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::lease::LeaseStore;
 use shardflow::memory::{KinesisFaults, LeaseFaults};
@@ -296,8 +296,11 @@ async fn at_latest_a_failure_before_the_first_checkpoint_skips_nothing_written_s
             }
         })
     };
-    let backend = IteratorsSeen::new(memory.clone());
-    let mut iterators = backend.iterators.subscribe();
+    let backend = Hooked::new(
+        memory.clone(),
+        IteratorsSeen(tokio::sync::watch::channel(0).0),
+    );
+    let mut iterators = backend.hooks.0.subscribe();
     let consumer = test_consumer(backend, "latest", "latest-group", "w1")
         .initial_position(shardflow::InitialPosition::Latest)
         .build()
@@ -387,67 +390,16 @@ async fn a_parent_past_retention_does_not_hold_its_children_back() {
     assert!(parent_row.is_none_or(|r| r.checkpoint == Checkpoint::ShardEnd));
 }
 
-/// The memory backend, counting GetShardIterator calls in a watch channel: a test awaits
-/// the reader's first iterator instead of sleeping until it probably has one.
-#[derive(Clone)]
-struct IteratorsSeen {
-    memory: Memory,
-    iterators: Arc<tokio::sync::watch::Sender<usize>>,
-}
-
-impl IteratorsSeen {
-    fn new(memory: Memory) -> Self {
-        let (iterators, _) = tokio::sync::watch::channel(0);
-        IteratorsSeen {
-            memory,
-            iterators: Arc::new(iterators),
-        }
-    }
-}
-
-impl shardflow::Backend for IteratorsSeen {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(IteratorsSeenKinesis(self.clone()))
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        self.memory.lease_store(table)
-    }
-}
-
-struct IteratorsSeenKinesis(IteratorsSeen);
+/// Counts GetShardIterator calls in a watch channel: a test awaits the reader's first
+/// iterator instead of sleeping until it probably has one.
+struct IteratorsSeen(tokio::sync::watch::Sender<usize>);
 
 #[async_trait::async_trait]
-impl KinesisApi for IteratorsSeenKinesis {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.0.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.0.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        let iterator = self
-            .0
-            .memory
-            .streams()
-            .shard_iterator(stream, shard_id, from);
-        let iterator = iterator.await;
-        self.0.iterators.send_modify(|n| *n += 1);
-        iterator
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.0.memory.streams().get_records(iterator, limit).await
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.0.memory.streams().put_records(stream, records).await
+impl Hooks for IteratorsSeen {
+    async fn after_kinesis(&self, op: &'static str) {
+        if op == "shard_iterator" {
+            self.0.send_modify(|n| *n += 1);
+        }
     }
 }
 

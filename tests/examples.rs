@@ -1,7 +1,8 @@
-//! The README's main example, the multi-stream example and the pipeline example run to completion on the embedded
-//! backend: the quickstart verifies its own totals (it exits non-zero otherwise); the
-//! pipeline's rule (each good order charged exactly once, each bad one dead-lettered) is
-//! checked here from what it prints.
+//! The README's main example, the multi-stream example, the pipeline and the processor
+//! run to completion on the embedded backend. What the quickstart prints is checked here
+//! (records per shard, the split, the checkpoints), as is the pipeline's rule (each good
+//! order charged exactly once, each bad one dead-lettered); the multi-stream example and
+//! the processor verify their own rules (they exit non-zero otherwise).
 //!
 //! Each test builds its example first (`common::build_example`: a no-op when the suite
 //! already built the examples), so it always runs the current code and never skips. A run
@@ -89,9 +90,45 @@ fn run(name: &str) -> String {
 }
 
 #[test]
-fn quickstart_handles_every_record() {
+fn quickstart_handles_every_record_and_says_so() {
     let stdout = run("quickstart");
     eprintln!("{stdout}");
+    let line = |prefix: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line starting {prefix:?} in:\n{stdout}"))
+    };
+    // "Split shardId-000000000000 into shardId-000000000004 and shardId-000000000005 ..."
+    let split: Vec<&str> = line("Split ").split(' ').collect();
+    let (parent, children) = (split[1], [split[3], split[5]]);
+    assert!(line("Handled ").starts_with("Handled 4000 of 4000 records in "));
+    // "  shardId-...: N records handled, checkpoint SHARD_END (...)" or "at record N".
+    let mut shards = BTreeMap::new();
+    for l in stdout.lines().filter(|l| l.starts_with("  shardId-")) {
+        let (shard, rest) = l.trim().split_once(": ").expect("shard: ...");
+        let (count, checkpoint) = rest
+            .split_once(" records handled, checkpoint ")
+            .expect("N records handled, checkpoint ...");
+        let count: usize = count.parse().expect("a record count");
+        shards.insert(shard.to_owned(), (count, checkpoint.to_owned()));
+    }
+    assert_eq!(shards.len(), 6, "four shards and two children: {shards:?}");
+    assert_eq!(shards.values().map(|(n, _)| n).sum::<usize>(), 4_000);
+    for (shard, (count, checkpoint)) in &shards {
+        if shard == parent {
+            assert!(checkpoint.starts_with("SHARD_END"), "{shard}: {checkpoint}");
+        } else {
+            // Every record handled: the checkpoint is at the shard's last one.
+            assert_eq!(checkpoint, &format!("at record {count}"), "{shard}");
+        }
+    }
+    for child in children {
+        assert!(
+            shards[child].0 > 0,
+            "the child {child} was read after the split"
+        );
+    }
 }
 
 #[test]
@@ -135,8 +172,24 @@ fn pipeline_charges_each_good_order_once_and_dead_letters_the_rest() {
     assert!(missing.is_empty(), "good orders never charged: {missing:?}");
     let bad_count = (0..1_000).filter(|id| bad(*id)).count();
     assert!(
-        stdout.contains(&format!(", {bad_count} in the dead-letter stream")),
+        stdout.contains(&format!(
+            "1000 orders finished: {} charged, {bad_count} dead-lettered to ",
+            1_000 - bad_count
+        )),
         "each of the {bad_count} bad orders dead-lettered once: {}",
         stdout.lines().last().unwrap_or_default()
+    );
+}
+
+#[test]
+fn processor_ships_each_order_once_and_in_order_per_customer() {
+    let stdout = run("processor");
+    // The example checks the rule itself and exits non-zero when it is broken; the
+    // summary says what it counted.
+    assert!(
+        stdout.contains(
+            "1000 orders, 1000 shipped, 0 shipped more than once, 0 customers out of order"
+        ),
+        "{stdout}"
     );
 }

@@ -4,6 +4,8 @@
 //! never reported. Paused tokio time where the scenario is about time.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,35 +15,37 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::*;
 use futures_util::StreamExt;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin, Subscription, SubscriptionEvent,
+    KinesisApi, KinesisError, StartingPosition, StreamAdmin, Subscription, SubscriptionEvent,
 };
-use shardflow::lease::{Checkpoint, LeaseStore};
+use shardflow::lease::Checkpoint;
 use shardflow::memory::{KinesisFaults, MemoryKinesis};
-use shardflow::{Backend, ConsumerError, Memory};
+use shardflow::{ConsumerError, Memory};
 use tokio::time::Instant;
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// The memory backend, counting subscriptions and GetRecords calls; with `fan_out`
-/// false it offers no enhanced fan-out (the trait's defaults answer `Unsupported`).
-#[derive(Clone)]
+/// Counts subscriptions and GetRecords calls; without `fan_out`, refuses to register a
+/// fan-out consumer as a backend without enhanced fan-out does.
 struct Counting {
-    memory: Memory,
     fan_out: bool,
-    subscriptions: Arc<AtomicUsize>,
-    get_records: Arc<AtomicUsize>,
+    subscriptions: AtomicUsize,
+    get_records: AtomicUsize,
 }
 
 impl Counting {
-    fn new(memory: Memory) -> Self {
-        Counting {
-            memory,
-            fan_out: true,
-            subscriptions: Arc::default(),
-            get_records: Arc::default(),
-        }
+    fn new(memory: Memory) -> Hooked<Memory, Counting> {
+        Self::with_fan_out(memory, true)
+    }
+
+    fn with_fan_out(memory: Memory, fan_out: bool) -> Hooked<Memory, Counting> {
+        let counting = Counting {
+            fan_out,
+            subscriptions: AtomicUsize::new(0),
+            get_records: AtomicUsize::new(0),
+        };
+        Hooked::new(memory, counting)
     }
 
     fn subscriptions(&self) -> usize {
@@ -53,69 +57,22 @@ impl Counting {
     }
 }
 
-struct CountingKinesis(Counting);
-
-impl CountingKinesis {
-    fn inner(&self) -> &MemoryKinesis {
-        self.0.memory.streams()
-    }
-}
-
 #[async_trait]
-impl KinesisApi for CountingKinesis {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.inner().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.inner().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.inner().shard_iterator(stream, shard_id, from).await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.0.get_records.fetch_add(1, Ordering::SeqCst);
-        self.inner().get_records(iterator, limit).await
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.inner().put_records(stream, records).await
-    }
-    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        if !self.0.fan_out {
-            return Err(KinesisError::Unsupported("enhanced fan-out".into()));
+impl Hooks for Counting {
+    async fn before_kinesis(&self, op: &'static str) -> Result<(), KinesisError> {
+        match op {
+            "register_consumer" if !self.fan_out => {
+                return Err(KinesisError::Unsupported("enhanced fan-out".into()))
+            }
+            "subscribe_to_shard" => {
+                self.subscriptions.fetch_add(1, Ordering::SeqCst);
+            }
+            "get_records" => {
+                self.get_records.fetch_add(1, Ordering::SeqCst);
+            }
+            _ => {}
         }
-        self.inner().register_consumer(stream, name).await
-    }
-    async fn subscribe_to_shard(
-        &self,
-        consumer_arn: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<Subscription, KinesisError> {
-        self.0.subscriptions.fetch_add(1, Ordering::SeqCst);
-        self.inner()
-            .subscribe_to_shard(consumer_arn, shard_id, from)
-            .await
-    }
-}
-
-impl Backend for Counting {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(CountingKinesis(self.clone()))
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        self.memory.lease_store(table)
-    }
-    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
-        self.memory.admin()
+        Ok(())
     }
 }
 
@@ -239,8 +196,11 @@ async fn fan_out_handles_every_record_once_in_order_across_a_split_and_a_merge()
         b.fan_out("billing-efo")
     })
     .await;
-    assert!(backend.subscriptions() >= 7, "one subscription per shard");
-    assert_eq!(backend.get_records(), 0, "nothing was polled");
+    assert!(
+        backend.hooks.subscriptions() >= 7,
+        "one subscription per shard"
+    );
+    assert_eq!(backend.hooks.get_records(), 0, "nothing was polled");
 }
 
 /// Writes values from `first` on in `batches` batches of `per_batch`, `every` apart.
@@ -318,14 +278,14 @@ async fn subscriptions_renew_before_their_lifetime_without_loss_or_duplicates() 
     let shards = kinesis.list_shards("renew").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 3_000, &shards);
     assert_partition_key_order(&recorder.snapshot());
-    let renewals = backend.subscriptions();
+    let renewals = backend.hooks.subscriptions();
     let expected = 2 * (elapsed.as_secs() as usize / 2);
     eprintln!("{renewals} subscriptions of 2 shards in {elapsed:?} of paused time");
     assert!(
         renewals >= expected,
         "{renewals} subscriptions in {elapsed:?}; expected at least {expected}"
     );
-    assert_eq!(backend.get_records(), 0, "nothing was polled");
+    assert_eq!(backend.hooks.get_records(), 0, "nothing was polled");
     for row in memory.table("renew-group").rows() {
         assert_eq!(row.owner, None, "lease {} released", row.key);
     }
@@ -358,9 +318,9 @@ async fn the_reader_resumes_after_subscription_errors() {
     let shards = kinesis.list_shards("broken").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 1_000, &shards);
     assert!(
-        backend.subscriptions() >= 2 + 2 * 10,
+        backend.hooks.subscriptions() >= 2 + 2 * 10,
         "resubscribed after each interruption: {} subscriptions",
-        backend.subscriptions()
+        backend.hooks.subscriptions()
     );
 }
 
@@ -419,7 +379,7 @@ async fn a_closed_shard_whose_end_is_never_reported_is_finished_by_polling() {
     })
     .await;
     assert!(
-        backend.get_records() > 0,
+        backend.hooks.get_records() > 0,
         "closed shards finished by polling"
     );
 }
@@ -428,10 +388,7 @@ async fn a_closed_shard_whose_end_is_never_reported_is_finished_by_polling() {
 async fn a_backend_without_fan_out_refuses_to_start() {
     let memory = Memory::new();
     memory.streams().create_stream("plain", 1).await.unwrap();
-    let backend = Counting {
-        fan_out: false,
-        ..Counting::new(memory)
-    };
+    let backend = Counting::with_fan_out(memory, false);
     let recorder = Recorder::default();
     let run = test_consumer(backend, "plain", "plain-group", "w1")
         .fan_out("plain-efo")

@@ -3,12 +3,15 @@
 //! throttling, expired iterators, a reshard, graceful hand-offs, and a worker frozen past
 //! its lease expiry that wakes up and tries to commit (a zombie).
 //!
-//! Invariants checked on every seed:
+//! Invariants checked on every seed (those of `tests/simulation/invariants.rs`, then
+//! this scenario's own):
 //! - no loss: every produced record is handled at least once;
 //! - a checkpoint only ever covers records some handler finished before it was written;
 //! - at most one owner commits per lease counter, and the zombie never moves a
 //!   checkpoint of a lease it lost;
-//! - checkpoints of a shard never go backwards.
+//! - checkpoints of a shard never go backwards;
+//! - no duplicates, and leases really changed hands; over all seeds, the woken zombie
+//!   tried fenced writes and was refused.
 //!
 //! `SHARDFLOW_SIM_SEEDS=N` runs N seeds instead of the default.
 //!
@@ -22,228 +25,25 @@
 mod common;
 mod simulation;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
 use std::future::IntoFuture;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use common::{produce, within, STOP_LIMIT};
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
-};
-use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
-use shardflow::{Backend, CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
-use tokio::sync::watch;
+use shardflow::{CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
+use simulation::backend::{Control, SimBackend};
+use simulation::history::Features;
+use simulation::log::Log;
+use simulation::{Start, GROUP, STREAM};
 
-/// One handled record: (event tick, worker, shard, sequence number, value).
-type HandledEvent = (u64, String, String, SequenceNumber, usize);
-
-/// A global clock of events, so "handled before checkpointed" can be checked.
-#[derive(Default)]
-struct Log {
-    tick: AtomicU64,
-    handled: Mutex<Vec<HandledEvent>>,
-    /// Successful takes (including hand-over transfers): (tick, lease, new owner).
-    takes: Mutex<Vec<(u64, String, String)>>,
-    /// Writes of the woken zombie refused by the store's fencing.
-    zombie_refused: AtomicU64,
-    commits: Mutex<Vec<Commit>>,
-}
-
-#[derive(Clone, Debug)]
-struct Commit {
-    at: u64,
-    worker: String,
-    key: String,
-    counter: u64,
-    checkpoint: Checkpoint,
-    zombie_phase: bool,
-}
-
-/// One worker's view of the backend: every call waits while the worker is frozen, and
-/// successful checkpoint writes are logged.
-#[derive(Clone)]
-struct WorkerBackend {
-    memory: Memory,
-    worker: String,
-    frozen: watch::Receiver<bool>,
-    log: Arc<Log>,
-    woke: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl WorkerBackend {
-    async fn gate(&self) {
-        let mut rx = self.frozen.clone();
-        let _ = rx.wait_for(|frozen| !frozen).await;
-    }
-}
-
-impl WorkerBackend {
-    fn note_refusal<T>(&self, result: &Result<T, LeaseError>) {
-        if matches!(result, Err(LeaseError::Conflict(_))) && self.woke.load(Ordering::SeqCst) {
-            self.log.zombie_refused.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
-impl Backend for WorkerBackend {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(self.clone())
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(GatedStore {
-            backend: self.clone(),
-            inner: self.memory.lease_store(table),
-        })
-    }
-}
-
-#[async_trait]
-impl KinesisApi for WorkerBackend {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.gate().await;
-        self.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.gate().await;
-        self.memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.gate().await;
-        self.memory.streams().get_records(iterator, limit).await
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.memory.streams().put_records(stream, records).await
-    }
-}
-
-struct GatedStore {
-    backend: WorkerBackend,
-    inner: Arc<dyn LeaseStore>,
-}
-
-#[async_trait]
-impl LeaseStore for GatedStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.backend.gate().await;
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.backend.gate().await;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.backend.gate().await;
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.backend.gate().await;
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        let result = self.inner.take(expected, owner).await;
-        let log = &self.backend.log;
-        // A take that landed although its caller saw an error (a failure after the
-        // write) counts too: the taker may find out and adopt it.
-        let landed = match &result {
-            Ok(_) => true,
-            Err(LeaseError::Conflict(_)) => false,
-            Err(_) => {
-                // The store's own faults hit this read too: read until it answers.
-                let mut row = None;
-                for _ in 0..20 {
-                    if let Ok(r) = self.inner.get(&expected.key).await {
-                        row = r;
-                        break;
-                    }
-                }
-                row.is_some_and(|row| {
-                    row.owner.as_deref() == Some(owner)
-                        && row.counter == expected.counter.saturating_add(1)
-                })
-            }
-        };
-        if landed {
-            let at = log.tick.fetch_add(1, Ordering::SeqCst);
-            log.takes
-                .lock()
-                .unwrap()
-                .push((at, expected.key.clone(), worker_of(owner).to_owned()));
-        }
-        self.backend.note_refusal(&result);
-        result
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        let result = self.inner.renew(expected).await;
-        self.backend.note_refusal(&result);
-        result
-    }
-    async fn checkpoint(
-        &self,
-        expected: &Lease,
-        checkpoint: &Checkpoint,
-    ) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        let result = self.inner.checkpoint(expected, checkpoint).await;
-        self.backend.note_refusal(&result);
-        if let Ok(row) = &result {
-            let log = &self.backend.log;
-            log.commits.lock().unwrap().push(Commit {
-                at: log.tick.fetch_add(1, Ordering::SeqCst),
-                worker: self.backend.worker.clone(),
-                key: row.key.clone(),
-                counter: row.counter,
-                checkpoint: checkpoint.clone(),
-                zombie_phase: self.backend.woke.load(Ordering::SeqCst),
-            });
-        }
-        result
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.backend.gate().await;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.backend.gate().await;
-        self.inner.delete(expected).await
-    }
-}
-
-const STREAM: &str = "sim";
-const GROUP: &str = "sim-group";
 const LEASE: Duration = Duration::from_secs(4);
 
-fn worker(backend: WorkerBackend, seed: u64) -> Consumer {
+fn worker(backend: SimBackend, seed: u64) -> Consumer {
     Consumer::builder()
         .stream(STREAM)
         .group(GROUP)
@@ -268,14 +68,7 @@ fn handler(
 ) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send
 {
     tower::service_fn(move |msg: Message| {
-        let value = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
-        log.handled.lock().unwrap().push((
-            log.tick.fetch_add(1, Ordering::SeqCst),
-            worker.clone(),
-            msg.headers.shard_id.to_string(),
-            msg.headers.sequence_number.clone(),
-            value,
-        ));
+        log.handle(&worker, &msg);
         async { Ok(()) }
     })
 }
@@ -303,37 +96,37 @@ async fn simulate(seed: u64) -> u64 {
     let total = 3_000;
     produce(kinesis.as_ref(), STREAM, 0..total / 2).await;
 
-    let mut freezers = Vec::new();
+    let mut controls = Vec::new();
     let mut runs = Vec::new();
     let mut handles = Vec::new();
-    let zombie_woke = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for w in 0..3 {
-        let (tx, rx) = watch::channel(false);
         let name = format!("w{w}");
-        let backend = WorkerBackend {
-            memory: memory.clone(),
-            worker: name.clone(),
-            frozen: rx,
-            log: log.clone(),
-            woke: if w == 0 {
-                zombie_woke.clone()
-            } else {
-                Arc::new(Default::default())
-            },
-        };
+        let control = Control::new();
+        // No fault of the generated histories: only freezing, and the logs of takes,
+        // checkpoints and refused writes.
+        let backend = SimBackend::new(
+            memory.clone(),
+            GROUP,
+            &name,
+            &name,
+            control.clone(),
+            log.clone(),
+            Features::of(&[]),
+            seed,
+        );
         let consumer = worker(backend, seed * 10 + w);
         handles.push(consumer.shutdown_handle());
         runs.push(tokio::spawn(
             consumer.run(handler(log.clone(), name)).into_future(),
         ));
-        freezers.push(tx);
+        controls.push(control);
         // Workers join one after another: later ones must steal through hand-offs.
         tokio::time::sleep(Duration::from_millis(700)).await;
     }
 
     tokio::time::sleep(Duration::from_secs(3)).await;
     // Freeze w0 well past its lease expiry: the others take its shards.
-    freezers[0].send(true).unwrap();
+    controls[0].freeze(true);
     tokio::time::sleep(LEASE * 3).await;
     // Reshard while w0 is frozen, and write more.
     let open: Vec<ShardInfo> = kinesis
@@ -354,13 +147,19 @@ async fn simulate(seed: u64) -> u64 {
         .unwrap();
     produce(kinesis.as_ref(), STREAM, total / 2..total).await;
     // The zombie wakes up with its stale lease rows and in-flight work.
-    zombie_woke.store(true, Ordering::SeqCst);
-    freezers[0].send(false).unwrap();
+    let woke_at = log.tick();
+    controls[0].freeze(false);
 
     // Everything is handled within a bounded (virtual) time.
     let mut waited = Duration::ZERO;
     loop {
-        let seen: HashSet<usize> = log.handled.lock().unwrap().iter().map(|h| h.4).collect();
+        let seen: HashSet<(String, SequenceNumber)> = log
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| (h.shard.clone(), h.sequence.clone()))
+            .collect();
         if seen.len() == total {
             break;
         }
@@ -380,85 +179,27 @@ async fn simulate(seed: u64) -> u64 {
         within(STOP_LIMIT, &what, run).await.unwrap().unwrap();
     }
 
-    // Invariants.
+    // The invariants of the generated histories (no loss, checkpoints only after
+    // handling, fencing, never backwards), then this scenario's own.
+    if let Err(e) = simulation::invariants::check(&memory, &log, &Start::TrimHorizon) {
+        panic!("seed {seed}: {e}");
+    }
     let handled = log.handled.lock().unwrap().clone();
     let commits = log.commits.lock().unwrap().clone();
-    let takes = log.takes.lock().unwrap().clone();
-    let mut first_handled: HashMap<(&str, &SequenceNumber), u64> = HashMap::new();
-    for h in &handled {
-        first_handled.entry((h.2.as_str(), &h.3)).or_insert(h.0);
-    }
-    let mut shard_records: HashMap<&str, Vec<SequenceNumber>> = HashMap::new();
-    let mut owners: BTreeMap<(String, u64), String> = BTreeMap::new();
-    let mut last: BTreeMap<String, Checkpoint> = BTreeMap::new();
-    for c in &commits {
-        if let Some(other) = owners.insert((c.key.clone(), c.counter), c.worker.clone()) {
-            assert_eq!(
-                other, c.worker,
-                "seed {seed}: two owners committed {} at counter {}",
-                c.key, c.counter
-            );
-        }
-        // Fencing: a checkpoint is written only by the worker that took the lease last
-        // (a zombie whose lease was taken can never move it).
-        let taker = takes
-            .iter()
-            .filter(|(at, key, _)| *at < c.at && *key == c.key)
-            .map(|(_, _, owner)| owner.as_str())
-            .next_back();
-        assert_eq!(
-            taker,
-            Some(c.worker.as_str()),
-            "seed {seed}: {} committed {} although the lease was last taken by {taker:?}",
-            c.worker,
-            c.key
-        );
-        if let Checkpoint::At(p) = &c.checkpoint {
-            // Every record of the shard up to the checkpoint was handled before it.
-            let records = shard_records.entry(c.key.as_str()).or_insert_with(|| {
-                kinesis
-                    .records(STREAM, &c.key)
-                    .into_iter()
-                    .map(|r| r.sequence_number)
-                    .collect()
-            });
-            for seq in records.iter().filter(|s| **s <= p.sequence) {
-                let ok = first_handled
-                    .get(&(c.key.as_str(), seq))
-                    .is_some_and(|at| *at < c.at);
-                assert!(
-                    ok,
-                    "seed {seed}: {} checkpointed {} by {} before record {seq} was handled",
-                    c.key, p, c.worker
-                );
-            }
-        }
-        if let Some(prev) = last.get(&c.key) {
-            let backwards = match (prev, &c.checkpoint) {
-                (Checkpoint::ShardEnd, cp) => *cp != Checkpoint::ShardEnd,
-                (Checkpoint::At(a), Checkpoint::At(b)) => b < a,
-                (Checkpoint::At(_), Checkpoint::TrimHorizon) => true,
-                _ => false,
-            };
-            assert!(
-                !backwards,
-                "seed {seed}: checkpoint of {} went back from {prev} to {}",
-                c.key, c.checkpoint
-            );
-        }
-        last.insert(c.key.clone(), c.checkpoint.clone());
-    }
-    let values: HashSet<usize> = handled.iter().map(|h| h.4).collect();
-    assert_eq!(values.len(), total, "seed {seed}: records lost");
+    let records: HashSet<(&str, &SequenceNumber)> = handled
+        .iter()
+        .map(|h| (h.shard.as_str(), &h.sequence))
+        .collect();
+    assert_eq!(records.len(), total, "seed {seed}: records lost");
     let mut per_worker: BTreeMap<&str, usize> = BTreeMap::new();
     for h in &handled {
-        *per_worker.entry(h.1.as_str()).or_default() += 1;
+        *per_worker.entry(h.incarnation.as_str()).or_default() += 1;
     }
     let committers: BTreeMap<&str, HashSet<&str>> =
         commits.iter().fold(BTreeMap::new(), |mut m, c| {
             m.entry(c.key.as_str())
                 .or_insert_with(HashSet::new)
-                .insert(c.worker.as_str());
+                .insert(c.incarnation.as_str());
             m
         });
     let moved = committers.values().filter(|w| w.len() > 1).count();
@@ -467,14 +208,22 @@ async fn simulate(seed: u64) -> u64 {
         handled.len(),
         handled.len() - total,
         commits.len(),
-        commits.iter().filter(|c| c.worker == "w0" && c.zombie_phase).count()
+        commits
+            .iter()
+            .filter(|c| c.incarnation == "w0" && c.at > woke_at)
+            .count()
     );
     // Hand-offs drain before they release, and a frozen worker holds its records until a
     // renewal proves the lease is still its own: no duplicates in this scenario.
     assert_eq!(handled.len(), total, "seed {seed}: duplicates delivered");
     // The scenario must really have moved leases between workers.
     assert!(moved > 0, "seed {seed}: no lease changed hands");
-    log.zombie_refused.load(Ordering::SeqCst)
+    // Writes of the woken zombie refused by the store's fencing.
+    let refused = log.refused.lock().unwrap();
+    refused
+        .iter()
+        .filter(|(at, incarnation)| *at > woke_at && incarnation == "w0")
+        .count() as u64
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

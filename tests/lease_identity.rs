@@ -8,6 +8,8 @@
 //!   under one lease counter, and a checkpoint never moves back.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::collections::BTreeSet;
 use std::future::IntoFuture;
@@ -17,9 +19,10 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use common::{produce, recording_handler, test_consumer, Recorder};
-use shardflow::kinesis::{KinesisApi, StreamAdmin};
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
-use shardflow::{Backend, CheckpointPolicy, InitialPosition, Memory, Message};
+use hooks::{Hooked, Hooks};
+use shardflow::kinesis::StreamAdmin;
+use shardflow::lease::{Checkpoint, Lease, LeaseError};
+use shardflow::{CheckpointPolicy, InitialPosition, Memory, Message};
 
 /// Virtual time (the clock is paused): generous, and never a real wait.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -36,100 +39,47 @@ struct Commit {
 /// One consumer's view of the memory backend: its checkpoint writes are logged (in the
 /// order the store applied them), and once `dead` every lease call fails (a crash, as
 /// the table sees it).
-#[derive(Clone)]
 struct Observed {
-    memory: Memory,
     writer: usize,
     commits: Arc<Mutex<Vec<Commit>>>,
-    dead: Arc<AtomicBool>,
+    dead: AtomicBool,
 }
 
-struct ObservedStore {
-    view: Observed,
-    inner: Arc<dyn LeaseStore>,
-}
-
-impl Backend for Observed {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.memory.kinesis()
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(ObservedStore {
-            view: self.clone(),
-            inner: self.memory.lease_store(table),
-        })
-    }
-}
-
-impl ObservedStore {
-    fn alive(&self) -> Result<(), LeaseError> {
-        if self.view.dead.load(Ordering::SeqCst) {
-            return Err(LeaseError::Other("crashed".into()));
-        }
-        Ok(())
+impl Observed {
+    fn on(
+        memory: &Memory,
+        writer: usize,
+        commits: Arc<Mutex<Vec<Commit>>>,
+    ) -> Hooked<Memory, Self> {
+        let observed = Observed {
+            writer,
+            commits,
+            dead: AtomicBool::new(false),
+        };
+        Hooked::new(memory.clone(), observed)
     }
 }
 
 #[async_trait]
-impl LeaseStore for ObservedStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.alive()?;
-        self.inner.ensure_table().await
+impl Hooks for Observed {
+    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(LeaseError::Other("crashed".into()));
+        }
+        Ok(())
     }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.alive()?;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.alive()?;
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.alive()?;
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        self.inner.take(expected, owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(
-        &self,
-        expected: &Lease,
-        checkpoint: &Checkpoint,
-    ) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        let result = self.inner.checkpoint(expected, checkpoint).await;
+
+    async fn after_lease(&self, op: &'static str, _: Option<&str>, row: Option<&Lease>) {
         // The memory store answers without yielding, so on this single-threaded
         // runtime the log has the order the writes were applied in.
-        if let Ok(row) = &result {
-            self.view.commits.lock().unwrap().push(Commit {
-                writer: self.view.writer,
+        if let ("checkpoint", Some(row)) = (op, row) {
+            self.commits.lock().unwrap().push(Commit {
+                writer: self.writer,
                 key: row.key.clone(),
                 counter: row.counter,
-                checkpoint: checkpoint.clone(),
+                checkpoint: row.checkpoint.clone(),
             });
         }
-        result
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.alive()?;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.alive()?;
-        self.inner.delete(expected).await
     }
 }
 
@@ -177,12 +127,7 @@ async fn a_latest_start_survives(leave: Leave) {
     let kinesis = memory.streams().clone();
     kinesis.create_stream("latest", 1).await.unwrap();
     produce(kinesis.as_ref(), "latest", 1_000_000..1_000_010).await; // before the group
-    let a_view = Observed {
-        memory: memory.clone(),
-        writer: 0,
-        commits: Arc::default(),
-        dead: Arc::default(),
-    };
+    let a_view = Observed::on(&memory, 0, Arc::default());
     let a_recorder = Recorder::default();
     let calls = Arc::new(AtomicUsize::new(0));
     let handler = {
@@ -227,7 +172,7 @@ async fn a_latest_start_survives(leave: Leave) {
         .await;
     }
     match leave {
-        Leave::Crash => a_view.dead.store(true, Ordering::SeqCst),
+        Leave::Crash => a_view.hooks.dead.store(true, Ordering::SeqCst),
         Leave::Stop | Leave::DrainTimeout | Leave::FailureThenStop => {
             a_stop.shutdown();
             tokio::time::timeout(LIMIT, a_run)
@@ -382,12 +327,7 @@ async fn two_incarnations_of_one_worker_id_never_move_a_checkpoint_back() {
     let commits: Arc<Mutex<Vec<Commit>>> = Arc::default();
     let recorder = Recorder::default();
     let consumer = |writer: usize| {
-        let view = Observed {
-            memory: memory.clone(),
-            writer,
-            commits: commits.clone(),
-            dead: Arc::default(),
-        };
+        let view = Observed::on(&memory, writer, commits.clone());
         test_consumer(view, "twins", "twins-group", "billing-7")
             .checkpoint(CheckpointPolicy::EveryBatch)
             .max_records_per_read(20)

@@ -3,6 +3,8 @@
 //! waited through a long pause of the process.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -11,8 +13,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::*;
 use futures_util::StreamExt;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
-use shardflow::lease::{self, Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{self, Checkpoint, LeaseError};
 use shardflow::{Backend, Batch, BatchStream, Memory, Message};
 use tokio::sync::watch;
 
@@ -155,82 +158,15 @@ async fn dropping_a_running_consumer_stops_it_and_releases_its_leases() {
         .all(|r| matches!(r.checkpoint, Checkpoint::At(_))));
 }
 
-/// A backend whose lease calls hang while `frozen` is true: a worker whose lease
-/// renewals stall (a stopped process, a long GC pause) while others go on.
-#[derive(Clone)]
-struct Freezable {
-    memory: Memory,
-    frozen: watch::Receiver<bool>,
-}
-
-impl Backend for Freezable {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.memory.kinesis()
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(FreezableStore {
-            inner: self.memory.lease_store(table),
-            frozen: self.frozen.clone(),
-        })
-    }
-}
-
-struct FreezableStore {
-    inner: Arc<dyn LeaseStore>,
-    frozen: watch::Receiver<bool>,
-}
-
-impl FreezableStore {
-    async fn thaw(&self) {
-        let _ = self.frozen.clone().wait_for(|frozen| !frozen).await;
-    }
-}
+/// Lease calls that hang while `frozen` is true: a worker whose lease renewals stall (a
+/// stopped process, a long GC pause) while others go on.
+struct Freezable(watch::Receiver<bool>);
 
 #[async_trait]
-impl LeaseStore for FreezableStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.thaw().await;
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.thaw().await;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.thaw().await;
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.thaw().await;
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.take(expected, owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.checkpoint(expected, at).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.thaw().await;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.thaw().await;
-        self.inner.delete(expected).await
+impl Hooks for Freezable {
+    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
+        let _ = self.0.clone().wait_for(|frozen| !frozen).await;
+        Ok(())
     }
 }
 
@@ -238,10 +174,7 @@ impl LeaseStore for FreezableStore {
 async fn a_batch_queued_before_a_long_pause_does_not_start_on_a_lease_taken_meanwhile() {
     let memory = stream_with("pause", 20).await;
     let (freeze, frozen) = watch::channel(false);
-    let a_backend = Freezable {
-        memory: memory.clone(),
-        frozen,
-    };
+    let a_backend = Hooked::new(memory.clone(), Freezable(frozen));
     // Worker a: its handler stalls on record 9, the last of its first batch, while the
     // second batch waits in its queue.
     let (unstall, stalled) = watch::channel(false);
@@ -302,10 +235,7 @@ async fn a_batch_queued_before_a_long_pause_does_not_start_on_a_lease_taken_mean
 async fn in_stream_mode_a_batch_queued_before_a_long_pause_is_not_handed_out_on_a_lost_lease() {
     let memory = stream_with("pause-stream", 20).await;
     let (freeze, frozen) = watch::channel(false);
-    let a_backend = Freezable {
-        memory: memory.clone(),
-        frozen,
-    };
+    let a_backend = Hooked::new(memory.clone(), Freezable(frozen));
     let mut a = test_consumer(a_backend, "pause-stream", "pause-stream-group", "a")
         .max_records_per_read(10)
         .prefetch_batches(2)

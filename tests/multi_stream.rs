@@ -46,8 +46,12 @@ struct Log {
 impl Log {
     fn handler(
         &self,
-    ) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send>
-           + Clone
+    ) -> impl tower::Service<
+        Message,
+        Response = (),
+        Error = Infallible,
+        Future = impl std::future::Future<Output = Result<(), Infallible>> + Send,
+    > + Clone
            + Send
            + 'static {
         let log = self.clone();
@@ -510,8 +514,9 @@ fn stream_lists_are_checked_at_build() {
 }
 
 /// A stream deleted and created again under the same name has a new creation time, so
-/// its lease keys have another prefix: the new stream starts afresh at the initial
-/// position instead of reading the old stream's checkpoints.
+/// its lease keys have another prefix: once the old stream's rows are all finished, the
+/// new stream starts afresh at the initial position instead of reading the old stream's
+/// checkpoints. (Unfinished old rows stop it: see the next test.)
 #[tokio::test(start_paused = true)]
 async fn a_recreated_stream_is_another_stream() {
     let memory = Memory::new();
@@ -560,7 +565,68 @@ async fn a_recreated_stream_is_another_stream() {
     );
 }
 
-/// Events and health name the shard `stream/shardId` in multi-stream mode, so the same
+/// Unfinished rows of an older stream of the same name (or rows a KCL application wrote
+/// under its own creation time) are never silently left behind: the consumer refuses
+/// with `StreamCreatedAgain`, at start-up and when the stream is deleted and created
+/// again while it runs. Before, it started afresh at the initial position and the old
+/// rows' positions were skipped (LATEST) or re-read (TRIM_HORIZON) without a word.
+#[tokio::test(start_paused = true)]
+async fn unfinished_rows_of_another_creation_time_stop_the_stream() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 1).await.unwrap();
+    produce(kinesis.as_ref(), "orders", 0..10).await;
+    // While running: the stream is deleted and created again under the consumer.
+    let log = Log::default();
+    let running = multi_consumer(&memory, ["orders"], "grp")
+        .build()
+        .unwrap()
+        .run(log.handler())
+        .spawn();
+    log.wait_for(0..10, Duration::from_secs(60)).await;
+    let before = kinesis.stream_identity("orders").await.unwrap();
+    kinesis.delete_stream("orders");
+    kinesis.create_stream("orders", 1).await.unwrap();
+    let result = within(
+        Duration::from_secs(60),
+        "the consumer stops on the re-created stream",
+        running.into_future(),
+    )
+    .await;
+    let now = kinesis.stream_identity("orders").await.unwrap();
+    match result {
+        Err(ConsumerError::StreamCreatedAgain { stream, rows, .. }) => {
+            assert_eq!((stream, rows), (now.to_string(), before.to_string()))
+        }
+        other => panic!("expected StreamCreatedAgain, got {other:?}"),
+    }
+    // At start-up: the old stream's row is not finished.
+    let result = within(
+        Duration::from_secs(60),
+        "a new consumer refuses",
+        multi_consumer(&memory, ["orders"], "grp")
+            .build()
+            .unwrap()
+            .run(Log::default().handler())
+            .into_future(),
+    )
+    .await;
+    match result {
+        Err(ConsumerError::StreamCreatedAgain {
+            stream,
+            rows,
+            lease,
+            ..
+        }) => {
+            assert_eq!((stream, rows), (now.to_string(), before.to_string()));
+            assert_eq!(lease, before.lease_key("shardId-000000000000"));
+        }
+        other => panic!("expected StreamCreatedAgain, got {other:?}"),
+    }
+}
+
+/// Events (the coordinators' and the handlers') and health name the shard
+/// `stream/shardId` in multi-stream mode, so the same
 /// shard id in two streams is told apart.
 #[tokio::test(start_paused = true)]
 async fn events_and_health_name_the_stream() {
@@ -571,17 +637,37 @@ async fn events_and_health_name_the_stream() {
     produce(kinesis.as_ref(), "orders", 0..10).await;
     produce(kinesis.as_ref(), "refunds", 10..20).await;
     let taken = Arc::new(Mutex::new(Vec::new()));
-    let events = taken.clone();
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let (events, failures) = (taken.clone(), failed.clone());
     let log = Log::default();
     let consumer = multi_consumer(&memory, ["orders", "refunds"], "grp")
-        .on_event(move |event| {
-            if let shardflow::ShardEvent::LeaseTaken { shard } = event {
-                events.lock().unwrap().push(shard.clone());
+        .on_event(move |event| match event {
+            shardflow::ShardEvent::LeaseTaken { shard } => {
+                events.lock().unwrap().push(shard.clone())
             }
+            shardflow::ShardEvent::HandlerFailed { shard, .. } => {
+                failures.lock().unwrap().push(shard.clone())
+            }
+            _ => {}
         })
         .build()
         .unwrap();
-    let running = consumer.run(log.handler()).spawn();
+    // The first record of each stream fails once (a HandlerFailed event each).
+    let tried = Arc::new(Mutex::new(HashSet::new()));
+    let inner = log.handler();
+    let handler = tower::service_fn(move |msg: Message| {
+        let first = tried.lock().unwrap().insert(msg.headers.stream.to_string());
+        let mut inner = inner.clone();
+        async move {
+            if first {
+                return Err("the first try fails");
+            }
+            tower::Service::call(&mut inner, msg)
+                .await
+                .map_err(|never| match never {})
+        }
+    });
+    let running = consumer.run(handler).spawn();
     log.wait_for(0..20, Duration::from_secs(60)).await;
     let mut health: Vec<String> = running
         .health()
@@ -598,6 +684,9 @@ async fn events_and_health_name_the_stream() {
     let mut taken = taken.lock().unwrap().clone();
     taken.sort();
     assert_eq!(taken, expected);
+    let mut failed = failed.lock().unwrap().clone();
+    failed.sort();
+    assert_eq!(failed, expected, "handler failures name the stream too");
     within(STOP_LIMIT, "the consumer stops", running.shutdown())
         .await
         .unwrap();
@@ -708,14 +797,28 @@ async fn a_missing_stream_in_a_changing_list_does_not_stop_the_others() {
     .build()
     .unwrap();
     let log = Log::default();
-    let running = start_service(consumer, log.handler());
+    let running = consumer.run(log.handler()).spawn();
     log.wait_for(0..30, Duration::from_secs(60)).await;
+    // The stream left out shows in the health, and the worker is not ready.
+    let left_out = async {
+        while running.health().failed_streams.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    within(Duration::from_secs(60), "the failed stream shows", left_out).await;
+    let health = running.health();
+    assert_eq!(health.failed_streams.len(), 1);
+    assert_eq!(health.failed_streams[0].0, "later");
+    assert!(!health.is_ready());
     kinesis.create_stream("later", 1).await.unwrap();
     produce(kinesis.as_ref(), "later", 100..130).await;
     // The same streams, written again: a change, so the failed one is tried again.
     list.send_modify(|_| {});
     log.wait_for(100..130, Duration::from_secs(60)).await;
-    running.stop().await;
+    assert!(running.health().failed_streams.is_empty());
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
     assert_exactly_once_in_order(&log.snapshot(), &(0..30).chain(100..130).collect());
 }
 

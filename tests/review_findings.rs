@@ -4,6 +4,8 @@
 //! Embedded backend, tokio's paused clock, fixed seeds, every wait bounded.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::collections::HashSet;
 use std::future::IntoFuture;
@@ -12,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
+use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
-use shardflow::{Backend, InitialPosition, Memory, Message};
+use shardflow::{InitialPosition, Memory, Message};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -252,55 +255,17 @@ async fn nothing_after_a_failed_record_is_handled_before_its_retry() {
 
 /// A lease table whose checkpoint writes all fail (throttled), as for a worker cut off
 /// from its table's write capacity; everything else goes through.
-struct NoCheckpoints(Memory);
-
-struct FailingCheckpoints(Arc<dyn LeaseStore>);
-
-impl Backend for NoCheckpoints {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.0.kinesis()
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(FailingCheckpoints(self.0.lease_store(table)))
-    }
-}
+struct NoCheckpoints;
 
 #[async_trait::async_trait]
-impl LeaseStore for FailingCheckpoints {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.0.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.0.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.0.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.0.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.0.take(expected, new_owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.0.renew(expected).await
-    }
-    async fn checkpoint(&self, _: &Lease, _: &Checkpoint) -> Result<Lease, LeaseError> {
-        Err(LeaseError::Throttled(
-            "injected: no checkpoint writes".into(),
-        ))
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.0.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.0.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.0.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.0.delete(expected).await
+impl Hooks for NoCheckpoints {
+    async fn before_lease(&self, op: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
+        if op == "checkpoint" {
+            return Err(LeaseError::Throttled(
+                "injected: no checkpoint writes".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -320,10 +285,15 @@ async fn a_latest_start_not_yet_written_is_not_resolved_again_later() {
     let kinesis = memory.streams().clone();
     kinesis.create_stream("f5", 1).await.unwrap();
     let table = memory.table("f5-group");
-    let a = test_consumer(NoCheckpoints(memory.clone()), "f5", "f5-group", "a")
-        .initial_position(InitialPosition::Latest)
-        .build()
-        .unwrap();
+    let a = test_consumer(
+        Hooked::new(memory.clone(), NoCheckpoints),
+        "f5",
+        "f5-group",
+        "a",
+    )
+    .initial_position(InitialPosition::Latest)
+    .build()
+    .unwrap();
     let recorder = Recorder::default();
     let a_run = start(a, &recorder);
     within(LIMIT, "A took the lease", async {
@@ -350,55 +320,14 @@ async fn a_latest_start_not_yet_written_is_not_resolved_again_later() {
 
 /// A lease table whose takes land at once but answer `delay` later (a slow network on
 /// the way back, a client retrying a lost reply).
-struct SlowTakeReplies(Memory, Duration);
-
-struct SlowTakes(Arc<dyn LeaseStore>, Duration);
-
-impl Backend for SlowTakeReplies {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.0.kinesis()
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(SlowTakes(self.0.lease_store(table), self.1))
-    }
-}
+struct SlowTakeReplies(Duration);
 
 #[async_trait::async_trait]
-impl LeaseStore for SlowTakes {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.0.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.0.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.0.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.0.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        let taken = self.0.take(expected, new_owner).await;
-        tokio::time::sleep(self.1).await;
-        taken
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.0.renew(expected).await
-    }
-    async fn checkpoint(&self, expected: &Lease, cp: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.0.checkpoint(expected, cp).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.0.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.0.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.0.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.0.delete(expected).await
+impl Hooks for SlowTakeReplies {
+    async fn after_lease(&self, op: &'static str, _: Option<&str>, _: Option<&Lease>) {
+        if op == "take" {
+            tokio::time::sleep(self.0).await;
+        }
     }
 }
 
@@ -419,7 +348,10 @@ async fn a_take_answered_after_the_lease_expired_hands_out_nothing() {
     // test_consumer: lease duration 3 s, renewals every 1 s; A's take answers 4.5 s
     // after it landed (between two of its renewal ticks).
     let a = test_consumer(
-        SlowTakeReplies(memory.clone(), Duration::from_millis(4_500)),
+        Hooked::new(
+            memory.clone(),
+            SlowTakeReplies(Duration::from_millis(4_500)),
+        ),
         "f6",
         "f6-group",
         "a",

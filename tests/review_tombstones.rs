@@ -6,6 +6,8 @@
 //! tokio's paused clock, every wait bounded.
 
 mod common;
+#[path = "common/hooks.rs"]
+mod hooks;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,12 +15,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
-};
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
-use shardflow::{Backend, Memory};
+use hooks::{Hooked, Hooks};
+use shardflow::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamAdmin};
+use shardflow::lease::LeaseError;
+use shardflow::Memory;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -31,83 +31,42 @@ enum CreateFault {
     Hang,
 }
 
-/// The memory backend, with the create of lease row `key` misbehaving.
-#[derive(Clone)]
+/// The create of lease row `key` misbehaving.
 struct BadCreate {
-    memory: Memory,
     key: String,
     fault: CreateFault,
     used: Arc<AtomicBool>,
 }
 
-struct BadCreateStore {
-    inner: Arc<dyn LeaseStore>,
-    key: String,
-    fault: CreateFault,
-    used: Arc<AtomicBool>,
-}
-
-impl Backend for BadCreate {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.memory.kinesis()
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(BadCreateStore {
-            inner: self.memory.lease_store(table),
-            key: self.key.clone(),
-            fault: self.fault,
-            used: self.used.clone(),
-        })
+impl BadCreate {
+    fn on(memory: &Memory, key: &str, fault: CreateFault) -> Hooked<Memory, BadCreate> {
+        let bad = BadCreate {
+            key: key.to_owned(),
+            fault,
+            used: Arc::default(),
+        };
+        Hooked::new(memory.clone(), bad)
     }
 }
 
 #[async_trait::async_trait]
-impl LeaseStore for BadCreateStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        if lease.key == self.key {
-            match self.fault {
-                CreateFault::FailOnce => {
-                    if !self.used.swap(true, Ordering::SeqCst) {
-                        return Err(LeaseError::Throttled("injected: create throttled".into()));
-                    }
-                }
-                CreateFault::Hang => {
-                    self.used.store(true, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_secs(3_600)).await;
+impl Hooks for BadCreate {
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        if op != "create" || key != Some(self.key.as_str()) {
+            return Ok(());
+        }
+        match self.fault {
+            CreateFault::FailOnce => {
+                if !self.used.swap(true, Ordering::SeqCst) {
+                    return Err(LeaseError::Throttled("injected: create throttled".into()));
                 }
             }
+            CreateFault::Hang => {
+                self.used.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(3_600)).await;
+            }
         }
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.inner.take(expected, new_owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(&self, expected: &Lease, cp: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.inner.checkpoint(expected, cp).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.inner.delete(expected).await
+        Ok(())
     }
 }
 
@@ -170,13 +129,8 @@ async fn check_all_handled(memory: &Memory, stream: &str, run: Running, recorder
 async fn a_closed_shard_whose_first_create_failed_is_still_read() {
     let memory = Memory::new();
     let parent = split_history(&memory, "pf").await;
-    let backend = BadCreate {
-        memory: memory.clone(),
-        key: parent.shard_id.clone(),
-        fault: CreateFault::FailOnce,
-        used: Arc::default(),
-    };
-    let used = backend.used.clone();
+    let backend = BadCreate::on(&memory, &parent.shard_id, CreateFault::FailOnce);
+    let used = backend.hooks.used.clone();
     let recorder = Recorder::default();
     let consumer = test_consumer(backend, "pf", "pf-group", "w1")
         .build()
@@ -195,19 +149,14 @@ async fn a_shutdown_during_start_up_loses_no_closed_shard() {
     let memory = Memory::new();
     let parent = split_history(&memory, "ps").await;
     let table = memory.table("ps-group");
-    let slow = BadCreate {
-        memory: memory.clone(),
-        key: parent.shard_id.clone(),
-        fault: CreateFault::Hang,
-        used: Arc::default(),
-    };
+    let slow = BadCreate::on(&memory, &parent.shard_id, CreateFault::Hang);
     let recorder = Recorder::default();
     let a = test_consumer(slow.clone(), "ps", "ps-group", "a")
         .build()
         .unwrap();
     let a_run = start(a, &recorder);
     within(LIMIT, "A created the open root shard's row", async {
-        while !slow.used.load(Ordering::SeqCst) || table.rows().is_empty() {
+        while !slow.hooks.used.load(Ordering::SeqCst) || table.rows().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -224,54 +173,17 @@ async fn a_shutdown_during_start_up_loses_no_closed_shard() {
     check_all_handled(&memory, "ps", b_run, &recorder).await;
 }
 
-/// The memory backend, counting ListShards calls.
-#[derive(Clone)]
-struct CountedLists {
-    memory: Memory,
-    lists: Arc<AtomicUsize>,
-}
-
-struct CountedKinesis(CountedLists);
-
-impl Backend for CountedLists {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(CountedKinesis(self.clone()))
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        self.memory.lease_store(table)
-    }
-}
+/// Counts ListShards calls.
+#[derive(Default)]
+struct CountedLists(AtomicUsize);
 
 #[async_trait::async_trait]
-impl KinesisApi for CountedKinesis {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.0.lists.fetch_add(1, Ordering::SeqCst);
-        self.0.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.0.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.0
-            .memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.0.memory.streams().get_records(iterator, limit).await
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.0.memory.streams().put_records(stream, records).await
+impl Hooks for CountedLists {
+    async fn before_kinesis(&self, op: &'static str) -> Result<(), KinesisError> {
+        if op == "list_shards" {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
     }
 }
 
@@ -289,11 +201,8 @@ async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round()
     kinesis.create_stream("idle", 1).await.unwrap();
     let parent = open_shards(kinesis.as_ref(), "idle").await.remove(0);
     produce(kinesis.as_ref(), "idle", 0..20).await;
-    let backend = CountedLists {
-        memory: memory.clone(),
-        lists: Arc::default(),
-    };
-    let lists = backend.lists.clone();
+    let backend = Hooked::new(memory.clone(), CountedLists::default());
+    let lists = backend.hooks.clone();
     let recorder = Recorder::default();
     let consumer = test_consumer(backend, "idle", "idle-group", "w1")
         .build()
@@ -311,9 +220,9 @@ async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round()
     // The parent is past retention: Kinesis no longer lists it.
     kinesis.remove_shard("idle", &parent.shard_id);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = lists.load(Ordering::SeqCst);
+    let before = lists.0.load(Ordering::SeqCst);
     tokio::time::sleep(Duration::from_secs(30)).await;
-    let calls = lists.load(Ordering::SeqCst) - before;
+    let calls = lists.0.load(Ordering::SeqCst) - before;
     run.stop().await;
     // 30 s of shard syncs every 500 ms: about 60 calls (and a few rounds run early).
     assert!(
@@ -348,13 +257,8 @@ async fn latest_reads_no_history_after_a_cut_short_first_sync() {
     assert!(!kinesis.records("lh", &lower.shard_id).is_empty());
     // Everything so far is older than the clock margin when the worker starts.
     std::thread::sleep(Duration::from_millis(2_500));
-    let backend = BadCreate {
-        memory: memory.clone(),
-        key: lower.shard_id.clone(),
-        fault: CreateFault::FailOnce,
-        used: Arc::default(),
-    };
-    let used = backend.used.clone();
+    let backend = BadCreate::on(&memory, &lower.shard_id, CreateFault::FailOnce);
+    let used = backend.hooks.used.clone();
     let recorder = Recorder::default();
     let consumer = test_consumer(backend, "lh", "lh-group", "w1")
         .initial_position(shardflow::InitialPosition::Latest)

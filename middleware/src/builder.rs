@@ -7,6 +7,7 @@ use crate::batch::{BatchConfig, BatchLayer};
 use crate::dead_letter::DeadLetterLayer;
 use crate::decode::{DecodeLayer, Json};
 use crate::dedup::DedupLayer;
+use crate::produce::ProduceToLayer;
 use crate::retry::{Backoff, RetryLayer};
 
 mod sealed {
@@ -56,6 +57,13 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
 
     /// Groups messages for a bulk handler ([`batch`](crate::batch)).
     fn batch<T>(self, config: BatchConfig) -> ServiceBuilder<Stack<BatchLayer<T>, L>>;
+
+    /// Stores the outputs of the service below with `producer` before the input counts
+    /// as handled ([`produce`](crate::produce)): a processor.
+    fn produce_to(
+        self,
+        producer: shardflow::producer::Producer,
+    ) -> ServiceBuilder<Stack<ProduceToLayer, L>>;
 }
 
 impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
@@ -81,5 +89,12 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
 
     fn batch<T>(self, config: BatchConfig) -> ServiceBuilder<Stack<BatchLayer<T>, L>> {
         self.layer(BatchLayer::new(config))
+    }
+
+    fn produce_to(
+        self,
+        producer: shardflow::producer::Producer,
+    ) -> ServiceBuilder<Stack<ProduceToLayer, L>> {
+        self.layer(ProduceToLayer::new(producer))
     }
 }

@@ -14,8 +14,9 @@
 //! The default policy, [`PermanentFailures`], dead-letters every error except transient
 //! ones: the [`dedup`](crate::dedup) layer's errors (store down, record in progress
 //! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
-//! not ready, and any error of a record whose lease was lost (its new owner handles
-//! it). Those go up so the consumer delivers the record again.
+//! not ready, a [`produce`](crate::produce) output that failed for a transient reason
+//! (throttling, a service error, the producer closing), and any error of a record whose
+//! lease was lost (its new owner handles it). Those go up so the consumer delivers the record again.
 //!
 //! # Dead letters in a stream: the envelope
 //!
@@ -303,6 +304,7 @@ impl DeadLetterPolicy for PermanentFailures {
         !headers.lease_lost.is_cancelled()
             && !chain_any::<crate::dedup::DedupError>(error, |_| true)
             && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
+            && !chain_any::<crate::produce::ProduceToError>(error, |e| e.is_transient())
     }
 }
 

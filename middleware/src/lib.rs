@@ -1,5 +1,7 @@
 //! Tower layers over shardflow's [`Message`](shardflow::Message) and
-//! [`Batch`](shardflow::Batch): decode, dedup, retry, dead-letter and batch.
+//! [`Batch`](shardflow::Batch): decode, dedup, retry, dead-letter and batch, and
+//! [`produce`]: processors whose outputs are stored in another stream before the input
+//! counts as handled.
 //!
 //! The consumer calls a `tower::Service<Message>` once per record (or a
 //! `Service<Batch>` once per read) and reads the result as a verdict:
@@ -71,7 +73,7 @@
 //! [`BoxError`]; the concrete errors are small enums and structs you can
 //! [`downcast_ref`](std::error::Error) to: [`DecodeError`],
 //! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError),
-//! [`BatchError`](batch::BatchError). [`Retry`] passes the handler's own
+//! [`BatchError`](batch::BatchError), [`ProduceToError`]. [`Retry`] passes the handler's own
 //! error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
 //! definition (the store is down or another consumer holds the record), so the default
 //! dead-letter policy never dead-letters it: the shard stops and the record comes back.
@@ -103,6 +105,7 @@ pub mod batch;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
+pub mod produce;
 pub mod retry;
 
 mod builder;
@@ -115,6 +118,7 @@ pub use dead_letter::{
 };
 pub use decode::{Decode, DecodeError, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
+pub use produce::{Output, ProduceTo, ProduceToError, ProduceToLayer};
 pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};
 
 /// The boxed error that layers adding failures of their own return (as tower does).

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{watch, OnceCell};
 
 use super::events::{EventHook, ShardEvent};
+use super::read_ahead::ReadAhead;
 use crate::backend::Backend;
 pub use crate::error::ConfigError;
 use crate::kinesis::{KinesisApi, KinesisError};
@@ -100,6 +101,16 @@ pub enum Concurrency {
 /// The most calls in flight per shard [`Concurrency`] accepts.
 const MAX_CONCURRENCY: usize = 10_000;
 
+/// The default [`ConsumerBuilder::read_ahead_bytes`]: 64 MiB fits a 256 MiB container
+/// beside the runtime and handlers, and still holds six full 10 MB GetRecords reads (the
+/// most one call returns), so a backlog on a few shards is read at full speed while one
+/// on hundreds cannot exhaust memory.
+pub const DEFAULT_READ_AHEAD_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The largest [`ConsumerBuilder::read_ahead_bytes`]: the budget counts whole KiB in a
+/// `u32`.
+const MAX_READ_AHEAD_BYTES: u64 = u32::MAX as u64 * 1024;
+
 /// The most calls in flight per worker [`ConsumerBuilder::max_concurrent_calls`] accepts.
 const MAX_WORKER_CALLS: usize = 1_000_000;
 
@@ -181,6 +192,9 @@ pub struct Config {
     /// `Some`: read through enhanced fan-out instead of polling.
     pub(crate) fan_out: Option<FanOut>,
     pub(crate) prefetch_batches: usize,
+    /// The worker's read-ahead budget, shared by its shard readers (cloning the config
+    /// shares it too: one budget per built consumer).
+    pub(crate) read_ahead: ReadAhead,
     pub(crate) checkpoint: CheckpointPolicy,
     pub(crate) lease_duration: Duration,
     pub(crate) renew_interval: Duration,
@@ -284,6 +298,7 @@ pub struct ConsumerBuilder {
     idle_read_interval: Duration,
     fan_out: Option<String>,
     prefetch_batches: usize,
+    read_ahead_bytes: u64,
     checkpoint: CheckpointPolicy,
     lease_duration: Duration,
     renew_interval: Option<Duration>,
@@ -317,6 +332,7 @@ impl Default for ConsumerBuilder {
             idle_read_interval: DEFAULT_IDLE_READ_INTERVAL,
             fan_out: None,
             prefetch_batches: 2,
+            read_ahead_bytes: DEFAULT_READ_AHEAD_BYTES,
             checkpoint: CheckpointPolicy::default(),
             lease_duration: Duration::from_secs(10),
             renew_interval: None,
@@ -351,7 +367,11 @@ impl ConsumerBuilder {
     /// checkpointed exactly as a single stream's; rows are keyed the KCL's multi-stream
     /// way (`account:stream:creationEpoch:shardId`), so a KCL multi-stream table is read
     /// and written as the KCL does. A stream that was deleted and created again has a
-    /// new creation time and so starts afresh at the initial position. Messages, events
+    /// new creation time: it starts afresh at the initial position once the old
+    /// stream's rows are all finished, and is refused with
+    /// [`ConsumerError::StreamCreatedAgain`](super::ConsumerError::StreamCreatedAgain)
+    /// while some are not. An ARN names a stream of the backend's own account and
+    /// region. Messages, events
     /// and health name the stream (events and health as `stream/shardId`).
     ///
     /// A table of a single-stream consumer is refused (and the other way round) with
@@ -438,6 +458,26 @@ impl ConsumerBuilder {
     /// Batches read ahead per shard while the handler works (default 2, at least 1).
     pub fn prefetch_batches(mut self, n: usize) -> Self {
         self.prefetch_batches = n;
+        self
+    }
+
+    /// The most bytes this worker holds read from Kinesis and not yet handled, over all
+    /// its shards (default 64 MiB, [`DEFAULT_READ_AHEAD_BYTES`]; at least 1 KiB). A read
+    /// counts its payloads and partition keys plus a small fixed amount per record, from
+    /// when it is handed out until its batch is acknowledged or given up (a batch
+    /// dropped unacknowledged, e.g. after its lease was lost, gives its share back too).
+    ///
+    /// When the budget is used up, shard readers wait before reading, and a read that
+    /// does not fit waits before it is handed out: nothing is dropped, the backlog stays
+    /// in Kinesis. A read larger than the whole budget still proceeds, alone. So a worker
+    /// holds at most the budget in handed-out batches, plus, while it waits, at most one
+    /// read per shard. `prefetch_batches` still bounds each shard; this bounds the sum.
+    ///
+    /// In `stream()` mode, acknowledge batches (or drop them): a consumer that holds
+    /// more unacknowledged batches than the budget while waiting for the next one waits
+    /// for ever.
+    pub fn read_ahead_bytes(mut self, bytes: u64) -> Self {
+        self.read_ahead_bytes = bytes;
         self
     }
 
@@ -736,6 +776,15 @@ impl ConsumerBuilder {
                 reason: format!("{} is outside 1..={MAX_PREFETCH}", self.prefetch_batches),
             });
         }
+        if !(1024..=MAX_READ_AHEAD_BYTES).contains(&self.read_ahead_bytes) {
+            return Err(ConfigError::Invalid {
+                field: "read_ahead_bytes",
+                reason: format!(
+                    "{} is outside 1024..={MAX_READ_AHEAD_BYTES}",
+                    self.read_ahead_bytes
+                ),
+            });
+        }
         if let CheckpointPolicy::Interval(d) = self.checkpoint {
             positive("checkpoint", d)?;
         }
@@ -829,6 +878,7 @@ impl ConsumerBuilder {
             idle_read_interval: positive("idle_read_interval", self.idle_read_interval)?,
             fan_out,
             prefetch_batches: self.prefetch_batches,
+            read_ahead: ReadAhead::new(self.read_ahead_bytes),
             checkpoint: self.checkpoint.clone(),
             lease_duration,
             renew_interval,
@@ -895,6 +945,9 @@ mod tests {
             "renew_interval"
         );
         assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
+        assert_eq!(field(base().read_ahead_bytes(1023)), "read_ahead_bytes");
+        assert_eq!(field(base().read_ahead_bytes(u64::MAX)), "read_ahead_bytes");
+        assert_eq!(field(base().read_ahead_bytes(1024)), "accepted");
         assert_eq!(
             field(base().prefetch_batches(usize::MAX)),
             "prefetch_batches"

@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -86,6 +86,14 @@ pub(crate) struct Coordinator {
     /// One stream of a multi-stream consumer: `store` is the whole table until
     /// start-up resolved the stream's identity and scoped it to the stream's rows.
     multi_stream: bool,
+    /// The last round stopped taking free leases after losing a race for one, having
+    /// taken some: the next round runs at once, from a listing that shows the workers
+    /// taking too (a round that took nothing waits for the usual quick round).
+    raced: bool,
+    /// Multi-stream mode, once scoped: the identity the lease keys carry, checked
+    /// again at every shard sync (a stream deleted and re-created under the same
+    /// name is another stream).
+    identity: Option<StreamIdentity>,
     sink: Sink,
     slots: BTreeMap<String, Slot>,
     held: HeldSet,
@@ -142,6 +150,8 @@ impl Coordinator {
             labels: Labels::of(&config),
             health,
             multi_stream,
+            identity: None,
+            raced: false,
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -233,6 +243,10 @@ impl Coordinator {
                         } else {
                             Ok(())
                         }
+                    }
+                    _ = std::future::ready(()), if self.raced => {
+                        self.raced = false;
+                        self.round().await
                     }
                     _ = take_tick.tick() => self.round().await,
                     _ = settle, if settling => self.round().await,
@@ -379,6 +393,7 @@ impl Coordinator {
         if self.need_sync || sync_due {
             // While a reshard is in progress, keep reading what we hold and leave the
             // shard map and other workers' leases alone until the stream is ACTIVE.
+            self.check_identity().await?;
             self.updating = matches!(self.kinesis.is_updating(&self.stream).await, Ok(true));
             if self.updating {
                 tracing::debug!("stream is UPDATING; postponing shard discovery and steals");
@@ -507,23 +522,34 @@ impl Coordinator {
             free.extend(others.into_iter().take(room));
         }
         free.shuffle(&mut self.rng);
+        // One batch of concurrent takes at a time, until one loses a race: then other
+        // workers are taking too, and the next round, at once, plans again from a
+        // listing that shows them, instead of every worker of a fleet started together
+        // trying every row (40 workers x 2,000 takes).
         let mut failure = None;
-        for (row, result, sent) in self.take_many(&free).await {
-            match result {
-                Ok(taken) => {
-                    match &row.owner {
-                        Some(old) => {
-                            self.labels.lease_event(LeaseEvent::Expired);
-                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+        for chunk in free.chunks(MAX_CONCURRENT_WRITES) {
+            let mut raced = false;
+            for (row, result, sent) in self.take_many(chunk).await {
+                match result {
+                    Ok(taken) => {
+                        match &row.owner {
+                            Some(old) => {
+                                self.labels.lease_event(LeaseEvent::Expired);
+                                tracing::info!(lease = %row.key, from = %old, "took an expired lease");
+                            }
+                            None => self.labels.lease_event(LeaseEvent::Taken),
                         }
-                        None => self.labels.lease_event(LeaseEvent::Taken),
+                        self.steals.remove(&row.key);
+                        self.start(taken, sent);
+                        holds += 1;
                     }
-                    self.steals.remove(&row.key);
-                    self.start(taken, sent);
-                    holds += 1;
+                    Err(LeaseError::Conflict(_)) => raced = true,
+                    Err(e) => failure = Some(e),
                 }
-                Err(LeaseError::Conflict(_)) => {}
-                Err(e) => failure = Some(e),
+            }
+            if raced || failure.is_some() {
+                self.raced = raced && holds > plan.holds;
+                break;
             }
         }
         if let Some(e) = failure {
@@ -830,6 +856,29 @@ impl Coordinator {
     async fn scope_to_stream(&mut self) -> Result<(), ConsumerError> {
         let identity = self.kinesis.stream_identity(&self.stream).await?;
         let rows = self.store.list().await?;
+        // Unfinished rows of this stream name under another creation time, and none
+        // under ours: the stream was deleted and created again, or the rows were
+        // written with another creation time (a KCL application's own identifier).
+        // Starting afresh would skip or re-read what those rows hold, so the consumer
+        // refuses. (Old rows that are all finished hold nothing more to read.)
+        let keyed = || {
+            rows.iter()
+                .filter_map(|r| StreamIdentity::split_lease_key(&r.key).map(|(id, _)| (id, r)))
+        };
+        if !keyed().any(|(id, _)| id == identity) {
+            if let Some((found, row)) = keyed().find(|(id, row)| {
+                id.name == identity.name
+                    && id.account == identity.account
+                    && row.checkpoint != Checkpoint::ShardEnd
+            }) {
+                return Err(ConsumerError::StreamCreatedAgain {
+                    table: self.config.lease_table.clone(),
+                    stream: identity.to_string(),
+                    rows: found.to_string(),
+                    lease: row.key.clone(),
+                });
+            }
+        }
         if let Some(row) = rows
             .iter()
             .find(|r| StreamIdentity::split_lease_key(&r.key).is_none())
@@ -846,8 +895,33 @@ impl Coordinator {
         }
         tracing::info!(stream = %identity, "multi-stream mode: this stream's lease keys start with its identity");
         self.multi_stream = false;
+        self.identity = Some(identity.clone());
         self.store = Arc::new(StreamScopedStore::new(self.store.clone(), identity));
         Ok(())
+    }
+
+    /// Multi-stream mode: stops this stream's coordinator when the stream's identity
+    /// changed (deleted and created again while the group runs): its rows hold positions
+    /// in the old stream, and a worker started later would key the new stream's shards
+    /// differently, so two workers could read one shard. Not knowing (the call failed)
+    /// keeps going; the next sync asks again.
+    async fn check_identity(&self) -> Result<(), ConsumerError> {
+        let Some(known) = &self.identity else {
+            return Ok(());
+        };
+        match self.kinesis.stream_identity(&self.stream).await {
+            Ok(now) if now != *known => Err(ConsumerError::StreamCreatedAgain {
+                table: self.config.lease_table.clone(),
+                stream: now.to_string(),
+                rows: known.to_string(),
+                lease: String::new(),
+            }),
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not check the stream's identity; will ask again");
+                Ok(())
+            }
+        }
     }
 
     /// Refuses a table whose rows name another stream. Rows without a stream (written
@@ -917,7 +991,10 @@ impl Coordinator {
     /// Creates `leases` (in parent-before-child order), many at once but never a child
     /// before its parents: in waves, each holding the leases whose parents are not
     /// waiting to be created, so no worker can see a child without its parent. A fleet
-    /// started on a new table then creates thousands of rows in a few round trips.
+    /// started on a new table then creates thousands of rows in a few round trips. Each
+    /// wave goes out [`MAX_CONCURRENT_WRITES`] creates at a time in a worker's own
+    /// random order; once a row turns out to exist already, the rows listed since are
+    /// left out, so workers started together share the creation.
     /// Returns whether every lease was sent (or already existed).
     ///
     /// Every decision was taken on the rows listed at `listed_at`. A worker paused
@@ -936,38 +1013,67 @@ impl Coordinator {
                 .into_iter()
                 .partition(|l| l.parents.iter().all(|p| !waiting.contains(p)));
             leases = later;
-            // Workers that start together then mostly create different rows first.
-            wave.shuffle(&mut self.rng);
-            let creates: Vec<BoxFuture<'static, _>> = wave
-                .into_iter()
-                .map(|lease| {
-                    let store = self.store.clone();
-                    async move {
-                        if listed_at.elapsed() > max_age {
-                            return (lease, None);
+            // Each worker starts at its own random place in the wave and goes on in order:
+            // workers that start together then create different runs of rows, and meet
+            // only where one run reaches the next.
+            let from = self.rng.gen_range(0..wave.len().max(1));
+            wave.rotate_left(from);
+            while !wave.is_empty() {
+                let chunk: Vec<Lease> = wave
+                    .drain(..wave.len().min(MAX_CONCURRENT_WRITES))
+                    .collect();
+                let creates: Vec<BoxFuture<'static, _>> = chunk
+                    .into_iter()
+                    .map(|lease| {
+                        let store = self.store.clone();
+                        async move {
+                            if listed_at.elapsed() > max_age {
+                                return (lease, None);
+                            }
+                            let created = store.create(&lease).await;
+                            (lease, Some(created))
                         }
-                        let created = store.create(&lease).await;
-                        (lease, Some(created))
-                    }
-                    .boxed()
-                })
-                .collect();
-            let results = concurrently(creates).await;
-            let mut complete = true;
-            for (lease, created) in results {
-                match created {
-                    Some(created) => {
-                        if created? {
-                            tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                        .boxed()
+                    })
+                    .collect();
+                let mut complete = true;
+                let mut existed = false;
+                for (lease, created) in concurrently(creates).await {
+                    match created {
+                        Some(created) => {
+                            if created? {
+                                tracing::info!(lease = %lease.key, parents = ?lease.parents, "created a lease for a new shard");
+                            } else {
+                                existed = true;
+                            }
                         }
+                        None => complete = false,
                     }
-                    None => complete = false,
                 }
-            }
-            if !complete {
-                // No child after a parent that was not created; decide again.
-                tracing::info!("the shard listing is too old to create leases from; syncing again");
-                return Ok(false);
+                if !complete {
+                    // No child after a parent that was not created; decide again.
+                    tracing::info!(
+                        "the shard listing is too old to create leases from; syncing again"
+                    );
+                    return Ok(false);
+                }
+                // A row that already existed: other workers (a group started together)
+                // are creating the same rows. One listing leaves out what they created
+                // meanwhile, instead of one conditional put per shard per worker (40
+                // workers x 2,000 shards were 80,000 puts). A failed listing changes
+                // nothing: the creates go on.
+                if existed && !wave.is_empty() {
+                    match self.store.list().await {
+                        Ok(rows) => {
+                            let keys: BTreeSet<&str> =
+                                rows.iter().map(|r| r.key.as_str()).collect();
+                            wave.retain(|l| !keys.contains(l.key.as_str()));
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "could not list the rows others created; creating on")
+                        }
+                    }
+                }
             }
         }
         Ok(true)
@@ -1283,11 +1389,25 @@ async fn release(lease: &HeldLease, key: &str) {
     }
 }
 
+/// Ticks per renew interval of [`renew_loop`]: each tick renews only the leases due then,
+/// so a worker holding many leases spreads their renewals over the interval (32 ticks:
+/// a worker with 200 leases sends about 7 UpdateItems every 100 ms at the defaults,
+/// instead of 200 in the same millisecond, which a DynamoDB partition would throttle).
+const RENEWAL_TICKS: u32 = 32;
+
 /// Renews every held lease on its own timer, independent of reading and handling, and
 /// passes hand-off requests it finds on the rows to the coordinator. Each renewal runs
 /// in its own task under the lease call deadline, so one slow or hung renewal never
 /// delays the others; a lease whose previous renewal is still in flight is skipped for
 /// that tick rather than renewed twice at once.
+///
+/// Renewals are paced: every lease is renewed once per renew interval, but at its own
+/// phase. A lease first seen by the loop is due somewhere in the coming interval (the
+/// leases seen together spread evenly over it: renewing early only adds margin), and
+/// never later than one interval minus one tick after its take was sent; after
+/// that it is due one interval minus one tick after its last renewal was sent, so with
+/// the tick's rounding no lease waits longer between renewals than the renew interval,
+/// exactly as without pacing.
 async fn renew_loop(
     config: Arc<Config>,
     health: Arc<HealthState>,
@@ -1295,14 +1415,15 @@ async fn renew_loop(
     events: mpsc::UnboundedSender<Event>,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval_at(
-        Instant::now() + config.renew_interval,
-        config.renew_interval,
-    );
+    let step = (config.renew_interval / RENEWAL_TICKS).max(Duration::from_millis(1));
+    let period = config.renew_interval.saturating_sub(step).max(step);
+    let mut tick = tokio::time::interval_at(Instant::now() + step, step);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     // Dropped (aborting what still runs) when the loop ends.
     let mut renewals: JoinSet<String> = JoinSet::new();
     let mut in_flight: BTreeSet<String> = BTreeSet::new();
+    // When each held lease is due for its next renewal.
+    let mut due: BTreeMap<String, Instant> = BTreeMap::new();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -1314,15 +1435,28 @@ async fn renew_loop(
             }
             _ = tick.tick() => {}
         }
-        let leases: Vec<(String, Arc<HeldLease>)> = lock(&held)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let now = Instant::now();
+        let leases: Vec<(String, Arc<HeldLease>)> = {
+            let held = lock(&held);
+            due.retain(|key, _| held.contains_key(key));
+            let new: Vec<(&String, &Arc<HeldLease>)> =
+                held.iter().filter(|(k, _)| !due.contains_key(*k)).collect();
+            let n = new.len() as f64;
+            for (i, (key, lease)) in new.into_iter().enumerate() {
+                let spread = now + period.mul_f64((i + 1) as f64 / n);
+                due.insert(key.clone(), spread.min(lease.renewed_at() + period));
+            }
+            held.iter()
+                .filter(|(k, _)| due.get(*k).is_some_and(|at| *at <= now))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
         for (key, lease) in leases {
             if !in_flight.insert(key.clone()) {
                 tracing::debug!(lease = %key, "the previous renewal is still in flight");
                 continue;
             }
+            due.insert(key.clone(), now + period);
             let events = events.clone();
             let me = config.owner.clone();
             let health = health.clone();

@@ -57,34 +57,76 @@ impl BoundedLeaseStore {
         op: &'static str,
         call: impl Future<Output = Result<T, LeaseError>>,
     ) -> Result<T, LeaseError> {
-        let result = bound_lease_call(op, self.timeout, call).await;
-        let throttled = matches!(result, Err(LeaseError::Throttled(_)));
-        if op != "list" || self.count_list {
-            self.labels.request("dynamodb", op, throttled);
+        if op == "list" && !self.count_list {
+            return bound_call(op, self.timeout, call).await;
         }
-        result
+        bound_counted(&self.labels, op, self.timeout, call).await
     }
 }
 
-async fn bound_lease_call<T>(
+/// The error of a remote call, as the deadlines need it: what a call past its deadline
+/// becomes, and what counts as throttled in the request metrics.
+trait CallError: Sized {
+    /// The `service` label of the request metrics.
+    const SERVICE: &'static str;
+    fn timed_out(op: &'static str, after: Duration) -> Self;
+    fn is_throttled(&self) -> bool;
+}
+
+impl CallError for LeaseError {
+    const SERVICE: &'static str = "dynamodb";
+
+    fn timed_out(op: &'static str, after: Duration) -> Self {
+        tracing::warn!(op, ?after, "lease store call timed out");
+        LeaseError::TimedOut { op, after }
+    }
+
+    fn is_throttled(&self) -> bool {
+        matches!(self, LeaseError::Throttled(_))
+    }
+}
+
+impl CallError for KinesisError {
+    const SERVICE: &'static str = "kinesis";
+
+    fn timed_out(op: &'static str, after: Duration) -> Self {
+        KinesisError::Other(format!("{op} did not answer within {after:?}").into())
+    }
+
+    fn is_throttled(&self) -> bool {
+        matches!(self, KinesisError::Throttled(_))
+    }
+}
+
+/// `call`, or the error [`CallError::timed_out`] if it has not ended `after` from now.
+async fn bound_call<T, E: CallError>(
     op: &'static str,
     after: Duration,
-    call: impl Future<Output = Result<T, LeaseError>>,
-) -> Result<T, LeaseError> {
-    match tokio::time::timeout(after, call).await {
-        Ok(result) => result,
-        Err(_) => {
-            tracing::warn!(op, ?after, "lease store call timed out");
-            Err(LeaseError::TimedOut { op, after })
-        }
-    }
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    tokio::time::timeout(after, call)
+        .await
+        .unwrap_or_else(|_| Err(E::timed_out(op, after)))
+}
+
+/// [`bound_call`], counted in the request metrics.
+async fn bound_counted<T, E: CallError>(
+    labels: &Labels,
+    op: &'static str,
+    after: Duration,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    let result = bound_call(op, after, call).await;
+    let throttled = matches!(&result, Err(e) if e.is_throttled());
+    labels.request(E::SERVICE, op, throttled);
+    result
 }
 
 #[async_trait]
 impl LeaseStore for BoundedLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.labels.request("dynamodb", "ensure_table", false);
-        bound_lease_call(
+        bound_call(
             "ensure_table",
             SETUP_CALL_TIMEOUT,
             self.inner.ensure_table(),
@@ -202,23 +244,8 @@ impl BoundedKinesis {
         op: &'static str,
         call: impl Future<Output = Result<T, KinesisError>>,
     ) -> Result<T, KinesisError> {
-        let result = bound_kinesis_call(op, self.timeout, call).await;
-        let throttled = matches!(result, Err(KinesisError::Throttled(_)));
-        self.labels.request("kinesis", op, throttled);
-        result
+        bound_counted(&self.labels, op, self.timeout, call).await
     }
-}
-
-async fn bound_kinesis_call<T>(
-    op: &'static str,
-    after: Duration,
-    call: impl Future<Output = Result<T, KinesisError>>,
-) -> Result<T, KinesisError> {
-    tokio::time::timeout(after, call).await.unwrap_or_else(|_| {
-        Err(KinesisError::Other(
-            format!("{op} did not answer within {after:?}").into(),
-        ))
-    })
 }
 
 #[async_trait]
@@ -266,7 +293,7 @@ impl KinesisApi for BoundedKinesis {
     }
 
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        bound_kinesis_call(
+        bound_call(
             "RegisterStreamConsumer",
             SETUP_CALL_TIMEOUT,
             self.inner.register_consumer(stream, name),

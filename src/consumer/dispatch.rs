@@ -69,7 +69,7 @@ pub(crate) async fn records<S>(
                     tracing::warn!(shard = %batch.shard_id, sequence = %position, %error, "handler failed; the shard restarts from its checkpoint");
                     ack.nack();
                     events.emit(|| ShardEvent::HandlerFailed {
-                        shard: batch.shard_id.to_string(),
+                        shard: events.shard_name(&batch.stream, &batch.shard_id),
                         sequence_number: Some(position.sequence.clone()),
                         error,
                     });
@@ -99,7 +99,7 @@ pub(crate) async fn batches<S>(
             ack.abandon();
             continue;
         }
-        let shard = batch.shard_id.clone();
+        let shard = events.shard_name(&batch.stream, &batch.shard_id);
         batch.ack = Some(ack.clone());
         let result = match service.ready().await {
             Ok(ready) => ready.call(batch).await,
@@ -489,7 +489,7 @@ pub(crate) async fn concurrent<S>(
             }, if starting.is_some() => {
                 if let Some((batch, ack, _)) = starting.take() {
                     if may_start {
-                        shard = batch.shard_id.clone();
+                        shard = events.shard_name(&batch.stream, &batch.shard_id).into();
                         window.push_batch(batch, ack);
                     } else {
                         ack.abandon();

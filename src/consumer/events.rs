@@ -64,17 +64,34 @@ pub enum ShardEvent {
 
 type Hook = Arc<dyn Fn(&ShardEvent) + Send + Sync>;
 
-/// The user's hook, shared by the worker's tasks.
+/// The user's hook, shared by the worker's tasks, and whether events built from a batch
+/// name the shard `stream/shardId` (multi-stream mode).
 #[derive(Clone)]
-pub(crate) struct EventHook(Option<Hook>);
+pub(crate) struct EventHook(Option<Hook>, bool);
 
 impl EventHook {
     pub(crate) fn none() -> Self {
-        EventHook(None)
+        EventHook(None, false)
     }
 
     pub(crate) fn new(hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
-        EventHook(Some(Arc::new(hook)))
+        EventHook(Some(Arc::new(hook)), false)
+    }
+
+    /// The hook for the handlers of a multi-stream consumer: [`Self::shard_name`] names
+    /// a batch's shard `stream/shardId`.
+    pub(crate) fn naming_streams(self) -> Self {
+        EventHook(self.0, true)
+    }
+
+    /// The name events give a batch's shard: `stream/shardId` in multi-stream mode, the
+    /// shard id otherwise.
+    pub(crate) fn shard_name(&self, stream: &str, shard: &str) -> String {
+        if self.1 {
+            format!("{stream}/{shard}")
+        } else {
+            shard.to_owned()
+        }
     }
 
     /// Calls the hook, if any, with the event `make` builds (built only when there is a
@@ -108,12 +125,15 @@ impl EventHook {
     /// `stream/shardId`, so shards of different streams are told apart.
     pub(crate) fn for_stream(&self, stream: &str) -> Self {
         match &self.0 {
-            None => EventHook(None),
+            None => EventHook(None, false),
             Some(hook) => {
                 let (hook, stream) = (hook.clone(), stream.to_owned());
-                EventHook(Some(Arc::new(move |event: &ShardEvent| {
-                    hook(&event.in_stream(&stream))
-                })))
+                EventHook(
+                    Some(Arc::new(move |event: &ShardEvent| {
+                        hook(&event.in_stream(&stream))
+                    })),
+                    false,
+                )
             }
         }
     }

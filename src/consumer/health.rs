@@ -32,6 +32,11 @@ pub struct Health {
     pub lease_duration: Duration,
     /// The shards this worker reads, by shard id.
     pub shards: Vec<ShardHealth>,
+    /// Multi-stream mode with a changing list
+    /// ([`ConsumerBuilder::streams_from`](super::ConsumerBuilder::streams_from)): the
+    /// streams that stopped with an error and are not read until the list changes,
+    /// with the error.
+    pub failed_streams: Vec<(String, String)>,
 }
 
 /// One held shard's health.
@@ -67,9 +72,11 @@ impl Health {
             .is_some_and(|ago| ago < self.lease_duration)
     }
 
-    /// Live, started, and no shard failing.
+    /// Live, started, no shard failing and no stream left out after an error.
     pub fn is_ready(&self) -> bool {
-        self.is_live() && !self.shards.iter().any(ShardHealth::failing)
+        self.is_live()
+            && !self.shards.iter().any(ShardHealth::failing)
+            && self.failed_streams.is_empty()
     }
 }
 
@@ -84,6 +91,7 @@ struct ShardState {
 struct State {
     lease_table_ok_at: Option<Instant>,
     shards: BTreeMap<Arc<str>, ShardState>,
+    failed_streams: BTreeMap<String, String>,
 }
 
 /// What the coordinator, shard tasks and readers report into; shared with the handles.
@@ -167,6 +175,18 @@ impl HealthState {
         }
     }
 
+    /// A stream of a changing list stopped with `error` and is left out.
+    pub(crate) fn stream_failed(&self, stream: &str, error: impl std::fmt::Display) {
+        self.lock()
+            .failed_streams
+            .insert(stream.to_owned(), error.to_string());
+    }
+
+    /// A stream is (again) started.
+    pub(crate) fn stream_retried(&self, stream: &str) {
+        self.lock().failed_streams.remove(stream);
+    }
+
     pub(crate) fn snapshot(&self) -> Health {
         let state = self.lock();
         Health {
@@ -181,6 +201,11 @@ impl HealthState {
                     failures_in_a_row: s.failures,
                     last_error: s.last_error.clone(),
                 })
+                .collect(),
+            failed_streams: state
+                .failed_streams
+                .iter()
+                .map(|(stream, error)| (stream.clone(), error.clone()))
                 .collect(),
         }
     }

@@ -46,6 +46,7 @@ mod deadline;
 mod dispatch;
 mod events;
 mod health;
+pub(crate) mod read_ahead;
 mod reader;
 mod shard;
 mod streams;
@@ -69,7 +70,7 @@ use crate::message::{Batch, Message};
 
 pub use config::{
     CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
-    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL,
+    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
 };
 use coordinator::{Sink, SpawnDispatch};
 pub use events::ShardEvent;
@@ -130,6 +131,27 @@ pub enum ConsumerError {
         /// A row of the other stream.
         lease: String,
     },
+    /// Multi-stream mode: the table's unfinished rows of this stream name carry another
+    /// creation time than the stream has now. Either the stream was deleted and created again (at
+    /// start-up, or while the group ran), or the rows were written under another
+    /// creation time (a KCL application that configured its own stream identifier).
+    /// Starting afresh would skip or re-read what the rows hold, so the stream is not
+    /// read: delete the old rows to start the new stream at the initial position.
+    #[error(
+        "lease table {table:?} holds the leases of stream {rows} (row {lease:?}), \
+         but the stream is now {stream} (created at another time): delete those rows to \
+         start it afresh"
+    )]
+    StreamCreatedAgain {
+        /// The lease table.
+        table: String,
+        /// The stream's identity now (`account:name:creationEpoch`).
+        stream: String,
+        /// The identity the rows carry.
+        rows: String,
+        /// A row of that identity (empty when found while running).
+        lease: String,
+    },
 }
 
 impl ConsumerError {
@@ -179,6 +201,17 @@ impl ShutdownHandle {
 }
 
 impl Consumer {
+    /// The event hook of the handlers' tasks: in multi-stream mode their events name
+    /// the shard `stream/shardId`, as the coordinators' do.
+    fn handler_events(&self) -> events::EventHook {
+        let events = self.config.events.clone();
+        if self.config.streams.is_some() {
+            events.naming_streams()
+        } else {
+            events
+        }
+    }
+
     /// Starts configuring a consumer.
     pub fn builder() -> ConsumerBuilder {
         ConsumerBuilder::default()
@@ -208,7 +241,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let events = self.config.events.clone();
+        let events = self.handler_events();
         let service = Measured::new(service, &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
             Concurrency::PerKey(n) => (n, true),
@@ -260,7 +293,7 @@ impl Consumer {
         S::Future: Send,
         S::Error: Display + Send,
     {
-        let events = self.config.events.clone();
+        let events = self.handler_events();
         let service = Measured::new(service, &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {
             tokio::spawn(dispatch::batches(rx, service, events.clone()))

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -23,6 +23,7 @@ use crate::sequence::{Position, SequenceNumber};
 
 use super::config::{Config, FanOut, InitialPosition};
 use super::health::HealthState;
+use super::read_ahead::MESSAGE_OVERHEAD;
 
 /// Everything a shard's reader needs.
 pub(crate) struct ShardReader {
@@ -90,6 +91,9 @@ impl ShardReader {
         // read AT the last record holds that record again, and with one record per read
         // it would bring "nothing new" although the shard goes on.
         let mut after_delivered = false;
+        // The previous read's size: about what the next one needs of the read-ahead
+        // budget, waited for before reading so no shard fetches while it is used up.
+        let mut estimate = 0;
         loop {
             let it = match iterator.take() {
                 Some(it) => it,
@@ -107,6 +111,7 @@ impl ShardReader {
                     }
                 },
             };
+            let reserved = self.config.read_ahead.reserve(estimate).await;
             let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
@@ -136,8 +141,18 @@ impl ShardReader {
             not_found = 0;
             after_delivered = false;
             let raw = page.records.len();
+            estimate = page
+                .records
+                .iter()
+                .map(|r| r.data.len() + r.partition_key.len() + MESSAGE_OVERHEAD)
+                .sum();
             let flow = self
-                .deliver(page.records, page.millis_behind_latest, &mut handled)
+                .deliver(
+                    page.records,
+                    page.millis_behind_latest,
+                    &mut handled,
+                    Some(reserved),
+                )
                 .await;
             if flow == Flow::Stop {
                 return Ok(());
@@ -252,7 +267,12 @@ impl ShardReader {
                 backoff.reset();
                 let idle = event.records.is_empty() && event.millis_behind_latest == Some(0);
                 let flow = self
-                    .deliver(event.records, event.millis_behind_latest, &mut handled)
+                    .deliver(
+                        event.records,
+                        event.millis_behind_latest,
+                        &mut handled,
+                        None,
+                    )
                     .await;
                 if flow == Flow::Stop {
                     return Ok(());
@@ -307,12 +327,15 @@ impl ShardReader {
     /// `handled` (covered by the checkpoint, or already delivered by this reader: reads
     /// may overlap after a recovery); if anything is left, waits until the lease is
     /// known to be ours, registers the batch with the watermark, moves `handled` to its
-    /// last record and sends it.
+    /// last record and sends it. The batch takes its share of the worker's read-ahead
+    /// budget first (from `reserved`, what the reader set aside before reading, and
+    /// more if needed), waiting while the budget is used up.
     async fn deliver(
         &self,
         records: Vec<Record>,
         millis_behind_latest: Option<i64>,
         handled: &mut Checkpoint,
+        reserved: Option<OwnedSemaphorePermit>,
     ) -> Flow {
         let raw = records.len();
         if let Some(ms) = millis_behind_latest {
@@ -361,6 +384,11 @@ impl ShardReader {
             }
         }
         let last = last.position();
+        let accounted = messages
+            .iter()
+            .map(|m| m.payload.len() + m.headers.partition_key.len() + MESSAGE_OVERHEAD)
+            .sum();
+        let share = self.config.read_ahead.take(reserved, accounted).await;
         // Room first, then register: a batch registered but never sent (the reader
         // dropped while waiting for room) would hold every drain until its timeout.
         let Ok(permit) = self.out.reserve().await else {
@@ -371,7 +399,8 @@ impl ShardReader {
         let ack = self
             .progress
             .register(Mark::At(last.clone()))
-            .tracking(in_flight);
+            .tracking(in_flight)
+            .holding(share);
         *handled = Checkpoint::At(last);
         permit.send(Batch {
             stream: self.stream.clone(),

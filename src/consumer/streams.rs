@@ -95,6 +95,7 @@ impl Group {
             for stream in &wanted {
                 if !running.contains_key(stream) && !failed.contains(stream) {
                     tracing::info!(%stream, "reading stream");
+                    self.health.stream_retried(stream);
                     let stop = shutdown.child_token();
                     running.insert(stream.clone(), stop.clone());
                     let coordinator = Coordinator::new(
@@ -136,6 +137,7 @@ impl Group {
                             // A changing list keeps the other streams going; the stream
                             // is tried again once the list changes.
                             tracing::error!(%stream, error = %e, "stream stopped with an error; left out until the list changes");
+                            self.health.stream_failed(&stream, &e);
                             failed.insert(stream);
                             continue;
                         }

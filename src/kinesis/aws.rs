@@ -32,6 +32,7 @@
 //! last item. The service ends a subscription after five minutes; AWS needs HTTP/2 for
 //! it, which the SDK's default HTTPS client negotiates.
 
+use crate::backoff::DeadlinePoll;
 use crate::error::{AwsError, ErrorDetail};
 use std::time::{Duration, SystemTime};
 
@@ -107,8 +108,11 @@ impl AwsKinesis {
     /// A missing stream (DescribeStreamSummary can lag behind CreateStream) and throttling
     /// only mean "not yet".
     async fn wait_until_active(&self, stream: &str) -> Result<(), KinesisError> {
-        let deadline = tokio::time::Instant::now() + ACTIVE_WAIT;
-        let mut pause = Duration::from_millis(25);
+        let mut poll = DeadlinePoll::new(
+            ACTIVE_WAIT,
+            Duration::from_millis(25),
+            Duration::from_millis(250),
+        );
         loop {
             let last = match self.stream_status(stream).await {
                 Ok(StreamStatus::Active) => return Ok(()),
@@ -116,7 +120,7 @@ impl AwsKinesis {
                 Err(e @ (KinesisError::NotFound(_) | KinesisError::Throttled(_))) => e.to_string(),
                 Err(e) => return Err(e),
             };
-            if tokio::time::Instant::now() + pause > deadline {
+            if !poll.pause().await {
                 return Err(KinesisError::Other(
                     format!(
                         "stream {stream} not ACTIVE after {} s ({last})",
@@ -125,8 +129,6 @@ impl AwsKinesis {
                     .into(),
                 ));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 3 / 2).min(Duration::from_millis(250));
         }
     }
 
@@ -552,8 +554,11 @@ impl KinesisApi for AwsKinesis {
     /// being deleted is waited out and registered again.
     async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
         let stream_arn = self.stream_arn(stream).await?;
-        let deadline = tokio::time::Instant::now() + CONSUMER_ACTIVE_WAIT;
-        let mut pause = Duration::from_millis(100);
+        let mut poll = DeadlinePoll::new(
+            CONSUMER_ACTIVE_WAIT,
+            Duration::from_millis(100),
+            Duration::from_secs(2),
+        );
         loop {
             let last = match self.describe_consumer(&stream_arn, name).await {
                 Ok((arn, ConsumerStatus::Active)) => return Ok(arn),
@@ -587,7 +592,8 @@ impl KinesisApi for AwsKinesis {
                 Err(e @ KinesisError::Throttled(_)) => e.to_string(),
                 Err(e) => return Err(e),
             };
-            if tokio::time::Instant::now() + pause > deadline {
+            tracing::debug!(consumer = name, %last, "waiting for the stream consumer to be ACTIVE");
+            if !poll.pause().await {
                 return Err(KinesisError::Other(
                     format!(
                         "stream consumer {name} of {stream} not ACTIVE after {} s ({last})",
@@ -596,9 +602,6 @@ impl KinesisApi for AwsKinesis {
                     .into(),
                 ));
             }
-            tracing::debug!(consumer = name, %last, "waiting for the stream consumer to be ACTIVE");
-            tokio::time::sleep(pause).await;
-            pause = (pause * 3 / 2).min(Duration::from_secs(2));
         }
     }
 

@@ -66,6 +66,7 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::backoff::DeadlinePoll;
 use crate::error::ErrorDetail;
 use crate::kinesis::aws::{aws_error_of, describe_sdk_error};
 use crate::kinesis::StreamIdentity;
@@ -606,8 +607,11 @@ fn parse_number(key: &str, name: &str, digits: &str) -> Result<u64, LeaseError> 
 #[async_trait]
 impl LeaseStore for DynamoLeaseStore {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
-        let deadline = tokio::time::Instant::now() + ACTIVE_WAIT;
-        let mut pause = Duration::from_millis(25);
+        let mut poll = DeadlinePoll::new(
+            ACTIVE_WAIT,
+            Duration::from_millis(25),
+            Duration::from_millis(250),
+        );
         let mut created = false;
         loop {
             match self.table_status().await {
@@ -621,7 +625,7 @@ impl LeaseStore for DynamoLeaseStore {
                 Ok(_) | Err(LeaseError::Throttled(_)) => {}
                 Err(e) => return Err(e),
             }
-            if tokio::time::Instant::now() + pause > deadline {
+            if !poll.pause().await {
                 return Err(LeaseError::Other(
                     format!(
                         "lease table {} not ACTIVE after {} s",
@@ -631,8 +635,6 @@ impl LeaseStore for DynamoLeaseStore {
                     .into(),
                 ));
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 3 / 2).min(Duration::from_millis(250));
         }
     }
 

@@ -78,6 +78,11 @@ impl HeldLease {
             < max_age
     }
 
+    /// When the last successful renewal (or the take) was sent.
+    pub fn renewed_at(&self) -> Instant {
+        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Waits until the lease is fresh again (a renewal succeeded) or lost.
     pub async fn wait_fresh(&self, max_age: Duration) {
         loop {

@@ -209,6 +209,14 @@ impl Producer {
         self.stopped().await;
     }
 
+    /// Whether the producer keeps each partition key's records in order
+    /// ([`ProducerBuilder::ordered_per_key`]): a caller that hands over several records
+    /// of one key at once (a processor's outputs) may then do so without waiting for
+    /// each answer.
+    pub fn is_ordered_per_key(&self) -> bool {
+        self.settings.ordered_per_key
+    }
+
     /// Whether the producer no longer accepts records.
     pub fn is_closed(&self) -> bool {
         self.sender.is_closed()

@@ -26,12 +26,11 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use crate::backoff::Backoff;
 use crate::kinesis::{KinesisError, PutOutcome, PutRecord};
 
 use super::builder::Settings;
@@ -153,7 +152,8 @@ pub(crate) struct Worker {
     /// each for a backoff that grows with the streak.
     call_failures: u32,
     paused_until: Option<Instant>,
-    rng: SmallRng,
+    /// The resend delays, and the generator of their jitter.
+    backoff: Backoff,
 }
 
 impl Worker {
@@ -161,7 +161,7 @@ impl Worker {
         let max_held = settings
             .max_batch_records
             .saturating_mul(settings.max_in_flight.saturating_add(1));
-        let rng = SmallRng::seed_from_u64(settings.seed);
+        let backoff = Backoff::new(settings.retry_min, settings.retry_max, settings.seed);
         Worker {
             settings,
             rx,
@@ -179,7 +179,7 @@ impl Worker {
             rx_done: false,
             call_failures: 0,
             paused_until: None,
-            rng,
+            backoff,
         }
     }
 
@@ -386,7 +386,7 @@ impl Worker {
             result,
         } = completed;
         // One jitter draw per call keeps the records that failed together together.
-        let jitter: f64 = self.rng.gen();
+        let jitter = self.backoff.draw();
         let outcomes = match result {
             Ok(outcomes) if outcomes.len() == records.len() => outcomes,
             Ok(outcomes) => {
@@ -517,13 +517,7 @@ impl Worker {
     /// The delay before attempt `attempts + 1`: `min × 2^(attempts-1)`, capped at
     /// `max`, scaled into `[d/2, d]` by `jitter` (in `[0, 1)`).
     fn backoff(&self, attempts: u32, jitter: f64) -> Duration {
-        let doublings = attempts.saturating_sub(1).min(20);
-        let base = self
-            .settings
-            .retry_min
-            .saturating_mul(1u32 << doublings)
-            .min(self.settings.retry_max);
-        base.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+        self.backoff.delay(attempts.saturating_sub(1), jitter)
     }
 
     /// When the loop must wake up without any other event: a linger running out, a

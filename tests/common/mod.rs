@@ -153,7 +153,7 @@ pub async fn produce_sentinels(
 }
 
 /// Writes `records`, retrying what a partial failure refused, until every one is stored.
-async fn put_all(kinesis: &dyn KinesisApi, stream: &str, records: Vec<PutRecord>) {
+pub async fn put_all(kinesis: &dyn KinesisApi, stream: &str, records: Vec<PutRecord>) {
     for chunk in records.chunks(500) {
         let mut pending: Vec<PutRecord> = chunk.to_vec();
         // Retry only what failed (partial failures), until everything is stored.

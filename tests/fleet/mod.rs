@@ -11,12 +11,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[path = "../common/hooks.rs"]
+mod hooks;
+
 use async_trait::async_trait;
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::LeaseError;
+
+use hooks::{Hooked, Hooks};
 use shardflow::memory::LeaseFaults;
-use shardflow::{Backend, Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -52,6 +57,16 @@ impl Fleet {
     }
 }
 
+/// One lease-store call a worker made: when it was sent, by which worker, which call
+/// (`"renew"`, `"create"`, ...) and on which lease (none for `list`, `ensure_table`).
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub at: Instant,
+    pub worker: String,
+    pub op: &'static str,
+    pub key: Option<String>,
+}
+
 /// A started fleet: the backend, the workers and which shards delivered a record.
 pub struct Running {
     pub memory: Memory,
@@ -63,6 +78,8 @@ pub struct Running {
     pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
     /// Records put in the stream so far.
     pub put: Arc<Mutex<usize>>,
+    /// Every lease-store call of every worker, in the order sent.
+    pub calls: Arc<Mutex<Vec<Call>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -75,98 +92,28 @@ struct Worker {
     dead: Arc<AtomicBool>,
 }
 
-/// The memory backend as one worker process sees it: once the process is killed, none
-/// of its lease-store calls lands any more (they never answer), so its leases are
-/// neither renewed nor released and expire, as after a crash.
+/// A worker process's view of the lease table: once the process is killed, none of its
+/// lease-store calls lands any more (they never answer), so its leases are neither
+/// renewed nor released and expire, as after a crash. Every call sent is logged.
 struct Killable {
-    memory: Memory,
     dead: Arc<AtomicBool>,
-}
-
-impl Backend for Killable {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.memory.kinesis()
-    }
-
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(KillableStore {
-            inner: self.memory.lease_store(table),
-            dead: self.dead.clone(),
-        })
-    }
-}
-
-struct KillableStore {
-    inner: Arc<dyn LeaseStore>,
-    dead: Arc<AtomicBool>,
-}
-
-impl KillableStore {
-    /// Never returns once the process is dead.
-    async fn gate(&self) {
-        if self.dead.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-    }
+    worker: String,
+    calls: Arc<Mutex<Vec<Call>>>,
 }
 
 #[async_trait]
-impl LeaseStore for KillableStore {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.gate().await;
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.gate().await;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.gate().await;
-        self.inner.get(key).await
-    }
-    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.gate().await;
-        self.inner.create(lease).await
-    }
-    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.take(expected, new_owner).await
-    }
-    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.renew(expected).await
-    }
-    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.checkpoint(expected, at).await
-    }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.gate().await;
-        self.inner.delete(expected).await
-    }
-    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.claim_for_stream(expected, stream).await
-    }
-    async fn record_children(
-        &self,
-        expected: &Lease,
-        children: &[String],
-    ) -> Result<Lease, LeaseError> {
-        self.gate().await;
-        self.inner.record_children(expected, children).await
+impl Hooks for Killable {
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.calls.lock().unwrap().push(Call {
+            at: Instant::now(),
+            worker: self.worker.clone(),
+            op,
+            key: key.map(str::to_owned),
+        });
+        Ok(())
     }
 }
 
@@ -224,6 +171,7 @@ pub async fn start(fleet: Fleet) -> Running {
         last_delivery: Arc::default(),
         handled: Arc::default(),
         put,
+        calls: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -258,10 +206,14 @@ impl Running {
                 .stream(STREAM)
                 .group(GROUP)
                 .worker_id(&id)
-                .backend(Killable {
-                    memory: self.memory.clone(),
-                    dead: dead.clone(),
-                })
+                .backend(Hooked::new(
+                    self.memory.clone(),
+                    Killable {
+                        dead: dead.clone(),
+                        worker: id.clone(),
+                        calls: self.calls.clone(),
+                    },
+                ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
                 .build()
                 .expect("a valid configuration");

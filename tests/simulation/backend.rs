@@ -279,6 +279,18 @@ impl SimStore {
         });
     }
 
+    /// Logs a write the store's fencing refused.
+    fn note_refusal<T>(&self, result: &Result<T, LeaseError>) {
+        if matches!(result, Err(LeaseError::Conflict(_))) {
+            let log = &self.backend.log;
+            let at = log.tick();
+            log.refused
+                .lock()
+                .unwrap()
+                .push((at, self.backend.incarnation.clone()));
+        }
+    }
+
     fn log_commit(&self, row: &Lease, checkpoint: &Checkpoint, ambiguous: bool) {
         let log = &self.backend.log;
         log.commits.lock().unwrap().push(Commit {
@@ -323,6 +335,7 @@ impl LeaseStore for SimStore {
     async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
         self.backend.enter_store().await?;
         let result = self.inner.take(expected, owner).await;
+        self.note_refusal(&result);
         match &result {
             Ok(row) => self.log_take(expected, row, owner),
             // A write that landed although the caller saw an error still counts.
@@ -338,7 +351,9 @@ impl LeaseStore for SimStore {
     }
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         self.backend.enter_store().await?;
-        self.inner.renew(expected).await
+        let result = self.inner.renew(expected).await;
+        self.note_refusal(&result);
+        result
     }
     async fn checkpoint(
         &self,
@@ -347,6 +362,7 @@ impl LeaseStore for SimStore {
     ) -> Result<Lease, LeaseError> {
         self.backend.enter_store().await?;
         let result = self.inner.checkpoint(expected, checkpoint).await;
+        self.note_refusal(&result);
         match &result {
             Ok(row) => self.log_commit(row, checkpoint, false),
             Err(LeaseError::Conflict(_)) => {}

@@ -63,6 +63,9 @@ pub struct Log {
     pub dropped_runs: Mutex<Vec<(String, u64)>>,
     /// Lease rows deleted (finished shards cleaned up).
     pub deleted: Mutex<std::collections::HashSet<String>>,
+    /// Takes, renewals and checkpoint writes the store's fencing refused: (tick,
+    /// incarnation).
+    pub refused: Mutex<Vec<(u64, String)>>,
 }
 
 impl Log {

@@ -10,7 +10,7 @@
 
 pub mod backend;
 pub mod history;
-mod invariants;
+pub mod invariants;
 pub mod log;
 
 use std::future::IntoFuture;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use backon::ExponentialBackoff;
 use pin_project_lite::pin_project;
 use shardflow::Message;
 use tokio::time::{Instant, Sleep};
@@ -53,7 +52,7 @@ pin_project! {
 }
 
 struct Schedule {
-    delays: ExponentialBackoff,
+    delays: std::iter::Take<shardflow::backoff::Backoff>,
     deadline: Option<Instant>,
 }
 

@@ -3,8 +3,7 @@
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
-use shardflow::Headers;
+use shardflow::{backoff, Headers};
 
 /// Whether a failed attempt is worth another try. "Transient" is the one name the
 /// workspace uses for "may succeed later" (see the `is_transient` methods of the
@@ -50,9 +49,9 @@ where
 /// spent retrying, plus the [`Classify`] that picks which errors are retried.
 ///
 /// The `n`-th retry waits `d = min(initial_delay * factor^(n-1), max_delay)`; with
-/// jitter on (the default) the wait is drawn uniformly from `[d, 2d)` so that consumers
-/// failing together do not retry in lockstep. The delay schedule comes from the
-/// [`backon`] crate.
+/// jitter on (the default) the wait is drawn uniformly from `[d, 2d]` so that consumers
+/// failing together do not retry in lockstep. The delays come from
+/// [`shardflow::backoff::Backoff`], the schedule the consumer and producer use too.
 ///
 /// A retry is scheduled only while both bounds hold: fewer than
 /// [`max_attempts`](Backoff::max_attempts) calls were made, and the retry would start
@@ -183,20 +182,22 @@ impl<C> Backoff<C> {
 
     /// The delays between the attempts for the record with `headers` (at most
     /// `max_attempts - 1` of them; `max_elapsed` is applied by the retry layer).
-    pub fn delays(&self, headers: &Headers) -> ExponentialBackoff {
+    pub fn delays(&self, headers: &Headers) -> std::iter::Take<backoff::Backoff> {
         let retries = self.max_attempts.saturating_sub(1) as usize;
-        let mut builder = ExponentialBuilder::new()
-            .with_min_delay(self.initial_delay)
-            .with_factor(self.factor)
-            .with_max_delay(self.max_delay)
-            .with_max_times(retries);
-        if self.jitter {
-            builder = builder.with_jitter();
-            if let Some(seed) = self.seed {
-                builder = builder.with_jitter_seed(seed ^ record_hash(headers));
+        let delays = if self.jitter {
+            // The shared schedule draws from `[d/2, d]`: doubled bounds give `[d, 2d]`.
+            let (min, max) = (
+                self.initial_delay.saturating_mul(2),
+                self.max_delay.saturating_mul(2),
+            );
+            match self.seed {
+                Some(seed) => backoff::Backoff::new(min, max, seed ^ record_hash(headers)),
+                None => backoff::Backoff::unseeded(min, max),
             }
-        }
-        builder.build()
+        } else {
+            backoff::Backoff::new(self.initial_delay, self.max_delay, 0).without_jitter()
+        };
+        delays.factor(f64::from(self.factor)).take(retries)
     }
 }
 

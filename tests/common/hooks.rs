@@ -1,0 +1,310 @@
+//! Forwarding wrappers of a backend's Kinesis API and lease store with hooks around every
+//! call: the one base of the tests' frozen, killed, slow, failing or counting backends.
+//!
+//! A test implements [`Hooks`] (every method defaults to "let the call through") and
+//! wraps its backend in [`Hooked`]. A new method of `LeaseStore` or `KinesisApi` needs
+//! one forwarding method below, like its neighbours.
+//!
+//! Included by path where it is used (`#[path = "common/hooks.rs"] mod hooks;`, also from
+//! `tests/fleet` and `benches/startup.rs`), not from `common/mod.rs`: the cli's tests
+//! include that file too, without `async-trait`.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin, StreamIdentity, Subscription,
+};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::Backend;
+
+/// What a test does around the calls of a [`Hooked`] backend. `op` is the name of the
+/// trait method called (`"take"`, `"get_records"`, ...).
+#[async_trait]
+pub trait Hooks: Send + Sync + 'static {
+    /// Before a lease-store call on the row `key` (`None` for `list` and
+    /// `ensure_table`): an error is returned instead of making the call; waiting here
+    /// delays it (never returning hangs it).
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        let _ = (op, key);
+        Ok(())
+    }
+
+    /// After a lease-store call answered, before its caller sees the answer: `row` is
+    /// the row a successful write returned (`None` for an error and for the calls that
+    /// return no single row).
+    async fn after_lease(&self, op: &'static str, key: Option<&str>, row: Option<&Lease>) {
+        let _ = (op, key, row);
+    }
+
+    /// Before a Kinesis call, as [`before_lease`](Self::before_lease).
+    async fn before_kinesis(&self, op: &'static str) -> Result<(), KinesisError> {
+        let _ = op;
+        Ok(())
+    }
+
+    /// After a Kinesis call answered, before its caller sees the result.
+    async fn after_kinesis(&self, op: &'static str) {
+        let _ = op;
+    }
+}
+
+/// A backend whose Kinesis API and lease stores call `hooks` around every call.
+pub struct Hooked<B, H> {
+    pub backend: B,
+    pub hooks: Arc<H>,
+}
+
+// By hand: a derive would want `H: Clone`, and clones share the one `hooks`.
+impl<B: Clone, H> Clone for Hooked<B, H> {
+    fn clone(&self) -> Self {
+        Hooked {
+            backend: self.backend.clone(),
+            hooks: self.hooks.clone(),
+        }
+    }
+}
+
+impl<B, H> Hooked<B, H> {
+    pub fn new(backend: B, hooks: H) -> Self {
+        Hooked {
+            backend,
+            hooks: Arc::new(hooks),
+        }
+    }
+}
+
+impl<B: Backend, H: Hooks> Backend for Hooked<B, H> {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(HookedKinesis {
+            inner: self.backend.kinesis(),
+            hooks: self.hooks.clone(),
+        })
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(HookedStore {
+            inner: self.backend.lease_store(table),
+            hooks: self.hooks.clone(),
+        })
+    }
+
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        self.backend.admin()
+    }
+}
+
+/// A lease store calling its hooks around every call of `inner`.
+pub struct HookedStore<H> {
+    pub inner: Arc<dyn LeaseStore>,
+    pub hooks: Arc<H>,
+}
+
+impl<H: Hooks> HookedStore<H> {
+    async fn call<T: Answer>(
+        &self,
+        op: &'static str,
+        key: Option<&str>,
+        call: impl Future<Output = Result<T, LeaseError>>,
+    ) -> Result<T, LeaseError> {
+        self.hooks.before_lease(op, key).await?;
+        let result = call.await;
+        let row = result.as_ref().ok().and_then(Answer::row);
+        self.hooks.after_lease(op, key, row).await;
+        result
+    }
+}
+
+/// The answer of a lease-store call, for [`Hooks::after_lease`]: the row it returned,
+/// if one.
+trait Answer: Send + Sync {
+    fn row(&self) -> Option<&Lease> {
+        None
+    }
+}
+
+impl Answer for Lease {
+    fn row(&self) -> Option<&Lease> {
+        Some(self)
+    }
+}
+
+impl Answer for () {}
+impl Answer for bool {}
+impl Answer for Vec<Lease> {}
+impl Answer for Option<Lease> {}
+
+#[async_trait]
+impl<H: Hooks> LeaseStore for HookedStore<H> {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.call("ensure_table", None, self.inner.ensure_table())
+            .await
+    }
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.call("list", None, self.inner.list()).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.call("get", Some(key), self.inner.get(key)).await
+    }
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.call("create", Some(&lease.key), self.inner.create(lease))
+            .await
+    }
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "take",
+            Some(&expected.key),
+            self.inner.take(expected, new_owner),
+        )
+        .await
+    }
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call("renew", Some(&expected.key), self.inner.renew(expected))
+            .await
+    }
+    async fn checkpoint(&self, expected: &Lease, at: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(
+            "checkpoint",
+            Some(&expected.key),
+            self.inner.checkpoint(expected, at),
+        )
+        .await
+    }
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call("release", Some(&expected.key), self.inner.release(expected))
+            .await
+    }
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "request_handoff",
+            Some(&expected.key),
+            self.inner.request_handoff(expected, worker),
+        )
+        .await
+    }
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "withdraw_handoff",
+            Some(&expected.key),
+            self.inner.withdraw_handoff(expected, worker),
+        )
+        .await
+    }
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(
+            "request_reset",
+            Some(&expected.key),
+            self.inner.request_reset(expected, to),
+        )
+        .await
+    }
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call("reset", Some(&expected.key), self.inner.reset(expected, to))
+            .await
+    }
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.call("delete", Some(&expected.key), self.inner.delete(expected))
+            .await
+    }
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.call(
+            "claim_for_stream",
+            Some(&expected.key),
+            self.inner.claim_for_stream(expected, stream),
+        )
+        .await
+    }
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.call(
+            "record_children",
+            Some(&expected.key),
+            self.inner.record_children(expected, children),
+        )
+        .await
+    }
+}
+
+/// A Kinesis API calling its hooks around every call of `inner`.
+pub struct HookedKinesis<H> {
+    pub inner: Arc<dyn KinesisApi>,
+    pub hooks: Arc<H>,
+}
+
+impl<H: Hooks> HookedKinesis<H> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, KinesisError>>,
+    ) -> Result<T, KinesisError> {
+        self.hooks.before_kinesis(op).await?;
+        let result = call.await;
+        self.hooks.after_kinesis(op).await;
+        result
+    }
+}
+
+#[async_trait]
+impl<H: Hooks> KinesisApi for HookedKinesis<H> {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.call("list_shards", self.inner.list_shards(stream))
+            .await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.call("is_updating", self.inner.is_updating(stream))
+            .await
+    }
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        self.call("stream_identity", self.inner.stream_identity(stream))
+            .await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.call(
+            "shard_iterator",
+            self.inner.shard_iterator(stream, shard_id, from),
+        )
+        .await
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.call("get_records", self.inner.get_records(iterator, limit))
+            .await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        self.call("put_records", self.inner.put_records(stream, records))
+            .await
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.call(
+            "register_consumer",
+            self.inner.register_consumer(stream, name),
+        )
+        .await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.call(
+            "subscribe_to_shard",
+            self.inner.subscribe_to_shard(consumer_arn, shard_id, from),
+        )
+        .await
+    }
+}
