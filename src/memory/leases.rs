@@ -1,0 +1,315 @@
+//! The embedded lease store: rows in a map, conditional writes like DynamoDB's, and
+//! injected faults.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+
+use super::lock;
+
+/// Faults the memory lease store injects, drawn from a seeded generator.
+#[derive(Clone, Debug, Default)]
+pub struct LeaseFaults {
+    /// Probability that a write fails before it is applied.
+    pub fail_before_write: f64,
+    /// Probability that a write is applied but the caller sees an error (a timeout
+    /// after the write landed: the ambiguous case).
+    pub fail_after_write: f64,
+    /// Probability that a call is throttled.
+    pub throttle: f64,
+    /// Delay added to every call (simulated round trip; honours tokio's paused clock).
+    pub latency: Duration,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+struct LeaseState {
+    rows: BTreeMap<String, Lease>,
+    faults: LeaseFaults,
+    rng: SmallRng,
+    requests: u64,
+}
+
+/// An in-process lease table with the same conditional-write rules as DynamoDB.
+pub struct MemoryLeaseStore {
+    state: Mutex<LeaseState>,
+}
+
+impl Default for MemoryLeaseStore {
+    fn default() -> Self {
+        MemoryLeaseStore {
+            state: Mutex::new(LeaseState {
+                rows: BTreeMap::new(),
+                faults: LeaseFaults::default(),
+                rng: SmallRng::seed_from_u64(0),
+                requests: 0,
+            }),
+        }
+    }
+}
+
+impl MemoryLeaseStore {
+    /// Switches fault injection on (or off, with `LeaseFaults::default()`).
+    pub fn set_faults(&self, faults: LeaseFaults) {
+        let mut s = lock(&self.state);
+        s.rng = SmallRng::seed_from_u64(faults.seed);
+        s.faults = faults;
+    }
+
+    /// How many calls the store has answered (the DynamoDB request count).
+    pub fn requests(&self) -> u64 {
+        lock(&self.state).requests
+    }
+
+    /// A copy of every row, for assertions.
+    pub fn rows(&self) -> Vec<Lease> {
+        lock(&self.state).rows.values().cloned().collect()
+    }
+
+    async fn call<T>(
+        &self,
+        write: bool,
+        op: impl FnOnce(&mut BTreeMap<String, Lease>) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
+        let latency = lock(&self.state).faults.latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+        let mut s = lock(&self.state);
+        s.requests += 1;
+        let f = s.faults.clone();
+        if f.throttle > 0.0 && s.rng.gen_bool(f.throttle.min(1.0)) {
+            return Err(LeaseError::Throttled("injected throttle".into()));
+        }
+        if write && f.fail_before_write > 0.0 && s.rng.gen_bool(f.fail_before_write.min(1.0)) {
+            return Err(LeaseError::Other(
+                "injected failure before the write".into(),
+            ));
+        }
+        let result = op(&mut s.rows)?;
+        if write && f.fail_after_write > 0.0 && s.rng.gen_bool(f.fail_after_write.min(1.0)) {
+            return Err(LeaseError::Other("injected failure after the write".into()));
+        }
+        Ok(result)
+    }
+}
+
+/// Applies `change` to the row if it still has `expected`'s owner and counter.
+fn conditional(
+    rows: &mut BTreeMap<String, Lease>,
+    expected: &Lease,
+    change: impl FnOnce(&mut Lease),
+) -> Result<Lease, LeaseError> {
+    match rows.get_mut(&expected.key) {
+        Some(row) if row.owner == expected.owner && row.counter == expected.counter => {
+            change(row);
+            Ok(row.clone())
+        }
+        _ => Err(LeaseError::Conflict(expected.key.clone())),
+    }
+}
+
+#[async_trait]
+impl LeaseStore for MemoryLeaseStore {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.call(false, |_| Ok(())).await
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        self.call(false, |rows| Ok(rows.values().cloned().collect()))
+            .await
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        self.call(false, |rows| Ok(rows.get(key).cloned())).await
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.call(true, |rows| {
+            if rows.contains_key(&lease.key) {
+                return Ok(false);
+            }
+            rows.insert(lease.key.clone(), lease.clone());
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            // A hand-over needs the new owner's request to still stand.
+            let handover = expected.pending_owner.as_deref() == Some(new_owner);
+            let withdrawn = rows
+                .get(&expected.key)
+                .is_some_and(|row| row.pending_owner.as_deref() != Some(new_owner));
+            if handover && withdrawn {
+                return Err(LeaseError::Conflict(expected.key.clone()));
+            }
+            conditional(rows, expected, |row| {
+                row.owner_switches = row
+                    .owner_switches
+                    .saturating_add(crate::lease::owner_switch(row, new_owner));
+                row.owner = Some(new_owner.to_owned());
+                row.counter = row.counter.saturating_add(1);
+                row.pending_owner = None;
+                row.checkpoint_owner = None;
+            })
+        })
+        .await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.counter = row.counter.saturating_add(1)
+            })
+        })
+        .await
+    }
+
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.checkpoint = checkpoint.clone();
+                row.owner_switches = 0;
+            })
+        })
+        .await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.owner = None;
+                row.counter = row.counter.saturating_add(1);
+                row.checkpoint_owner = None;
+            })
+        })
+        .await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            // The first request wins, as in the DynamoDB store.
+            let asked_by_another = rows.get(&expected.key).is_some_and(|row| {
+                row.pending_owner
+                    .as_deref()
+                    .is_some_and(|pending| pending != worker)
+            });
+            if asked_by_another {
+                return Err(LeaseError::Conflict(expected.key.clone()));
+            }
+            conditional(rows, expected, |row| {
+                row.pending_owner = Some(worker.to_owned())
+            })
+        })
+        .await
+    }
+
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| match rows.get_mut(&expected.key) {
+            Some(row) if row.pending_owner.as_deref() == Some(worker) => {
+                row.pending_owner = None;
+                Ok(row.clone())
+            }
+            _ => Err(LeaseError::Conflict(expected.key.clone())),
+        })
+        .await
+    }
+
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| row.reset_to = Some(to.clone()))
+        })
+        .await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.checkpoint = to.clone();
+                row.owner_switches = 0;
+                row.reset_to = None;
+            })
+        })
+        .await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                row.stream.get_or_insert_with(|| stream.to_owned());
+            })
+        })
+        .await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |row| {
+                let mut children = children.to_vec();
+                children.sort();
+                row.children = children;
+            })
+        })
+        .await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.call(true, |rows| {
+            conditional(rows, expected, |_| ())?;
+            rows.remove(&expected.key);
+            Ok(())
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_first_hand_off_request_wins_and_only_its_worker_withdraws_it() {
+        let store = MemoryLeaseStore::default();
+        let fresh = Lease::new("shard-a", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&fresh).await.unwrap());
+        let taken = store.take(&fresh, "w1#a").await.unwrap();
+        let asked = store.request_handoff(&taken, "w2#b").await.unwrap();
+        assert_eq!(asked.pending_owner.as_deref(), Some("w2#b"));
+        assert!(matches!(
+            store.request_handoff(&asked, "w3#c").await,
+            Err(LeaseError::Conflict(_))
+        ));
+        let again = store.request_handoff(&asked, "w2#b").await.unwrap();
+        assert_eq!(again.pending_owner.as_deref(), Some("w2#b"));
+        // Withdrawn by its own worker only; a hand-over after that fails.
+        assert!(matches!(
+            store.withdraw_handoff(&again, "w3#c").await,
+            Err(LeaseError::Conflict(_))
+        ));
+        let withdrawn = store.withdraw_handoff(&again, "w2#b").await.unwrap();
+        assert_eq!(
+            (withdrawn.pending_owner, withdrawn.counter),
+            (None, again.counter)
+        );
+        assert!(matches!(
+            store.take(&again, "w2#b").await,
+            Err(LeaseError::Conflict(_))
+        ));
+    }
+}

@@ -1,0 +1,80 @@
+//! The embedded backend: an in-process, Kinesis-like stream service ([`MemoryKinesis`])
+//! and lease store ([`MemoryLeaseStore`]), for local development and for tests of
+//! users' own handlers. It behaves like the real services where shardflow relies on
+//! them: sequence numbers, hash-key routing (MD5 of the partition key), splits and
+//! merges that close shards, iterators that expire, retention, and conditional writes.
+//! Faults can be switched on with a fixed seed ([`KinesisFaults`], [`LeaseFaults`]) so
+//! throttling, expired iterators and failed writes are reproducible.
+//!
+//! Enhanced fan-out works too: [`KinesisApi::register_consumer`] hands out a fake ARN and
+//! [`KinesisApi::subscribe_to_shard`] pushes a shard's records as they arrive, in events
+//! of at most [`MemoryKinesis::set_max_records_per_event`] records, sends an empty event
+//! (a heartbeat) when the shard is idle, ends after
+//! [`MemoryKinesis::set_subscription_lifetime`] (5 minutes, like Kinesis; on tokio's
+//! clock, so paused-time tests renew quickly), and ends with `continuation: None` and the
+//! child shards once a closed shard is delivered to its end.
+//!
+//! `kinesis.rs` holds the stream service (with its fan-out subscriptions), `leases.rs`
+//! the lease store; this file the backend that bundles them.
+
+mod kinesis;
+mod leases;
+
+pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
+pub use leases::{LeaseFaults, MemoryLeaseStore};
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::backend::Backend;
+use crate::kinesis::{KinesisApi, StreamAdmin};
+use crate::lease::LeaseStore;
+
+/// The embedded backend: one [`MemoryKinesis`] and a [`MemoryLeaseStore`] per table name.
+/// Clones share the same streams and tables, so several consumers (workers of a group)
+/// in one process see each other.
+#[derive(Clone, Default)]
+pub struct Memory {
+    kinesis: Arc<MemoryKinesis>,
+    tables: Arc<Mutex<HashMap<String, Arc<MemoryLeaseStore>>>>,
+}
+
+impl Memory {
+    /// An empty backend: no streams, no tables.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The stream service, to create streams, write records, reshard or inject faults.
+    pub fn streams(&self) -> &Arc<MemoryKinesis> {
+        &self.kinesis
+    }
+
+    /// The lease table `table` (created empty on first use).
+    pub fn table(&self, table: &str) -> Arc<MemoryLeaseStore> {
+        lock(&self.tables)
+            .entry(table.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+impl Backend for Memory {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        self.kinesis.clone()
+    }
+
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        self.table(table)
+    }
+
+    fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        Some(self.kinesis.clone())
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: every critical
+/// section here leaves the state consistent before anything that could panic.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
