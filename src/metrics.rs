@@ -83,6 +83,15 @@ pub(crate) struct Labels {
 }
 
 impl Labels {
+    /// Labels for a unit test's parts.
+    #[cfg(test)]
+    pub(crate) fn test() -> Self {
+        Labels {
+            stream: "test".into(),
+            group: "test".into(),
+        }
+    }
+
     pub(crate) fn of(config: &Config) -> Self {
         Labels {
             stream: config.stream().into(),

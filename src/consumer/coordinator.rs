@@ -4,6 +4,7 @@
 //! shutdown.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
@@ -71,6 +72,10 @@ const STALE_LIST_PAUSE: Duration = Duration::from_millis(50);
 /// How many lease writes (takes, creates) one worker has in flight at once.
 const MAX_CONCURRENT_WRITES: usize = 32;
 
+/// Lease rounds run at once, one after another, after takes lost races (see
+/// `Coordinator::raced`); then the usual quick round.
+const MAX_RACED_ROUNDS: u32 = 8;
+
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
 fn lock(held: &HeldSet) -> MutexGuard<'_, BTreeMap<String, Arc<HeldLease>>> {
@@ -90,6 +95,8 @@ pub(crate) struct Coordinator {
     /// taken some: the next round runs at once, from a listing that shows the workers
     /// taking too (a round that took nothing waits for the usual quick round).
     raced: bool,
+    /// Rounds run at once after a lost race, in a row.
+    raced_rounds: u32,
     /// Multi-stream mode, once scoped: the identity the lease keys carry, checked
     /// again at every shard sync (a stream deleted and re-created under the same
     /// name is another stream).
@@ -152,6 +159,7 @@ impl Coordinator {
             multi_stream,
             identity: None,
             raced: false,
+            raced_rounds: 0,
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
@@ -466,7 +474,7 @@ impl Coordinator {
             .copied()
             .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
             .collect();
-        for (row, result, sent) in self.take_many(&ours).await {
+        for (row, result, sent) in self.take_many(&ours, false).await {
             self.steals.remove(&row.key);
             match result {
                 Ok(taken) => {
@@ -522,36 +530,37 @@ impl Coordinator {
             free.extend(others.into_iter().take(room));
         }
         free.shuffle(&mut self.rng);
-        // One batch of concurrent takes at a time, until one loses a race: then other
-        // workers are taking too, and the next round, at once, plans again from a
-        // listing that shows them, instead of every worker of a fleet started together
-        // trying every row (40 workers x 2,000 takes).
+        // No take is sent after one lost a race: other workers are taking too, and the
+        // next round, at once, plans again from a listing that shows them, instead of
+        // every worker of a fleet started together trying every row (40 workers x 2,000
+        // takes).
         let mut failure = None;
-        for chunk in free.chunks(MAX_CONCURRENT_WRITES) {
-            let mut raced = false;
-            for (row, result, sent) in self.take_many(chunk).await {
-                match result {
-                    Ok(taken) => {
-                        match &row.owner {
-                            Some(old) => {
-                                self.labels.lease_event(LeaseEvent::Expired);
-                                tracing::info!(lease = %row.key, from = %old, "took an expired lease");
-                            }
-                            None => self.labels.lease_event(LeaseEvent::Taken),
+        let mut raced = false;
+        for (row, result, sent) in self.take_many(&free, true).await {
+            match result {
+                Ok(taken) => {
+                    match &row.owner {
+                        Some(old) => {
+                            self.labels.lease_event(LeaseEvent::Expired);
+                            tracing::info!(lease = %row.key, from = %old, "took an expired lease");
                         }
-                        self.steals.remove(&row.key);
-                        self.start(taken, sent);
-                        holds += 1;
+                        None => self.labels.lease_event(LeaseEvent::Taken),
                     }
-                    Err(LeaseError::Conflict(_)) => raced = true,
-                    Err(e) => failure = Some(e),
+                    self.steals.remove(&row.key);
+                    self.start(taken, sent);
+                    holds += 1;
                 }
-            }
-            if raced || failure.is_some() {
-                self.raced = raced && holds > plan.holds;
-                break;
+                Err(LeaseError::Conflict(_)) => raced = true,
+                Err(e) => failure = Some(e),
             }
         }
+        // Not after a failure (a throttled table is not hammered), only when this round
+        // took something, and a few times in a row at most.
+        self.raced = raced
+            && failure.is_none()
+            && holds > plan.holds
+            && self.raced_rounds < MAX_RACED_ROUNDS;
+        self.raced_rounds = if self.raced { self.raced_rounds + 1 } else { 0 };
         if let Some(e) = failure {
             return Err(e);
         }
@@ -1080,16 +1089,26 @@ impl Coordinator {
     }
 
     /// Takes `rows` for this worker, [`MAX_CONCURRENT_WRITES`] conditional writes at a
-    /// time; returns each row with its outcome and when its take was sent.
-    async fn take_many(&self, rows: &[&Lease]) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
+    /// time; returns each row with its outcome and when its take was sent. With
+    /// `until_raced`, no take is sent after one lost a race (the rows not tried are left
+    /// out of the answer).
+    async fn take_many(
+        &self,
+        rows: &[&Lease],
+        until_raced: bool,
+    ) -> Vec<(Lease, Result<Lease, LeaseError>, Instant)> {
+        let raced = Arc::new(AtomicBool::new(false));
         // Boxed 'static futures: a borrowing closure here trips the compiler's `Send`
         // inference for the spawned worker future.
         let takes: Vec<BoxFuture<'static, _>> = rows
             .iter()
             .map(|row| {
                 let (row, store) = ((*row).clone(), self.store.clone());
-                let me = self.config.owner.clone();
+                let (me, raced) = (self.config.owner.clone(), raced.clone());
                 async move {
+                    if until_raced && raced.load(Ordering::SeqCst) {
+                        return None;
+                    }
                     let sent = Instant::now();
                     let result = match store.take(&row, &me).await {
                         // An unknown outcome (a timeout, a lost reply): if the take
@@ -1108,12 +1127,15 @@ impl Coordinator {
                         }
                         result => result,
                     };
-                    (row, result, sent)
+                    if matches!(result, Err(LeaseError::Conflict(_))) {
+                        raced.store(true, Ordering::SeqCst);
+                    }
+                    Some((row, result, sent))
                 }
                 .boxed()
             })
             .collect();
-        concurrently(takes).await
+        concurrently(takes).await.into_iter().flatten().collect()
     }
 
     /// Starts the shard task of a lease whose take was sent at `sent`.

@@ -18,8 +18,9 @@ use crate::metrics::Labels;
 /// One Scan of the table per worker and round, whatever the number of its streams: the
 /// multi-stream worker's coordinators list the table below their [`StreamScopedStore`]s
 /// through this one store, and `list()` calls that come together share one Scan
-/// (single-flight: a call made while a Scan runs waits for it; a call made within
-/// `window` of a Scan's start gets its rows). Every other call goes straight through.
+/// (single-flight: a call made while a Scan runs waits for it and gets its rows, however
+/// long it took; a call made within `window` of a Scan's start gets its rows too). Every
+/// other call goes straight through.
 ///
 /// Why sharing is never less safe than a Scan per coordinator:
 /// - Decisions taken on a listing are all conditional writes (on the owner and counter,
@@ -29,7 +30,8 @@ use crate::metrics::Labels;
 /// - What a listing's age could change is how old a coordinator believes its view is
 ///   (lease expiry counts from when a counter was seen; a create is not sent on a
 ///   listing older than a renewal interval). A shared listing is older than a Scan of
-///   one's own by at most `window`, the same as a Scan whose pages came back `window`
+///   one's own by at most `window` (or, for a call that waited, than the Scan it would
+///   have sent itself after the one it waited for), the same as a Scan whose pages came back `window`
 ///   later; the window is an eighth of the renewal interval, well inside the renewal
 ///   margin those checks leave.
 /// - This worker's own ownership changes are never hidden by a shared listing: a
@@ -45,6 +47,9 @@ pub(crate) struct SharedListing {
     labels: Labels,
     /// Ownership writes begun through this store (see the type's docs).
     writes: AtomicU64,
+    /// Scans finished (good or not): a caller that sees it move while it waited for the
+    /// lock gets that Scan's rows.
+    scans: AtomicU64,
     /// The last good Scan: when it started, the write count then, its rows. Held while a
     /// Scan runs, which makes concurrent callers wait for it.
     last: tokio::sync::Mutex<Option<(Instant, u64, Vec<Lease>)>>,
@@ -60,10 +65,13 @@ impl SharedListing {
             window,
             labels,
             writes: AtomicU64::new(0),
+            scans: AtomicU64::new(0),
             last: tokio::sync::Mutex::new(None),
         }
     }
 
+    /// Counted when an ownership write is sent and again when it is answered, so a Scan
+    /// that overlapped it in any way is not handed out afterwards.
     fn wrote(&self) {
         self.writes.fetch_add(1, Ordering::SeqCst);
     }
@@ -76,9 +84,16 @@ impl LeaseStore for SharedListing {
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        let scans_before = self.scans.load(Ordering::SeqCst);
         let mut last = self.last.lock().await;
+        // A Scan that finished while this call waited for it is handed out whatever
+        // its age (a slow Scan must not make the callers behind it Scan one by one);
+        // an older one only within the window.
+        let waited = self.scans.load(Ordering::SeqCst) != scans_before;
         if let Some((started, writes, rows)) = last.as_ref() {
-            if started.elapsed() <= self.window && *writes == self.writes.load(Ordering::SeqCst) {
+            if (waited || started.elapsed() <= self.window)
+                && *writes == self.writes.load(Ordering::SeqCst)
+            {
                 return Ok(rows.clone());
             }
         }
@@ -93,6 +108,7 @@ impl LeaseStore for SharedListing {
             Ok(rows) => Some((started, writes, rows.clone())),
             Err(_) => None,
         };
+        self.scans.fetch_add(1, Ordering::SeqCst);
         result
     }
 
@@ -102,12 +118,16 @@ impl LeaseStore for SharedListing {
 
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
         self.wrote();
-        self.inner.create(lease).await
+        let result = self.inner.create(lease).await;
+        self.wrote();
+        result
     }
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.take(expected, new_owner).await
+        let result = self.inner.take(expected, new_owner).await;
+        self.wrote();
+        result
     }
 
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
@@ -124,37 +144,51 @@ impl LeaseStore for SharedListing {
 
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.release(expected).await
+        let result = self.inner.release(expected).await;
+        self.wrote();
+        result
     }
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.request_handoff(expected, worker).await
+        let result = self.inner.request_handoff(expected, worker).await;
+        self.wrote();
+        result
     }
 
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.withdraw_handoff(expected, worker).await
+        let result = self.inner.withdraw_handoff(expected, worker).await;
+        self.wrote();
+        result
     }
 
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.request_reset(expected, to).await
+        let result = self.inner.request_reset(expected, to).await;
+        self.wrote();
+        result
     }
 
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.reset(expected, to).await
+        let result = self.inner.reset(expected, to).await;
+        self.wrote();
+        result
     }
 
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.wrote();
-        self.inner.delete(expected).await
+        let result = self.inner.delete(expected).await;
+        self.wrote();
+        result
     }
 
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.claim_for_stream(expected, stream).await
+        let result = self.inner.claim_for_stream(expected, stream).await;
+        self.wrote();
+        result
     }
 
     async fn record_children(
@@ -163,7 +197,9 @@ impl LeaseStore for SharedListing {
         children: &[String],
     ) -> Result<Lease, LeaseError> {
         self.wrote();
-        self.inner.record_children(expected, children).await
+        let result = self.inner.record_children(expected, children).await;
+        self.wrote();
+        result
     }
 }
 
@@ -558,5 +594,46 @@ mod tests {
             .await
             .expect("shutdown ends")
             .unwrap();
+    }
+
+    /// Calls that waited for a Scan get its rows even when the Scan took longer than the
+    /// window: a slow table must not make one worker's coordinators Scan one after
+    /// another (six 600 ms Scans in a row would miss the lease-call deadline). A call
+    /// after this worker's own write, or after the window, Scans again.
+    #[tokio::test(start_paused = true)]
+    async fn callers_that_waited_for_a_slow_scan_share_it() {
+        let table = Arc::new(MemoryLeaseStore::default());
+        table.set_faults(crate::memory::LeaseFaults {
+            latency: Duration::from_millis(600),
+            ..Default::default()
+        });
+        let row = Lease::new("a", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(table.create(&row).await.unwrap());
+        let shared = Arc::new(SharedListing::new(
+            table.clone(),
+            Duration::from_millis(400),
+            crate::metrics::Labels::test(),
+        ));
+        let started = Instant::now();
+        let calls: Vec<_> = (0..6)
+            .map(|_| {
+                let shared = shared.clone();
+                tokio::spawn(async move { shared.list().await })
+            })
+            .collect();
+        for call in calls {
+            assert_eq!(call.await.unwrap().unwrap().len(), 1);
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(700),
+            "six callers took {:?}: they Scanned one after another",
+            started.elapsed()
+        );
+        assert_eq!(shared.scans.load(Ordering::SeqCst), 1);
+        // An own write (even one answered after a Scan started) makes the next call Scan.
+        shared.take(&row, "w#a").await.unwrap();
+        let rows = shared.list().await.unwrap();
+        assert_eq!(rows[0].owner.as_deref(), Some("w#a"));
+        assert_eq!(shared.scans.load(Ordering::SeqCst), 2);
     }
 }
