@@ -13,10 +13,11 @@ use tokio::time::Instant;
 
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
-    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, SubscriptionEvent,
+    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription,
 };
 use crate::sequence::SequenceNumber;
 
+use super::fan_out::MemSubscription;
 use super::lock;
 
 /// Faults the memory stream injects, drawn from a seeded generator.
@@ -38,49 +39,49 @@ pub struct KinesisFaults {
     pub seed: u64,
 }
 
-struct MemShard {
-    info: ShardInfo,
-    records: Vec<Record>,
+pub(super) struct MemShard {
+    pub(super) info: ShardInfo,
+    pub(super) records: Vec<Record>,
 }
 
-struct MemStream {
-    shards: Vec<MemShard>,
-    updating: bool,
+pub(super) struct MemStream {
+    pub(super) shards: Vec<MemShard>,
+    pub(super) updating: bool,
     /// Creation time, epoch seconds (see [`MemoryKinesis::delete_stream`]).
-    created: u64,
+    pub(super) created: u64,
 }
 
 /// The account every embedded stream belongs to (in its ARN and multi-stream lease keys).
 pub const MEMORY_ACCOUNT: &str = "000000000000";
 
-struct KinesisState {
-    streams: HashMap<String, MemStream>,
-    next_sequence: u128,
-    faults: KinesisFaults,
-    rng: SmallRng,
-    iterator_ttl: Duration,
-    retention: Option<Duration>,
+pub(super) struct KinesisState {
+    pub(super) streams: HashMap<String, MemStream>,
+    pub(super) next_sequence: u128,
+    pub(super) faults: KinesisFaults,
+    pub(super) rng: SmallRng,
+    pub(super) iterator_ttl: Duration,
+    pub(super) retention: Option<Duration>,
     /// Added to every read call (see [`MemoryKinesis::set_latency`]).
-    latency: Duration,
-    epoch: Instant,
+    pub(super) latency: Duration,
+    pub(super) epoch: Instant,
     /// Registered enhanced fan-out consumers: ARN to stream name.
-    consumers: HashMap<String, String>,
-    subscription_lifetime: Duration,
-    max_records_per_event: usize,
-    heartbeat_interval: Duration,
-    report_shard_end: bool,
+    pub(super) consumers: HashMap<String, String>,
+    pub(super) subscription_lifetime: Duration,
+    pub(super) max_records_per_event: usize,
+    pub(super) heartbeat_interval: Duration,
+    pub(super) report_shard_end: bool,
     /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
     /// fail.
-    interruptions: u64,
+    pub(super) interruptions: u64,
     /// See [`MemoryKinesis::set_cut_short_reads`].
-    cut_short: f64,
+    pub(super) cut_short: f64,
     /// Shards the next ListShards answers leave out, and how many answers still do.
-    stale_list_shards: HashMap<String, u32>,
+    pub(super) stale_list_shards: HashMap<String, u32>,
     /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
-    shard_not_found: HashMap<String, u32>,
+    pub(super) shard_not_found: HashMap<String, u32>,
     /// The creation time of the last stream of each name: a stream created again gets a
     /// later one, as on AWS.
-    created: HashMap<String, u64>,
+    pub(super) created: HashMap<String, u64>,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
@@ -255,12 +256,12 @@ impl MemoryKinesis {
             .unwrap_or_default()
     }
 
-    fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
+    pub(super) fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
         let probability = fault(&s.faults);
         probability > 0.0 && s.rng.gen_bool(probability.min(1.0))
     }
 
-    fn draw_cut_short(s: &mut KinesisState) -> bool {
+    pub(super) fn draw_cut_short(s: &mut KinesisState) -> bool {
         s.cut_short > 0.0 && s.rng.gen_bool(s.cut_short.min(1.0))
     }
 
@@ -355,7 +356,7 @@ impl MemoryKinesis {
         }
     }
 
-    fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
+    pub(super) fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
         match (
             s.retention,
             SystemTime::now().checked_sub(s.retention.unwrap_or_default()),
@@ -735,7 +736,7 @@ impl StreamAdmin for MemoryKinesis {
 }
 
 /// How far a read that ended before `records[end]` is behind the newest record.
-fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
+pub(super) fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
     match records.last() {
         Some(last) if end < records.len() && end > 0 => last
             .approximate_arrival
@@ -743,135 +744,5 @@ fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
             .and_then(|(l, r)| l.duration_since(r).ok())
             .map(|d| d.as_millis() as i64),
         _ => Some(0),
-    }
-}
-
-/// One open subscription of the memory backend.
-struct MemSubscription {
-    state: Arc<Mutex<KinesisState>>,
-    changes: watch::Receiver<()>,
-    stream: String,
-    shard_id: String,
-    /// The index of the next record to deliver.
-    next: usize,
-    ends_at: Instant,
-    /// When an event is due even without records.
-    heartbeat_at: Instant,
-    max_records: usize,
-    heartbeat_interval: Duration,
-    report_shard_end: bool,
-    interruptions: u64,
-}
-
-/// What one look at the shard gave.
-enum Step {
-    Event(Result<SubscriptionEvent, KinesisError>),
-    /// Nothing to send yet.
-    Wait,
-}
-
-impl MemSubscription {
-    /// The next item, and the subscription if it goes on; `None` once it has ended.
-    async fn next_event(
-        mut self,
-    ) -> Option<(Result<SubscriptionEvent, KinesisError>, Option<Self>)> {
-        loop {
-            if Instant::now() >= self.ends_at {
-                return None;
-            }
-            // Marks the current state seen before looking at it: a write after the look
-            // wakes the wait below.
-            self.changes.borrow_and_update();
-            match self.step() {
-                Step::Event(Ok(event)) => {
-                    self.heartbeat_at = Instant::now() + self.heartbeat_interval;
-                    let last = event.continuation.is_none();
-                    return Some((Ok(event), (!last).then_some(self)));
-                }
-                Step::Event(Err(e)) => return Some((Err(e), None)),
-                Step::Wait => {}
-            }
-            tokio::select! {
-                changed = self.changes.changed() => {
-                    if changed.is_err() {
-                        return None; // the backend is gone
-                    }
-                }
-                _ = tokio::time::sleep_until(self.heartbeat_at) => {}
-                _ = tokio::time::sleep_until(self.ends_at) => return None,
-            }
-        }
-    }
-
-    /// Looks at the shard once: records to send, the shard's end, a heartbeat that is
-    /// due, or nothing.
-    fn step(&mut self) -> Step {
-        let mut s = lock(&self.state);
-        if s.interruptions != self.interruptions {
-            return Step::Event(Err(KinesisError::Other(
-                "the subscription was interrupted".into(),
-            )));
-        }
-        let s = &mut *s;
-        let Some(shard) = s.streams.get(&self.stream).and_then(|st| {
-            st.shards
-                .iter()
-                .find(|sh| sh.info.shard_id == self.shard_id)
-        }) else {
-            return Step::Event(Err(KinesisError::NotFound(
-                format!("shard {} of {}", self.shard_id, self.stream).into(),
-            )));
-        };
-        let start = self
-            .next
-            .max(MemoryKinesis::first_retained(s, &shard.records));
-        let end = (start + self.max_records).min(shard.records.len());
-        let at_shard_end =
-            self.report_shard_end && end == shard.records.len() && shard.info.is_closed();
-        if end == start && !at_shard_end && Instant::now() < self.heartbeat_at {
-            return Step::Wait;
-        }
-        let records = shard.records[start..end].to_vec();
-        let continuation = if at_shard_end {
-            None
-        } else {
-            // AFTER this sequence number comes the next record: the last one delivered,
-            // or, before any, the last one before the starting point (the shard's own
-            // starting sequence number precedes all of its records).
-            Some(match end.checked_sub(1) {
-                Some(last) => shard.records[last].sequence_number.clone(),
-                None => shard.info.starting_sequence_number.clone(),
-            })
-        };
-        let may_cut_short =
-            !at_shard_end && end > start && end < shard.records.len() && shard.info.is_closed();
-        let child_shards = if at_shard_end {
-            s.streams
-                .get(&self.stream)
-                .map(|st| {
-                    st.shards
-                        .iter()
-                        .filter(|c| c.info.parents().contains(&self.shard_id))
-                        .map(|c| c.info.shard_id.clone())
-                        .collect()
-                })
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let millis_behind_latest = behind_latest(&shard.records, end);
-        if MemoryKinesis::draw(s, |f| f.error) {
-            return Step::Event(Err(KinesisError::Other(
-                "injected service error in the subscription".into(),
-            )));
-        }
-        let cut_short = may_cut_short && MemoryKinesis::draw_cut_short(s);
-        self.next = end;
-        Step::Event(Ok(SubscriptionEvent {
-            records,
-            continuation: continuation.filter(|_| !cut_short),
-            millis_behind_latest,
-            child_shards,
-        }))
     }
 }

@@ -14,9 +14,10 @@
 //! clock, so paused-time tests renew quickly), and ends with `continuation: None` and the
 //! child shards once a closed shard is delivered to its end.
 //!
-//! `kinesis.rs` holds the stream service (with its fan-out subscriptions), `leases.rs`
-//! the lease store; this file the backend that bundles them.
+//! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
+//! subscriptions, `leases.rs` the lease store; this file the backend that bundles them.
 
+mod fan_out;
 mod kinesis;
 mod leases;
 
