@@ -269,6 +269,36 @@ async fn in_stream_mode_a_batch_queued_before_a_long_pause_is_not_handed_out_on_
         .unwrap();
 }
 
+/// A handler that records every message and takes `slow` over the first record it
+/// handles of each shard.
+fn slow_first_record_per_shard(
+    seen: &Recorder,
+    slow: Duration,
+) -> impl tower::Service<
+    Message,
+    Response = (),
+    Error = std::convert::Infallible,
+    Future = impl std::future::Future<Output = Result<(), std::convert::Infallible>> + Send,
+> + Clone
+       + Send
+       + 'static {
+    let seen = seen.clone();
+    let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    tower::service_fn(move |msg: Message| {
+        seen.record(&msg);
+        let first = started
+            .lock()
+            .unwrap()
+            .insert(msg.headers.shard_id.to_string());
+        async move {
+            if first {
+                tokio::time::sleep(slow).await;
+            }
+            Ok(())
+        }
+    })
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_hand_off_waits_for_the_old_owner_to_drain_with_the_default_timeouts() {
     let memory = Memory::new();
@@ -278,23 +308,7 @@ async fn a_hand_off_waits_for_the_old_owner_to_drain_with_the_default_timeouts()
     // Worker a owns both shards; the first record it handles of each takes 20 s: within
     // the 30 s shutdown timeout, but longer than the lease duration.
     let a_seen = Recorder::default();
-    let a_handler = {
-        let a_seen = a_seen.clone();
-        let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-        tower::service_fn(move |msg: Message| {
-            a_seen.record(&msg);
-            let slow = started
-                .lock()
-                .unwrap()
-                .insert(msg.headers.shard_id.to_string());
-            async move {
-                if slow {
-                    tokio::time::sleep(Duration::from_secs(20)).await;
-                }
-                Ok::<_, std::convert::Infallible>(())
-            }
-        })
-    };
+    let a_handler = slow_first_record_per_shard(&a_seen, Duration::from_secs(20));
     let a = test_consumer(memory.clone(), "handoff", "handoff-group", "a")
         .build()
         .unwrap()
@@ -527,23 +541,7 @@ async fn a_stopped_worker_is_never_handed_a_lease() {
     produce(kinesis.as_ref(), "withdraw", 0..20).await;
     // Worker a owns both shards; the first record of each takes 5 s to handle.
     let a_seen = Recorder::default();
-    let a_handler = {
-        let a_seen = a_seen.clone();
-        let started = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-        tower::service_fn(move |msg: Message| {
-            a_seen.record(&msg);
-            let slow = started
-                .lock()
-                .unwrap()
-                .insert(msg.headers.shard_id.to_string());
-            async move {
-                if slow {
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                }
-                Ok::<_, std::convert::Infallible>(())
-            }
-        })
-    };
+    let a_handler = slow_first_record_per_shard(&a_seen, Duration::from_secs(5));
     let a = test_consumer(memory.clone(), "withdraw", "withdraw-group", "a")
         .build()
         .unwrap()
