@@ -530,13 +530,18 @@ impl Coordinator {
             free.extend(others.into_iter().take(room));
         }
         free.shuffle(&mut self.rng);
-        // No take is sent after one lost a race: other workers are taking too, and the
-        // next round, at once, plans again from a listing that shows them, instead of
-        // every worker of a fleet started together trying every row (40 workers x 2,000
-        // takes).
+        // A worker that sees no other live owner (a fleet started together: each alone
+        // in its first view) sends no take after one lost a race: other workers are
+        // taking too, and the next round, at once, plans again from a listing that shows
+        // them, instead of every worker trying every row (40 workers x 2,000 takes).
+        // A worker that sees the others follows the shared plan, where races are rare
+        // (a crashed worker's leases are dealt out at once).
+        let alone = !candidates
+            .iter()
+            .any(|c| c.owner.is_some_and(|o| o != me.as_str()));
         let mut failure = None;
         let mut raced = false;
-        for (row, result, sent) in self.take_many(&free, true).await {
+        for (row, result, sent) in self.take_many(&free, alone).await {
             match result {
                 Ok(taken) => {
                     match &row.owner {
