@@ -332,6 +332,12 @@ impl LeaseError {
     }
 }
 
+/// The refusal of a [`LeaseStore`] call the store does not support (the trait's
+/// defaults).
+fn unsupported(expected: &Lease, what: &str) -> LeaseError {
+    LeaseError::Other(format!("lease {}: this lease store cannot {what}", expected.key).into())
+}
+
 /// Where leases and checkpoints live. Every write is conditional: `expected` is the
 /// lease as the caller last saw it, and the write happens only if the stored row still
 /// has the same owner and counter ([`Self::withdraw_handoff`], conditional on the
@@ -382,13 +388,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// refuses.
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         let _ = worker;
-        Err(LeaseError::Other(
-            format!(
-                "lease {}: this lease store cannot withdraw hand-off requests",
-                expected.key
-            )
-            .into(),
-        ))
+        Err(unsupported(expected, "withdraw hand-off requests"))
     }
 
     /// Records an operator's request to move the checkpoint of an owned row to `to`
@@ -397,13 +397,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// store that cannot record it (the default) refuses.
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let _ = to;
-        Err(LeaseError::Other(
-            format!(
-                "lease {}: this lease store cannot reset checkpoints",
-                expected.key
-            )
-            .into(),
-        ))
+        Err(unsupported(expected, "reset checkpoints"))
     }
 
     /// Stores `to` as the checkpoint, whatever the stored one (it may move backwards),
@@ -412,13 +406,7 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// request. A store that cannot do it (the default) refuses.
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let _ = to;
-        Err(LeaseError::Other(
-            format!(
-                "lease {}: this lease store cannot reset checkpoints",
-                expected.key
-            )
-            .into(),
-        ))
+        Err(unsupported(expected, "reset checkpoints"))
     }
 
     /// Deletes the row if it still matches `expected` (clean-up of finished shards).
