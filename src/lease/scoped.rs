@@ -70,10 +70,13 @@ impl SharedListing {
         }
     }
 
-    /// Counted when an ownership write is sent and again when it is answered, so a Scan
-    /// that overlapped it in any way is not handed out afterwards.
-    fn wrote(&self) {
+    /// Runs an ownership write, counted when it is sent and again when it is answered,
+    /// so a Scan that overlapped it in any way is not handed out afterwards.
+    async fn writing<T>(&self, write: impl std::future::Future<Output = T>) -> T {
         self.writes.fetch_add(1, Ordering::SeqCst);
+        let result = write.await;
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        result
     }
 }
 
@@ -117,17 +120,11 @@ impl LeaseStore for SharedListing {
     }
 
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.wrote();
-        let result = self.inner.create(lease).await;
-        self.wrote();
-        result
+        self.writing(self.inner.create(lease)).await
     }
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.take(expected, new_owner).await;
-        self.wrote();
-        result
+        self.writing(self.inner.take(expected, new_owner)).await
     }
 
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
@@ -143,52 +140,34 @@ impl LeaseStore for SharedListing {
     }
 
     async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.release(expected).await;
-        self.wrote();
-        result
+        self.writing(self.inner.release(expected)).await
     }
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.request_handoff(expected, worker).await;
-        self.wrote();
-        result
+        self.writing(self.inner.request_handoff(expected, worker))
+            .await
     }
 
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.withdraw_handoff(expected, worker).await;
-        self.wrote();
-        result
+        self.writing(self.inner.withdraw_handoff(expected, worker))
+            .await
     }
 
     async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.request_reset(expected, to).await;
-        self.wrote();
-        result
+        self.writing(self.inner.request_reset(expected, to)).await
     }
 
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.reset(expected, to).await;
-        self.wrote();
-        result
+        self.writing(self.inner.reset(expected, to)).await
     }
 
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.wrote();
-        let result = self.inner.delete(expected).await;
-        self.wrote();
-        result
+        self.writing(self.inner.delete(expected)).await
     }
 
     async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.claim_for_stream(expected, stream).await;
-        self.wrote();
-        result
+        self.writing(self.inner.claim_for_stream(expected, stream))
+            .await
     }
 
     async fn record_children(
@@ -196,10 +175,8 @@ impl LeaseStore for SharedListing {
         expected: &Lease,
         children: &[String],
     ) -> Result<Lease, LeaseError> {
-        self.wrote();
-        let result = self.inner.record_children(expected, children).await;
-        self.wrote();
-        result
+        self.writing(self.inner.record_children(expected, children))
+            .await
     }
 }
 
