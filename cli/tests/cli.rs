@@ -13,7 +13,7 @@ use common::*;
 use serde_json::Value;
 use shardflow::aggregation::Aggregator;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
-use shardflow::lease::{Checkpoint, LeaseError};
+use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Headers};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
@@ -67,6 +67,21 @@ async fn run(args: &[&str]) -> Out {
         stdout,
         stderr,
     }
+}
+
+/// The group's checkpoints once every row holds a record position: what the running
+/// group handled is committed.
+async fn committed_checkpoints(store: &dyn LeaseStore) -> BTreeMap<String, Checkpoint> {
+    within(LIMIT, "the handled records checkpointed", async {
+        loop {
+            let now = checkpoints(&store.list().await.unwrap());
+            if now.values().all(|c| matches!(c, Checkpoint::At(_))) {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
 }
 
 fn group_consumer(aws: &Aws, stream: &str, group: &str) -> shardflow::Consumer {
@@ -246,16 +261,7 @@ async fn reset_to_a_timestamp_while_the_group_runs() {
     // The plan changes nothing (exit 3). Compared once the group committed what it
     // handled (the group keeps running and would move the checkpoints meanwhile).
     let store = aws.lease_store(&group);
-    let before = within(LIMIT, "the handled records checkpointed", async {
-        loop {
-            let now = checkpoints(&store.list().await.unwrap());
-            if now.values().all(|c| matches!(c, Checkpoint::At(_))) {
-                return now;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
+    let before = committed_checkpoints(store.as_ref()).await;
     let out = run(&[
         "group",
         "reset",
@@ -875,16 +881,7 @@ async fn multi_stream_tables_are_described_and_reset_per_stream() {
 
     // The handled records are checkpointed (compared below: the reset leaves orders).
     let store = aws.lease_store(&group);
-    let before = within(LIMIT, "the handled records checkpointed", async {
-        loop {
-            let now = checkpoints(&store.list().await.unwrap());
-            if now.values().all(|c| matches!(c, Checkpoint::At(_))) {
-                return now;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await;
+    let before = committed_checkpoints(store.as_ref()).await;
     // shardId-000000000000 is in both streams: refused (a usage error), nothing changed.
     let out = run(&[
         "group",
