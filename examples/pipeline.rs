@@ -1,41 +1,27 @@
 //! A payment pipeline: the full layer stack under `Consumer::run`.
 //!
-//! The rule it shows: every good order is charged exactly once, and every bad order
-//! (undecodable, or declined) is written to the dead-letter stream instead of being
-//! charged, even though payment calls fail and are retried on the way.
-//!
-//! Orders arrive as JSON on the `orders` stream. The stack, outermost first:
-//! - `dead_letter`: what still fails below is written to the `orders-dlq` stream by the
-//!   producer, as a dead-letter envelope (the payload with its origin and error, see
-//!   `shardflow_middleware::dead_letter`); the record counts as handled only once the
-//!   dead-letter stream stored it. `shardflow stream tail` shows them and
-//!   `shardflow dlq replay` writes them back.
-//! - `decode::<Order>()`: bad JSON becomes a typed error (and so a dead letter).
-//! - `dedup`: a redelivered order (after a crash or a retry) is not charged twice.
-//! - `retry`: a flaky payment provider is retried with backoff; a declined card is
-//!   permanent and goes straight to the dead-letter stream.
-//!
-//! It prints a `charged order ID` line per charge and a summary; `tests/examples.rs`
-//! runs it and checks the rule from that output.
-//!
-//! Runs on the embedded backend; set `AWS_ENDPOINT_URL_KINESIS` (or
-//! `SHARDFLOW_BACKEND=aws`) to run it against an emulator or AWS.
+//! The rule it shows: every good order is charged exactly once and every bad one
+//! (undecodable, or declined) lands in the dead-letter stream instead, while payment
+//! calls fail and are retried on the way. A record counts as handled, and the checkpoint
+//! may pass it, only once it was charged or the dead-letter stream stored it. It prints a
+//! line per charge and per dead letter (`tests/examples.rs` checks them). Embedded
+//! backend; `AWS_ENDPOINT_URL_KINESIS` or `SHARDFLOW_BACKEND=aws` for AWS.
 //!
 //! ```text
 //! cargo run --example pipeline
 //! ```
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+mod common;
 
-use bytes::Bytes;
-use shardflow::kinesis::PutRecord;
-use shardflow::producer::Producer;
-use shardflow::{Aws, Backend, Consumer, Memory, Message};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{put_all, unique, AnyBackend};
+use shardflow::{Consumer, Message, Producer};
 use shardflow_middleware::dead_letter::DeadLetterOutcome;
 use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
-use tokio::sync::Notify;
+use tokio::sync::watch;
 use tower::ServiceBuilder;
 
 const ORDERS: usize = 1_000;
@@ -55,47 +41,35 @@ enum PaymentError {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
-    if std::env::var_os("AWS_ENDPOINT_URL_KINESIS").is_some()
-        || std::env::var("SHARDFLOW_BACKEND").as_deref() == Ok("aws")
-    {
-        run(Aws::from_env().await).await
-    } else {
-        run(Memory::new()).await
-    }
-}
-
-async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Error>> {
-    let suffix = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-    let (orders, dlq) = (format!("orders-{suffix}"), format!("orders-dlq-{suffix}"));
-    let admin = backend
-        .admin()
-        .ok_or("this backend cannot create streams")?;
+async fn main() -> Result<(), common::Error> {
+    common::init_tracing("warn");
+    let backend = AnyBackend::from_env().await;
+    let (orders, dlq) = (unique("orders"), unique("orders-dlq"));
+    let admin = backend.admin_or_err()?;
     admin.create_stream(&orders, 2).await?;
     admin.create_stream(&dlq, 1).await?;
-    write_orders(&backend, &orders).await?;
+    put_all(&backend, &orders, (0..ORDERS).map(common::payment_order)).await?;
 
     // A producer is a dead-letter sink as it is: it writes envelopes to the DLQ stream.
     let producer = Producer::builder()
         .stream(&dlq)
         .backend(backend.clone())
         .build()?;
-    let finished = Finished::default();
+    let (finished, mut progress) = watch::channel(0);
     let calls = Arc::new(AtomicU64::new(0));
     let handler = ServiceBuilder::new()
-        // Counts the records that finished (charged or dead-lettered), to stop at the end.
-        .map_response({
-            let finished = finished.clone();
-            move |outcome: DeadLetterOutcome<_>| finished.record(outcome.is_dead_lettered())
+        .map_response(move |outcome: DeadLetterOutcome<_>| {
+            if outcome.is_dead_lettered() {
+                println!("dead-lettered a bad order");
+            }
+            finished.send_modify(|n| *n += 1); // to stop once every order finished
         })
+        // What still fails below goes to the DLQ stream as an envelope (payload, origin,
+        // error): `shardflow stream tail` shows them, `shardflow dlq replay` writes them back.
         .dead_letter(producer.clone())
-        .decode::<Order>()
-        .dedup(MemoryDedupStore::new(100_000))
+        .decode::<Order>() // bad JSON is a typed error, and so a dead letter
+        .dedup(MemoryDedupStore::new(100_000)) // a redelivered order is not charged twice
+        // A flaky provider is retried with backoff; a declined card goes to the DLQ at once.
         .retry(
             Backoff::exponential()
                 .max_attempts(4)
@@ -122,71 +96,14 @@ async fn run(backend: impl Backend + Clone) -> Result<(), Box<dyn std::error::Er
 
     let consumer = Consumer::builder()
         .stream(&orders)
-        .group(format!("billing-{suffix}"))
+        .group(unique("billing"))
         .backend(backend.clone())
         .idle_read_interval(Duration::from_millis(50))
         .build()?;
     // Runs until every order finished, then drains, checkpoints and releases.
-    consumer
-        .run(handler)
-        .until(finished.clone().all(ORDERS))
-        .await?;
+    let all_finished = async move { progress.wait_for(|n| *n >= ORDERS).await.map(drop) };
+    consumer.run(handler).until(all_finished).await?;
     producer.close().await;
-    println!(
-        "{ORDERS} orders finished: {} charged, {} dead-lettered to {dlq}",
-        ORDERS - finished.dead_lettered.load(Ordering::SeqCst),
-        finished.dead_lettered.load(Ordering::SeqCst)
-    );
-    Ok(())
-}
-
-/// The records that finished, for the example to know when to stop.
-#[derive(Clone, Default)]
-struct Finished {
-    records: Arc<AtomicUsize>,
-    dead_lettered: Arc<AtomicUsize>,
-    progress: Arc<Notify>,
-}
-
-impl Finished {
-    fn record(&self, dead_lettered: bool) {
-        if dead_lettered {
-            self.dead_lettered.fetch_add(1, Ordering::SeqCst);
-        }
-        self.records.fetch_add(1, Ordering::SeqCst);
-        self.progress.notify_one();
-    }
-
-    async fn all(self, n: usize) {
-        while self.records.load(Ordering::SeqCst) < n {
-            self.progress.notified().await;
-        }
-    }
-}
-
-/// Orders 0..1000: every 50th is bad JSON, every 40th has a negative amount.
-async fn write_orders(
-    backend: &impl Backend,
-    stream: &str,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let records: Vec<PutRecord> = (0..ORDERS)
-        .map(|i| {
-            let data = if i % 50 == 0 {
-                format!("{{\"id\":{i},")
-            } else if i % 40 == 0 {
-                format!("{{\"id\":{i},\"amount_cents\":-100}}")
-            } else {
-                format!("{{\"id\":{i},\"amount_cents\":{}}}", 100 + i)
-            };
-            PutRecord {
-                data: Bytes::from(data),
-                partition_key: format!("customer-{}", i % 31),
-                explicit_hash_key: None,
-            }
-        })
-        .collect();
-    for chunk in records.chunks(500) {
-        backend.kinesis().put_records(stream, chunk).await?;
-    }
+    println!("{ORDERS} orders finished; the dead letters are in {dlq}");
     Ok(())
 }
