@@ -143,16 +143,50 @@ fn quickstart_handles_every_record_and_says_so() {
 #[test]
 fn multi_stream_reads_every_stream_and_follows_the_list() {
     let stdout = run("multi_stream");
-    assert!(
-        stdout.contains("2000 of 2000 records handled"),
-        "every record of the four streams: {stdout}"
-    );
-    // The removed stream's rows stay, in the KCL's multi-stream key form.
-    let audit_rows = stdout
+    eprintln!("{stdout}");
+    // "  orders-1764547200: 500": every record of the four streams, each once.
+    let per_stream: BTreeMap<&str, usize> = stdout
         .lines()
-        .filter(|l| l.contains("(audit-") && l.contains(":audit-"))
+        .filter_map(|l| l.strip_prefix("  ")?.split_once(": "))
+        .filter(|(stream, _)| !stream.contains(':'))
+        .map(|(stream, n)| {
+            (
+                stream.split('-').next().unwrap_or(stream),
+                n.parse().unwrap_or(0),
+            )
+        })
+        .collect();
+    let expected = ["audit", "orders", "refunds", "returns"].map(|s| (s, 500));
+    assert_eq!(per_stream, BTreeMap::from(expected), "{stdout}");
+    // "  000000000000:orders-1764547200:1764547200:shardId-000000000001: 4900...": the
+    // KCL's multi-stream key form, one row per shard (2 + 1 + 1 + 2), the removed
+    // stream's kept, each with a checkpoint at a record.
+    let rows: Vec<(&str, &str)> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("  ")?.rsplit_once(": "))
+        .filter(|(key, _)| key.contains(":shardId-"))
+        .collect();
+    assert_eq!(
+        rows.len(),
+        6,
+        "a row per shard of the four streams: {stdout}"
+    );
+    let audit_rows = rows
+        .iter()
+        .filter(|(key, _)| key.contains(":audit-"))
         .count();
     assert_eq!(audit_rows, 1, "the removed stream's row is kept: {stdout}");
+    for (key, checkpoint) in rows {
+        assert_eq!(
+            key.split(':').count(),
+            4,
+            "account:stream:epoch:shard: {key}"
+        );
+        assert!(
+            checkpoint.bytes().all(|b| b.is_ascii_digit()),
+            "{key} is checkpointed at a record: {checkpoint}"
+        );
+    }
 }
 
 #[test]
