@@ -39,9 +39,11 @@ const CUSTOMERS: u64 = 97;
 /// How long the processors may take for everything (a debug build against emulators).
 const RUN_LIMIT: Duration = Duration::from_secs(600);
 
-/// A shipment as the example writes it (the fields this test reads).
+/// A shipment as the example writes it (the fields this test reads): the order's fields
+/// (`id`, `customer`, `n`), its warehouse and `source`.
 #[derive(Clone, Debug, serde::Deserialize)]
 struct Shipment {
+    #[serde(rename = "id")]
     order_id: u64,
     customer: String,
     n: u64,

@@ -4,13 +4,16 @@
 
 #![allow(dead_code)] // each example uses a part of it
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StreamAdmin};
 use shardflow::lease::LeaseStore;
-use shardflow::{Aws, Backend, Memory};
+use shardflow::{Aws, Backend, CheckpointPolicy, Consumer, ConsumerBuilder, Memory};
+use tokio::sync::watch;
 
 /// The embedded backend, or AWS when `AWS_ENDPOINT_URL_KINESIS` (an emulator) or
 /// `SHARDFLOW_BACKEND=aws` is set: the same example runs on both.
@@ -34,8 +37,13 @@ impl AnyBackend {
         }
     }
 
+    /// AWS, whatever the environment says (for the examples that run only there).
+    pub async fn aws() -> Self {
+        Self::Aws(Aws::from_env().await)
+    }
+
     /// Stream administration; both backends offer it.
-    pub fn admin_or_err(&self) -> Result<Arc<dyn StreamAdmin>, Error> {
+    pub fn admin_or_err(&self) -> Result<Arc<dyn StreamAdmin>> {
         self.admin()
             .ok_or_else(|| "this backend cannot create streams".into())
     }
@@ -67,15 +75,40 @@ impl Backend for AnyBackend {
 /// The examples' error type.
 pub type Error = Box<dyn std::error::Error>;
 
-/// Logs to stderr, filtered by `RUST_LOG` (`default` when unset).
+/// The examples' result type.
+pub type Result<T = ()> = std::result::Result<T, Error>;
+
+/// Logs to stderr (in colour only on a terminal), filtered by `RUST_LOG` (`default` when
+/// unset); stdout is left to what the example prints.
 pub fn init_tracing(default: &str) {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| default.into()),
         )
         .init();
+}
+
+/// Completes on the first SIGTERM or SIGINT. Listening starts at the call, so call it
+/// before anything slow: a signal during start-up is then a graceful shutdown too (the
+/// default action would kill the process).
+pub fn shutdown_signal() -> std::io::Result<Until> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(Box::pin(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(
+            signal = name,
+            "shutting down: draining, checkpointing, releasing leases"
+        );
+    }))
 }
 
 /// `name-<seconds since the epoch>`: a fresh stream or group on every run (an emulator
@@ -87,13 +120,38 @@ pub fn unique(name: &str) -> String {
     format!("{name}-{secs}")
 }
 
+/// Creates `stream` with `shards` shards and writes `records` to it (see [`put_all`]).
+pub async fn create_stream_with(
+    backend: &impl Backend,
+    stream: &str,
+    shards: u32,
+    records: impl IntoIterator<Item = (String, String)>,
+) -> Result {
+    let admin = backend
+        .admin()
+        .ok_or("this backend cannot create streams")?;
+    admin.create_stream(stream, shards).await?;
+    put_all(backend, stream, records).await
+}
+
+/// What a run waits for before it stops (a signal, a count reached).
+pub type Until = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Completes once the count in `progress` reached `n` (or its sender is gone: whatever
+/// counted has stopped).
+pub fn at_least(mut progress: watch::Receiver<usize>, n: usize) -> Until {
+    Box::pin(async move {
+        let _ = progress.wait_for(|count| *count >= n).await;
+    })
+}
+
 /// Writes `(partition key, payload)` records to `stream`, 500 per PutRecords call; a
 /// refused record is an error (the `Producer` would retry it, the examples' data need not).
 pub async fn put_all(
     backend: &impl Backend,
     stream: &str,
     records: impl IntoIterator<Item = (String, String)>,
-) -> Result<(), Error> {
+) -> Result {
     let records: Vec<PutRecord> = records
         .into_iter()
         .map(|(partition_key, data)| PutRecord {
@@ -120,7 +178,7 @@ pub async fn put_orders(
     backend: &impl Backend,
     stream: &str,
     values: std::ops::Range<usize>,
-) -> Result<(), Error> {
+) -> Result {
     let orders = values.map(|i| {
         (
             format!("customer-{}", i % 100),
@@ -141,12 +199,35 @@ pub fn payment_order(i: usize) -> (String, String) {
     (format!("customer-{}", i % 31), json)
 }
 
+/// Order `i` of 37 customers as `(partition key, JSON)`; `n` counts each customer's
+/// orders (0, 1, 2, ...).
+pub fn customer_order(i: usize) -> (String, String) {
+    let customer = format!("customer-{}", i % 37);
+    let json = format!(r#"{{"id":{i},"customer":"{customer}","n":{}}}"#, i / 37);
+    (customer, json)
+}
+
+/// A consumer of `stream` in `group` with timings for a local run (fail-over within a few
+/// seconds, caught-up shards read again after 50 ms); on AWS the defaults cost fewer
+/// requests.
+pub fn local_consumer(backend: impl Backend, stream: &str, group: &str) -> ConsumerBuilder {
+    Consumer::builder()
+        .stream(stream)
+        .group(group)
+        .backend(backend)
+        .lease_duration(Duration::from_secs(3))
+        .take_interval(Duration::from_millis(500))
+        .idle_read_interval(Duration::from_millis(50))
+        .shard_sync_interval(Duration::from_secs(1))
+        .checkpoint(CheckpointPolicy::Interval(Duration::from_millis(200)))
+}
+
 /// Splits the stream's first shard in the middle of its hash range and waits until the
 /// stream is active again: returns the parent's id and its two children's.
 pub async fn split_first_shard(
     admin: &dyn StreamAdmin,
     stream: &str,
-) -> Result<(String, Vec<String>), Error> {
+) -> Result<(String, Vec<String>)> {
     let parent = admin.list_shards(stream).await?.remove(0);
     let middle = parent.starting_hash_key + (parent.ending_hash_key - parent.starting_hash_key) / 2;
     admin.split_shard(stream, &parent.shard_id, middle).await?;
