@@ -17,15 +17,15 @@ mod common;
 #[path = "common/group_cli.rs"]
 mod group_cli;
 
-use std::future::Future;
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use common::Until;
 use group_cli::{Args, Line};
-use shardflow::{Aws, Backend, Consumer, Message};
+use shardflow::{Aws, Consumer, Message};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -44,10 +44,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(
-    args: Args,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), common::Error> {
+async fn run(args: Args, shutdown: Until) -> common::Result {
     if let Some(addr) = args.metrics_addr {
         metrics_exporter_prometheus::PrometheusBuilder::new()
             .with_http_listener(addr)
@@ -55,8 +52,8 @@ async fn run(
     }
     let aws = Aws::from_env().await;
     if let Some(shards) = args.create_stream {
-        let admin = aws.admin().ok_or("this backend cannot create streams")?;
-        admin.create_stream(&args.stream, shards).await?;
+        let admin = common::admin(&aws)?;
+        admin.create_stream(&args.stream, shards).await?; // waits until it is active
     }
     let builder = Consumer::builder()
         .stream(&args.stream)

@@ -30,7 +30,7 @@ async fn main() -> Result<(), common::Error> {
     common::init_tracing("warn");
     let backend = AnyBackend::from_env().await;
     let [orders, refunds, audit, returns] = ["orders", "refunds", "audit", "returns"].map(unique);
-    let admin = backend.admin_or_err()?;
+    let admin = common::admin(&backend)?;
     for (stream, shards) in [(&orders, 2), (&refunds, 1), (&audit, 1), (&returns, 2)] {
         admin.create_stream(stream, shards).await?;
         put_orders(&backend, stream, 0..RECORDS_PER_STREAM).await?;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{put_all, unique, AnyBackend};
+use common::{unique, AnyBackend};
 use shardflow::{Consumer, Message, Producer};
 use shardflow_middleware::dead_letter::DeadLetterOutcome;
 use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
@@ -45,10 +45,9 @@ async fn main() -> Result<(), common::Error> {
     common::init_tracing("warn");
     let backend = AnyBackend::from_env().await;
     let (orders, dlq) = (unique("orders"), unique("orders-dlq"));
-    let admin = backend.admin_or_err()?;
-    admin.create_stream(&orders, 2).await?;
-    admin.create_stream(&dlq, 1).await?;
-    put_all(&backend, &orders, (0..ORDERS).map(common::payment_order)).await?;
+    let orders_data = (0..ORDERS).map(common::payment_order);
+    common::create_stream_with(&backend, &orders, 2, orders_data).await?;
+    common::create_stream_with(&backend, &dlq, 1, []).await?;
 
     // A producer is a dead-letter sink as it is: it writes envelopes to the DLQ stream.
     let producer = Producer::builder()

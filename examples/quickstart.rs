@@ -37,7 +37,7 @@ async fn main() -> Result<(), common::Error> {
     common::init_tracing("warn");
     let backend = AnyBackend::from_env().await;
     let (stream, group) = (unique("quickstart"), unique("quickstart"));
-    let kinesis = backend.admin_or_err()?;
+    let kinesis = common::admin(&backend)?;
     kinesis.create_stream(&stream, 4).await?;
     put_orders(&backend, &stream, 0..RECORDS / 2).await?;
     println!("Wrote {} records to {stream} (4 shards).", RECORDS / 2);

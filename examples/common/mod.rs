@@ -41,12 +41,6 @@ impl AnyBackend {
     pub async fn aws() -> Self {
         Self::Aws(Aws::from_env().await)
     }
-
-    /// Stream administration; both backends offer it.
-    pub fn admin_or_err(&self) -> Result<Arc<dyn StreamAdmin>> {
-        self.admin()
-            .ok_or_else(|| "this backend cannot create streams".into())
-    }
 }
 
 impl Backend for AnyBackend {
@@ -120,6 +114,13 @@ pub fn unique(name: &str) -> String {
     format!("{name}-{secs}")
 }
 
+/// The backend's stream administration (create, split); `Memory` and `Aws` offer it.
+pub fn admin(backend: &impl Backend) -> Result<Arc<dyn StreamAdmin>> {
+    Ok(backend
+        .admin()
+        .ok_or("this backend cannot create streams")?)
+}
+
 /// Creates `stream` with `shards` shards and writes `records` to it (see [`put_all`]).
 pub async fn create_stream_with(
     backend: &impl Backend,
@@ -127,10 +128,7 @@ pub async fn create_stream_with(
     shards: u32,
     records: impl IntoIterator<Item = (String, String)>,
 ) -> Result {
-    let admin = backend
-        .admin()
-        .ok_or("this backend cannot create streams")?;
-    admin.create_stream(stream, shards).await?;
+    admin(backend)?.create_stream(stream, shards).await?;
     put_all(backend, stream, records).await
 }
 
