@@ -197,14 +197,6 @@ pub fn payment_order(i: usize) -> (String, String) {
     (format!("customer-{}", i % 31), json)
 }
 
-/// Order `i` of 37 customers as `(partition key, JSON)`; `n` counts each customer's
-/// orders (0, 1, 2, ...).
-pub fn customer_order(i: usize) -> (String, String) {
-    let customer = format!("customer-{}", i % 37);
-    let json = format!(r#"{{"id":{i},"customer":"{customer}","n":{}}}"#, i / 37);
-    (customer, json)
-}
-
 /// A consumer of `stream` in `group` with timings for a local run (fail-over within a few
 /// seconds, caught-up shards read again after 50 ms); on AWS the defaults cost fewer
 /// requests.

@@ -44,7 +44,7 @@ impl Args {
 pub async fn run() -> common::Result {
     let backend = AnyBackend::from_env().await;
     let [orders, shipments, group] = ["orders", "shipments", "shipping"].map(common::unique);
-    let orders_data = (0..ORDERS).map(common::customer_order);
+    let orders_data = (0..ORDERS).map(customer_order);
     common::create_stream_with(&backend, &orders, 2, orders_data).await?;
     common::create_stream_with(&backend, &shipments, 2, []).await?;
     let (shipped, _) = watch::channel(0);
@@ -56,4 +56,12 @@ pub async fn run() -> common::Result {
     )?;
     println!("{ORDERS} orders shipped");
     Ok(())
+}
+
+/// Order `i` of 37 customers as `(partition key, JSON)`; `n` counts each customer's
+/// orders (0, 1, 2, ...).
+fn customer_order(i: usize) -> (String, String) {
+    let customer = format!("customer-{}", i % 37);
+    let json = format!(r#"{{"id":{i},"customer":"{customer}","n":{}}}"#, i / 37);
+    (customer, json)
 }
