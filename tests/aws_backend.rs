@@ -1243,3 +1243,39 @@ async fn wire_a_table_without_the_owner_index_is_upgraded_in_place() {
     assert_eq!(query["IndexName"], "LeaseOwnerToLeaseKeyIndex");
     assert_eq!(query["ExpressionAttributeValues"][":owner"]["S"], "w1#a");
 }
+
+/// A worker that may not query the owner index (no `dynamodb:Query` on it) lists the
+/// table instead: a worker that could not read its own keys would never adopt a lease
+/// handed to it.
+#[tokio::test]
+async fn wire_an_owner_index_that_cannot_be_queried_falls_back_to_a_scan() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let fake = fake::Fake::start(vec![
+        (
+            200,
+            serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))}),
+        ),
+        (
+            400,
+            serde_json::json!({"__type": "com.amazon.coral.service#AccessDeniedException", "message": "not authorized to perform: dynamodb:Query"}),
+        ),
+        (
+            200,
+            serde_json::json!({"Items": [{"leaseKey": {"S": "shardId-000000000007"}, "leaseOwner": {"S": "w1#a"}, "leaseCounter": {"N": "1"}, "checkpoint": {"S": "LATEST"}}], "Count": 1}),
+        ),
+    ]);
+    let store = DynamoLeaseStore::new(dynamodb_at(&fake), "old-leases");
+    within(async {
+        assert_eq!(
+            store.owned_keys("w1#a").await.expect("owned_keys"),
+            vec!["shardId-000000000007".to_owned()]
+        );
+    })
+    .await;
+    let ops: Vec<String> = fake
+        .seen()
+        .iter()
+        .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(ops, vec!["DescribeTable", "Query", "Scan"]);
+}

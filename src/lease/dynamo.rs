@@ -867,14 +867,30 @@ impl LeaseStore for DynamoLeaseStore {
         if self.index_ready().await {
             match self.query_owner_index(owner).await {
                 Ok(keys) => return Ok(keys),
-                // The index is gone (deleted by hand): list until it is back.
-                Err(e) if e.code() == Some("ValidationException") => {
+                // A missing table, throttling or a failed connection is the caller's to
+                // retry, as for any call.
+                Err(e)
+                    if e.code().is_none_or(|code| {
+                        matches!(
+                            code,
+                            "ResourceNotFoundException"
+                                | "ProvisionedThroughputExceededException"
+                                | "RequestLimitExceeded"
+                                | "ThrottlingException"
+                        )
+                    }) =>
+                {
+                    return Err(classify(&self.table, "Query", None, e))
+                }
+                // The index cannot be queried (deleted by hand, no `dynamodb:Query`
+                // permission on it): list, and look at the index again later. A worker
+                // that could not read its own keys would never adopt a lease handed to it.
+                Err(e) => {
                     tracing::warn!(table = %self.table, index = OWNER_INDEX, error = %DisplayErrorContext(&e), "the owner index cannot be queried; listing the table instead");
                     let mut state = self.index_state();
                     state.active = false;
                     state.checked = Some(tokio::time::Instant::now());
                 }
-                Err(e) => return Err(classify(&self.table, "Query", None, e)),
             }
         }
         Ok(super::owned_by(self.list().await?, owner))
