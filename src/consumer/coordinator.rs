@@ -717,16 +717,17 @@ impl Coordinator {
         }
         // A leader covers for the workers that do not list every round: it takes every
         // expired lease at once (reading resumes within the lease duration and a round
-        // wherever the plan deals it), and every lease that was unowned already at its
-        // previous listing (released by a worker that stopped, and nobody took it for a
-        // round). It hands what it holds above its share to the workers below theirs
-        // (below).
+        // wherever the plan deals it), every lease released by its owner (a counter
+        // above 0: a worker that stopped, a shard given up; read again within a round),
+        // and every lease that was unowned already at its previous listing (a new
+        // shard's, which the plan dealt to a worker that did not take it for a round).
+        // It hands what it holds above its share to the workers below theirs (below).
         if leads {
             let covered: Vec<&Lease> = candidates
                 .iter()
                 .filter(|c| c.owner.is_none())
                 .filter_map(|c| by_key.get(c.key).copied())
-                .filter(|r| r.owner.is_some() || previous_unowned.contains(&r.key))
+                .filter(|r| r.owner.is_some() || r.counter > 0 || previous_unowned.contains(&r.key))
                 .filter(|r| !free.iter().any(|f| f.key == r.key))
                 .collect();
             free.extend(covered);
