@@ -145,31 +145,31 @@ async fn rebalances_without_loss(mut running: Running, gone: &[String], crashed:
         .expect("the fleet stops");
 }
 
-/// (b) One worker of 12 that is neither leader nor successor (w007) crashes: its shards
-/// are read again within the lease duration and a round (the leader takes expired
-/// leases at once), plus the read and the one-second feed.
-#[tokio::test(start_paused = true)]
-async fn a_crashed_worker_of_twelve_has_its_shards_read_again_within_a_lease_and_a_round() {
+/// Worker `i` of a balanced fleet of 12 crashes: its shards are read again within the
+/// lease duration and a round (plus the read and the one-second feed), and the fleet
+/// rebalances without loss.
+async fn crash_is_covered(i: usize) {
     let mut running = balanced_fleet_of_twelve().await;
     let killed_at = tokio::time::Instant::now();
-    let orphans = running.kill(7);
+    let orphans = running.kill(i);
     assert!(!orphans.is_empty());
     let after = read_again(&running, &orphans, killed_at, ROUND * 2 + ROUND / 5).await;
     eprintln!("read again after {after:?}");
     rebalances_without_loss(running, &orphans, true).await;
 }
 
+/// (b) One worker of 12 that is neither leader nor successor (w007) crashes: the
+/// leader takes its expired leases at once.
+#[tokio::test(start_paused = true)]
+async fn a_crashed_worker_of_twelve_has_its_shards_read_again_within_a_lease_and_a_round() {
+    crash_is_covered(7).await;
+}
+
 /// (c) The leader (w000, first by name) crashes: the successor finds its leases expired
 /// within the lease duration and a round, leads, and takes them at once.
 #[tokio::test(start_paused = true)]
 async fn a_crashed_leader_has_its_shards_read_again_within_a_lease_and_a_round() {
-    let mut running = balanced_fleet_of_twelve().await;
-    let killed_at = tokio::time::Instant::now();
-    let orphans = running.kill(0);
-    assert!(!orphans.is_empty());
-    let after = read_again(&running, &orphans, killed_at, ROUND * 2 + ROUND / 5).await;
-    eprintln!("read again after {after:?}");
-    rebalances_without_loss(running, &orphans, true).await;
+    crash_is_covered(0).await;
 }
 
 /// (d) One worker of 12 stops gracefully (drains, checkpoints, releases): its shards
@@ -177,7 +177,7 @@ async fn a_crashed_leader_has_its_shards_read_again_within_a_lease_and_a_round()
 /// listing, if no worker listing the table took them before), and nothing is delivered
 /// twice.
 #[tokio::test(start_paused = true)]
-async fn a_stopped_worker_of_twelve_has_its_shards_read_again_within_two_rounds() {
+async fn a_stopped_worker_of_twelve_has_its_shards_read_again_within_a_round() {
     let mut running = balanced_fleet_of_twelve().await;
     let stopped_at = tokio::time::Instant::now();
     let released = tokio::time::timeout(Duration::from_secs(60), running.stop_worker(7))

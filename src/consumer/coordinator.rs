@@ -139,7 +139,8 @@ pub(crate) struct Coordinator {
     /// successor (see [`Coordinator::lists_every_round`]). Empty before the first.
     live: Vec<String>,
     /// The leases that were unowned in this worker's last full listing: a leader takes
-    /// those still unowned at its next one (nobody else took them in a round).
+    /// those still unowned at its next one (nobody else took them in a round; see
+    /// `balance`).
     unowned: BTreeSet<String>,
     /// Rounds since this worker last listed the whole table.
     since_listing: usize,
@@ -460,25 +461,35 @@ impl Coordinator {
                 tracing::warn!(error = %e, "shard discovery failed; will retry");
             }
         }
-        let rows = match self.store.list().await {
-            Ok(rows) => {
-                self.table_missing_since = None;
-                self.health.lease_table_ok();
-                rows
-            }
-            Err(e) => {
-                if matches!(e, LeaseError::TableMissing { .. }) {
-                    self.table_missing_since.get_or_insert_with(Instant::now);
-                }
-                tracing::warn!(error = %e, "listing leases failed; will retry");
-                return Ok(());
-            }
+        let listed = self.store.list().await;
+        let Some(rows) = self.table_answered(listed, "listing leases") else {
+            return Ok(());
         };
         self.check_stream(&rows)?;
         if let Err(e) = self.balance(rows).await {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
+    }
+
+    /// The answer of the read a lease round starts with (`what`), noting whether the
+    /// table answered (see `run`: a table missing for a lease duration stops the
+    /// worker); `None` after a failure, which the next round retries.
+    fn table_answered<T>(&mut self, answer: Result<T, LeaseError>, what: &str) -> Option<T> {
+        match answer {
+            Ok(answer) => {
+                self.table_missing_since = None;
+                self.health.lease_table_ok();
+                Some(answer)
+            }
+            Err(e) => {
+                if matches!(e, LeaseError::TableMissing { .. }) {
+                    self.table_missing_since.get_or_insert_with(Instant::now);
+                }
+                tracing::warn!(error = %e, "{what} failed; will retry");
+                None
+            }
+        }
     }
 
     /// Whether this worker lists the whole table every round: in a fleet of up to
@@ -513,19 +524,9 @@ impl Coordinator {
     /// the owner let the hand-off timeout pass, as in a full round.
     async fn light_round(&mut self) {
         let me = self.config.owner.clone();
-        let keys = match self.store.owned_keys(&me).await {
-            Ok(keys) => {
-                self.table_missing_since = None;
-                self.health.lease_table_ok();
-                keys
-            }
-            Err(e) => {
-                if matches!(e, LeaseError::TableMissing { .. }) {
-                    self.table_missing_since.get_or_insert_with(Instant::now);
-                }
-                tracing::warn!(error = %e, "reading this worker's leases failed; will retry");
-                return;
-            }
+        let owned = self.store.owned_keys(&me).await;
+        let Some(keys) = self.table_answered(owned, "reading this worker's lease keys") else {
+            return;
         };
         let mut wanted: BTreeSet<String> = keys
             .into_iter()
@@ -861,11 +862,10 @@ impl Coordinator {
             let gives: Vec<BoxFuture<'static, _>> = plan
                 .give
                 .iter()
-                .filter(|(_, to)| to.contains(INCARNATION_SEPARATOR))
-                .filter_map(|(key, to)| {
-                    let row = self.slots.get(*key).map(|_| by_key.get(key).copied())??;
-                    Some(((*row).clone(), (*to).to_owned()))
+                .filter(|(key, to)| {
+                    to.contains(INCARNATION_SEPARATOR) && self.slots.contains_key(*key)
                 })
+                .filter_map(|(key, to)| by_key.get(key).map(|row| ((*row).clone(), to.to_string())))
                 .take(self.config.max_steals_per_round)
                 .map(|(row, to)| {
                     let store = self.store.clone();
