@@ -142,8 +142,6 @@ pub(crate) struct Coordinator {
     /// those still unowned at its next one (nobody else took them in a round; see
     /// `balance`).
     unowned: BTreeSet<String>,
-    /// Rounds since this worker last listed the whole table.
-    since_listing: usize,
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
@@ -205,7 +203,6 @@ impl Coordinator {
             quota: 0,
             live: Vec::new(),
             unowned: BTreeSet::new(),
-            since_listing: 0,
             table_missing_since: None,
             started: SystemTime::now(),
             events_tx,
@@ -443,13 +440,11 @@ impl Coordinator {
             // elsewhere): plan again from a listing.
             || self.slots.len() + self.steals.len() < self.quota
             || self.raced_rounds > 0
-            || self.since_listing + 1 >= self.pace();
+            || self.paced_listing_due();
         if !full {
-            self.since_listing += 1;
             self.light_round().await;
             return Ok(());
         }
-        self.since_listing = 0;
         if synced {
             // While a reshard is in progress, keep reading what we hold and leave the
             // shard map and other workers' leases alone until the stream is ACTIVE.
@@ -508,14 +503,25 @@ impl Coordinator {
         self.live.len() > SMALL_FLEET && self.live.first() == Some(&self.config.owner)
     }
 
-    /// Every how many rounds a worker that is neither leader nor successor lists the
-    /// whole table (see [`PACED_LISTINGS`]).
-    fn pace(&self) -> usize {
-        self.live
+    /// Whether this round is the one in `pace` in which a worker that is neither leader
+    /// nor successor lists the whole table, `pace` being
+    /// `ceil((live - 2) / PACED_LISTINGS)`: the round number modulo `pace` is the
+    /// worker's place among the others in name order modulo `pace`, so the others'
+    /// listings spread over the rounds (about [`PACED_LISTINGS`] a round) instead of
+    /// falling together.
+    fn paced_listing_due(&self) -> bool {
+        let pace = self
+            .live
             .len()
             .saturating_sub(2)
             .div_ceil(PACED_LISTINGS)
-            .max(1)
+            .max(1);
+        let place = self
+            .live
+            .iter()
+            .position(|w| *w == self.config.owner)
+            .unwrap_or(0);
+        self.rounds % pace as u64 == (place.saturating_sub(2) % pace) as u64
     }
 
     /// A round without a full listing: the keys this worker owns (the owner index), and
