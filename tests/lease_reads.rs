@@ -17,18 +17,24 @@ use fleet::{leases_per_owner, Fleet, Running};
 /// The default take round (the lease duration, 10 s).
 const ROUND: Duration = Duration::from_secs(10);
 
-/// Rows read per shard and per take round by a balanced idle fleet, over `rounds`
-/// rounds after it settled: (by listings, by the owner index, by gets).
-async fn rows_read_per_shard_and_round(shards: u32, workers: usize, rounds: u32) -> [f64; 3] {
-    let running = fleet::start(Fleet::new(shards, workers)).await;
+/// `fleet`, started and balanced (within a minute: the start-up target is 30 s).
+async fn started_balanced(fleet: Fleet) -> Running {
+    let running = fleet::start(fleet).await;
     assert!(
         running
             .until(Duration::from_secs(60), |r| r.balanced())
             .await
             .is_some(),
-        "{shards} x {workers} did not balance: {:?}",
+        "not balanced: {:?}",
         leases_per_owner(&running.memory)
     );
+    running
+}
+
+/// Rows read per shard and per take round by a balanced idle fleet, over `rounds`
+/// rounds after it settled: (by listings, by the owner index, by gets).
+async fn rows_read_per_shard_and_round(shards: u32, workers: usize, rounds: u32) -> [f64; 3] {
+    let running = started_balanced(Fleet::new(shards, workers)).await;
     tokio::time::sleep(Duration::from_secs(60)).await;
     let before = running.memory.table(fleet::GROUP).rows_read();
     tokio::time::sleep(ROUND * rounds).await;
@@ -65,19 +71,11 @@ async fn rows_read_per_shard_and_round_do_not_grow_from_four_to_sixteen_workers(
 
 /// A fed, balanced fleet of 12 workers over 96 shards.
 async fn balanced_fleet_of_twelve() -> Running {
-    let running = fleet::start(Fleet {
+    let running = started_balanced(Fleet {
         feed_every: Some(Duration::from_secs(1)),
         ..Fleet::new(96, 12)
     })
     .await;
-    assert!(
-        running
-            .until(Duration::from_secs(60), |r| r.balanced())
-            .await
-            .is_some(),
-        "not balanced: {:?}",
-        leases_per_owner(&running.memory)
-    );
     // A few rounds on: the roles are settled, most workers read only their own keys.
     tokio::time::sleep(ROUND * 3).await;
     running
