@@ -19,7 +19,8 @@
 //! how long until each of its shards delivered again (p50 / max) and until the fleet is
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
-//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers.
+//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers;
+//! `BENCH_KILL=i` kills worker `i` (0: the leader) instead of the middle one.
 //! `BENCH_SCENARIO=steady` lets balanced idle fleets of 500 shards x 4, 10 and 40
 //! workers run for 10 simulated minutes and prints the lease-store calls per shard per
 //! hour by kind, and the table rows the reads handed out (a `list` reads every row, an
@@ -211,7 +212,8 @@ fn failover() {
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
             assert!(balanced.is_some(), "{shards}x{workers} did not balance");
             let killed_at = tokio::time::Instant::now();
-            let orphans = running.kill(workers / 2);
+            // BENCH_KILL=0 kills the leader (w000, first by name) instead.
+            let orphans = running.kill(common::env_or("BENCH_KILL", workers / 2).min(workers - 1));
             let mut again: Vec<Option<Duration>> = vec![None; orphans.len()];
             running
                 .until(LIMIT * 2, |r| {
