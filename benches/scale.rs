@@ -19,10 +19,12 @@
 //! how long until each of its shards delivered again (p50 / max) and until the fleet is
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
-//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers.
+//! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers;
+//! `BENCH_KILL=i` kills worker `i` (0: the leader) instead of the middle one.
 //! `BENCH_SCENARIO=steady` lets balanced idle fleets of 500 shards x 4, 10 and 40
 //! workers run for 10 simulated minutes and prints the lease-store calls per shard per
-//! hour by kind, and the table rows the listings read (each `list` reads every row).
+//! hour by kind, and the table rows the reads handed out (a `list` reads every row, an
+//! `owned_keys` query one key per row the worker owns, a `get` one row).
 //! `BENCH_SEED=n` changes the workers' seeds (default 11). Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
@@ -210,7 +212,8 @@ fn failover() {
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
             assert!(balanced.is_some(), "{shards}x{workers} did not balance");
             let killed_at = tokio::time::Instant::now();
-            let orphans = running.kill(workers / 2);
+            // BENCH_KILL=0 kills the leader (w000, first by name) instead.
+            let orphans = running.kill(common::env_or("BENCH_KILL", workers / 2).min(workers - 1));
             let mut again: Vec<Option<Duration>> = vec![None; orphans.len()];
             running
                 .until(LIMIT * 2, |r| {
@@ -283,15 +286,15 @@ fn scale_out() {
     }
 }
 
-/// Balanced idle fleets: lease-store calls per shard-hour by kind, and the rows the
-/// listings read, which grow with the number of workers (every worker lists the whole
-/// table every take interval).
+/// Balanced idle fleets: lease-store calls per shard-hour by kind, and the rows the reads
+/// handed out (a `list` reads every row, `owned_keys` one key per row the worker owns, a
+/// `get` one row), which must not grow with the number of workers.
 fn steady() {
     println!("per shard-hour:");
     println!(
-        "| shards | workers | renew | checkpoint | list | take | other | rows read by lists |"
+        "| shards | workers | renew | checkpoint | list | owned_keys | get | take | other | rows read: lists | owner index | gets | all |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let minutes: u64 = common::env_or("BENCH_MINUTES", if common::measuring() { 10 } else { 1 });
     let sizes = match std::env::var("BENCH_SIZES") {
         Ok(_) => sizes(),
@@ -305,28 +308,33 @@ fn steady() {
             // A minute to settle, then the measured window.
             tokio::time::sleep(Duration::from_secs(60)).await;
             let from = tokio::time::Instant::now();
+            let read_before = running.memory.table(fleet::GROUP).rows_read();
             tokio::time::sleep(Duration::from_secs(60 * minutes)).await;
+            let read = running.memory.table(fleet::GROUP).rows_read();
             let calls = running.calls.lock().expect("the call log").clone();
             let window: Vec<&fleet::Call> = calls.iter().filter(|c| c.at >= from).collect();
             let hours = minutes as f64 / 60.0;
-            let per = |n: usize| n as f64 / shards as f64 / hours;
-            let count = |op: &str| window.iter().filter(|c| c.op == op).count();
-            let (renew, checkpoint, list, take) = (
-                count("renew"),
-                count("checkpoint"),
-                count("list"),
-                count("take"),
-            );
-            let other = window.len() - renew - checkpoint - list - take;
-            let rows = running.memory.table(fleet::GROUP).rows().len();
+            let per = |n: u64| n as f64 / f64::from(shards) / hours;
+            let count = |op: &str| window.iter().filter(|c| c.op == op).count() as u64;
+            let kinds = ["renew", "checkpoint", "list", "owned_keys", "get", "take"];
+            let counted: Vec<u64> = kinds.iter().map(|op| count(op)).collect();
+            let other = window.len() as u64 - counted.iter().sum::<u64>();
+            let listed = read.listed - read_before.listed;
+            let owned = read.owned - read_before.owned;
+            let fetched = read.fetched - read_before.fetched;
             println!(
-                "| {shards} | {workers} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.0} |",
-                per(renew),
-                per(checkpoint),
-                per(list),
-                per(take),
+                "| {shards} | {workers} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} |",
+                per(counted[0]),
+                per(counted[1]),
+                per(counted[2]),
+                per(counted[3]),
+                per(counted[4]),
+                per(counted[5]),
                 per(other),
-                per(list * rows),
+                per(listed),
+                per(owned),
+                per(fetched),
+                per(listed + owned + fetched),
             );
             running.stop().await;
         });

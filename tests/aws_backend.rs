@@ -1046,3 +1046,236 @@ async fn wire_errors_never_carry_record_payloads() {
     })
     .await;
 }
+
+/// (issue 12) A table shardflow creates has the KCL 3's owner index, and `owned_keys`
+/// answers what a filtered listing answers, for single-stream and multi-stream keys
+/// alike (dynalite keeps the index and answers Queries on it).
+#[tokio::test]
+async fn owned_keys_answer_as_a_filtered_listing_on_a_table_with_the_owner_index() {
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("owned");
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let described = aws
+            .dynamodb_client()
+            .describe_table()
+            .table_name(&table)
+            .send()
+            .await
+            .expect("DescribeTable");
+        let index = described
+            .table()
+            .and_then(|t| {
+                t.global_secondary_indexes()
+                    .iter()
+                    .find(|i| i.index_name() == Some("LeaseOwnerToLeaseKeyIndex"))
+            })
+            .expect("the owner index");
+        let keys: Vec<(&str, &str)> = index
+            .key_schema()
+            .iter()
+            .map(|k| (k.attribute_name(), k.key_type().as_str()))
+            .collect();
+        assert_eq!(keys, vec![("leaseOwner", "HASH"), ("leaseKey", "RANGE")]);
+        assert_eq!(
+            index
+                .projection()
+                .and_then(|p| p.projection_type())
+                .map(|p| p.as_str()),
+            Some("KEYS_ONLY")
+        );
+        let keys = [
+            "shardId-000000000000",
+            "shardId-000000000001",
+            "123456789012:orders:1700000000:shardId-000000000000",
+            "123456789012:orders:1700000000:shardId-000000000001",
+            "123456789012:refunds:1700000000:shardId-000000000000",
+        ];
+        for (i, key) in keys.iter().enumerate() {
+            let row = Lease::new(*key, Vec::new(), Checkpoint::TrimHorizon);
+            assert!(store.create(&row).await.expect("create"));
+            if i != 1 {
+                let owner = if i % 2 == 0 { "w1#a" } else { "w2#b" };
+                store.take(&row, owner).await.expect("take");
+            }
+        }
+        for owner in ["w1#a", "w2#b", "w3#c"] {
+            let mut listed: Vec<String> = store
+                .list()
+                .await
+                .expect("list")
+                .into_iter()
+                .filter(|r| r.owner.as_deref() == Some(owner))
+                .map(|r| r.key)
+                .collect();
+            listed.sort();
+            let mut owned = store.owned_keys(owner).await.expect("owned_keys");
+            owned.sort();
+            assert_eq!(owned, listed, "{owner}");
+        }
+        assert_eq!(store.owned_keys("w1#a").await.expect("owned_keys").len(), 3);
+    })
+    .await;
+}
+
+/// DynamoDbClient talking to `fake`, with the SDK's own retries off.
+fn dynamodb_at(fake: &fake::Fake) -> aws_sdk_dynamodb::Client {
+    use aws_sdk_dynamodb::config::{retry::RetryConfig, BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+        .endpoint_url(&fake.url)
+        .retry_config(RetryConfig::disabled())
+        .build();
+    aws_sdk_dynamodb::Client::from_conf(config)
+}
+
+/// A DescribeTable answer of an ACTIVE lease table, with the owner index in `index`
+/// status, or without it.
+fn lease_table_json(index: Option<&str>) -> serde_json::Value {
+    let mut table = serde_json::json!({
+        "TableName": "old-leases",
+        "TableStatus": "ACTIVE",
+        "KeySchema": [{"AttributeName": "leaseKey", "KeyType": "HASH"}],
+        "AttributeDefinitions": [{"AttributeName": "leaseKey", "AttributeType": "S"}],
+    });
+    if let Some(status) = index {
+        table["GlobalSecondaryIndexes"] = serde_json::json!([{
+            "IndexName": "LeaseOwnerToLeaseKeyIndex",
+            "IndexStatus": status,
+            "KeySchema": [
+                {"AttributeName": "leaseOwner", "KeyType": "HASH"},
+                {"AttributeName": "leaseKey", "KeyType": "RANGE"}
+            ],
+            "Projection": {"ProjectionType": "KEYS_ONLY"}
+        }]);
+    }
+    table
+}
+
+/// (issue 12) A lease table without the owner index (an older shardflow's, a KCL 1/2
+/// application's) is upgraded in place at start-up: UpdateTable adds the KCL 3's index
+/// (keys `leaseOwner` and `leaseKey`, keys only). Until it is ACTIVE `owned_keys` scans
+/// and filters; once it is, it queries the index. (dynalite accepts an UpdateTable
+/// adding an index but never builds it, so a scripted endpoint plays DynamoDB here.)
+#[tokio::test]
+async fn wire_a_table_without_the_owner_index_is_upgraded_in_place() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let row = |key: &str, owner: &str| {
+        serde_json::json!({
+            "leaseKey": {"S": key},
+            "leaseOwner": {"S": owner},
+            "leaseCounter": {"N": "3"},
+            "checkpoint": {"S": "TRIM_HORIZON"},
+        })
+    };
+    let fake = fake::Fake::start(vec![
+        (200, serde_json::json!({"Table": lease_table_json(None)})),
+        (
+            200,
+            serde_json::json!({"TableDescription": lease_table_json(Some("CREATING"))}),
+        ),
+        (
+            200,
+            serde_json::json!({"Items": [row("shardId-000000000000", "w1#a"), row("shardId-000000000001", "w2#b")], "Count": 2}),
+        ),
+        (
+            200,
+            serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))}),
+        ),
+        (
+            200,
+            serde_json::json!({"Items": [{"leaseKey": {"S": "shardId-000000000000"}, "leaseOwner": {"S": "w1#a"}}], "Count": 1}),
+        ),
+    ]);
+    let client = dynamodb_at(&fake);
+    within(async {
+        let upgrading = DynamoLeaseStore::new(client.clone(), "old-leases");
+        upgrading.ensure_table().await.expect("ensure_table");
+        // The index is being built: a Scan, filtered.
+        assert_eq!(
+            upgrading.owned_keys("w1#a").await.expect("owned_keys"),
+            vec!["shardId-000000000000".to_owned()]
+        );
+        // A store that finds it ACTIVE queries it.
+        let upgraded = DynamoLeaseStore::new(client, "old-leases");
+        assert_eq!(
+            upgraded.owned_keys("w1#a").await.expect("owned_keys"),
+            vec!["shardId-000000000000".to_owned()]
+        );
+    })
+    .await;
+    let seen = fake.seen();
+    let ops: Vec<&str> = seen
+        .iter()
+        .map(|s| s.target.rsplit('.').next().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        ops,
+        vec![
+            "DescribeTable",
+            "UpdateTable",
+            "Scan",
+            "DescribeTable",
+            "Query"
+        ]
+    );
+    let update = &seen[1].body;
+    let create = &update["GlobalSecondaryIndexUpdates"][0]["Create"];
+    assert_eq!(create["IndexName"], "LeaseOwnerToLeaseKeyIndex");
+    assert_eq!(
+        create["KeySchema"],
+        serde_json::json!([
+            {"AttributeName": "leaseOwner", "KeyType": "HASH"},
+            {"AttributeName": "leaseKey", "KeyType": "RANGE"}
+        ])
+    );
+    assert_eq!(create["Projection"]["ProjectionType"], "KEYS_ONLY");
+    assert!(
+        update["AttributeDefinitions"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|d| d["AttributeName"] == "leaseOwner" && d["AttributeType"] == "S")),
+        "{update}"
+    );
+    let query = &seen[4].body;
+    assert_eq!(query["IndexName"], "LeaseOwnerToLeaseKeyIndex");
+    assert_eq!(query["ExpressionAttributeValues"][":owner"]["S"], "w1#a");
+}
+
+/// A worker that may not query the owner index (no `dynamodb:Query` on it) lists the
+/// table instead: a worker that could not read its own keys would never adopt a lease
+/// handed to it.
+#[tokio::test]
+async fn wire_an_owner_index_that_cannot_be_queried_falls_back_to_a_scan() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let fake = fake::Fake::start(vec![
+        (
+            200,
+            serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))}),
+        ),
+        (
+            400,
+            serde_json::json!({"__type": "com.amazon.coral.service#AccessDeniedException", "message": "not authorized to perform: dynamodb:Query"}),
+        ),
+        (
+            200,
+            serde_json::json!({"Items": [{"leaseKey": {"S": "shardId-000000000007"}, "leaseOwner": {"S": "w1#a"}, "leaseCounter": {"N": "1"}, "checkpoint": {"S": "LATEST"}}], "Count": 1}),
+        ),
+    ]);
+    let store = DynamoLeaseStore::new(dynamodb_at(&fake), "old-leases");
+    within(async {
+        assert_eq!(
+            store.owned_keys("w1#a").await.expect("owned_keys"),
+            vec!["shardId-000000000007".to_owned()]
+        );
+    })
+    .await;
+    let ops: Vec<String> = fake
+        .seen()
+        .iter()
+        .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(ops, vec!["DescribeTable", "Query", "Scan"]);
+}

@@ -39,6 +39,10 @@ pub(crate) struct Plan<'a> {
     /// Every lease of an owner above its quota (no request pending on it), whoever
     /// the plan deals it to.
     pub surplus: Vec<&'a str>,
+    /// This worker's own leases the plan deals to other workers, with the worker: what
+    /// a leader hands over on its own initiative to workers that do not list the table
+    /// every round (see the coordinator's roles).
+    pub give: Vec<(&'a str, &'a str)>,
 }
 
 /// Computes the plan every worker derives from the same listing, and returns `me`'s part.
@@ -113,22 +117,21 @@ pub(crate) fn plan<'a>(me: &'a str, known: &[&'a str], leases: &[Candidate<'a>])
         surplus: surplus_of_all,
         ..Plan::default()
     };
+    let owners: BTreeMap<&str, Option<&str>> = leases.iter().map(|l| (l.key, l.owner)).collect();
     for (worker, held) in &holds {
         let deficit = quota[worker].saturating_sub(*held);
-        let dealt = spare.by_ref().take(deficit);
-        if *worker == me {
-            let owners: BTreeMap<&str, Option<&str>> =
-                leases.iter().map(|l| (l.key, l.owner)).collect();
-            for key in dealt {
-                match owners.get(key).copied().flatten() {
-                    None => mine.take.push(key),
-                    Some(_) => mine.ask.push(key),
+        for key in spare.by_ref().take(deficit) {
+            let owner = owners.get(key).copied().flatten();
+            match owner {
+                _ if *worker != me => {
+                    if owner == Some(me) {
+                        mine.give.push((key, *worker));
+                    }
                 }
+                None => mine.take.push(key),
+                Some(_) => mine.ask.push(key),
             }
-            break;
         }
-        // Drain the iterator for other workers' deficits.
-        dealt.for_each(drop);
     }
     mine
 }
@@ -212,6 +215,24 @@ mod tests {
         let p = plan("b", &["b"], &leases);
         assert_eq!(p.take, vec!["s3"]);
         assert_eq!(p.ask, vec!["s2"]);
+    }
+
+    #[test]
+    fn an_owner_above_its_quota_knows_whom_the_plan_deals_its_surplus_to() {
+        let leases = [
+            owned("s0", "a"),
+            owned("s1", "a"),
+            owned("s2", "a"),
+            owned("s3", "a"),
+            owned("s4", "b"),
+            owned("s5", "b"),
+        ];
+        let p = plan("a", &["a", "c"], &leases);
+        assert_eq!(p.quota, 2);
+        assert_eq!(p.give, vec![("s3", "c"), ("s2", "c")]);
+        // What `c` would ask for itself, were it listing the table.
+        assert_eq!(plan("c", &["a", "c"], &leases).ask, vec!["s3", "s2"]);
+        assert!(plan("b", &["a", "b", "c"], &leases).give.is_empty());
     }
 
     proptest! {

@@ -23,7 +23,7 @@ use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamIdentity};
 use crate::lease::{
     with_retries, worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore,
-    StreamScopedStore,
+    StreamScopedStore, INCARNATION_SEPARATOR,
 };
 use crate::message::Batch;
 use crate::metrics::{Labels, LeaseEvent};
@@ -76,6 +76,19 @@ const MAX_CONCURRENT_WRITES: usize = 32;
 /// `Coordinator::raced`); then the usual quick round.
 const MAX_RACED_ROUNDS: u32 = 8;
 
+/// Fleets of up to this many live workers: every worker lists the whole table every
+/// round, as it always did (no roles).
+const SMALL_FLEET: usize = 3;
+
+/// Full listings per round, on average, by the workers of a larger fleet other than
+/// the leader and the successor: each of them lists once every
+/// `ceil((live - 2) / PACED_LISTINGS)` rounds. With the leader's and the successor's, a
+/// fleet lists the table about 4 times per round whatever its size, as a fleet of 4 does
+/// with every worker listing (so the rows read per shard do not grow with the fleet);
+/// and 2 of them, by different workers each round, find a leader and successor that
+/// crashed together within about a round.
+const PACED_LISTINGS: usize = 2;
+
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
 fn lock(held: &HeldSet) -> MutexGuard<'_, BTreeMap<String, Arc<HeldLease>>> {
@@ -119,6 +132,16 @@ pub(crate) struct Coordinator {
     rounds: u64,
     /// The last round left this worker under its fair share with leases to ask for.
     short: bool,
+    /// This worker's fair share at its last full listing.
+    quota: usize,
+    /// The live workers of this worker's last full listing, in name order (owners of
+    /// leases not expired, and this worker): the first is the leader, the second the
+    /// successor (see [`Coordinator::lists_every_round`]). Empty before the first.
+    live: Vec<String>,
+    /// The leases that were unowned in this worker's last full listing: a leader takes
+    /// those still unowned at its next one (nobody else took them in a round; see
+    /// `balance`).
+    unowned: BTreeSet<String>,
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
@@ -177,6 +200,9 @@ impl Coordinator {
             updating: false,
             rounds: 0,
             short: false,
+            quota: 0,
+            live: Vec::new(),
+            unowned: BTreeSet::new(),
             table_missing_since: None,
             started: SystemTime::now(),
             events_tx,
@@ -395,10 +421,31 @@ impl Coordinator {
     /// The first round runs right after start-up, before any lease is taken.
     async fn round(&mut self) -> Result<(), ConsumerError> {
         self.rounds += 1;
+        // The periodic shard sync (which lists the table too) is the leader's and the
+        // successor's; every worker syncs at start-up and when one of its shards ended.
+        let steering = self.lists_every_round();
         let sync_due = self
             .last_sync
-            .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
-        if self.need_sync || sync_due {
+            .is_none_or(|t| steering && t.elapsed() >= self.config.shard_sync_interval);
+        let synced = self.need_sync || sync_due;
+        // Who lists the whole table this round (see `lists_every_round`): besides the
+        // leader and the successor, a worker that holds nothing, is short of its share,
+        // lost a race or syncs, and every other worker once every `pace` rounds. The
+        // rest only look for the leases handed to them.
+        let full = synced
+            || steering
+            || self.slots.is_empty()
+            || self.short
+            // Below its share with nothing asked for (a hand-off it asked for went
+            // elsewhere): plan again from a listing.
+            || self.slots.len() + self.steals.len() < self.quota
+            || self.raced_rounds > 0
+            || self.paced_listing_due();
+        if !full {
+            self.light_round().await;
+            return Ok(());
+        }
+        if synced {
             // While a reshard is in progress, keep reading what we hold and leave the
             // shard map and other workers' leases alone until the stream is ACTIVE.
             self.check_identity().await?;
@@ -409,25 +456,164 @@ impl Coordinator {
                 tracing::warn!(error = %e, "shard discovery failed; will retry");
             }
         }
-        let rows = match self.store.list().await {
-            Ok(rows) => {
-                self.table_missing_since = None;
-                self.health.lease_table_ok();
-                rows
-            }
-            Err(e) => {
-                if matches!(e, LeaseError::TableMissing { .. }) {
-                    self.table_missing_since.get_or_insert_with(Instant::now);
-                }
-                tracing::warn!(error = %e, "listing leases failed; will retry");
-                return Ok(());
-            }
+        let listed = self.store.list().await;
+        let Some(rows) = self.table_answered(listed, "listing leases") else {
+            return Ok(());
         };
         self.check_stream(&rows)?;
         if let Err(e) = self.balance(rows).await {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
+    }
+
+    /// The answer of the read a lease round starts with (`what`), noting whether the
+    /// table answered (see `run`: a table missing for a lease duration stops the
+    /// worker); `None` after a failure, which the next round retries.
+    fn table_answered<T>(&mut self, answer: Result<T, LeaseError>, what: &str) -> Option<T> {
+        match answer {
+            Ok(answer) => {
+                self.table_missing_since = None;
+                self.health.lease_table_ok();
+                Some(answer)
+            }
+            Err(e) => {
+                if matches!(e, LeaseError::TableMissing { .. }) {
+                    self.table_missing_since.get_or_insert_with(Instant::now);
+                }
+                tracing::warn!(error = %e, "{what} failed; will retry");
+                None
+            }
+        }
+    }
+
+    /// Whether this worker lists the whole table every round: in a fleet of up to
+    /// [`SMALL_FLEET`] live workers (or before its first listing) every worker does;
+    /// in a larger one the leader (the live worker first by name in this worker's last
+    /// listing), which covers for the workers that do not (it takes expired leases at
+    /// once and hands its surplus to the workers below their share), and the successor
+    /// (the second), which watches the leader: when the leader's leases expire, the
+    /// successor is first among the live workers of its next listing and leads.
+    fn lists_every_round(&self) -> bool {
+        self.live.len() <= SMALL_FLEET || self.live.iter().take(2).any(|w| *w == self.config.owner)
+    }
+
+    /// Whether this worker leads a fleet larger than [`SMALL_FLEET`].
+    fn leads(&self) -> bool {
+        self.live.len() > SMALL_FLEET && self.live.first() == Some(&self.config.owner)
+    }
+
+    /// Whether this round is the one in `pace` in which a worker that is neither leader
+    /// nor successor lists the whole table, `pace` being
+    /// `ceil((live - 2) / PACED_LISTINGS)`: the round number modulo `pace` is the
+    /// worker's place among the others in name order modulo `pace`, so the others'
+    /// listings spread over the rounds (about [`PACED_LISTINGS`] a round) instead of
+    /// falling together.
+    fn paced_listing_due(&self) -> bool {
+        let pace = self
+            .live
+            .len()
+            .saturating_sub(2)
+            .div_ceil(PACED_LISTINGS)
+            .max(1);
+        let place = self
+            .live
+            .iter()
+            .position(|w| *w == self.config.owner)
+            .unwrap_or(0);
+        self.rounds % pace as u64 == (place.saturating_sub(2) % pace) as u64
+    }
+
+    /// A round without a full listing: the keys this worker owns (the owner index), and
+    /// a read of each row it owns without running it (handed over to it, by a leader or
+    /// by an owner it asked) and of each row it asked for, which it takes anyway once
+    /// the owner let the hand-off timeout pass, as in a full round.
+    async fn light_round(&mut self) {
+        let me = self.config.owner.clone();
+        let owned = self.store.owned_keys(&me).await;
+        let Some(keys) = self.table_answered(owned, "reading this worker's lease keys") else {
+            return;
+        };
+        let mut wanted: BTreeSet<String> = keys
+            .into_iter()
+            .filter(|k| !self.slots.contains_key(k))
+            .collect();
+        wanted.extend(
+            self.steals
+                .keys()
+                .filter(|k| !self.slots.contains_key(*k))
+                .cloned(),
+        );
+        let reads: Vec<BoxFuture<'static, _>> = wanted
+            .into_iter()
+            .map(|key| {
+                let store = self.store.clone();
+                async move {
+                    let row = store.get(&key).await;
+                    (key, row)
+                }
+                .boxed()
+            })
+            .collect();
+        let mut rows = Vec::new();
+        for (key, row) in concurrently(reads).await {
+            match row {
+                Ok(Some(row)) => rows.push(row),
+                // Gone: nothing to adopt or wait for.
+                Ok(None) => {
+                    self.steals.remove(&key);
+                }
+                Err(e) => tracing::debug!(lease = %key, error = %e, "could not read the lease"),
+            }
+        }
+        let ours: Vec<&Lease> = rows
+            .iter()
+            .filter(|r| r.owner.as_deref() == Some(&me) && r.checkpoint != Checkpoint::ShardEnd)
+            .collect();
+        self.adopt(&ours).await;
+        let now = Instant::now();
+        for row in &rows {
+            if !self.steals.contains_key(&row.key) {
+                continue;
+            }
+            if row.pending_owner.as_deref() != Some(&me) || row.owner.as_deref() == Some(&me) {
+                self.steals.remove(&row.key);
+                continue;
+            }
+            self.take_overdue(row, now).await;
+        }
+    }
+
+    /// Takes the leases the table says are this incarnation's but no task runs: handed
+    /// over to it. (Rows of an earlier run of this worker id have another owner name:
+    /// like any other worker's, they are taken once expired or handed over on request,
+    /// so two live incarnations never take a lease back and forth.)
+    async fn adopt(&mut self, ours: &[&Lease]) {
+        for (row, result, sent) in self.take_many(ours, false).await {
+            self.steals.remove(&row.key);
+            match result {
+                Ok(taken) => {
+                    self.labels.lease_event(LeaseEvent::Taken);
+                    self.start(taken, sent)
+                }
+                Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
+            }
+        }
+    }
+
+    /// A hand-off this worker asked for on `row`: taken anyway once the owner let the
+    /// hand-off timeout pass.
+    async fn take_overdue(&mut self, row: &Lease, now: Instant) {
+        let asked = *self.steals.entry(row.key.clone()).or_insert(now);
+        if now.duration_since(asked) >= self.config.handoff_timeout {
+            tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
+            let sent = Instant::now();
+            if let Ok(taken) = self.store.take(row, &self.config.owner).await {
+                self.labels.lease_event(LeaseEvent::Stolen);
+                self.steals.remove(&row.key);
+                self.start(taken, sent);
+            }
+        }
     }
 
     async fn balance(&mut self, rows: Vec<Lease>) -> Result<(), LeaseError> {
@@ -466,24 +652,13 @@ impl Coordinator {
             .collect();
 
         // Leases the table says are this incarnation's but no task runs: handed over to
-        // us. (Rows of an earlier run of this worker id have another owner name: like
-        // any other worker's, they are taken once expired or handed over on request, so
-        // two live incarnations never take a lease back and forth.)
+        // us (see `adopt`).
         let ours: Vec<&Lease> = eligible
             .iter()
             .copied()
             .filter(|r| r.owner.as_deref() == Some(&me) && !self.slots.contains_key(&r.key))
             .collect();
-        for (row, result, sent) in self.take_many(&ours, false).await {
-            self.steals.remove(&row.key);
-            match result {
-                Ok(taken) => {
-                    self.labels.lease_event(LeaseEvent::Taken);
-                    self.start(taken, sent)
-                }
-                Err(e) => tracing::debug!(lease = %row.key, error = %e, "could not adopt"),
-            }
-        }
+        self.adopt(&ours).await;
 
         // The plan every worker derives from this listing (see `balance`): our quota,
         // the free leases to take and the hand-offs to ask for. A lease we run is ours
@@ -505,6 +680,24 @@ impl Coordinator {
             .collect();
         let plan = balance::plan(&me, &[me.as_str()], &candidates);
         let mut holds = plan.holds;
+        self.quota = plan.quota;
+
+        // The roles of this listing: the live shardflow workers (a KCL worker never
+        // leads) and this one, in name order.
+        let previous_unowned = std::mem::take(&mut self.unowned);
+        self.unowned = candidates
+            .iter()
+            .filter(|c| by_key.get(c.key).is_some_and(|r| r.owner.is_none()))
+            .map(|c| c.key.to_owned())
+            .collect();
+        let live: BTreeSet<&str> = candidates
+            .iter()
+            .filter_map(|c| c.owner)
+            .filter(|o| o.contains(INCARNATION_SEPARATOR))
+            .chain([me.as_str()])
+            .collect();
+        self.live = live.into_iter().map(str::to_owned).collect();
+        let leads = self.leads();
 
         // Free leases, many at once: a fleet started together (each worker alone in its
         // first view) leases every shard within a few store round trips. Those the plan
@@ -528,6 +721,23 @@ impl Coordinator {
                 .collect();
             others.shuffle(&mut self.rng);
             free.extend(others.into_iter().take(room));
+        }
+        // A leader covers for the workers that do not list every round: it takes every
+        // expired lease at once (reading resumes within the lease duration and a round
+        // wherever the plan deals it), every lease released by its owner (a counter
+        // above 0: a worker that stopped, a shard given up; read again within a round),
+        // and every lease that was unowned already at its previous listing (a new
+        // shard's, which the plan dealt to a worker that did not take it for a round).
+        // It hands what it holds above its share to the workers below theirs (below).
+        if leads {
+            let covered: Vec<&Lease> = candidates
+                .iter()
+                .filter(|c| c.owner.is_none())
+                .filter_map(|c| by_key.get(c.key).copied())
+                .filter(|r| r.owner.is_some() || r.counter > 0 || previous_unowned.contains(&r.key))
+                .filter(|r| !free.iter().any(|f| f.key == r.key))
+                .collect();
+            free.extend(covered);
         }
         free.shuffle(&mut self.rng);
         // A worker that sees no other live owner (a fleet started together: each alone
@@ -580,16 +790,7 @@ impl Coordinator {
             .iter()
             .filter(|r| r.pending_owner.as_deref() == Some(&me) && r.owner.as_deref() != Some(&me))
         {
-            let asked = *self.steals.entry(row.key.clone()).or_insert(now);
-            if now.duration_since(asked) >= self.config.handoff_timeout {
-                tracing::warn!(lease = %row.key, owner = ?row.owner, "the owner did not hand over in time; taking the lease");
-                let sent = Instant::now();
-                if let Ok(taken) = self.store.take(row, &me).await {
-                    self.labels.lease_event(LeaseEvent::Stolen);
-                    self.steals.remove(&row.key);
-                    self.start(taken, sent);
-                }
-            }
+            self.take_overdue(row, now).await;
         }
 
         // Below our quota: ask the owners the plan names for hand-offs, all at once
@@ -656,6 +857,42 @@ impl Coordinator {
         self.short = !self.updating && holds < plan.quota;
         if let Some(e) = failure {
             return Err(e);
+        }
+
+        // A leader hands what it holds above its share to the workers the plan deals
+        // it to, which may not list the table for rounds: it writes the worker as the
+        // row's hand-off request itself; its renewal finds it, drains the shard and
+        // hands the lease over, and the worker adopts it at its next round (its
+        // owner index names it). The same request the worker would make itself.
+        if leads && !self.updating {
+            let gives: Vec<BoxFuture<'static, _>> = plan
+                .give
+                .iter()
+                .filter(|(key, to)| {
+                    to.contains(INCARNATION_SEPARATOR) && self.slots.contains_key(*key)
+                })
+                .filter_map(|(key, to)| by_key.get(key).map(|row| ((*row).clone(), to.to_string())))
+                .take(self.config.max_steals_per_round)
+                .map(|(row, to)| {
+                    let store = self.store.clone();
+                    async move {
+                        let given = ask_for_handoff(store.as_ref(), &row, &to).await;
+                        (row, to, given)
+                    }
+                    .boxed()
+                })
+                .collect();
+            for (row, to, given) in concurrently(gives).await {
+                match given {
+                    Ok(true) => {
+                        tracing::info!(lease = %row.key, %to, "handing a lease to a worker below its share")
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::debug!(lease = %row.key, %to, error = %e, "could not hand the lease over")
+                    }
+                }
+            }
         }
 
         self.clean_up(&rows).await;

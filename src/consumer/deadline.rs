@@ -138,6 +138,10 @@ impl LeaseStore for BoundedLeaseStore {
         self.bound("list", self.inner.list()).await
     }
 
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        self.bound("owned_keys", self.inner.owned_keys(owner)).await
+    }
+
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
         self.bound("get", self.inner.get(key)).await
     }

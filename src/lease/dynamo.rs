@@ -54,6 +54,25 @@
 //! | `delete` | DeleteItem under the same condition |
 //!
 //! Reads (`get`, `list`) are strongly consistent.
+//!
+//! # The owner index
+//!
+//! The table has the KCL 3's global secondary index `LeaseOwnerToLeaseKeyIndex` (hash key
+//! `leaseOwner`, range key `leaseKey`, projection `KEYS_ONLY`), through which
+//! [`owned_keys`](LeaseStore::owned_keys) queries the keys a worker owns instead of
+//! scanning the table. Keys only, as the KCL creates it: the same index serves a KCL 3
+//! application on the same table, a renewal (which changes only `leaseCounter`) writes
+//! nothing to it, and a Query of a worker's keys costs a fraction of a read unit,
+//! where the rows themselves would cost one read unit each, every round. The worker
+//! fetches the few rows it needs (handed to it, not yet run) with `get`.
+//!
+//! A table created by shardflow has the index from the start; an existing table without
+//! it (created by an earlier shardflow or a KCL 1/2 application) is upgraded in place
+//! at start-up (UpdateTable adding the index; DynamoDB fills it in the background).
+//! Until the index is ACTIVE (checked again at most once a minute), or where it cannot
+//! be added (no `UpdateTable` permission), `owned_keys` lists the table and filters it.
+//! The index is eventually consistent: a key handed over a moment ago shows at the next
+//! round, and a key that moved on a moment ago is read and found to be another's.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -61,8 +80,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
-    ScalarAttributeType, TableStatus,
+    AttributeDefinition, AttributeValue, BillingMode, CreateGlobalSecondaryIndexAction,
+    GlobalSecondaryIndex, GlobalSecondaryIndexUpdate, IndexStatus, KeySchemaElement, KeyType,
+    Projection, ProjectionType, ReturnValue, ScalarAttributeType, TableDescription, TableStatus,
 };
 
 use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
@@ -118,11 +138,27 @@ const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
 /// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
 const ACTIVE_WAIT: Duration = Duration::from_secs(60);
 
+/// The KCL 3's index of the keys by owner (see the [module docs](self)).
+pub const OWNER_INDEX: &str = "LeaseOwnerToLeaseKeyIndex";
+
+/// How often `owned_keys` asks again whether an index being added is ACTIVE yet.
+const INDEX_RECHECK: Duration = Duration::from_secs(60);
+
+/// What the store knows of the owner index.
+#[derive(Debug, Default)]
+struct IndexState {
+    /// The index is ACTIVE: `owned_keys` queries it.
+    active: bool,
+    /// When the table was last described (not at all yet: `None`).
+    checked: Option<tokio::time::Instant>,
+}
+
 /// Leases in a DynamoDB table; see the [module docs](self) for the schema.
 #[derive(Clone, Debug)]
 pub struct DynamoLeaseStore {
     client: aws_sdk_dynamodb::Client,
     table: String,
+    index: std::sync::Arc<std::sync::Mutex<IndexState>>,
 }
 
 impl DynamoLeaseStore {
@@ -131,6 +167,117 @@ impl DynamoLeaseStore {
         DynamoLeaseStore {
             client,
             table: table.to_owned(),
+            index: Default::default(),
+        }
+    }
+
+    fn index_state(&self) -> std::sync::MutexGuard<'_, IndexState> {
+        // Poisoning means a panic elsewhere while holding the lock; the state is whole.
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records what `table` says of the owner index; returns its status (`None`: the
+    /// table has no such index).
+    fn note_index(&self, table: &TableDescription) -> Option<IndexStatus> {
+        let status = table
+            .global_secondary_indexes()
+            .iter()
+            .find(|i| i.index_name() == Some(OWNER_INDEX))
+            .map(|i| i.index_status().cloned().unwrap_or(IndexStatus::Creating));
+        let mut state = self.index_state();
+        state.active = status == Some(IndexStatus::Active);
+        state.checked = Some(tokio::time::Instant::now());
+        status
+    }
+
+    /// Adds the owner index to a table that has none (an upgrade in place). Not being
+    /// allowed to, or another worker adding it at the same moment, is not an error:
+    /// `owned_keys` lists the table meanwhile.
+    async fn add_index(&self) {
+        let action = CreateGlobalSecondaryIndexAction::builder()
+            .index_name(OWNER_INDEX)
+            .set_key_schema(Some(owner_index_keys()))
+            .projection(
+                Projection::builder()
+                    .projection_type(ProjectionType::KeysOnly)
+                    .build(),
+            )
+            .build();
+        let action = match action {
+            Ok(action) => action,
+            Err(e) => {
+                tracing::warn!(table = %self.table, error = %DisplayErrorContext(&e), "could not build the owner index");
+                return;
+            }
+        };
+        let result = self
+            .client
+            .update_table()
+            .table_name(&self.table)
+            .set_attribute_definitions(Some(owner_index_attributes()))
+            .global_secondary_index_updates(
+                GlobalSecondaryIndexUpdate::builder().create(action).build(),
+            )
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(table = %self.table, index = OWNER_INDEX, "adding the owner index to the lease table; workers list the table until it is ACTIVE")
+            }
+            Err(e) => {
+                tracing::warn!(table = %self.table, index = OWNER_INDEX, error = %DisplayErrorContext(&e), "could not add the owner index; workers list the table instead")
+            }
+        }
+    }
+
+    /// Whether `owned_keys` can query the owner index: it is known ACTIVE, or a new
+    /// look at the table (at most once per [`INDEX_RECHECK`]) finds it ACTIVE.
+    async fn index_ready(&self) -> bool {
+        {
+            let state = self.index_state();
+            if state.active {
+                return true;
+            }
+            if state.checked.is_some_and(|t| t.elapsed() < INDEX_RECHECK) {
+                return false;
+            }
+        }
+        match self.describe().await {
+            Ok(Some(table)) => self.note_index(&table) == Some(IndexStatus::Active),
+            _ => {
+                self.index_state().checked = Some(tokio::time::Instant::now());
+                false
+            }
+        }
+    }
+
+    /// The keys the owner index names for `owner`, every page.
+    async fn query_owner_index(
+        &self,
+        owner: &str,
+    ) -> Result<Vec<String>, SdkError<aws_sdk_dynamodb::operation::query::QueryError>> {
+        let mut keys = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        loop {
+            let out = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(OWNER_INDEX)
+                .key_condition_expression("#owner = :owner")
+                .expression_attribute_names("#owner", OWNER)
+                .expression_attribute_values(":owner", AttributeValue::S(owner.to_owned()))
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await?;
+            keys.extend(out.items().iter().filter_map(|item| match item.get(KEY) {
+                Some(AttributeValue::S(key)) => Some(key.clone()),
+                _ => None,
+            }));
+            match out.last_evaluated_key {
+                Some(key) if !key.is_empty() => start = Some(key),
+                _ => return Ok(keys),
+            }
         }
     }
 
@@ -139,9 +286,9 @@ impl DynamoLeaseStore {
         &self.table
     }
 
-    /// The table's status, or `None` when it does not exist. Fails when the table exists
-    /// with another key than `leaseKey` (it is some other table).
-    async fn table_status(&self) -> Result<Option<TableStatus>, LeaseError> {
+    /// The table, or `None` when it does not exist. Fails when the table exists with
+    /// another key than `leaseKey` (it is some other table).
+    async fn describe(&self) -> Result<Option<TableDescription>, LeaseError> {
         let out = match self
             .client
             .describe_table()
@@ -170,7 +317,7 @@ impl DynamoLeaseStore {
                 .into(),
             ));
         }
-        Ok(Some(table.table_status.unwrap_or(TableStatus::Creating)))
+        Ok(Some(table))
     }
 
     /// Creates the table (on-demand capacity); a concurrent creation is not an error.
@@ -182,10 +329,16 @@ impl DynamoLeaseStore {
             .client
             .create_table()
             .table_name(&self.table)
-            .attribute_definitions(
-                AttributeDefinition::builder()
-                    .attribute_name(KEY)
-                    .attribute_type(ScalarAttributeType::S)
+            .set_attribute_definitions(Some(owner_index_attributes()))
+            .global_secondary_indexes(
+                GlobalSecondaryIndex::builder()
+                    .index_name(OWNER_INDEX)
+                    .set_key_schema(Some(owner_index_keys()))
+                    .projection(
+                        Projection::builder()
+                            .projection_type(ProjectionType::KeysOnly)
+                            .build(),
+                    )
                     .build()
                     .map_err(build_error)?,
             )
@@ -324,6 +477,38 @@ impl DynamoLeaseStore {
             _ => Ok(after()),
         }
     }
+}
+
+/// The attributes the table and its owner index are keyed on: `leaseKey` and
+/// `leaseOwner`, strings.
+fn owner_index_attributes() -> Vec<AttributeDefinition> {
+    [KEY, OWNER]
+        .into_iter()
+        .filter_map(|name| {
+            // Cannot fail: the name and type, the builder's only required fields, are set.
+            AttributeDefinition::builder()
+                .attribute_name(name)
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .ok()
+        })
+        .collect()
+}
+
+/// The owner index's key: hash `leaseOwner`, range `leaseKey` (the KCL 3's).
+fn owner_index_keys() -> Vec<KeySchemaElement> {
+    [(OWNER, KeyType::Hash), (KEY, KeyType::Range)]
+        .into_iter()
+        .filter_map(|(name, key_type)| {
+            // Cannot fail: the name and key type, the builder's only required fields,
+            // are set.
+            KeySchemaElement::builder()
+                .attribute_name(name)
+                .key_type(key_type)
+                .build()
+                .ok()
+        })
+        .collect()
 }
 
 /// The fencing condition of a conditional write, with its placeholders.
@@ -614,8 +799,14 @@ impl LeaseStore for DynamoLeaseStore {
         );
         let mut created = false;
         loop {
-            match self.table_status().await {
-                Ok(Some(TableStatus::Active)) => return Ok(()),
+            match self.describe().await {
+                Ok(Some(t)) if t.table_status() == Some(&TableStatus::Active) => {
+                    // A table without the owner index is upgraded in place.
+                    if self.note_index(&t).is_none() {
+                        self.add_index().await;
+                    }
+                    return Ok(());
+                }
                 Ok(None) if !created => {
                     self.create_table().await?;
                     created = true;
@@ -670,6 +861,39 @@ impl LeaseStore for DynamoLeaseStore {
                 _ => return Ok(leases),
             }
         }
+    }
+
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        if self.index_ready().await {
+            match self.query_owner_index(owner).await {
+                Ok(keys) => return Ok(keys),
+                // A missing table, throttling or a failed connection is the caller's to
+                // retry, as for any call.
+                Err(e)
+                    if e.code().is_none_or(|code| {
+                        matches!(
+                            code,
+                            "ResourceNotFoundException"
+                                | "ProvisionedThroughputExceededException"
+                                | "RequestLimitExceeded"
+                                | "ThrottlingException"
+                        )
+                    }) =>
+                {
+                    return Err(classify(&self.table, "Query", None, e))
+                }
+                // The index cannot be queried (deleted by hand, no `dynamodb:Query`
+                // permission on it): list, and look at the index again later. A worker
+                // that could not read its own keys would never adopt a lease handed to it.
+                Err(e) => {
+                    tracing::warn!(table = %self.table, index = OWNER_INDEX, error = %DisplayErrorContext(&e), "the owner index cannot be queried; listing the table instead");
+                    let mut state = self.index_state();
+                    state.active = false;
+                    state.checked = Some(tokio::time::Instant::now());
+                }
+            }
+        }
+        Ok(super::owned_by(self.list().await?, owner))
     }
 
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {

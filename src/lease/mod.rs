@@ -338,6 +338,14 @@ fn unsupported(expected: &Lease, what: &str) -> LeaseError {
     LeaseError::Other(format!("lease {}: this lease store cannot {what}", expected.key).into())
 }
 
+/// The keys of the rows `owner` holds, from a listing.
+pub(crate) fn owned_by(rows: Vec<Lease>, owner: &str) -> Vec<String> {
+    rows.into_iter()
+        .filter(|row| row.owner.as_deref() == Some(owner))
+        .map(|row| row.key)
+        .collect()
+}
+
 /// Where leases and checkpoints live. Every write is conditional: `expected` is the
 /// lease as the caller last saw it, and the write happens only if the stored row still
 /// has the same owner and counter ([`Self::withdraw_handoff`], conditional on the
@@ -352,6 +360,16 @@ pub trait LeaseStore: Send + Sync + 'static {
 
     /// One lease row, if present.
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError>;
+
+    /// The keys of the rows `owner` holds (the KCL 3's `listLeaseKeysForWorker`): what a
+    /// worker that does not list the whole table in a round reads to find the leases
+    /// handed to it. Only keys, as the KCL's `LeaseOwnerToLeaseKeyIndex` projects them
+    /// (no write to the index when a renewal bumps the counter); the caller fetches the
+    /// few rows it does not run yet with [`Self::get`]. The default lists the table and
+    /// filters it, so any store answers correctly; the DynamoDB store queries the index.
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        Ok(owned_by(self.list().await?, owner))
+    }
 
     /// Creates the row unless one with the same key exists; returns whether it created it.
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError>;

@@ -119,6 +119,12 @@ impl LeaseStore for SharedListing {
         self.inner.get(key).await
     }
 
+    /// Straight through: a Query of the owner index is small and never shared (the
+    /// rows it names are fetched one by one, fresh).
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        self.inner.owned_keys(owner).await
+    }
+
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
         self.writing(self.inner.create(lease)).await
     }
@@ -242,6 +248,21 @@ impl LeaseStore for StreamScopedStore {
             .await?
             .into_iter()
             .filter_map(|row| self.scoped_row(row))
+            .collect())
+    }
+
+    /// The owner's keys of this stream, as bare shard ids (the owner's rows of other
+    /// streams in the table are left out).
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        Ok(self
+            .inner
+            .owned_keys(owner)
+            .await?
+            .into_iter()
+            .filter_map(|key| {
+                let (identity, shard) = StreamIdentity::split_lease_key(&key)?;
+                (identity == self.identity).then(|| shard.to_owned())
+            })
             .collect())
     }
 
@@ -403,6 +424,21 @@ mod tests {
             refunds_row.owner, None,
             "the other stream's row is untouched"
         );
+
+        // The owner's keys, as a filtered listing of the stream's rows gives them: bare
+        // shard ids of this stream only (the same owner's row of another stream and of
+        // the stream created again are left out).
+        refunds.take(refunds_row, "w#1").await.unwrap();
+        assert_eq!(
+            orders.owned_keys("w#1").await.unwrap(),
+            crate::lease::owned_by(orders.list().await.unwrap(), "w#1")
+        );
+        assert_eq!(
+            orders.owned_keys("w#1").await.unwrap(),
+            vec!["shardId-000000000002".to_owned()]
+        );
+        assert!(orders_again.owned_keys("w#1").await.unwrap().is_empty());
+        assert_eq!(table.owned_keys("w#1").await.unwrap().len(), 2);
 
         // A hand-off request and its withdrawal go to the stream's row.
         let asked = orders.request_handoff(&taken, "w#2").await.unwrap();

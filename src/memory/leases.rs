@@ -34,6 +34,21 @@ struct LeaseState {
     faults: LeaseFaults,
     rng: SmallRng,
     requests: u64,
+    read: RowsRead,
+}
+
+/// The rows the memory lease store handed out, by kind of read: what a DynamoDB table
+/// would bill as read items (a Scan reads every row, a Query of the owner index one
+/// key per row it names, a GetItem one row).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RowsRead {
+    /// Rows returned by `list` (a Scan of the whole table).
+    pub listed: u64,
+    /// Keys returned by `owned_keys` (a Query of the owner index).
+    pub owned: u64,
+    /// Rows returned by `get` (a GetItem).
+    pub fetched: u64,
 }
 
 /// An in-process lease table with the same conditional-write rules as DynamoDB.
@@ -49,6 +64,7 @@ impl Default for MemoryLeaseStore {
                 faults: LeaseFaults::default(),
                 rng: SmallRng::seed_from_u64(0),
                 requests: 0,
+                read: RowsRead::default(),
             }),
         }
     }
@@ -67,9 +83,28 @@ impl MemoryLeaseStore {
         lock(&self.state).requests
     }
 
+    /// The rows read so far, by kind of read (see [`RowsRead`]).
+    pub fn rows_read(&self) -> RowsRead {
+        lock(&self.state).read
+    }
+
     /// A copy of every row, for assertions.
     pub fn rows(&self) -> Vec<Lease> {
         lock(&self.state).rows.values().cloned().collect()
+    }
+
+    /// A read: `op` answers from the rows and counts what it handed out in `read`.
+    async fn read<T>(
+        &self,
+        op: impl FnOnce(&BTreeMap<String, Lease>, &mut RowsRead) -> T,
+    ) -> Result<T, LeaseError> {
+        let mut read = RowsRead::default();
+        let answer = self.call(false, |rows| Ok(op(rows, &mut read))).await?;
+        let mut s = lock(&self.state);
+        s.read.listed += read.listed;
+        s.read.owned += read.owned;
+        s.read.fetched += read.fetched;
+        Ok(answer)
     }
 
     async fn call<T>(
@@ -122,12 +157,33 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.call(false, |rows| Ok(rows.values().cloned().collect()))
-            .await
+        self.read(|rows, read| {
+            read.listed += rows.len() as u64;
+            rows.values().cloned().collect()
+        })
+        .await
     }
 
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.call(false, |rows| Ok(rows.get(key).cloned())).await
+        self.read(|rows, read| {
+            let row = rows.get(key).cloned();
+            read.fetched += u64::from(row.is_some());
+            row
+        })
+        .await
+    }
+
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        self.read(|rows, read| {
+            let keys: Vec<String> = rows
+                .values()
+                .filter(|row| row.owner.as_deref() == Some(owner))
+                .map(|row| row.key.clone())
+                .collect();
+            read.owned += keys.len() as u64;
+            keys
+        })
+        .await
     }
 
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
@@ -282,6 +338,32 @@ impl LeaseStore for MemoryLeaseStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn owned_keys_answer_as_a_filtered_listing_and_every_read_is_counted() {
+        let store = MemoryLeaseStore::default();
+        for (i, owner) in ["w1#a", "w2#b", "w1#a", "", "w1#b"].iter().enumerate() {
+            let row = Lease::new(format!("shard-{i}"), Vec::new(), Checkpoint::TrimHorizon);
+            assert!(store.create(&row).await.unwrap());
+            if !owner.is_empty() {
+                store.take(&row, owner).await.unwrap();
+            }
+        }
+        let listed: Vec<String> = crate::lease::owned_by(store.list().await.unwrap(), "w1#a");
+        assert_eq!(store.owned_keys("w1#a").await.unwrap(), listed);
+        assert_eq!(listed, vec!["shard-0".to_owned(), "shard-2".to_owned()]);
+        assert!(store.owned_keys("w9#z").await.unwrap().is_empty());
+        assert!(store.get("shard-1").await.unwrap().is_some());
+        assert!(store.get("nothing").await.unwrap().is_none());
+        assert_eq!(
+            store.rows_read(),
+            RowsRead {
+                listed: 5,
+                owned: 2,
+                fetched: 1
+            }
+        );
+    }
 
     #[tokio::test]
     async fn the_first_hand_off_request_wins_and_only_its_worker_withdraws_it() {

@@ -22,7 +22,7 @@ mod kinesis;
 mod leases;
 
 pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
-pub use leases::{LeaseFaults, MemoryLeaseStore};
+pub use leases::{LeaseFaults, MemoryLeaseStore, RowsRead};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -135,6 +135,7 @@ impl Answer for Lease {
 impl Answer for () {}
 impl Answer for bool {}
 impl Answer for Vec<Lease> {}
+impl Answer for Vec<String> {}
 impl Answer for Option<Lease> {}
 
 #[async_trait]
@@ -148,6 +149,10 @@ impl<H: Hooks> LeaseStore for HookedStore<H> {
     }
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
         self.call("get", Some(key), self.inner.get(key)).await
+    }
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        self.call("owned_keys", None, self.inner.owned_keys(owner))
+            .await
     }
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
         self.call("create", Some(&lease.key), self.inner.create(lease))

@@ -266,6 +266,30 @@ impl Running {
             .collect()
     }
 
+    /// Stops worker `i` gracefully (drain, checkpoint, release) and waits until it
+    /// stopped; from then on it counts as gone, as a killed one. Returns the leases it
+    /// held when asked to stop.
+    pub async fn stop_worker(&mut self, i: usize) -> Vec<String> {
+        let prefix = format!("{}#", self.workers[i].id);
+        let held = self
+            .memory
+            .table(GROUP)
+            .rows()
+            .into_iter()
+            .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+            .map(|r| r.key)
+            .collect();
+        let worker = &mut self.workers[i];
+        worker.shutdown.shutdown();
+        match (&mut worker.task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("worker {} failed: {e}", worker.id),
+            Err(e) => panic!("worker {} panicked: {e}", worker.id),
+        }
+        worker.dead.store(true, Ordering::SeqCst);
+        held
+    }
+
     /// Workers started and not killed.
     pub fn live(&self) -> usize {
         self.workers
