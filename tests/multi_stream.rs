@@ -851,3 +851,56 @@ async fn fan_out_registers_on_every_stream() {
         "each record under its own stream"
     );
 }
+
+/// In a fleet larger than three, where only the leader and the successor sync shards
+/// periodically, every worker still checks the stream's identity at the sync pace: a
+/// stream deleted and created again under 8 workers stops each of them with
+/// `StreamCreatedAgain`. Checked only where a worker synced shards, the workers that
+/// neither lead nor succeed went on reading the new stream's shards from the old
+/// stream's checkpoints, until each came to lead.
+#[tokio::test(start_paused = true)]
+async fn a_stream_created_again_stops_every_worker_of_a_large_fleet() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("orders", 16).await.unwrap();
+    let mut workers = Vec::new();
+    for i in 0..8u64 {
+        let consumer = multi_consumer(&memory, ["orders"], "grp")
+            .worker_id(format!("w{i}"))
+            .seed(i)
+            .build()
+            .unwrap();
+        workers.push(tokio::spawn(
+            consumer.run(Log::default().handler()).into_future(),
+        ));
+    }
+    // Until every shard is leased by 8 live workers: the roles are in place.
+    let spread = async {
+        loop {
+            let rows = memory.table("grp").rows();
+            let owners: HashSet<_> = rows.iter().filter_map(|r| r.owner.clone()).collect();
+            if rows.len() == 16 && rows.iter().all(|r| r.owner.is_some()) && owners.len() == 8 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    within(
+        Duration::from_secs(60),
+        "8 workers share the shards",
+        spread,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    kinesis.delete_stream("orders");
+    kinesis.create_stream("orders", 16).await.unwrap();
+    for (i, worker) in workers.into_iter().enumerate() {
+        let ended = within(Duration::from_secs(10), "the worker stops", worker)
+            .await
+            .expect("the worker does not panic");
+        assert!(
+            matches!(ended, Err(ConsumerError::StreamCreatedAgain { .. })),
+            "worker {i} ended with {ended:?}"
+        );
+    }
+}

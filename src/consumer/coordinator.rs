@@ -125,6 +125,8 @@ pub(crate) struct Coordinator {
     warned: BTreeSet<String>,
     shards: Vec<ShardInfo>,
     last_sync: Option<Instant>,
+    /// When this worker last checked the stream's identity (see `check_identity`).
+    last_identity_check: Option<Instant>,
     need_sync: bool,
     /// The stream was UPDATING at the last check: no discovery, no steals.
     updating: bool,
@@ -196,6 +198,7 @@ impl Coordinator {
             warned: BTreeSet::new(),
             shards: Vec::new(),
             last_sync: None,
+            last_identity_check: None,
             need_sync: true,
             updating: false,
             rounds: 0,
@@ -428,6 +431,16 @@ impl Coordinator {
             .last_sync
             .is_none_or(|t| steering && t.elapsed() >= self.config.shard_sync_interval);
         let synced = self.need_sync || sync_due;
+        // Every worker, whatever its role, checks the stream's identity at the sync pace
+        // (in a light round too): one reading a stream deleted and created again stops
+        // within an interval, not when it comes to lead.
+        let identity_due = self
+            .last_identity_check
+            .is_none_or(|t| t.elapsed() >= self.config.shard_sync_interval);
+        if synced || identity_due {
+            self.check_identity().await?;
+            self.last_identity_check = Some(Instant::now());
+        }
         // Who lists the whole table this round (see `lists_every_round`): besides the
         // leader and the successor, a worker that holds nothing, is short of its share,
         // lost a race or syncs, and every other worker once every `pace` rounds. The
@@ -448,7 +461,6 @@ impl Coordinator {
         if synced {
             // While a reshard is in progress, keep reading what we hold and leave the
             // shard map and other workers' leases alone until the stream is ACTIVE.
-            self.check_identity().await?;
             self.updating = matches!(self.kinesis.is_updating(&self.stream).await, Ok(true));
             if self.updating {
                 tracing::debug!("stream is UPDATING; postponing shard discovery and steals");
