@@ -89,6 +89,18 @@ const SMALL_FLEET: usize = 3;
 /// crashed together within about a round.
 const PACED_LISTINGS: usize = 2;
 
+/// A row of the leader or the successor that a worker outside them watches: the
+/// owner's name, the row's counter and when this worker last saw the counter move.
+#[derive(Clone, Debug)]
+struct Watched {
+    key: String,
+    owner: String,
+    counter: u64,
+    since: Instant,
+    /// The row stood still for a lease duration: its owner is presumed crashed.
+    stalled: bool,
+}
+
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
 
 fn lock(held: &HeldSet) -> MutexGuard<'_, BTreeMap<String, Arc<HeldLease>>> {
@@ -144,6 +156,11 @@ pub(crate) struct Coordinator {
     /// those still unowned at its next one (nobody else took them in a round; see
     /// `balance`).
     unowned: BTreeSet<String>,
+    /// The third and fourth live workers watch a row of the leader and one of the
+    /// successor in their light rounds (see `watch_steering`): when both stop or crash,
+    /// they list at once instead of at their next paced listing, and the first of them
+    /// leads.
+    watched: Vec<Watched>,
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
@@ -206,6 +223,7 @@ impl Coordinator {
             quota: 0,
             live: Vec::new(),
             unowned: BTreeSet::new(),
+            watched: Vec::new(),
             table_missing_since: None,
             started: SystemTime::now(),
             events_tx,
@@ -454,8 +472,7 @@ impl Coordinator {
             || self.slots.len() + self.steals.len() < self.quota
             || self.raced_rounds > 0
             || self.paced_listing_due();
-        if !full {
-            self.light_round().await;
+        if !full && !self.light_round().await {
             return Ok(());
         }
         if synced {
@@ -540,11 +557,14 @@ impl Coordinator {
     /// a read of each row it owns without running it (handed over to it, by a leader or
     /// by an owner it asked) and of each row it asked for, which it takes anyway once
     /// the owner let the hand-off timeout pass, as in a full round.
-    async fn light_round(&mut self) {
+    ///
+    /// Returns whether the leader or the successor looks gone (see `watch_steering`):
+    /// the round then lists the whole table at once.
+    async fn light_round(&mut self) -> bool {
         let me = self.config.owner.clone();
         let owned = self.store.owned_keys(&me).await;
         let Some(keys) = self.table_answered(owned, "reading this worker's lease keys") else {
-            return;
+            return false;
         };
         let mut wanted: BTreeSet<String> = keys
             .into_iter()
@@ -594,6 +614,46 @@ impl Coordinator {
             }
             self.take_overdue(row, now).await;
         }
+        self.watch_steering().await
+    }
+
+    /// Reads the rows of the leader and the successor this worker watches (a `get`
+    /// each per light round) and returns whether either looks gone: the row is no longer
+    /// its owner's (it stopped and released it, or handed it on), or its counter stood
+    /// still for a lease duration (it crashed; `stalled`: the listing that follows counts
+    /// every row of that owner expired, see `balance`). Without it, a leader and
+    /// successor gone together left their shards unread until the next leader's own
+    /// paced listing (minutes in a large fleet).
+    async fn watch_steering(&mut self) -> bool {
+        let reads: Vec<BoxFuture<'static, _>> = self
+            .watched
+            .iter()
+            .map(|w| {
+                let (store, key) = (self.store.clone(), w.key.clone());
+                async move { store.get(&key).await }.boxed()
+            })
+            .collect();
+        let answers = concurrently(reads).await;
+        let now = Instant::now();
+        let mut gone = false;
+        for (watched, row) in self.watched.iter_mut().zip(answers) {
+            match row {
+                Ok(Some(row)) if row.owner.as_deref() == Some(watched.owner.as_str()) => {
+                    if row.counter != watched.counter {
+                        watched.counter = row.counter;
+                        watched.since = now;
+                    } else if now.duration_since(watched.since) >= self.config.lease_duration {
+                        watched.stalled = true;
+                        gone = true;
+                    }
+                }
+                Ok(_) => gone = true,
+                Err(e) => {
+                    tracing::debug!(lease = %watched.key, error = %e, "could not read a watched lease")
+                }
+            }
+        }
+        gone
     }
 
     /// Takes the leases the table says are this incarnation's but no task runs: handed
@@ -644,6 +704,26 @@ impl Coordinator {
             }
         }
         self.seen.retain(|k, _| by_key.contains_key(k.as_str()));
+        // A watched row of the leader or successor stood still for a lease duration (and
+        // still does): its owner crashed, and its other rows, whose counters this worker
+        // saw last at an older listing, stopped moving then too. They count as expired
+        // from when the watched row stopped, so the next leader takes them now. (Were the
+        // owner alive, it gave up the watched lease itself when its renewal failed for a
+        // lease duration; taking its other leases costs it their next renewal, fenced.)
+        for watched in std::mem::take(&mut self.watched) {
+            let owner = Some(watched.owner.as_str());
+            let still = watched.stalled
+                && by_key
+                    .get(watched.key.as_str())
+                    .is_some_and(|r| r.owner.as_deref() == owner && r.counter == watched.counter);
+            if still {
+                for row in rows.iter().filter(|r| r.owner.as_deref() == owner) {
+                    if let Some(entry) = self.seen.get_mut(&row.key) {
+                        entry.1 = entry.1.min(watched.since);
+                    }
+                }
+            }
+        }
         let lease_duration = self.config.lease_duration;
         let expired = |row: &Lease, seen: &BTreeMap<String, (u64, Instant)>| {
             row.owner.is_some()
@@ -710,6 +790,27 @@ impl Coordinator {
             .collect();
         self.live = live.into_iter().map(str::to_owned).collect();
         let leads = self.leads();
+        // The next two live workers after the leader and successor watch a row of each in
+        // their light rounds (see `watch_steering`): two gets a round each, whatever the
+        // size of the fleet.
+        let place = self.live.iter().position(|w| *w == me);
+        if !self.lists_every_round() && place.is_some_and(|p| p < 4) {
+            for owner in self.live.iter().take(2) {
+                let row = candidates
+                    .iter()
+                    .find(|c| c.owner == Some(owner.as_str()))
+                    .and_then(|c| by_key.get(c.key));
+                if let Some(row) = row {
+                    self.watched.push(Watched {
+                        key: row.key.clone(),
+                        owner: owner.clone(),
+                        counter: row.counter,
+                        since: self.seen.get(&row.key).map_or(now, |(_, t)| *t),
+                        stalled: false,
+                    });
+                }
+            }
+        }
 
         // Free leases, many at once: a fleet started together (each worker alone in its
         // first view) leases every shard within a few store round trips. Those the plan
