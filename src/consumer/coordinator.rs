@@ -161,6 +161,15 @@ pub(crate) struct Coordinator {
     /// they list at once instead of at their next paced listing, and the first of them
     /// leads.
     watched: Vec<Watched>,
+    /// A leader's view of which workers run: those whose rows' counters moved since its
+    /// previous listing. It hands leases on only to them.
+    running: BTreeSet<String>,
+    /// The leases a leader handed on in its previous round: their counter moves by the
+    /// hand-over, not by a renewal of the worker it named.
+    handed: BTreeSet<String>,
+    /// The leases a leader took to cover for other workers (expired, released, left
+    /// unowned) and still runs: the first it hands on when above its share.
+    covered: BTreeSet<String>,
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
@@ -224,6 +233,9 @@ impl Coordinator {
             live: Vec::new(),
             unowned: BTreeSet::new(),
             watched: Vec::new(),
+            running: BTreeSet::new(),
+            handed: BTreeSet::new(),
+            covered: BTreeSet::new(),
             table_missing_since: None,
             started: SystemTime::now(),
             events_tx,
@@ -841,17 +853,30 @@ impl Coordinator {
         // above 0: a worker that stopped, a shard given up; read again within a round),
         // and every lease that was unowned already at its previous listing (a new
         // shard's, which the plan dealt to a worker that did not take it for a round).
-        // It hands what it holds above its share to the workers below theirs (below).
+        // It hands what it holds above its share to the workers below theirs (below),
+        // those it took so first.
         if leads {
+            let planned: BTreeSet<&str> = free.iter().map(|r| r.key.as_str()).collect();
             let covered: Vec<&Lease> = candidates
                 .iter()
-                .filter(|c| c.owner.is_none())
+                .filter(|c| c.owner.is_none() && !planned.contains(c.key))
                 .filter_map(|c| by_key.get(c.key).copied())
                 .filter(|r| r.owner.is_some() || r.counter > 0 || previous_unowned.contains(&r.key))
-                .filter(|r| !free.iter().any(|f| f.key == r.key))
                 .collect();
+            self.covered.extend(covered.iter().map(|r| r.key.clone()));
             free.extend(covered);
+            // Workers whose rows moved since the previous listing are running (a live
+            // worker renews every renew interval); a lease this worker handed to one in
+            // its previous round does not count, so a worker that just crashed is not
+            // kept alive by the leases handed to it. Only they are handed leases.
+            self.running = rows
+                .iter()
+                .filter(|r| !self.handed.contains(&r.key))
+                .filter(|r| self.seen.get(&r.key).is_some_and(|(_, t)| *t == now))
+                .filter_map(|r| r.owner.clone())
+                .collect();
         }
+        self.handed.clear();
         free.shuffle(&mut self.rng);
         // A worker that sees no other live owner (a fleet started together: each alone
         // in its first view) sends no take after one lost a race: other workers are
@@ -978,13 +1003,30 @@ impl Coordinator {
         // hands the lease over, and the worker adopts it at its next round (its
         // owner index names it). The same request the worker would make itself.
         if leads && !self.updating {
-            let gives: Vec<BoxFuture<'static, _>> = plan
-                .give
-                .iter()
+            // As many leases to each worker as the plan deals it, those this worker took
+            // to cover for others first (they just started: the shortest drain, and no
+            // shard that ran here all along moves).
+            self.covered.retain(|k| self.slots.contains_key(k));
+            let mut keys: Vec<&str> = self.covered.iter().map(String::as_str).collect();
+            keys.extend(
+                plan.give
+                    .iter()
+                    .map(|(key, _)| *key)
+                    .filter(|k| !self.covered.contains(*k)),
+            );
+            let gives: Vec<BoxFuture<'static, _>> = keys
+                .into_iter()
+                .zip(plan.give.iter().map(|(_, to)| *to))
                 .filter(|(key, to)| {
-                    to.contains(INCARNATION_SEPARATOR) && self.slots.contains_key(*key)
+                    to.contains(INCARNATION_SEPARATOR)
+                        && self.running.contains(*to)
+                        && self.slots.contains_key(*key)
                 })
-                .filter_map(|(key, to)| by_key.get(key).map(|row| ((*row).clone(), to.to_string())))
+                // A lease taken this round is handed on from the next listing, which
+                // shows it as this worker's.
+                .filter_map(|(key, to)| by_key.get(key).map(|row| (row, to)))
+                .filter(|(row, _)| row.owner.as_deref() == Some(me.as_str()))
+                .map(|(row, to)| ((*row).clone(), to.to_string()))
                 .take(self.config.max_steals_per_round)
                 .map(|(row, to)| {
                     let store = self.store.clone();
@@ -998,7 +1040,8 @@ impl Coordinator {
             for (row, to, given) in concurrently(gives).await {
                 match given {
                     Ok(true) => {
-                        tracing::info!(lease = %row.key, %to, "handing a lease to a worker below its share")
+                        tracing::info!(lease = %row.key, %to, "handing a lease to a worker below its share");
+                        self.handed.insert(row.key.clone());
                     }
                     Ok(false) => {}
                     Err(e) => {
