@@ -1155,6 +1155,40 @@ fn lease_table_json(index: Option<&str>) -> serde_json::Value {
     table
 }
 
+/// (issue 12) A worker that starts while a peer's upgrade adds the owner index finds the
+/// table UPDATING: DynamoDB serves reads and writes meanwhile, so it starts at once
+/// (one DescribeTable, no second UpdateTable) and scans until the index is ACTIVE,
+/// instead of waiting for the index to build and failing its start-up after a minute.
+#[tokio::test]
+async fn wire_a_table_being_upgraded_is_used_at_once() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let mut updating = lease_table_json(Some("CREATING"));
+    updating["TableStatus"] = serde_json::json!("UPDATING");
+    let fake = fake::Fake::start(vec![
+        (200, serde_json::json!({"Table": updating})),
+        (
+            200,
+            serde_json::json!({"Items": [{"leaseKey": {"S": "shardId-000000000000"}, "leaseOwner": {"S": "w1#a"}, "leaseCounter": {"N": "3"}, "checkpoint": {"S": "TRIM_HORIZON"}}], "Count": 1}),
+        ),
+    ]);
+    let client = dynamodb_at(&fake);
+    within(async {
+        let store = DynamoLeaseStore::new(client, "old-leases");
+        store.ensure_table().await.expect("ensure_table");
+        assert_eq!(
+            store.owned_keys("w1#a").await.expect("owned_keys"),
+            vec!["shardId-000000000000".to_owned()]
+        );
+    })
+    .await;
+    let ops: Vec<String> = fake
+        .seen()
+        .iter()
+        .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(ops, vec!["DescribeTable", "Scan"]);
+}
+
 /// (issue 12) A lease table without the owner index (an older shardflow's, a KCL 1/2
 /// application's) is upgraded in place at start-up: UpdateTable adds the KCL 3's index
 /// (keys `leaseOwner` and `leaseKey`, keys only). Until it is ACTIVE `owned_keys` scans

@@ -800,7 +800,15 @@ impl LeaseStore for DynamoLeaseStore {
         let mut created = false;
         loop {
             match self.describe().await {
-                Ok(Some(t)) if t.table_status() == Some(&TableStatus::Active) => {
+                // UPDATING (an index being added, by a peer's upgrade): usable for data
+                // all along, as DynamoDB documents it; waiting would hold this worker's
+                // start-up for as long as the index takes to build.
+                Ok(Some(t))
+                    if matches!(
+                        t.table_status(),
+                        Some(&TableStatus::Active | &TableStatus::Updating)
+                    ) =>
+                {
                     // A table without the owner index is upgraded in place.
                     if self.note_index(&t).is_none() {
                         self.add_index().await;
