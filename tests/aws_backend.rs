@@ -1189,6 +1189,36 @@ async fn wire_a_table_being_upgraded_is_used_at_once() {
     assert_eq!(ops, vec!["DescribeTable", "Scan"]);
 }
 
+/// (issue 12) A lease table with provisioned capacity (as KCL 1.x creates them) gets
+/// the owner index with the table's own capacity: DynamoDB refuses an index without
+/// one there, and the workers would scan the table in every light round for good.
+#[tokio::test]
+async fn wire_a_provisioned_table_gets_an_index_with_capacity() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let mut provisioned = lease_table_json(None);
+    provisioned["ProvisionedThroughput"] =
+        serde_json::json!({"ReadCapacityUnits": 10, "WriteCapacityUnits": 5});
+    let fake = fake::Fake::start(vec![
+        (200, serde_json::json!({"Table": provisioned})),
+        (
+            200,
+            serde_json::json!({"TableDescription": lease_table_json(Some("CREATING"))}),
+        ),
+    ]);
+    let client = dynamodb_at(&fake);
+    within(async {
+        let store = DynamoLeaseStore::new(client, "old-leases");
+        store.ensure_table().await.expect("ensure_table");
+    })
+    .await;
+    let seen = fake.seen();
+    let create = &seen[1].body["GlobalSecondaryIndexUpdates"][0]["Create"];
+    assert_eq!(
+        create["ProvisionedThroughput"],
+        serde_json::json!({"ReadCapacityUnits": 10, "WriteCapacityUnits": 5})
+    );
+}
+
 /// (issue 12) A lease table without the owner index (an older shardflow's, a KCL 1/2
 /// application's) is upgraded in place at start-up: UpdateTable adds the KCL 3's index
 /// (keys `leaseOwner` and `leaseKey`, keys only). Until it is ACTIVE `owned_keys` scans

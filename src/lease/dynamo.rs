@@ -82,7 +82,8 @@ use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkErro
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, CreateGlobalSecondaryIndexAction,
     GlobalSecondaryIndex, GlobalSecondaryIndexUpdate, IndexStatus, KeySchemaElement, KeyType,
-    Projection, ProjectionType, ReturnValue, ScalarAttributeType, TableDescription, TableStatus,
+    Projection, ProjectionType, ProvisionedThroughput, ReturnValue, ScalarAttributeType,
+    TableDescription, TableStatus,
 };
 
 use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
@@ -193,7 +194,7 @@ impl DynamoLeaseStore {
     /// Adds the owner index to a table that has none (an upgrade in place). Not being
     /// allowed to, or another worker adding it at the same moment, is not an error:
     /// `owned_keys` lists the table meanwhile.
-    async fn add_index(&self) {
+    async fn add_index(&self, table: &TableDescription) {
         let action = CreateGlobalSecondaryIndexAction::builder()
             .index_name(OWNER_INDEX)
             .set_key_schema(Some(owner_index_keys()))
@@ -202,6 +203,7 @@ impl DynamoLeaseStore {
                     .projection_type(ProjectionType::KeysOnly)
                     .build(),
             )
+            .set_provisioned_throughput(index_capacity(table))
             .build();
         let action = match action {
             Ok(action) => action,
@@ -481,6 +483,29 @@ impl DynamoLeaseStore {
 
 /// The attributes the table and its owner index are keyed on: `leaseKey` and
 /// `leaseOwner`, strings.
+/// The capacity the owner index gets on a table with provisioned capacity (a KCL 1.x
+/// table, say), where DynamoDB refuses an index without one: the table's own. `None` on
+/// an on-demand table.
+fn index_capacity(table: &TableDescription) -> Option<ProvisionedThroughput> {
+    let on_demand = table
+        .billing_mode_summary()
+        .and_then(|b| b.billing_mode())
+        .is_some_and(|m| *m == BillingMode::PayPerRequest);
+    let provisioned = table.provisioned_throughput()?;
+    let (read, write) = (
+        provisioned.read_capacity_units()?,
+        provisioned.write_capacity_units()?,
+    );
+    if on_demand || read == 0 || write == 0 {
+        return None;
+    }
+    ProvisionedThroughput::builder()
+        .read_capacity_units(read)
+        .write_capacity_units(write)
+        .build()
+        .ok()
+}
+
 fn owner_index_attributes() -> Vec<AttributeDefinition> {
     [KEY, OWNER]
         .into_iter()
@@ -811,7 +836,7 @@ impl LeaseStore for DynamoLeaseStore {
                 {
                     // A table without the owner index is upgraded in place.
                     if self.note_index(&t).is_none() {
-                        self.add_index().await;
+                        self.add_index(&t).await;
                     }
                     return Ok(());
                 }
