@@ -164,6 +164,10 @@ pub(crate) struct Coordinator {
     /// A leader's view of which workers run: those whose rows' counters moved since its
     /// previous listing. It hands leases on only to them.
     running: BTreeSet<String>,
+    /// When a leader last saw a row of each worker move (see `running`).
+    moved_at: BTreeMap<String, Instant>,
+    /// When this worker's last full listing was read.
+    last_listing: Option<Instant>,
     /// The leases a leader handed on in its previous round: their counter moves by the
     /// hand-over, not by a renewal of the worker it named.
     handed: BTreeSet<String>,
@@ -235,6 +239,8 @@ impl Coordinator {
             watched: Vec::new(),
             running: BTreeSet::new(),
             handed: BTreeSet::new(),
+            moved_at: BTreeMap::new(),
+            last_listing: None,
             covered: BTreeSet::new(),
             table_missing_since: None,
             started: SystemTime::now(),
@@ -865,17 +871,27 @@ impl Coordinator {
                 .collect();
             self.covered.extend(covered.iter().map(|r| r.key.clone()));
             free.extend(covered);
-            // Workers whose rows moved since the previous listing are running (a live
-            // worker renews every renew interval); a lease this worker handed to one in
-            // its previous round does not count, so a worker that just crashed is not
-            // kept alive by the leases handed to it. Only they are handed leases.
-            self.running = rows
-                .iter()
-                .filter(|r| !self.handed.contains(&r.key))
-                .filter(|r| self.seen.get(&r.key).is_some_and(|(_, t)| *t == now))
-                .filter_map(|r| r.owner.clone())
-                .collect();
+            // Workers seen renewing lately are running: a live worker renews every renew
+            // interval, so one of its rows moves between two listings at least that far
+            // apart. A lease this worker handed to one in its previous round does not
+            // count, so a worker that just crashed is not kept alive by the leases
+            // handed to it. Only running workers are handed leases.
+            for row in rows.iter().filter(|r| !self.handed.contains(&r.key)) {
+                if let (Some(owner), Some((_, t))) = (&row.owner, self.seen.get(&row.key)) {
+                    if *t == now {
+                        self.moved_at.insert(owner.clone(), now);
+                    }
+                }
+            }
+            let lately = self.config.renew_interval.max(
+                self.last_listing
+                    .map_or(Duration::ZERO, |t| now.duration_since(t)),
+            );
+            self.moved_at
+                .retain(|_, t| now.duration_since(*t) <= lately + lately / 4);
+            self.running = self.moved_at.keys().cloned().collect();
         }
+        self.last_listing = Some(now);
         self.handed.clear();
         free.shuffle(&mut self.rng);
         // A worker that sees no other live owner (a fleet started together: each alone
