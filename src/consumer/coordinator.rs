@@ -656,7 +656,11 @@ impl Coordinator {
         let mut gone = false;
         for (watched, row) in self.watched.iter_mut().zip(answers) {
             match row {
-                Ok(Some(row)) if row.owner.as_deref() == Some(watched.owner.as_str()) => {
+                // A row at SHARD_END is no longer renewed: look again, infer nothing.
+                Ok(Some(row))
+                    if row.owner.as_deref() == Some(watched.owner.as_str())
+                        && row.checkpoint != Checkpoint::ShardEnd =>
+                {
                     if row.counter != watched.counter {
                         watched.counter = row.counter;
                         watched.since = now;
@@ -731,9 +735,11 @@ impl Coordinator {
         for watched in std::mem::take(&mut self.watched) {
             let owner = Some(watched.owner.as_str());
             let still = watched.stalled
-                && by_key
-                    .get(watched.key.as_str())
-                    .is_some_and(|r| r.owner.as_deref() == owner && r.counter == watched.counter);
+                && by_key.get(watched.key.as_str()).is_some_and(|r| {
+                    r.owner.as_deref() == owner
+                        && r.counter == watched.counter
+                        && r.checkpoint != Checkpoint::ShardEnd
+                });
             if still {
                 for row in rows.iter().filter(|r| r.owner.as_deref() == owner) {
                     if let Some(entry) = self.seen.get_mut(&row.key) {
