@@ -43,6 +43,9 @@ pub(crate) struct Plan<'a> {
     /// a leader hands over on its own initiative to workers that do not list the table
     /// every round (see the coordinator's roles).
     pub give: Vec<(&'a str, &'a str)>,
+    /// Other owners' leases the plan deals to other workers, with the worker: the
+    /// hand-offs a leader asks for on behalf of workers that do not list every round.
+    pub arrange: Vec<(&'a str, &'a str)>,
 }
 
 /// Computes the plan every worker derives from the same listing, and returns `me`'s part.
@@ -123,11 +126,11 @@ pub(crate) fn plan<'a>(me: &'a str, known: &[&'a str], leases: &[Candidate<'a>])
         for key in spare.by_ref().take(deficit) {
             let owner = owners.get(key).copied().flatten();
             match owner {
-                _ if *worker != me => {
-                    if owner == Some(me) {
-                        mine.give.push((key, *worker));
-                    }
-                }
+                _ if *worker != me => match owner {
+                    Some(o) if o == me => mine.give.push((key, *worker)),
+                    Some(_) => mine.arrange.push((key, *worker)),
+                    None => {}
+                },
                 None => mine.take.push(key),
                 Some(_) => mine.ask.push(key),
             }

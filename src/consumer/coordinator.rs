@@ -1036,19 +1036,32 @@ impl Coordinator {
                     .map(|(key, _)| *key)
                     .filter(|k| !self.covered.contains(*k)),
             );
-            let gives: Vec<BoxFuture<'static, _>> = keys
+            // And the hand-offs the plan deals from other owners above their share, which
+            // the workers below theirs, not listing, would not ask for: the leader asks
+            // on their behalf (the same request; the owner drains and hands over).
+            let own = keys
                 .into_iter()
                 .zip(plan.give.iter().map(|(_, to)| *to))
-                .filter(|(key, to)| {
-                    to.contains(INCARNATION_SEPARATOR)
-                        && self.running.contains(*to)
-                        && self.slots.contains_key(*key)
-                })
                 // A lease taken this round is handed on from the next listing, which
                 // shows it as this worker's.
-                .filter_map(|(key, to)| by_key.get(key).map(|row| (row, to)))
-                .filter(|(row, _)| row.owner.as_deref() == Some(me.as_str()))
-                .map(|(row, to)| ((*row).clone(), to.to_string()))
+                .filter(|(key, _)| {
+                    self.slots.contains_key(*key)
+                        && by_key
+                            .get(key)
+                            .is_some_and(|r| r.owner.as_deref() == Some(me.as_str()))
+                });
+            let others = plan.arrange.iter().copied().filter(|(key, _)| {
+                by_key.get(key).is_some_and(|r| {
+                    r.pending_owner.is_none()
+                        && r.owner
+                            .as_deref()
+                            .is_some_and(|o| o.contains(INCARNATION_SEPARATOR))
+                })
+            });
+            let gives: Vec<BoxFuture<'static, _>> = own
+                .chain(others)
+                .filter(|(_, to)| to.contains(INCARNATION_SEPARATOR) && self.running.contains(*to))
+                .filter_map(|(key, to)| by_key.get(key).map(|row| ((*row).clone(), to.to_owned())))
                 .take(self.config.max_steals_per_round)
                 .map(|(row, to)| {
                     let store = self.store.clone();
