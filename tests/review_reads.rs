@@ -71,8 +71,9 @@ async fn eventually(
     }
 }
 
-/// Finding 1 (fixed: the third and fourth live workers watch a row of the leader and
-/// one of the successor, see `Coordinator::watch_steering`). The leader (w000) and the successor (w001) of a fleet of 12 crash
+/// Finding 1 (fixed: the third and fourth live workers watch rows of the leader and of
+/// the successor, see `Coordinator::watch_steering`). The leader (w000) and the
+/// successor (w001) of a fleet of 12 crash
 /// together (one host, one rack, one bad deploy). Only a worker that lists the table
 /// twice, a lease duration apart, finds their leases expired; the others list once
 /// every `ceil((live - 2) / 2)` rounds (5 here, 19 at 40 workers), and the worker that

@@ -156,7 +156,7 @@ pub(crate) struct Coordinator {
     /// those still unowned at its next one (nobody else took them in a round; see
     /// `balance`).
     unowned: BTreeSet<String>,
-    /// The third and fourth live workers watch a row of the leader and one of the
+    /// The third and fourth live workers watch two rows of the leader and two of the
     /// successor in their light rounds (see `watch_steering`): when both stop or crash,
     /// they list at once instead of at their next paced listing, and the first of them
     /// leads.
@@ -636,10 +636,10 @@ impl Coordinator {
     }
 
     /// Reads the rows of the leader and the successor this worker watches (a `get`
-    /// each per light round) and returns whether either looks gone: the row is no longer
+    /// each per light round) and returns whether either looks gone: a row is no longer
     /// its owner's (it stopped and released it, or handed it on), or its counter stood
-    /// still for a lease duration (it crashed; `stalled`: the listing that follows counts
-    /// every row of that owner expired, see `balance`). Without it, a leader and
+    /// still for a lease duration (`stalled`: when both watched rows of an owner did, the
+    /// listing that follows counts every row of that owner expired, see `balance`). Without it, a leader and
     /// successor gone together left their shards unread until the next leader's own
     /// paced listing (minutes in a large fleet).
     async fn watch_steering(&mut self) -> bool {
@@ -726,25 +726,36 @@ impl Coordinator {
             }
         }
         self.seen.retain(|k, _| by_key.contains_key(k.as_str()));
-        // A watched row of the leader or successor stood still for a lease duration (and
-        // still does): its owner crashed, and its other rows, whose counters this worker
-        // saw last at an older listing, stopped moving then too. They count as expired
-        // from when the watched row stopped, so the next leader takes them now. (Were the
-        // owner alive, it gave up the watched lease itself when its renewal failed for a
-        // lease duration; taking its other leases costs it their next renewal, fenced.)
-        for watched in std::mem::take(&mut self.watched) {
-            let owner = Some(watched.owner.as_str());
-            let still = watched.stalled
-                && by_key.get(watched.key.as_str()).is_some_and(|r| {
-                    r.owner.as_deref() == owner
-                        && r.counter == watched.counter
-                        && r.checkpoint != Checkpoint::ShardEnd
+        // The watched rows of the leader or successor (two each, where it has two) all
+        // stood still for a lease duration (and still do): their owner crashed, and its
+        // other rows, whose counters this worker saw last at an older listing, stopped
+        // moving then too. They count as expired from when the watched rows stopped, so
+        // the next leader takes them now. One row alone standing still (its renewals
+        // failing) says nothing of the owner's other leases: that row expires by itself.
+        let watched = std::mem::take(&mut self.watched);
+        let owners: BTreeSet<&str> = watched.iter().map(|w| w.owner.as_str()).collect();
+        for owner in owners {
+            let mine: Vec<&Watched> = watched.iter().filter(|w| w.owner == owner).collect();
+            let held = rows
+                .iter()
+                .filter(|r| r.owner.as_deref() == Some(owner))
+                .count();
+            let crashed = mine.len() >= held.min(2)
+                && mine.iter().all(|w| {
+                    w.stalled
+                        && by_key.get(w.key.as_str()).is_some_and(|r| {
+                            r.owner.as_deref() == Some(owner)
+                                && r.counter == w.counter
+                                && r.checkpoint != Checkpoint::ShardEnd
+                        })
                 });
-            if still {
-                for row in rows.iter().filter(|r| r.owner.as_deref() == owner) {
-                    if let Some(entry) = self.seen.get_mut(&row.key) {
-                        entry.1 = entry.1.min(watched.since);
-                    }
+            if !crashed {
+                continue;
+            }
+            let since = mine.iter().map(|w| w.since).max().unwrap_or(now);
+            for row in rows.iter().filter(|r| r.owner.as_deref() == Some(owner)) {
+                if let Some(entry) = self.seen.get_mut(&row.key) {
+                    entry.1 = entry.1.min(since);
                 }
             }
         }
@@ -814,17 +825,18 @@ impl Coordinator {
             .collect();
         self.live = live.into_iter().map(str::to_owned).collect();
         let leads = self.leads();
-        // The next two live workers after the leader and successor watch a row of each in
-        // their light rounds (see `watch_steering`): two gets a round each, whatever the
-        // size of the fleet.
+        // The next two live workers after the leader and successor watch two rows of each
+        // in their light rounds (see `watch_steering`): four gets a round each, whatever
+        // the size of the fleet.
         let place = self.live.iter().position(|w| *w == me);
         if !self.lists_every_round() && place.is_some_and(|p| p < 4) {
             for owner in self.live.iter().take(2) {
-                let row = candidates
+                let rows = candidates
                     .iter()
-                    .find(|c| c.owner == Some(owner.as_str()))
-                    .and_then(|c| by_key.get(c.key));
-                if let Some(row) = row {
+                    .filter(|c| c.owner == Some(owner.as_str()))
+                    .filter_map(|c| by_key.get(c.key))
+                    .take(2);
+                for row in rows {
                     self.watched.push(Watched {
                         key: row.key.clone(),
                         owner: owner.clone(),
@@ -1915,6 +1927,7 @@ async fn renew_loop(
             let events = events.clone();
             let me = config.owner.clone();
             let health = health.clone();
+            let lease_duration = config.lease_duration;
             renewals.spawn(async move {
                 match lease.renew().await {
                     Ok(row) => {
@@ -1928,6 +1941,14 @@ async fn renew_loop(
                     }
                     Err(LeaseError::Conflict(_)) => {
                         tracing::info!(lease = %key, "lease lost at renewal")
+                    }
+                    // Not renewed for a lease duration: the others see it expired, and
+                    // as long as this worker kept it, every plan dealt it back here and
+                    // nobody read the shard. Given up, it is taken like any expired
+                    // lease (maybe by this worker again, once its writes land).
+                    Err(e) if !lease.is_fresh(lease_duration) => {
+                        tracing::warn!(lease = %key, error = %e, "no renewal landed for a lease duration; giving the lease up");
+                        lease.lost().cancel();
                     }
                     Err(e) => {
                         tracing::warn!(lease = %key, error = %e, "renewal failed; will retry")

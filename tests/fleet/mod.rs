@@ -80,6 +80,9 @@ pub struct Running {
     pub put: Arc<Mutex<usize>>,
     /// Every lease-store call of every worker, in the order sent.
     pub calls: Arc<Mutex<Vec<Call>>>,
+    /// (worker id, lease key): that worker's renewals of that lease time out (a row
+    /// whose renewals fail while the worker's others land).
+    pub failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -99,6 +102,7 @@ struct Killable {
     dead: Arc<AtomicBool>,
     worker: String,
     calls: Arc<Mutex<Vec<Call>>>,
+    failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 #[async_trait]
@@ -113,6 +117,20 @@ impl Hooks for Killable {
             op,
             key: key.map(str::to_owned),
         });
+        let failing = op == "renew"
+            && key.is_some_and(|k| {
+                self.failing_renewals
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|(w, f)| *w == self.worker && f == k)
+            });
+        if failing {
+            return Err(LeaseError::TimedOut {
+                op,
+                after: Duration::from_secs(1),
+            });
+        }
         Ok(())
     }
 }
@@ -172,6 +190,7 @@ pub async fn start(fleet: Fleet) -> Running {
         handled: Arc::default(),
         put,
         calls: Arc::default(),
+        failing_renewals: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -212,6 +231,7 @@ impl Running {
                         dead: dead.clone(),
                         worker: id.clone(),
                         calls: self.calls.clone(),
+                        failing_renewals: self.failing_renewals.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
