@@ -81,30 +81,6 @@ async fn balanced_fleet_of_twelve() -> Running {
     running
 }
 
-/// Waits until every shard of `gone` delivered a record after `since`; the time that
-/// took, or a failure naming the shards still waiting after `limit`.
-async fn read_again(
-    running: &Running,
-    gone: &[String],
-    since: tokio::time::Instant,
-    limit: Duration,
-) -> Duration {
-    let done = running
-        .until(running.started.elapsed() + limit, |r| {
-            gone.iter().all(|s| r.delivered_after(s, since))
-        })
-        .await;
-    let waiting: Vec<&String> = gone
-        .iter()
-        .filter(|s| !running.delivered_after(s, since))
-        .collect();
-    assert!(
-        done.is_some(),
-        "shards {waiting:?} not read again within {limit:?}"
-    );
-    since.elapsed()
-}
-
 /// After a crash or a stop: balanced again within a few rounds, every record handled,
 /// and records handled twice only on the shards of a crashed worker (what was in flight
 /// there); the planned hand-offs that rebalance deliver nothing twice.
@@ -151,7 +127,9 @@ async fn crash_is_covered(i: usize) {
     let killed_at = tokio::time::Instant::now();
     let orphans = running.kill(i);
     assert!(!orphans.is_empty());
-    let after = read_again(&running, &orphans, killed_at, ROUND * 2 + ROUND / 5).await;
+    let after = running
+        .read_again(&orphans, killed_at, ROUND * 2 + ROUND / 5)
+        .await;
     eprintln!("read again after {after:?}");
     rebalances_without_loss(running, &orphans, true).await;
 }
@@ -182,7 +160,9 @@ async fn a_stopped_worker_of_twelve_has_its_shards_read_again_within_a_round() {
         .await
         .expect("the worker stops");
     assert!(!released.is_empty());
-    let after = read_again(&running, &released, stopped_at, ROUND + ROUND / 5).await;
+    let after = running
+        .read_again(&released, stopped_at, ROUND + ROUND / 5)
+        .await;
     eprintln!("read again after {after:?}");
     rebalances_without_loss(running, &released, false).await;
 }

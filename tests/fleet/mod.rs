@@ -310,6 +310,25 @@ impl Running {
         held
     }
 
+    /// Waits until every shard of `gone` delivered a record after `since`; the time that
+    /// took, or a failure naming the shards still waiting after `limit`.
+    pub async fn read_again(&self, gone: &[String], since: Instant, limit: Duration) -> Duration {
+        let done = self
+            .until(self.started.elapsed() + limit, |r| {
+                gone.iter().all(|s| r.delivered_after(s, since))
+            })
+            .await;
+        let waiting: Vec<&String> = gone
+            .iter()
+            .filter(|s| !self.delivered_after(s, since))
+            .collect();
+        assert!(
+            done.is_some(),
+            "shards {waiting:?} not read again within {limit:?}"
+        );
+        since.elapsed()
+    }
+
     /// Workers started and not killed.
     pub fn live(&self) -> usize {
         self.workers
