@@ -161,10 +161,8 @@ pub(crate) struct Coordinator {
     /// they list at once instead of at their next paced listing, and the first of them
     /// leads.
     watched: Vec<Watched>,
-    /// A leader's view of which workers run: those whose rows' counters moved since its
-    /// previous listing. It hands leases on only to them.
-    running: BTreeSet<String>,
-    /// When a leader last saw a row of each worker move (see `running`).
+    /// A leader's view of which workers run: when it last saw a row of each move,
+    /// for those seen lately (see `balance`). It hands leases on only to them.
     moved_at: BTreeMap<String, Instant>,
     /// When this worker's last full listing was read.
     last_listing: Option<Instant>,
@@ -237,7 +235,6 @@ impl Coordinator {
             live: Vec::new(),
             unowned: BTreeSet::new(),
             watched: Vec::new(),
-            running: BTreeSet::new(),
             handed: BTreeSet::new(),
             moved_at: BTreeMap::new(),
             last_listing: None,
@@ -907,7 +904,6 @@ impl Coordinator {
             );
             self.moved_at
                 .retain(|_, t| now.duration_since(*t) <= lately + lately / 4);
-            self.running = self.moved_at.keys().cloned().collect();
         }
         self.last_listing = Some(now);
         self.handed.clear();
@@ -1072,7 +1068,9 @@ impl Coordinator {
             });
             let gives: Vec<BoxFuture<'static, _>> = own
                 .chain(others)
-                .filter(|(_, to)| to.contains(INCARNATION_SEPARATOR) && self.running.contains(*to))
+                .filter(|(_, to)| {
+                    to.contains(INCARNATION_SEPARATOR) && self.moved_at.contains_key(*to)
+                })
                 .filter_map(|(key, to)| by_key.get(key).map(|row| ((*row).clone(), to.to_owned())))
                 .take(self.config.max_steals_per_round)
                 .map(|(row, to)| {
