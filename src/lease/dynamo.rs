@@ -198,11 +198,7 @@ impl DynamoLeaseStore {
         let action = CreateGlobalSecondaryIndexAction::builder()
             .index_name(OWNER_INDEX)
             .set_key_schema(Some(owner_index_keys()))
-            .projection(
-                Projection::builder()
-                    .projection_type(ProjectionType::KeysOnly)
-                    .build(),
-            )
+            .projection(owner_index_projection())
             .set_provisioned_throughput(index_capacity(table))
             .build();
         let action = match action {
@@ -336,11 +332,7 @@ impl DynamoLeaseStore {
                 GlobalSecondaryIndex::builder()
                     .index_name(OWNER_INDEX)
                     .set_key_schema(Some(owner_index_keys()))
-                    .projection(
-                        Projection::builder()
-                            .projection_type(ProjectionType::KeysOnly)
-                            .build(),
-                    )
+                    .projection(owner_index_projection())
                     .build()
                     .map_err(build_error)?,
             )
@@ -518,6 +510,13 @@ fn owner_index_attributes() -> Vec<AttributeDefinition> {
                 .ok()
         })
         .collect()
+}
+
+/// The owner index's projection: keys only, as the KCL 3 makes it.
+fn owner_index_projection() -> Projection {
+    Projection::builder()
+        .projection_type(ProjectionType::KeysOnly)
+        .build()
 }
 
 /// The owner index's key: hash `leaseOwner`, range `leaseKey` (the KCL 3's).
