@@ -17,24 +17,10 @@ use fleet::{leases_per_owner, Fleet, Running};
 /// The default take round (the lease duration, 10 s).
 const ROUND: Duration = Duration::from_secs(10);
 
-/// `fleet`, started and balanced (within a minute: the start-up target is 30 s).
-async fn started_balanced(fleet: Fleet) -> Running {
-    let running = fleet::start(fleet).await;
-    assert!(
-        running
-            .until(Duration::from_secs(60), |r| r.balanced())
-            .await
-            .is_some(),
-        "not balanced: {:?}",
-        leases_per_owner(&running.memory)
-    );
-    running
-}
-
 /// Rows read per shard and per take round by a balanced idle fleet, over `rounds`
 /// rounds after it settled: (by listings, by the owner index, by gets).
 async fn rows_read_per_shard_and_round(shards: u32, workers: usize, rounds: u32) -> [f64; 3] {
-    let running = started_balanced(Fleet::new(shards, workers)).await;
+    let running = fleet::start_balanced(Fleet::new(shards, workers)).await;
     tokio::time::sleep(Duration::from_secs(60)).await;
     let before = running.memory.table(fleet::GROUP).rows_read();
     tokio::time::sleep(ROUND * rounds).await;
@@ -71,7 +57,7 @@ async fn rows_read_per_shard_and_round_do_not_grow_from_four_to_sixteen_workers(
 
 /// A fed, balanced fleet of 12 workers over 96 shards.
 async fn balanced_fleet_of_twelve() -> Running {
-    let running = started_balanced(Fleet {
+    let running = fleet::start_balanced(Fleet {
         feed_every: Some(Duration::from_secs(1)),
         ..Fleet::new(96, 12)
     })

@@ -198,6 +198,20 @@ pub async fn start(fleet: Fleet) -> Running {
     running
 }
 
+/// `fleet`, started and balanced within a minute (the start-up target is 30 s).
+pub async fn start_balanced(fleet: Fleet) -> Running {
+    let running = start(fleet).await;
+    assert!(
+        running
+            .until(Duration::from_secs(60), |r| r.balanced())
+            .await
+            .is_some(),
+        "not balanced: {:?}",
+        leases_per_owner(&running.memory)
+    );
+    running
+}
+
 /// Puts `records` (500 per call) and counts them in `put`.
 async fn put_all(
     streams: &shardflow::memory::MemoryKinesis,
