@@ -744,6 +744,14 @@ mod fake {
         pub fn seen(&self) -> Vec<Seen> {
             self.seen.lock().expect("lock").clone()
         }
+
+        /// The operations of the requests so far (`DescribeTable`, `Scan`, ...).
+        pub fn ops(&self) -> Vec<String> {
+            self.seen()
+                .iter()
+                .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
+                .collect()
+        }
     }
 
     type Answers = Mutex<VecDeque<(u16, serde_json::Value)>>;
@@ -1181,12 +1189,7 @@ async fn wire_a_table_being_upgraded_is_used_at_once() {
         );
     })
     .await;
-    let ops: Vec<String> = fake
-        .seen()
-        .iter()
-        .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
-        .collect();
-    assert_eq!(ops, vec!["DescribeTable", "Scan"]);
+    assert_eq!(fake.ops(), vec!["DescribeTable", "Scan"]);
 }
 
 /// (issue 12) A lease table with provisioned capacity (as KCL 1.x creates them) gets
@@ -1272,12 +1275,8 @@ async fn wire_a_table_without_the_owner_index_is_upgraded_in_place() {
     })
     .await;
     let seen = fake.seen();
-    let ops: Vec<&str> = seen
-        .iter()
-        .map(|s| s.target.rsplit('.').next().unwrap_or(""))
-        .collect();
     assert_eq!(
-        ops,
+        fake.ops(),
         vec![
             "DescribeTable",
             "UpdateTable",
@@ -1336,10 +1335,5 @@ async fn wire_an_owner_index_that_cannot_be_queried_falls_back_to_a_scan() {
         );
     })
     .await;
-    let ops: Vec<String> = fake
-        .seen()
-        .iter()
-        .map(|s| s.target.rsplit('.').next().unwrap_or("").to_owned())
-        .collect();
-    assert_eq!(ops, vec!["DescribeTable", "Query", "Scan"]);
+    assert_eq!(fake.ops(), vec!["DescribeTable", "Query", "Scan"]);
 }
