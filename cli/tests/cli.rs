@@ -69,6 +69,25 @@ async fn run(args: &[&str]) -> Out {
     }
 }
 
+/// `group describe --json --count` of the group `selection` names, asked again (each
+/// answer samples for 1.5 s) until nothing is behind, at most 20 times; the answer.
+async fn described_caught_up(selection: &[&str]) -> Value {
+    let mut described = Value::Null;
+    for _ in 0..20 {
+        let mut args = vec!["group", "describe"];
+        args.extend_from_slice(selection);
+        args.extend(["--json", "--count", "--sample-ms", "1500"]);
+        let out = run(&args).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        described = out.json();
+        if described["records_behind"] == 0 {
+            break;
+        }
+    }
+    assert_eq!(described["records_behind"], 0, "{described}");
+    described
+}
+
 /// The group's checkpoints once every row holds a record position: what the running
 /// group handled is committed.
 async fn committed_checkpoints(store: &dyn LeaseStore) -> BTreeMap<String, Checkpoint> {
@@ -130,28 +149,7 @@ async fn describe_shows_owners_checkpoints_and_lag() {
 
     // While the group runs: both shards owned by w1, renewed, nothing behind once the
     // checkpoints caught up.
-    let mut described = Value::Null;
-    for _ in 0..20 {
-        let out = run(&[
-            "group",
-            "describe",
-            "--stream",
-            &stream,
-            "--group",
-            &group,
-            "--json",
-            "--count",
-            "--sample-ms",
-            "1500",
-        ])
-        .await;
-        assert_eq!(out.code, 0, "{}", out.stderr);
-        described = out.json();
-        if described["records_behind"] == 0 {
-            break;
-        }
-    }
-    assert_eq!(described["records_behind"], 0, "{described}");
+    let described = described_caught_up(&["--stream", &stream, "--group", &group]).await;
     let shards = described["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 2);
     for s in shards {
@@ -792,26 +790,7 @@ async fn multi_stream_tables_are_described_and_reset_per_stream() {
     recorder.wait_for(30, LIMIT).await;
 
     // Every row with its stream, every stream with its lag.
-    let mut described = Value::Null;
-    for _ in 0..20 {
-        let out = run(&[
-            "group",
-            "describe",
-            "--group",
-            &group,
-            "--json",
-            "--count",
-            "--sample-ms",
-            "1500",
-        ])
-        .await;
-        assert_eq!(out.code, 0, "{}", out.stderr);
-        described = out.json();
-        if described["records_behind"] == 0 {
-            break;
-        }
-    }
-    assert_eq!(described["records_behind"], 0, "{described}");
+    let described = described_caught_up(&["--group", &group]).await;
     assert_eq!(described["multi_stream"], true, "{described}");
     let shards = described["shards"].as_array().unwrap();
     let of = |stream: &str| {
