@@ -20,7 +20,10 @@
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
 //! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers;
-//! `BENCH_KILL=i` kills worker `i` (0: the leader) instead of the middle one.
+//! `BENCH_KILL=i` kills worker `i` (0: the first by name) instead of the middle one;
+//! `BENCH_CRASH=first:4|last:4|random:4|stop-first:4` runs the failover scenario once per
+//! crash set instead: the first, last or random (seeded by `BENCH_SEED`) k workers by
+//! name crash together, or (`stop-`) stop gracefully together.
 //! `BENCH_SCENARIO=steady` lets balanced idle fleets of 500 shards x 4, 10 and 40
 //! workers run for 10 simulated minutes and prints the lease-store calls per shard per
 //! hour by kind, and the table rows the reads handed out (a `list` reads every row, an
@@ -201,19 +204,62 @@ fn show(d: Option<Duration>) -> String {
     }
 }
 
-/// One worker of a balanced fleet crashes; how long until its shards deliver again.
+/// A set of workers that go together: `first:k`, `last:k`, `random:k`, each with a
+/// `stop-` prefix for a graceful stop; the workers' indices and whether they stop.
+fn crash_set(spec: &str, workers: usize, seed: u64) -> Option<(Vec<usize>, bool)> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let (stop, spec) = match spec.strip_prefix("stop-") {
+        Some(rest) => (true, rest),
+        None => (false, spec),
+    };
+    let (kind, k) = spec.split_once(':')?;
+    let k: usize = k.parse().ok()?;
+    let k = k.min(workers);
+    let which = match kind {
+        "first" => (0..k).collect(),
+        "last" => (workers - k..workers).collect(),
+        "random" => {
+            let mut all: Vec<usize> = (0..workers).collect();
+            all.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+            all.truncate(k);
+            all
+        }
+        _ => return None,
+    };
+    Some((which, stop))
+}
+
+/// Workers of a balanced fleet crash (or stop); how long until their shards deliver
+/// again.
 fn failover() {
-    println!("| shards | workers | leases of the killed worker | read again p50 | read again max | balanced again | records handled twice (of them on its shards) | wall time |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| shards | workers | crash set | leases of those workers | read again p50 | read again max | balanced again | records handled twice (of them on their shards) | wall time |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let sets: Vec<String> = match std::env::var("BENCH_CRASH") {
+        Ok(sets) => sets.split('|').map(str::to_owned).collect(),
+        Err(_) => vec![String::new()],
+    };
     for (shards, workers) in fleet_sizes() {
-        let wall = std::time::Instant::now();
-        paused_runtime().block_on(async {
+        for set in &sets {
+            let wall = std::time::Instant::now();
+            paused_runtime().block_on(async {
             let mut running = fleet::start(fed(shards, workers)).await;
             let balanced = running.until(LIMIT, |r| r.balanced()).await;
             assert!(balanced.is_some(), "{shards}x{workers} did not balance");
             let killed_at = tokio::time::Instant::now();
-            // BENCH_KILL=0 kills the leader (w000, first by name) instead.
-            let orphans = running.kill(common::env_or("BENCH_KILL", workers / 2).min(workers - 1));
+            let orphans = if set.is_empty() {
+                // BENCH_KILL=0 kills the first by name instead.
+                running.kill(common::env_or("BENCH_KILL", workers / 2).min(workers - 1))
+            } else {
+                let seed = common::env_or("BENCH_SEED", 11);
+                let (which, stop) = crash_set(set, workers, seed)
+                    .unwrap_or_else(|| panic!("BENCH_CRASH: {set:?} is not first:k, last:k or random:k (stop- before for a graceful stop)"));
+                if stop {
+                    running.stop_workers(&which).await
+                } else {
+                    which.iter().flat_map(|&i| running.kill(i)).collect()
+                }
+            };
             let mut again: Vec<Option<Duration>> = vec![None; orphans.len()];
             running
                 .until(LIMIT * 2, |r| {
@@ -241,7 +287,8 @@ fn failover() {
             let twice = running.duplicates();
             let on_orphans = twice.iter().filter(|(s, ..)| orphans.contains(s)).count();
             println!(
-                "| {shards} | {workers} | {} | {} | {} | {} | {} ({on_orphans}) | {:.1} s |",
+                "| {shards} | {workers} | {} | {} | {} | {} | {} | {} ({on_orphans}) | {:.1} s |",
+                if set.is_empty() { "one" } else { set.as_str() },
                 orphans.len(),
                 show(p50),
                 show(max),
@@ -251,6 +298,7 @@ fn failover() {
             );
             running.stop().await;
         });
+        }
     }
 }
 
@@ -292,9 +340,9 @@ fn scale_out() {
 fn steady() {
     println!("per shard-hour:");
     println!(
-        "| shards | workers | renew | checkpoint | list | owned_keys | get | take | other | rows read: lists | owner index | gets | all |"
+        "| shards | workers | renew | checkpoint | list | owned_keys | get | take | leader get | leader renew | other | rows read: lists | owner index | gets | all | read units |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let minutes: u64 = common::env_or("BENCH_MINUTES", if common::measuring() { 10 } else { 1 });
     let sizes = match std::env::var("BENCH_SIZES") {
         Ok(_) => sizes(),
@@ -316,25 +364,43 @@ fn steady() {
             let hours = minutes as f64 / 60.0;
             let per = |n: u64| n as f64 / f64::from(shards) / hours;
             let count = |op: &str| window.iter().filter(|c| c.op == op).count() as u64;
-            let kinds = ["renew", "checkpoint", "list", "owned_keys", "get", "take"];
+            let kinds = [
+                "renew",
+                "checkpoint",
+                "list",
+                "owned_keys",
+                "get",
+                "take",
+                "leader_get",
+                "leader_renew",
+            ];
             let counted: Vec<u64> = kinds.iter().map(|op| count(op)).collect();
             let other = window.len() as u64 - counted.iter().sum::<u64>();
             let listed = read.listed - read_before.listed;
             let owned = read.owned - read_before.owned;
             let fetched = read.fetched - read_before.fetched;
+            // Read units as DynamoDB bills them, eventually consistent: a Scan half a
+            // unit per 4 KB of rows (about 300 bytes each), a Query or GetItem at least
+            // half a unit (the keys of one worker's Query fit in 4 KB), the leader item's
+            // GetItem half a unit.
+            let units = listed as f64 * 300.0 / 4096.0 * 0.5
+                + 0.5 * (counted[3] + counted[4] + counted[6]) as f64;
             println!(
-                "| {shards} | {workers} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} |",
+                "| {shards} | {workers} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |",
                 per(counted[0]),
                 per(counted[1]),
                 per(counted[2]),
                 per(counted[3]),
                 per(counted[4]),
                 per(counted[5]),
+                per(counted[6]),
+                per(counted[7]),
                 per(other),
                 per(listed),
                 per(owned),
                 per(fetched),
                 per(listed + owned + fetched),
+                units / f64::from(shards) / hours,
             );
             running.stop().await;
         });

@@ -22,8 +22,8 @@ use tracing::Instrument;
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamIdentity};
 use crate::lease::{
-    with_retries, worker_of, Checkpoint, HeldLease, Lease, LeaseError, LeaseStore,
-    StreamScopedStore, INCARNATION_SEPARATOR,
+    with_retries, worker_of, Checkpoint, CoordinatorState, HeldLease, LeaderItem, Lease,
+    LeaseError, LeaseStore, StreamScopedStore, INCARNATION_SEPARATOR, LEADER_KEY,
 };
 use crate::message::Batch;
 use crate::metrics::{Labels, LeaseEvent};
@@ -77,28 +77,17 @@ const MAX_CONCURRENT_WRITES: usize = 32;
 const MAX_RACED_ROUNDS: u32 = 8;
 
 /// Fleets of up to this many live workers: every worker lists the whole table every
-/// round, as it always did (no roles).
+/// round, as it always did (the leader covers for nobody: every worker's plan deals
+/// out what is free or expired).
 const SMALL_FLEET: usize = 3;
 
-/// Full listings per round, on average, by the workers of a larger fleet other than
-/// the leader and the successor: each of them lists once every
-/// `ceil((live - 2) / PACED_LISTINGS)` rounds. With the leader's and the successor's, a
-/// fleet lists the table about 4 times per round whatever its size, as a fleet of 4 does
-/// with every worker listing (so the rows read per shard do not grow with the fleet);
-/// and 2 of them, by different workers each round, find a leader and successor that
-/// crashed together within about a round.
-const PACED_LISTINGS: usize = 2;
+/// The leader item while this worker holds it, and when its last renewal (or the take)
+/// that landed was sent; shared by the coordinator and the leadership renewal task.
+type Leading = Arc<Mutex<Option<(LeaderItem, Instant)>>>;
 
-/// A row of the leader or the successor that a worker outside them watches: the
-/// owner's name, the row's counter and when this worker last saw the counter move.
-#[derive(Clone, Debug)]
-struct Watched {
-    key: String,
-    owner: String,
-    counter: u64,
-    since: Instant,
-    /// The row stood still for a lease duration: its owner is presumed crashed.
-    stalled: bool,
+fn lock_leading(leading: &Leading) -> MutexGuard<'_, Option<(LeaderItem, Instant)>> {
+    // Poisoning means a panic elsewhere while holding the lock; the value is still whole.
+    leading.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 type HeldSet = Arc<Mutex<BTreeMap<String, Arc<HeldLease>>>>;
@@ -149,18 +138,30 @@ pub(crate) struct Coordinator {
     /// This worker's fair share at its last full listing.
     quota: usize,
     /// The live workers of this worker's last full listing, in name order (owners of
-    /// leases not expired, and this worker): the first is the leader, the second the
-    /// successor (see [`Coordinator::lists_every_round`]). Empty before the first.
+    /// leases not expired, and this worker): how large the fleet is (see
+    /// [`Coordinator::lists_every_round`]). Empty before the first.
     live: Vec<String>,
+    /// The coordinator-state table holding the group's leader item (see
+    /// [`crate::lease::leader`]); `None` for a store without one, where every worker
+    /// lists every round.
+    coordination: Option<Arc<dyn CoordinatorState>>,
+    /// The leader item as this worker last read it (`None`: absent) and when it first
+    /// saw it so: an item whose counter stays still for a lease duration (on this
+    /// worker's clock, as lease expiry) is taken over.
+    leader_seen: Option<(Option<LeaderItem>, Instant)>,
+    /// The leader item while this worker leads.
+    leading: Leading,
+    /// This worker became the leader since its last full listing: a round runs a lease
+    /// duration after that listing (see `follow_up`).
+    took_lead: bool,
+    /// When a new leader lists again: a lease duration after its first listing, when
+    /// the rows that stood still since (a crashed worker's) count as expired; without it
+    /// the take tick, a few milliseconds short of that, would leave them a round more.
+    follow_up: Option<Instant>,
     /// The leases that were unowned in this worker's last full listing: a leader takes
     /// those still unowned at its next one (nobody else took them in a round; see
     /// `balance`).
     unowned: BTreeSet<String>,
-    /// The third and fourth live workers watch two rows of the leader and two of the
-    /// successor in their light rounds (see `watch_steering`): when both stop or crash,
-    /// they list at once instead of at their next paced listing, and the first of them
-    /// leads.
-    watched: Vec<Watched>,
     /// A leader's view of which workers run: when it last saw a row of each move,
     /// for those seen lately (see `balance`). It hands leases on only to them.
     moved_at: BTreeMap<String, Instant>,
@@ -200,6 +201,7 @@ impl Coordinator {
             Labels::of(&config),
         ));
         let store = BoundedLeaseStore::new(store, config.lease_call_timeout, Labels::of(&config));
+        let coordination = store.coordinator_state();
         // Multi-stream: the worker's shared listing counts the Scans (streams.rs).
         let store: Arc<dyn LeaseStore> = Arc::new(if multi_stream {
             store.listing_counted_below()
@@ -234,7 +236,11 @@ impl Coordinator {
             quota: 0,
             live: Vec::new(),
             unowned: BTreeSet::new(),
-            watched: Vec::new(),
+            coordination,
+            leader_seen: None,
+            leading: Arc::default(),
+            took_lead: false,
+            follow_up: None,
             handed: BTreeSet::new(),
             moved_at: BTreeMap::new(),
             last_listing: None,
@@ -287,6 +293,14 @@ impl Coordinator {
                 self.events_tx.clone(),
                 renewing.clone(),
             ));
+            let leadership = self.coordination.clone().map(|state| {
+                tokio::spawn(renew_leadership(
+                    self.config.clone(),
+                    state,
+                    self.leading.clone(),
+                    renewing.clone(),
+                ))
+            });
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             let outcome = loop {
@@ -320,6 +334,10 @@ impl Coordinator {
                     }
                     _ = take_tick.tick() => self.round().await,
                     _ = settle, if settling => self.round().await,
+                    _ = sleep_until_some(self.follow_up), if self.follow_up.is_some() => {
+                        self.follow_up = None;
+                        self.round().await
+                    }
                 };
                 if let Err(e) = round {
                     break Err(e);
@@ -342,6 +360,13 @@ impl Coordinator {
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
+            // Leadership last, once every lease is released: the worker that takes it
+            // over (at its next round) finds them all free and takes them at once.
+            if let Some(task) = leadership {
+                task.abort();
+                let _ = task.await;
+                self.resign().await;
+            }
             outcome
         }
         .instrument(span)
@@ -353,6 +378,9 @@ impl Coordinator {
     /// backend without fan-out refuses to start.
     async fn start_up(&mut self) -> Result<(), ConsumerError> {
         self.store.ensure_table().await?;
+        if let Some(state) = &self.coordination {
+            state.ensure_table().await?;
+        }
         if self.multi_stream {
             self.scope_to_stream().await?;
         }
@@ -457,8 +485,9 @@ impl Coordinator {
     /// The first round runs right after start-up, before any lease is taken.
     async fn round(&mut self) -> Result<(), ConsumerError> {
         self.rounds += 1;
-        // The periodic shard sync (which lists the table too) is the leader's and the
-        // successor's; every worker syncs at start-up and when one of its shards ended.
+        self.watch_leader().await;
+        // The periodic shard sync (which lists the table too) is the leader's; every
+        // worker syncs at start-up and when one of its shards ended.
         let steering = self.lists_every_round();
         let sync_due = self
             .last_sync
@@ -475,9 +504,8 @@ impl Coordinator {
             self.last_identity_check = Some(Instant::now());
         }
         // Who lists the whole table this round (see `lists_every_round`): besides the
-        // leader and the successor, a worker that holds nothing, is short of its share,
-        // lost a race or syncs, and every other worker once every `pace` rounds. The
-        // rest only look for the leases handed to them.
+        // leader, a worker that holds nothing, is short of its share, lost a race or
+        // syncs. The rest only look for the leases handed to them.
         let full = synced
             || steering
             || self.slots.is_empty()
@@ -485,9 +513,9 @@ impl Coordinator {
             // Below its share with nothing asked for (a hand-off it asked for went
             // elsewhere): plan again from a listing.
             || self.slots.len() + self.steals.len() < self.quota
-            || self.raced_rounds > 0
-            || self.paced_listing_due();
-        if !full && !self.light_round().await {
+            || self.raced_rounds > 0;
+        if !full {
+            self.light_round().await;
             return Ok(());
         }
         if synced {
@@ -532,54 +560,142 @@ impl Coordinator {
     }
 
     /// Whether this worker lists the whole table every round: in a fleet of up to
-    /// [`SMALL_FLEET`] live workers (or before its first listing) every worker does;
-    /// in a larger one the leader (the live worker first by name in this worker's last
-    /// listing), which covers for the workers that do not (it takes expired leases at
-    /// once and hands its surplus to the workers below their share), and the successor
-    /// (the second), which watches the leader: when the leader's leases expire, the
-    /// successor is first among the live workers of its next listing and leads.
+    /// [`SMALL_FLEET`] live workers (or before its first listing), or without a
+    /// coordinator-state table, every worker does; in a larger one the leader (the
+    /// holder of the leader item), which covers for the workers that do not (it takes
+    /// expired leases at once and hands its surplus to the workers below their share).
     fn lists_every_round(&self) -> bool {
-        self.live.len() <= SMALL_FLEET || self.live.iter().take(2).any(|w| *w == self.config.owner)
+        self.coordination.is_none() || self.live.len() <= SMALL_FLEET || self.is_leading()
+    }
+
+    /// Whether this worker holds the leader item.
+    fn is_leading(&self) -> bool {
+        lock_leading(&self.leading).is_some()
     }
 
     /// Whether this worker leads a fleet larger than [`SMALL_FLEET`].
     fn leads(&self) -> bool {
-        self.live.len() > SMALL_FLEET && self.live.first() == Some(&self.config.owner)
+        self.live.len() > SMALL_FLEET && self.is_leading()
     }
 
-    /// Whether this round is the one in `pace` in which a worker that is neither leader
-    /// nor successor lists the whole table, `pace` being
-    /// `ceil((live - 2) / PACED_LISTINGS)`: the round number modulo `pace` is the
-    /// worker's place among the others in name order modulo `pace`, so the others'
-    /// listings spread over the rounds (about [`PACED_LISTINGS`] a round) instead of
-    /// falling together.
-    fn paced_listing_due(&self) -> bool {
-        let pace = self
-            .live
-            .len()
-            .saturating_sub(2)
-            .div_ceil(PACED_LISTINGS)
-            .max(1);
-        let place = self
-            .live
-            .iter()
-            .position(|w| *w == self.config.owner)
-            .unwrap_or(0);
-        self.rounds % pace as u64 == (place.saturating_sub(2) % pace) as u64
+    /// The key of this group's leader item: one per stream (in a multi-stream table,
+    /// the stream's identity), since each stream's coordinator lists and covers only
+    /// its own rows.
+    fn leader_key(&self) -> String {
+        match (&self.identity, self.multi_stream) {
+            (Some(identity), true) => identity.to_string(),
+            _ => LEADER_KEY.to_owned(),
+        }
+    }
+
+    /// Reads the leader item (one small read a round; none while this worker leads) and
+    /// takes it over when it is absent, released (no owner), or its counter stood still
+    /// for a lease duration since this worker first saw it so (its holder stopped
+    /// renewing it: crashed, or its writes fail). The take is conditional on the item
+    /// as read, so of the workers that decide together one wins. A worker that finds
+    /// itself the holder (a take whose answer was lost) leads.
+    async fn watch_leader(&mut self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        if self.is_leading() {
+            return;
+        }
+        let key = self.leader_key();
+        let item = match state.get(&key).await {
+            Ok(item) => item,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not read the leader item");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let me = self.config.owner.as_str();
+        let standing_still = match (&self.leader_seen, &item) {
+            (Some((Some(seen), since)), Some(current))
+                if seen.owner == current.owner && seen.counter == current.counter =>
+            {
+                now.duration_since(*since) >= self.config.lease_duration
+            }
+            _ => false,
+        };
+        let claim = match &item {
+            None => true,
+            Some(current) if current.owner.as_deref() == Some(me) => {
+                tracing::info!(leader_counter = current.counter, "leading the group");
+                *lock_leading(&self.leading) = Some((current.clone(), now));
+                self.took_lead = true;
+                return;
+            }
+            Some(current) => current.owner.is_none() || standing_still,
+        };
+        if !claim {
+            let moved = !matches!(&self.leader_seen, Some((seen, _)) if *seen == item);
+            if moved {
+                self.leader_seen = Some((item, now));
+            }
+            return;
+        }
+        let sent = Instant::now();
+        match state.claim(&key, item.as_ref(), me).await {
+            Ok(taken) => {
+                match item.as_ref().and_then(|i| i.owner.as_deref()) {
+                    Some(old) => {
+                        tracing::info!(from = %old, leader_counter = taken.counter, "took over the leadership of a leader that stopped renewing it")
+                    }
+                    None => tracing::info!(leader_counter = taken.counter, "leading the group"),
+                }
+                *lock_leading(&self.leading) = Some((taken, sent));
+                self.took_lead = true;
+                self.leader_seen = None;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "did not take the leadership (another worker did, or the write failed)");
+                // Read again next round: the winner's item differs from what we saw.
+                self.leader_seen = None;
+            }
+        }
+    }
+
+    /// Releases the leader item at a graceful stop, once every lease is released, so
+    /// that the next worker to read it leads at once (within a round) instead of a
+    /// lease duration later. A renewal that landed just before is looked up and the
+    /// release sent again.
+    async fn resign(&self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        let Some((held, _)) = lock_leading(&self.leading).take() else {
+            return;
+        };
+        let mut item = held;
+        for _ in 0..2 {
+            match state.release(&item).await {
+                Ok(_) => {
+                    tracing::info!("released the leadership");
+                    return;
+                }
+                Err(LeaseError::Conflict(_)) => match state.get(&item.key).await {
+                    Ok(Some(current)) if current.owner == item.owner => item = current,
+                    _ => return,
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not release the leadership; another worker takes it over once it stops moving");
+                    return;
+                }
+            }
+        }
     }
 
     /// A round without a full listing: the keys this worker owns (the owner index), and
     /// a read of each row it owns without running it (handed over to it, by a leader or
     /// by an owner it asked) and of each row it asked for, which it takes anyway once
     /// the owner let the hand-off timeout pass, as in a full round.
-    ///
-    /// Returns whether the leader or the successor looks gone (see `watch_steering`):
-    /// the round then lists the whole table at once.
-    async fn light_round(&mut self) -> bool {
+    async fn light_round(&mut self) {
         let me = self.config.owner.clone();
         let owned = self.store.owned_keys(&me).await;
         let Some(keys) = self.table_answered(owned, "reading this worker's lease keys") else {
-            return false;
+            return;
         };
         let mut wanted: BTreeSet<String> = keys
             .into_iter()
@@ -629,50 +745,6 @@ impl Coordinator {
             }
             self.take_overdue(row, now).await;
         }
-        self.watch_steering().await
-    }
-
-    /// Reads the rows of the leader and the successor this worker watches (a `get`
-    /// each per light round) and returns whether either looks gone: a row is no longer
-    /// its owner's (it stopped and released it, or handed it on), or its counter stood
-    /// still for a lease duration (`stalled`: when both watched rows of an owner did, the
-    /// listing that follows counts every row of that owner expired, see `balance`). Without it, a leader and
-    /// successor gone together left their shards unread until the next leader's own
-    /// paced listing (minutes in a large fleet).
-    async fn watch_steering(&mut self) -> bool {
-        let reads: Vec<BoxFuture<'static, _>> = self
-            .watched
-            .iter()
-            .map(|w| {
-                let (store, key) = (self.store.clone(), w.key.clone());
-                async move { store.get(&key).await }.boxed()
-            })
-            .collect();
-        let answers = concurrently(reads).await;
-        let now = Instant::now();
-        let mut gone = false;
-        for (watched, row) in self.watched.iter_mut().zip(answers) {
-            match row {
-                // A row at SHARD_END is no longer renewed: look again, infer nothing.
-                Ok(Some(row))
-                    if row.owner.as_deref() == Some(watched.owner.as_str())
-                        && row.checkpoint != Checkpoint::ShardEnd =>
-                {
-                    if row.counter != watched.counter {
-                        watched.counter = row.counter;
-                        watched.since = now;
-                    } else if now.duration_since(watched.since) >= self.config.lease_duration {
-                        watched.stalled = true;
-                        gone = true;
-                    }
-                }
-                Ok(_) => gone = true,
-                Err(e) => {
-                    tracing::debug!(lease = %watched.key, error = %e, "could not read a watched lease")
-                }
-            }
-        }
-        gone
     }
 
     /// Takes the leases the table says are this incarnation's but no task runs: handed
@@ -713,49 +785,19 @@ impl Coordinator {
         // same worker id belong to another owner, which may still be running.
         let me = self.config.owner.clone();
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
+        // Rows this listing shows for the first time: whether their owner runs is not
+        // known yet (see `moved_at`).
+        let mut first_seen: BTreeSet<&str> = BTreeSet::new();
         for row in &rows {
-            let entry = self
-                .seen
-                .entry(row.key.clone())
-                .or_insert((row.counter, now));
+            let entry = self.seen.entry(row.key.clone()).or_insert_with(|| {
+                first_seen.insert(row.key.as_str());
+                (row.counter, now)
+            });
             if entry.0 != row.counter {
                 *entry = (row.counter, now);
             }
         }
         self.seen.retain(|k, _| by_key.contains_key(k.as_str()));
-        // The watched rows of the leader or successor (two each, where it has two) all
-        // stood still for a lease duration (and still do): their owner crashed, and its
-        // other rows, whose counters this worker saw last at an older listing, stopped
-        // moving then too. They count as expired from when the watched rows stopped, so
-        // the next leader takes them now. One row alone standing still (its renewals
-        // failing) says nothing of the owner's other leases: that row expires by itself.
-        let watched = std::mem::take(&mut self.watched);
-        let owners: BTreeSet<&str> = watched.iter().map(|w| w.owner.as_str()).collect();
-        for owner in owners {
-            let mine: Vec<&Watched> = watched.iter().filter(|w| w.owner == owner).collect();
-            let held = rows
-                .iter()
-                .filter(|r| r.owner.as_deref() == Some(owner))
-                .count();
-            let crashed = mine.len() >= held.min(2)
-                && mine.iter().all(|w| {
-                    w.stalled
-                        && by_key.get(w.key.as_str()).is_some_and(|r| {
-                            r.owner.as_deref() == Some(owner)
-                                && r.counter == w.counter
-                                && r.checkpoint != Checkpoint::ShardEnd
-                        })
-                });
-            if !crashed {
-                continue;
-            }
-            let since = mine.iter().map(|w| w.since).max().unwrap_or(now);
-            for row in rows.iter().filter(|r| r.owner.as_deref() == Some(owner)) {
-                if let Some(entry) = self.seen.get_mut(&row.key) {
-                    entry.1 = entry.1.min(since);
-                }
-            }
-        }
         let lease_duration = self.config.lease_duration;
         let expired = |row: &Lease, seen: &BTreeMap<String, (u64, Instant)>| {
             row.owner.is_some()
@@ -822,29 +864,6 @@ impl Coordinator {
             .collect();
         self.live = live.into_iter().map(str::to_owned).collect();
         let leads = self.leads();
-        // The next two live workers after the leader and successor watch two rows of each
-        // in their light rounds (see `watch_steering`): four gets a round each, whatever
-        // the size of the fleet.
-        let place = self.live.iter().position(|w| *w == me);
-        if !self.lists_every_round() && place.is_some_and(|p| p < 4) {
-            for owner in self.live.iter().take(2) {
-                let rows = candidates
-                    .iter()
-                    .filter(|c| c.owner == Some(owner.as_str()))
-                    .filter_map(|c| by_key.get(c.key))
-                    .take(2);
-                for row in rows {
-                    self.watched.push(Watched {
-                        key: row.key.clone(),
-                        owner: owner.clone(),
-                        counter: row.counter,
-                        since: self.seen.get(&row.key).map_or(now, |(_, t)| *t),
-                        stalled: false,
-                    });
-                }
-            }
-        }
-
         // Free leases, many at once: a fleet started together (each worker alone in its
         // first view) leases every shard within a few store round trips. Those the plan
         // deals to us, then other free ones up to our quota: a new child shard (its
@@ -891,7 +910,12 @@ impl Coordinator {
             // apart. A lease this worker handed to one in its previous round does not
             // count, so a worker that just crashed is not kept alive by the leases
             // handed to it. Only running workers are handed leases.
-            for row in rows.iter().filter(|r| !self.handed.contains(&r.key)) {
+            // Nor does a row first seen now (a new leader's first listing: a crashed
+            // worker's rows look as fresh as anyone's).
+            for row in rows
+                .iter()
+                .filter(|r| !self.handed.contains(&r.key) && !first_seen.contains(r.key.as_str()))
+            {
                 if let (Some(owner), Some((_, t))) = (&row.owner, self.seen.get(&row.key)) {
                     if *t == now {
                         self.moved_at.insert(owner.clone(), now);
@@ -904,6 +928,13 @@ impl Coordinator {
             );
             self.moved_at
                 .retain(|_, t| now.duration_since(*t) <= lately + lately / 4);
+        }
+        // A new leader lists again a lease duration after its first listing: the rows
+        // that stood still since then (a crashed worker's, perhaps the old leader's) are
+        // expired at that moment, and taken then rather than at a take tick that may
+        // fall a few milliseconds short of it and leave them a round more.
+        if std::mem::take(&mut self.took_lead) && leads {
+            self.follow_up = Some(now + lease_duration);
         }
         self.last_listing = Some(now);
         self.handed.clear();
@@ -1954,6 +1985,57 @@ async fn renew_loop(
                 }
                 key
             });
+        }
+    }
+}
+
+/// Sleeps until `at` (for ever when `None`: the `select!` branch is disabled then).
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Renews the leader item every renew interval while this worker holds it (see
+/// [`crate::lease::leader`]), on its own timer like the leases. A renewal that finds
+/// the item changed (another worker took it over) ends the leadership; so does a lease
+/// duration without a renewal landing (the writes fail): by then the others may have
+/// taken it over, and a worker that is not sure it leads stops covering for others.
+async fn renew_leadership(
+    config: Arc<Config>,
+    state: Arc<dyn CoordinatorState>,
+    leading: Leading,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(config.renew_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Some((held, renewed_at)) = lock_leading(&leading).clone() else {
+            continue;
+        };
+        let sent = Instant::now();
+        let renewed = state.renew(&held).await;
+        let mut slot = lock_leading(&leading);
+        // Resigned or lost meanwhile: nothing to record.
+        if slot.as_ref().map(|(item, _)| item) != Some(&held) {
+            continue;
+        }
+        match renewed {
+            Ok(item) => *slot = Some((item, sent)),
+            Err(LeaseError::Conflict(_)) => {
+                tracing::info!("leadership lost: another worker took the leader item over");
+                *slot = None;
+            }
+            Err(e) if sent.duration_since(renewed_at) >= config.lease_duration => {
+                tracing::warn!(error = %e, "no renewal of the leader item landed for a lease duration; no longer leading");
+                *slot = None;
+            }
+            Err(e) => tracing::warn!(error = %e, "renewing the leader item failed; will retry"),
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamIdentity, Subscription,
 };
-use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::lease::{Checkpoint, CoordinatorState, LeaderItem, Lease, LeaseError, LeaseStore};
 use crate::metrics::Labels;
 
 /// How long a call that waits for AWS to create something may take in all: the
@@ -122,8 +122,76 @@ async fn bound_counted<T, E: CallError>(
     result
 }
 
+/// A coordinator-state table whose every call ends within `timeout`
+/// ([`LeaseError::TimedOut`] otherwise); `ensure_table` within [`SETUP_CALL_TIMEOUT`].
+/// Every call is counted as a DynamoDB request (`leader_get`, `leader_claim`, ...).
+pub(crate) struct BoundedCoordinatorState {
+    inner: Arc<dyn CoordinatorState>,
+    timeout: Duration,
+    labels: Labels,
+}
+
+#[async_trait]
+impl CoordinatorState for BoundedCoordinatorState {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.labels
+            .request("dynamodb", "leader_ensure_table", false);
+        bound_call(
+            "leader_ensure_table",
+            SETUP_CALL_TIMEOUT,
+            self.inner.ensure_table(),
+        )
+        .await
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {
+        bound_counted(
+            &self.labels,
+            "leader_get",
+            self.timeout,
+            self.inner.get(key),
+        )
+        .await
+    }
+
+    async fn claim(
+        &self,
+        key: &str,
+        seen: Option<&LeaderItem>,
+        owner: &str,
+    ) -> Result<LeaderItem, LeaseError> {
+        let call = self.inner.claim(key, seen, owner);
+        bound_counted(&self.labels, "leader_claim", self.timeout, call).await
+    }
+
+    async fn renew(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        bound_counted(
+            &self.labels,
+            "leader_renew",
+            self.timeout,
+            self.inner.renew(held),
+        )
+        .await
+    }
+
+    async fn release(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        let call = self.inner.release(held);
+        bound_counted(&self.labels, "leader_release", self.timeout, call).await
+    }
+}
+
 #[async_trait]
 impl LeaseStore for BoundedLeaseStore {
+    /// The coordinator-state table below, its calls under the same deadline.
+    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
+        let inner = self.inner.coordinator_state()?;
+        Some(Arc::new(BoundedCoordinatorState {
+            inner,
+            timeout: self.timeout,
+            labels: self.labels.clone(),
+        }))
+    }
+
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.labels.request("dynamodb", "ensure_table", false);
         bound_call(

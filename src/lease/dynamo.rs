@@ -137,7 +137,7 @@ const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
 const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
 
 /// How long [`DynamoLeaseStore::ensure_table`] waits for the table to become ACTIVE.
-const ACTIVE_WAIT: Duration = Duration::from_secs(60);
+pub(super) const ACTIVE_WAIT: Duration = Duration::from_secs(60);
 
 /// The KCL 3's index of the keys by owner (see the [module docs](self)).
 pub const OWNER_INDEX: &str = "LeaseOwnerToLeaseKeyIndex";
@@ -576,7 +576,7 @@ fn next_counter(expected: &Lease) -> Result<u64, LeaseError> {
 /// throttling, a missing table (ResourceNotFoundException) is
 /// [`LeaseError::TableMissing`] naming `table`, everything else is [`LeaseError::Other`]
 /// with the whole cause chain.
-fn classify<E>(table: &str, op: &str, key: Option<&str>, err: SdkError<E>) -> LeaseError
+pub(super) fn classify<E>(table: &str, op: &str, key: Option<&str>, err: SdkError<E>) -> LeaseError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
@@ -815,6 +815,12 @@ fn parse_number(key: &str, name: &str, digits: &str) -> Result<u64, LeaseError> 
 
 #[async_trait]
 impl LeaseStore for DynamoLeaseStore {
+    fn coordinator_state(&self) -> Option<std::sync::Arc<dyn super::CoordinatorState>> {
+        Some(std::sync::Arc::new(
+            super::dynamo_state::DynamoCoordinatorState::new(self.client.clone(), &self.table),
+        ))
+    }
+
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         let mut poll = DeadlinePoll::new(
             ACTIVE_WAIT,

@@ -9,16 +9,20 @@
 //! request alone.)
 
 pub mod dynamo;
+pub mod dynamo_state;
 mod held;
+pub mod leader;
 mod scoped;
 
 pub(crate) use held::{with_retries, HeldLease};
+pub use leader::{CoordinatorState, LeaderItem, LEADER_KEY};
 pub(crate) use scoped::{SharedListing, StreamScopedStore};
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -450,5 +454,12 @@ pub trait LeaseStore: Send + Sync + 'static {
     ) -> Result<Lease, LeaseError> {
         let _ = children;
         Ok(expected.clone())
+    }
+
+    /// The coordinator-state table beside this lease table, where the group's leader
+    /// item lives (see [`leader`]). A store without one (the default) has no leader:
+    /// every worker then lists the whole table every round, as a small fleet does.
+    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
+        None
     }
 }

@@ -82,6 +82,11 @@ impl SharedListing {
 
 #[async_trait]
 impl LeaseStore for SharedListing {
+    /// The table's: one coordinator-state table per lease table.
+    fn coordinator_state(&self) -> Option<Arc<dyn super::CoordinatorState>> {
+        self.inner.coordinator_state()
+    }
+
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.inner.ensure_table().await
     }
@@ -237,6 +242,11 @@ impl StreamScopedStore {
 
 #[async_trait]
 impl LeaseStore for StreamScopedStore {
+    /// The table's: one coordinator-state table per lease table.
+    fn coordinator_state(&self) -> Option<Arc<dyn super::CoordinatorState>> {
+        self.inner.coordinator_state()
+    }
+
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.inner.ensure_table().await
     }

@@ -2,14 +2,16 @@
 //! injected faults.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::lease::{Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore};
+
+use super::MemoryCoordinatorState;
 
 use super::lock;
 
@@ -54,6 +56,8 @@ pub struct RowsRead {
 /// An in-process lease table with the same conditional-write rules as DynamoDB.
 pub struct MemoryLeaseStore {
     state: Mutex<LeaseState>,
+    /// The coordinator-state table beside it (the group's leader item).
+    coordinator: Arc<MemoryCoordinatorState>,
 }
 
 impl Default for MemoryLeaseStore {
@@ -66,13 +70,17 @@ impl Default for MemoryLeaseStore {
                 requests: 0,
                 read: RowsRead::default(),
             }),
+            coordinator: Arc::default(),
         }
     }
 }
 
 impl MemoryLeaseStore {
     /// Switches fault injection on (or off, with `LeaseFaults::default()`).
+    /// The same faults apply to the coordinator-state table beside it (see
+    /// [`Self::coordinator`]), drawn from a generator of its own.
     pub fn set_faults(&self, faults: LeaseFaults) {
+        self.coordinator.set_faults(faults.clone());
         let mut s = lock(&self.state);
         s.rng = SmallRng::seed_from_u64(faults.seed);
         s.faults = faults;
@@ -86,6 +94,12 @@ impl MemoryLeaseStore {
     /// The rows read so far, by kind of read (see [`RowsRead`]).
     pub fn rows_read(&self) -> RowsRead {
         lock(&self.state).read
+    }
+
+    /// The coordinator-state table beside this lease table, where the group's leader
+    /// item lives.
+    pub fn coordinator(&self) -> Arc<MemoryCoordinatorState> {
+        self.coordinator.clone()
     }
 
     /// A copy of every row, for assertions.
@@ -152,6 +166,10 @@ fn conditional(
 
 #[async_trait]
 impl LeaseStore for MemoryLeaseStore {
+    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
+        Some(self.coordinator.clone())
+    }
+
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.call(false, |_| Ok(())).await
     }

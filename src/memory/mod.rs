@@ -19,9 +19,11 @@
 
 mod fan_out;
 mod kinesis;
+mod leader;
 mod leases;
 
 pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
+pub use leader::MemoryCoordinatorState;
 pub use leases::{LeaseFaults, MemoryLeaseStore, RowsRead};
 
 use std::collections::HashMap;

@@ -18,7 +18,7 @@ use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamAdmin, StreamIdentity, Subscription,
 };
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{Checkpoint, CoordinatorState, LeaderItem, Lease, LeaseError, LeaseStore};
 use shardflow::Backend;
 
 /// What a test does around the calls of a [`Hooked`] backend. `op` is the name of the
@@ -137,9 +137,17 @@ impl Answer for bool {}
 impl Answer for Vec<Lease> {}
 impl Answer for Vec<String> {}
 impl Answer for Option<Lease> {}
+impl Answer for LeaderItem {}
+impl Answer for Option<LeaderItem> {}
 
 #[async_trait]
 impl<H: Hooks> LeaseStore for HookedStore<H> {
+    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
+        Some(Arc::new(HookedState {
+            inner: self.inner.coordinator_state()?,
+            hooks: self.hooks.clone(),
+        }))
+    }
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.call("ensure_table", None, self.inner.ensure_table())
             .await
@@ -233,6 +241,61 @@ impl<H: Hooks> LeaseStore for HookedStore<H> {
             self.inner.record_children(expected, children),
         )
         .await
+    }
+}
+
+/// A coordinator-state table calling the lease hooks around every call of `inner`, as
+/// `leader_get`, `leader_claim`, `leader_renew`, `leader_release` and
+/// `leader_ensure_table` on the item's key.
+pub struct HookedState<H> {
+    pub inner: Arc<dyn CoordinatorState>,
+    pub hooks: Arc<H>,
+}
+
+impl<H: Hooks> HookedState<H> {
+    async fn call<T: Answer>(
+        &self,
+        op: &'static str,
+        key: Option<&str>,
+        call: impl Future<Output = Result<T, LeaseError>>,
+    ) -> Result<T, LeaseError> {
+        self.hooks.before_lease(op, key).await?;
+        let result = call.await;
+        self.hooks.after_lease(op, key, None).await;
+        result
+    }
+}
+
+#[async_trait]
+impl<H: Hooks> CoordinatorState for HookedState<H> {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.call("leader_ensure_table", None, self.inner.ensure_table())
+            .await
+    }
+    async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {
+        self.call("leader_get", Some(key), self.inner.get(key))
+            .await
+    }
+    async fn claim(
+        &self,
+        key: &str,
+        seen: Option<&LeaderItem>,
+        owner: &str,
+    ) -> Result<LeaderItem, LeaseError> {
+        self.call(
+            "leader_claim",
+            Some(key),
+            self.inner.claim(key, seen, owner),
+        )
+        .await
+    }
+    async fn renew(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        self.call("leader_renew", Some(&held.key), self.inner.renew(held))
+            .await
+    }
+    async fn release(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        self.call("leader_release", Some(&held.key), self.inner.release(held))
+            .await
     }
 }
 

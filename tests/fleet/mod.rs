@@ -83,6 +83,9 @@ pub struct Running {
     /// (worker id, lease key): that worker's renewals of that lease time out (a row
     /// whose renewals fail while the worker's others land).
     pub failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
+    /// Worker ids whose writes of the leader item (takes, renewals) time out, while
+    /// their lease writes land.
+    pub failing_leader_writes: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -103,6 +106,7 @@ struct Killable {
     worker: String,
     calls: Arc<Mutex<Vec<Call>>>,
     failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
+    failing_leader_writes: Arc<Mutex<Vec<String>>>,
 }
 
 #[async_trait]
@@ -125,6 +129,13 @@ impl Hooks for Killable {
                     .iter()
                     .any(|(w, f)| *w == self.worker && f == k)
             });
+        let failing = failing
+            || (matches!(op, "leader_claim" | "leader_renew")
+                && self
+                    .failing_leader_writes
+                    .lock()
+                    .unwrap()
+                    .contains(&self.worker));
         if failing {
             return Err(LeaseError::TimedOut {
                 op,
@@ -191,6 +202,7 @@ pub async fn start(fleet: Fleet) -> Running {
         put,
         calls: Arc::default(),
         failing_renewals: Arc::default(),
+        failing_leader_writes: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -246,6 +258,7 @@ impl Running {
                         worker: id.clone(),
                         calls: self.calls.clone(),
                         failing_renewals: self.failing_renewals.clone(),
+                        failing_leader_writes: self.failing_leader_writes.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
@@ -322,6 +335,48 @@ impl Running {
         }
         worker.dead.store(true, Ordering::SeqCst);
         held
+    }
+
+    /// Stops the workers `which` gracefully all at once (a deploy stopping several
+    /// pods together) and waits until each stopped; returns the leases they held when
+    /// asked to stop.
+    pub async fn stop_workers(&mut self, which: &[usize]) -> Vec<String> {
+        let mut held = Vec::new();
+        for &i in which {
+            let prefix = format!("{}#", self.workers[i].id);
+            held.extend(
+                self.memory
+                    .table(GROUP)
+                    .rows()
+                    .into_iter()
+                    .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+                    .map(|r| r.key),
+            );
+            self.workers[i].shutdown.shutdown();
+        }
+        for &i in which {
+            let worker = &mut self.workers[i];
+            match (&mut worker.task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {} failed: {e}", worker.id),
+                Err(e) => panic!("worker {} panicked: {e}", worker.id),
+            }
+            worker.dead.store(true, Ordering::SeqCst);
+        }
+        held
+    }
+
+    /// The index of the worker that holds the group's leader item, if any.
+    pub fn leader(&self) -> Option<usize> {
+        let item = self
+            .memory
+            .table(GROUP)
+            .coordinator()
+            .item(shardflow::lease::LEADER_KEY)?;
+        let owner = item.owner?;
+        self.workers
+            .iter()
+            .position(|w| owner.starts_with(&format!("{}#", w.id)))
     }
 
     /// Waits until every shard of `gone` delivered a record after `since`; the time that

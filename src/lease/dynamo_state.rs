@@ -1,0 +1,296 @@
+//! The coordinator-state table in DynamoDB: where [`DynamoLeaseStore`](super::dynamo::DynamoLeaseStore)
+//! keeps the leader items of its lease table (see [`super::leader`]), in a table of its
+//! own named `<lease table>-coordinator` (as the KCL 3 keeps its leader election in a
+//! `-CoordinatorState` table), so that no KCL worker sharing the lease table lists a
+//! leader item as a shard. Created on demand (on-demand capacity, hash key `key`) like
+//! the lease table.
+//!
+//! | call | write (condition: the item as last seen) |
+//! |---|---|
+//! | `claim` | `SET leaderOwner = me, leaderCounter = seen + 1` if `leaderCounter = seen` (and `leaderOwner` as seen), or if the item does not exist |
+//! | `renew` | `SET leaderCounter = counter + 1` if `leaderOwner = me AND leaderCounter = counter` |
+//! | `release` | `SET leaderCounter = counter + 1 REMOVE leaderOwner`, same condition |
+//!
+//! `get` is eventually consistent (half a read unit): a stale answer can only delay
+//! seeing the counter move, and a take-over decided on it fails its condition.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+    ScalarAttributeType, TableStatus,
+};
+
+use super::dynamo::{classify, ACTIVE_WAIT};
+use super::leader::{CoordinatorState, LeaderItem};
+use super::LeaseError;
+use crate::backoff::DeadlinePoll;
+
+/// The hash key of the coordinator-state table.
+const KEY: &str = "key";
+/// The leader's owner string (absent once released).
+const OWNER: &str = "leaderOwner";
+/// The fencing token.
+const COUNTER: &str = "leaderCounter";
+
+/// The name of the coordinator-state table beside the lease table `lease_table`.
+pub fn coordinator_table(lease_table: &str) -> String {
+    format!("{lease_table}-coordinator")
+}
+
+/// Leader items in the DynamoDB table `<lease table>-coordinator`.
+pub struct DynamoCoordinatorState {
+    client: aws_sdk_dynamodb::Client,
+    table: String,
+}
+
+impl DynamoCoordinatorState {
+    /// The coordinator-state table beside the lease table `lease_table`.
+    pub fn new(client: aws_sdk_dynamodb::Client, lease_table: &str) -> Self {
+        DynamoCoordinatorState {
+            client,
+            table: coordinator_table(lease_table),
+        }
+    }
+
+    /// The table's status, or `None` when it does not exist.
+    async fn status(&self) -> Result<Option<TableStatus>, LeaseError> {
+        match self
+            .client
+            .describe_table()
+            .table_name(&self.table)
+            .send()
+            .await
+        {
+            Ok(out) => Ok(out.table.and_then(|t| t.table_status)),
+            Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
+            Err(e) => Err(classify(&self.table, "DescribeTable", None, e)),
+        }
+    }
+
+    /// Creates the table (on-demand capacity); a concurrent creation is not an error.
+    async fn create_table(&self) -> Result<(), LeaseError> {
+        let build_error = |e: aws_sdk_dynamodb::error::BuildError| {
+            LeaseError::Other(format!("CreateTable: {}", DisplayErrorContext(&e)).into())
+        };
+        let result = self
+            .client
+            .create_table()
+            .table_name(&self.table)
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name(KEY)
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .map_err(build_error)?,
+            )
+            .key_schema(
+                KeySchemaElement::builder()
+                    .attribute_name(KEY)
+                    .key_type(KeyType::Hash)
+                    .build()
+                    .map_err(build_error)?,
+            )
+            .billing_mode(BillingMode::PayPerRequest)
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::info!(table = %self.table, "created the coordinator-state table");
+                Ok(())
+            }
+            Err(e) if e.code() == Some("ResourceInUseException") => Ok(()),
+            Err(e) => Err(classify(&self.table, "CreateTable", None, e)),
+        }
+    }
+
+    /// A conditional UpdateItem of the item `key`, returning the item as written.
+    async fn update(
+        &self,
+        op: &str,
+        key: &str,
+        update: &str,
+        condition: &str,
+        values: Vec<(&str, AttributeValue)>,
+    ) -> Result<LeaderItem, LeaseError> {
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(key.to_owned()))
+            .update_expression(update)
+            .condition_expression(condition)
+            .expression_attribute_names("#owner", OWNER)
+            .expression_attribute_names("#counter", COUNTER)
+            .return_values(aws_sdk_dynamodb::types::ReturnValue::AllNew);
+        if condition.contains("#key") {
+            request = request.expression_attribute_names("#key", KEY);
+        }
+        for (name, value) in values {
+            request = request.expression_attribute_values(name, value);
+        }
+        let out = request
+            .send()
+            .await
+            .map_err(|e| classify(&self.table, op, Some(key), e))?;
+        item_of(key, &out.attributes.unwrap_or_default())
+    }
+}
+
+/// The leader item stored as `item` under `key`.
+fn item_of(key: &str, item: &HashMap<String, AttributeValue>) -> Result<LeaderItem, LeaseError> {
+    let counter = match item.get(COUNTER) {
+        Some(AttributeValue::N(n)) => n
+            .parse()
+            .map_err(|e| LeaseError::Corrupt(format!("leader item {key}: {COUNTER} {n:?}: {e}")))?,
+        _ => {
+            return Err(LeaseError::Corrupt(format!(
+                "leader item {key}: no {COUNTER}"
+            )))
+        }
+    };
+    let owner = match item.get(OWNER) {
+        Some(AttributeValue::S(o)) if !o.is_empty() => Some(o.clone()),
+        _ => None,
+    };
+    Ok(LeaderItem {
+        key: key.to_owned(),
+        owner,
+        counter,
+    })
+}
+
+#[async_trait]
+impl CoordinatorState for DynamoCoordinatorState {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        let mut poll = DeadlinePoll::new(
+            ACTIVE_WAIT,
+            std::time::Duration::from_millis(25),
+            std::time::Duration::from_millis(250),
+        );
+        let mut created = false;
+        loop {
+            match self.status().await {
+                Ok(Some(TableStatus::Active | TableStatus::Updating)) => return Ok(()),
+                Ok(None) if !created => {
+                    self.create_table().await?;
+                    created = true;
+                    continue;
+                }
+                // Being created (by us or a peer), or not visible yet right after creation.
+                Ok(_) | Err(LeaseError::Throttled(_)) => {}
+                Err(e) => return Err(e),
+            }
+            if !poll.pause().await {
+                return Err(LeaseError::Other(
+                    format!(
+                        "coordinator-state table {} not ACTIVE after {} s",
+                        self.table,
+                        ACTIVE_WAIT.as_secs()
+                    )
+                    .into(),
+                ));
+            }
+        }
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(KEY, AttributeValue::S(key.to_owned()))
+            .send()
+            .await
+            .map_err(|e| classify(&self.table, "GetItem", Some(key), e))?;
+        out.item.map(|item| item_of(key, &item)).transpose()
+    }
+
+    async fn claim(
+        &self,
+        key: &str,
+        seen: Option<&LeaderItem>,
+        owner: &str,
+    ) -> Result<LeaderItem, LeaseError> {
+        let me = AttributeValue::S(owner.to_owned());
+        match seen {
+            None => {
+                self.update(
+                    "UpdateItem",
+                    key,
+                    "SET #owner = :me, #counter = :one",
+                    "attribute_not_exists(#key)",
+                    vec![(":me", me), (":one", AttributeValue::N("1".into()))],
+                )
+                .await
+            }
+            Some(seen) => {
+                let counter = AttributeValue::N(seen.counter.to_string());
+                let next = AttributeValue::N(seen.counter.saturating_add(1).to_string());
+                let (condition, mut values) = match &seen.owner {
+                    Some(old) => (
+                        "#counter = :seen AND #owner = :old",
+                        vec![(":old", AttributeValue::S(old.clone()))],
+                    ),
+                    None => (
+                        "#counter = :seen AND attribute_not_exists(#owner)",
+                        Vec::new(),
+                    ),
+                };
+                values.extend([(":me", me), (":seen", counter), (":next", next)]);
+                self.update(
+                    "UpdateItem",
+                    key,
+                    "SET #owner = :me, #counter = :next",
+                    condition,
+                    values,
+                )
+                .await
+            }
+        }
+    }
+
+    async fn renew(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        let Some(owner) = &held.owner else {
+            return Err(LeaseError::Conflict(held.key.clone()));
+        };
+        self.update(
+            "UpdateItem",
+            &held.key,
+            "SET #counter = :next",
+            "#owner = :me AND #counter = :seen",
+            vec![
+                (":me", AttributeValue::S(owner.clone())),
+                (":seen", AttributeValue::N(held.counter.to_string())),
+                (
+                    ":next",
+                    AttributeValue::N(held.counter.saturating_add(1).to_string()),
+                ),
+            ],
+        )
+        .await
+    }
+
+    async fn release(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        let Some(owner) = &held.owner else {
+            return Err(LeaseError::Conflict(held.key.clone()));
+        };
+        self.update(
+            "UpdateItem",
+            &held.key,
+            "SET #counter = :next REMOVE #owner",
+            "#owner = :me AND #counter = :seen",
+            vec![
+                (":me", AttributeValue::S(owner.clone())),
+                (":seen", AttributeValue::N(held.counter.to_string())),
+                (
+                    ":next",
+                    AttributeValue::N(held.counter.saturating_add(1).to_string()),
+                ),
+            ],
+        )
+        .await
+    }
+}
