@@ -142,6 +142,8 @@ struct Worker {
     stream_mode: bool,
     /// Its `Run` future was dropped (the task aborted) without a shutdown.
     dropped: bool,
+    /// Its handler may hang for good (and the worker then be killed).
+    hangs_for_good: bool,
 }
 
 /// What the progress invariant sees of a worker: whether it lives, and its health as
@@ -450,7 +452,7 @@ impl Sim {
             let record = self.rng.gen_range(1..150);
             let for_good = self.rng.gen_bool(0.3);
             let millis = STUCK_AFTER.as_millis() as u64;
-            let pause = Duration::from_millis(self.rng.gen_range(millis / 2..millis * 4));
+            let pause = Duration::from_millis(self.rng.gen_range(millis / 2..millis * 6));
             Some((record, (!for_good).then_some(pause)))
         } else {
             None
@@ -505,6 +507,7 @@ impl Sim {
             left: false,
             stream_mode,
             dropped: false,
+            hangs_for_good: matches!(hang, Some((_, None))),
         });
     }
 
@@ -608,7 +611,7 @@ impl Sim {
         let runners = self
             .workers
             .iter()
-            .filter(|w| w.alive() && !w.stream_mode)
+            .filter(|w| w.alive() && !w.stream_mode && !w.hangs_for_good)
             .count();
         if runners == 0 || self.alive().is_empty() {
             self.join("w-final".into(), false);
@@ -969,7 +972,8 @@ fn handler(
                     }
                     None => {
                         log.note(format!("{what} for good"));
-                        let (log, control) = (log.clone(), control.clone());
+                        let (log, control, incarnation) =
+                            (log.clone(), control.clone(), incarnation.clone());
                         tokio::spawn(async move {
                             tokio::time::sleep(HUNG_FOR_GOOD).await;
                             if !control.is_dead() {
