@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::consumer::read_ahead::ReadAheadShare;
 use crate::lease::{Checkpoint, HeldLease};
@@ -54,6 +55,13 @@ pub(crate) struct Watermark {
     pending: VecDeque<Unit>,
     acked: Checkpoint,
     generation: u64,
+    /// Since when records have been waiting to be handled without the handled position
+    /// moving (see [`ShardProgress::waiting_since`]); `None` while nothing waits.
+    waiting_since: Option<Instant>,
+    /// The handler's last error since the handled position last moved.
+    reason: Option<String>,
+    /// The count of [`ShardProgress::handled`] the last look at `waiting_since` saw.
+    seen_handled: u64,
 }
 
 impl Watermark {
@@ -64,6 +72,9 @@ impl Watermark {
             pending: VecDeque::new(),
             acked: start,
             generation: 0,
+            waiting_since: None,
+            reason: None,
+            seen_handled: 0,
         }
     }
 
@@ -71,6 +82,9 @@ impl Watermark {
     /// shard order.
     pub(crate) fn register(&mut self, last: Mark, done: bool) -> u64 {
         let id = self.front_id + self.pending.len() as u64;
+        if !done && self.waiting_since.is_none() {
+            self.waiting_since = Some(Instant::now());
+        }
         self.pending.push_back(Unit {
             last,
             done,
@@ -131,7 +145,28 @@ impl Watermark {
                 self.acked = Checkpoint::At(p);
             }
         }
-        before != self.acked
+        let moved = before != self.acked;
+        if moved {
+            // Progress: what still waits has waited from now on.
+            self.reason = None;
+            self.waiting_since = if self.pending.is_empty() {
+                None
+            } else {
+                Some(Instant::now())
+            };
+        }
+        moved
+    }
+
+    /// A read found nothing new: when no delivered unit is pending either, nothing waits
+    /// to be handled (a restart after a failure forgets its units but not that records
+    /// wait: only this, or the handled position moving, ends the wait).
+    /// Returns whether nothing waits.
+    pub(crate) fn idle(&mut self) -> bool {
+        if self.pending.is_empty() {
+            self.waiting_since = None;
+        }
+        self.waiting_since.is_none()
     }
 
     /// Marks a unit given up: not handled (beyond any `ack_through`), never going to be.
@@ -250,6 +285,9 @@ pub(crate) struct ShardProgress {
     /// The shard's lease and how old its last renewal may be when a batch starts.
     lease: Arc<HeldLease>,
     fresh_for: Duration,
+    /// Records a sequential handler finished inside batches not yet acknowledged whole:
+    /// progress that the watermark only sees at the batch's end.
+    handled: AtomicU64,
 }
 
 impl std::fmt::Debug for ShardProgress {
@@ -274,7 +312,37 @@ impl ShardProgress {
             generation: AtomicU64::new(0),
             lease,
             fresh_for,
+            handled: AtomicU64::new(0),
         })
+    }
+
+    /// Since when records have been waiting to be handled with no progress: read and
+    /// delivered (to a handler, or queued for one) and neither the handled position
+    /// moved nor a record of an open batch finished since. `None` while nothing waits.
+    /// A restart after a handler failure does not end the wait: the failed records
+    /// still wait.
+    pub(crate) fn waiting_since(&self) -> Option<Instant> {
+        let handled = self.handled.load(Ordering::Relaxed);
+        let mut w = self.lock();
+        if handled != w.seen_handled {
+            // A record finished since the last look: it counts as progress now, which
+            // is never earlier than when it happened.
+            w.seen_handled = handled;
+            if w.waiting_since.is_some() {
+                w.waiting_since = Some(Instant::now());
+            }
+        }
+        w.waiting_since
+    }
+
+    /// The handler's last error since the handled position last moved.
+    pub(crate) fn reason(&self) -> Option<String> {
+        self.lock().reason.clone()
+    }
+
+    /// A read found nothing new; returns whether nothing waits (see [`Watermark::idle`]).
+    pub(crate) fn idle(&self) -> bool {
+        self.lock().idle()
     }
 
     /// Stops (or resumes) the start of new work on delivered batches.
@@ -415,6 +483,19 @@ impl AckHandle {
         self.release_read_ahead();
         self.progress.lock().abandon(self.id, self.generation);
         self.progress.changed.notify_one();
+    }
+
+    /// One record of the batch is handled (the batch is acknowledged when all are): the
+    /// shard is making progress even while the watermark waits for the batch's end.
+    pub(crate) fn record_handled(&self) {
+        self.progress.handled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// [`AckHandle::nack`] because the handler failed with `error`: kept as the reason
+    /// the shard makes no progress until its handled position moves again.
+    pub(crate) fn nack_because(&self, error: &str) {
+        self.progress.lock().reason = Some(error.to_owned());
+        self.nack();
     }
 
     /// The batch failed: whatever of it was not acknowledged (see

@@ -52,6 +52,9 @@ pub const LEASES_HELD: &str = "shardflow_leases_held";
 /// Gauge: records delivered to handlers (or the stream) and neither acknowledged nor
 /// given up yet.
 pub const RECORDS_IN_FLIGHT: &str = "shardflow_records_in_flight";
+/// Gauge: shards of this worker that are stuck (records handed out and none handled
+/// for `stuck_after`; see [`ShardHealth::stuck_for`](crate::consumer::ShardHealth::stuck_for)).
+pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
 
 /// A lease event, the `event` label of [`LEASE_EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +160,7 @@ impl Labels {
             in_flight: self.gauge(RECORDS_IN_FLIGHT),
             iterator_renewals: self.counter(ITERATOR_RENEWALS),
             retries: self.counter(HANDLER_RETRIES),
+            stuck: self.gauge(SHARDS_STUCK),
         })
     }
 }
@@ -171,6 +175,8 @@ pub(crate) struct ShardMetrics {
     in_flight: Gauge,
     pub(crate) iterator_renewals: Counter,
     pub(crate) retries: Counter,
+    /// The worker's count of stuck shards ([`SHARDS_STUCK`]).
+    pub(crate) stuck: Gauge,
 }
 
 impl ShardMetrics {

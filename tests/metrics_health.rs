@@ -232,7 +232,7 @@ fn health_says_when_shards_fail_and_when_the_lease_table_is_out_of_reach() {
         assert!(!health.is_ready(), "{health:?}");
         assert_eq!(
             health.shards[0].last_error.as_deref(),
-            Some("a handler failed")
+            Some("downstream is down")
         );
 
         broken.store(false, Ordering::SeqCst);

@@ -75,6 +75,19 @@ pub const DEFAULT_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
 /// behind (a full page, or `MillisBehindLatest` above zero) is read again at once.
 pub const DEFAULT_IDLE_READ_INTERVAL: Duration = Duration::from_secs(1);
 
+/// The default [`stuck_after`](ConsumerBuilder::stuck_after): 90 s. Longer than what a
+/// healthy handler takes on one record, including a retry layer's backoff over several
+/// attempts and a dead-letter write after it (tens of seconds at most), and than the
+/// default shutdown timeout (30 s), so a slow but working handler never makes a
+/// readiness probe flap; short enough that a hung handler or a record that can never be
+/// handled is reported within two minutes, well before a backlog of a busy shard grows
+/// out of hand.
+pub const DEFAULT_STUCK_AFTER: Duration = Duration::from_secs(90);
+
+/// The longest [`stuck_after`](ConsumerBuilder::stuck_after) allowed: a shard making no
+/// progress for longer than this must be reported.
+pub const MAX_STUCK_AFTER: Duration = Duration::from_secs(300);
+
 impl Default for CheckpointPolicy {
     fn default() -> Self {
         CheckpointPolicy::Interval(DEFAULT_CHECKPOINT_INTERVAL)
@@ -205,6 +218,8 @@ pub struct Config {
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) shutdown_timeout: Duration,
+    /// Records waiting this long with none handled make the shard stuck.
+    pub(crate) stuck_after: Duration,
     pub(crate) lease_call_timeout: Duration,
     pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
@@ -309,6 +324,7 @@ pub struct ConsumerBuilder {
     retry_min: Duration,
     retry_max: Duration,
     shutdown_timeout: Duration,
+    stuck_after: Duration,
     lease_call_timeout: Option<Duration>,
     read_call_timeout: Duration,
     seed: Option<u64>,
@@ -343,6 +359,7 @@ impl Default for ConsumerBuilder {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(30),
+            stuck_after: DEFAULT_STUCK_AFTER,
             lease_call_timeout: None,
             read_call_timeout: Duration::from_secs(10),
             seed: None,
@@ -545,6 +562,22 @@ impl ConsumerBuilder {
     /// anyway (default 30 s).
     pub fn shutdown_timeout(mut self, d: Duration) -> Self {
         self.shutdown_timeout = d;
+        self
+    }
+
+    /// How long a shard may have records handed out (delivered to a handler, queued for
+    /// one, or given to a `stream()` user and not acknowledged) with none of them handled
+    /// before it is stuck (default [`DEFAULT_STUCK_AFTER`], at most
+    /// [`MAX_STUCK_AFTER`]). A stuck shard shows in
+    /// [`ShardHealth::stuck_for`](super::ShardHealth::stuck_for), makes the worker not
+    /// ready, sends [`ShardEvent::Stuck`](super::ShardEvent::Stuck) once, and counts in
+    /// the `shardflow_shards_stuck` gauge, until a record is handled again
+    /// ([`ShardEvent::Unstuck`](super::ShardEvent::Unstuck)). A busy shard whose records
+    /// are handled slowly is not stuck: one handled record is progress (with
+    /// `run_batches` and `stream()`, one acknowledged batch), so this must be longer than
+    /// the longest single call (or batch) a healthy handler takes, retries included.
+    pub fn stuck_after(mut self, d: Duration) -> Self {
+        self.stuck_after = d;
         self
     }
 
@@ -866,6 +899,16 @@ impl ConsumerBuilder {
             }
             Some(d) => positive("handoff_timeout", d)?,
         };
+        let stuck_after = positive("stuck_after", self.stuck_after)?;
+        if stuck_after > MAX_STUCK_AFTER {
+            return Err(ConfigError::Invalid {
+                field: "stuck_after",
+                reason: format!(
+                    "{stuck_after:?} is longer than the limit of {MAX_STUCK_AFTER:?}: a shard \
+                     that handles nothing for longer must be reported"
+                ),
+            });
+        }
         Ok(Config {
             stream,
             streams,
@@ -889,6 +932,7 @@ impl ConsumerBuilder {
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
             shutdown_timeout,
+            stuck_after,
             lease_call_timeout,
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
@@ -956,6 +1000,12 @@ mod tests {
             field(base().shutdown_timeout(Duration::MAX)),
             "shutdown_timeout"
         );
+        assert_eq!(field(base().stuck_after(Duration::ZERO)), "stuck_after");
+        assert_eq!(
+            field(base().stuck_after(MAX_STUCK_AFTER + Duration::from_millis(1))),
+            "stuck_after"
+        );
+        assert_eq!(field(base().stuck_after(MAX_STUCK_AFTER)), "accepted");
         assert_eq!(
             field(base().lease_duration(Duration::MAX)),
             "lease_duration"

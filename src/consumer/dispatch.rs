@@ -51,7 +51,10 @@ pub(crate) async fn records<S>(
                 Err(e) => Err(e),
             };
             match result {
-                Ok(_) => handled = Some(position),
+                Ok(_) => {
+                    ack.record_handled();
+                    handled = Some(position);
+                }
                 Err(e) => {
                     outcome = Err(Some((position, e.to_string())));
                     break;
@@ -67,7 +70,7 @@ pub(crate) async fn records<S>(
                 ack.abandon();
                 if let Some((position, error)) = failure {
                     tracing::warn!(shard = %batch.shard_id, sequence = %position, %error, "handler failed; the shard restarts from its checkpoint");
-                    ack.nack();
+                    ack.nack_because(&error);
                     events.emit(|| ShardEvent::HandlerFailed {
                         shard: events.shard_name(&batch.stream, &batch.shard_id),
                         sequence_number: Some(position.sequence.clone()),
@@ -109,12 +112,13 @@ pub(crate) async fn batches<S>(
             Ok(_) => ack.ack(),
             Err(error) => {
                 tracing::warn!(%shard, %error, "batch handler failed; the shard restarts from its checkpoint");
+                let error = error.to_string();
                 ack.abandon();
-                ack.nack();
+                ack.nack_because(&error);
                 events.emit(|| ShardEvent::HandlerFailed {
                     shard: shard.to_string(),
                     sequence_number: None,
-                    error: error.to_string(),
+                    error,
                 });
             }
         }
@@ -421,7 +425,7 @@ impl Window {
         if let Some((ack, position, error)) = halt.failure {
             let sequence = position.as_ref().map(|p| p.to_string()).unwrap_or_default();
             tracing::warn!(%shard, %sequence, %error, "handler failed; the shard restarts from its checkpoint");
-            ack.nack();
+            ack.nack_because(&error);
             events.emit(|| ShardEvent::HandlerFailed {
                 shard: shard.to_owned(),
                 sequence_number: position.map(|p| p.sequence.clone()),

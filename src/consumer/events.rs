@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::sequence::SequenceNumber;
 
@@ -60,6 +61,30 @@ pub enum ShardEvent {
         /// The handler's error, as text.
         error: String,
     },
+    /// Records of the shard were handed out (to a handler, queued for one, or to a
+    /// `stream()` user) and none was handled for
+    /// [`stuck_after`](super::ConsumerBuilder::stuck_after): a hung handler, a record
+    /// the handler fails on every time, a batch held unacknowledged. Sent once; the
+    /// shard shows in [`ShardHealth::stuck_for`](super::ShardHealth::stuck_for) and the
+    /// worker is not ready until [`ShardEvent::Unstuck`].
+    Stuck {
+        /// The shard.
+        shard: String,
+        /// How long its records have waited with none handled.
+        waited: Duration,
+        /// The handler's last error since the shard last made progress, when one
+        /// failed (for example a dead-letter sink refusing the record); `None` when a
+        /// call or a held batch has not returned.
+        reason: Option<String>,
+    },
+    /// A stuck shard makes progress again: a record was handled, or nothing waits any
+    /// more. A stuck shard that is released or lost instead sends only that event.
+    Unstuck {
+        /// The shard.
+        shard: String,
+        /// How long it was stuck for.
+        stuck_for: Duration,
+    },
 }
 
 type Hook = Arc<dyn Fn(&ShardEvent) + Send + Sync>;
@@ -113,7 +138,9 @@ impl ShardEvent {
             | ShardEvent::HandedOff { shard, .. }
             | ShardEvent::Released { shard }
             | ShardEvent::ShardEnded { shard }
-            | ShardEvent::HandlerFailed { shard, .. } => shard,
+            | ShardEvent::HandlerFailed { shard, .. }
+            | ShardEvent::Stuck { shard, .. }
+            | ShardEvent::Unstuck { shard, .. } => shard,
         };
         *shard = format!("{stream}/{shard}");
         event

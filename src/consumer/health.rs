@@ -1,5 +1,6 @@
 //! The worker's health signal for liveness and readiness probes: whether it still talks
-//! to its lease table (renewals, lease rounds) and whether its shards advance or fail.
+//! to its lease table (renewals, lease rounds) and whether its shards advance, fail or
+//! are stuck.
 //! [`Running::health`](super::Running::health) and
 //! [`BatchStream::health`](super::BatchStream::health) return a [`Health`] snapshot.
 
@@ -8,6 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::ack::ShardProgress;
 
 /// How many failures in a row (reads or handler calls, nothing succeeding in between)
 /// make a shard count as failing.
@@ -19,9 +22,10 @@ pub const FAILING_AFTER: u32 = 3;
 ///   lease round succeeded) within the lease duration. A worker that is not live has
 ///   lost, or is about to lose, every lease: restart it.
 /// * ready ([`Health::is_ready`]): live, started (its first lease round succeeded), and
-///   none of its shards is failing ([`ShardHealth::failing`]). Not ready is a reason to
-///   look, not always to restart: a poison record keeps its shard failing until the
-///   handler accepts it.
+///   none of its shards is failing ([`ShardHealth::failing`]) or stuck
+///   ([`ShardHealth::stuck_for`]). Not ready is a reason to look, not always to restart:
+///   a poison record keeps its shard failing until the handler accepts it, and a hung
+///   handler keeps it stuck until the call returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Health {
@@ -46,11 +50,20 @@ pub struct ShardHealth {
     /// The shard id; `stream/shardId` in multi-stream mode
     /// ([`ConsumerBuilder::streams`](super::ConsumerBuilder::streams)).
     pub shard_id: String,
-    /// How long ago the shard last made progress: its checkpoint was written (records
-    /// were handled) or a read found nothing new (caught up with the tip); before the
-    /// first, since the lease was taken. A shard whose handler hangs, or that reads
-    /// records its handler keeps failing, makes none.
+    /// How long ago the shard last made progress. A shard makes progress when its
+    /// handled position moves (a record or batch is handled and acknowledged), and
+    /// while nothing waits to be handled (every record read is acknowledged: zero for an
+    /// idle shard caught up with the tip). A shard whose handler hangs, whose handler
+    /// keeps failing on a record, or whose `stream()` batches are held unacknowledged,
+    /// makes none. Before its first read, the time since the lease was taken.
     pub progress_ago: Duration,
+    /// How long the shard has been stuck: records were handed out (delivered to a
+    /// handler, queued for one, or given to a `stream()` user) and none was handled for
+    /// at least [`stuck_after`](super::ConsumerBuilder::stuck_after); `None` when it is
+    /// not. `last_error` then says why when a handler failed (for example a dead-letter
+    /// sink that keeps refusing the record); without an error, a handler call or a held
+    /// batch has not returned. A stuck shard makes the worker not ready.
+    pub stuck_for: Option<Duration>,
     /// Failures in a row (reads that failed, restarts after a handler error), reset by
     /// progress.
     pub failures_in_a_row: u32,
@@ -72,10 +85,11 @@ impl Health {
             .is_some_and(|ago| ago < self.lease_duration)
     }
 
-    /// Live, started, no shard failing and no stream left out after an error.
+    /// Live, started, no shard failing or stuck and no stream left out after an error.
     pub fn is_ready(&self) -> bool {
         self.is_live()
             && !self.shards.iter().any(ShardHealth::failing)
+            && !self.shards.iter().any(|s| s.stuck_for.is_some())
             && self.failed_streams.is_empty()
     }
 }
@@ -83,6 +97,8 @@ impl Health {
 #[derive(Debug)]
 struct ShardState {
     progress_at: Instant,
+    /// The shard's watermark once it reads (see [`HealthState::watch`]).
+    watermark: Option<Arc<ShardProgress>>,
     failures: u32,
     last_error: Option<String>,
 }
@@ -100,15 +116,18 @@ pub(crate) struct HealthState {
     /// Shared by the views of a multi-stream consumer's streams (see `for_stream`).
     state: Arc<Mutex<State>>,
     lease_duration: Duration,
+    /// How long records may wait with none handled before the shard is stuck.
+    stuck_after: Duration,
     /// `stream/` in one stream's view of a multi-stream consumer's health.
     prefix: Option<Arc<str>>,
 }
 
 impl HealthState {
-    pub(crate) fn new(lease_duration: Duration) -> Arc<Self> {
+    pub(crate) fn new(lease_duration: Duration, stuck_after: Duration) -> Arc<Self> {
         Arc::new(HealthState {
             state: Arc::default(),
             lease_duration,
+            stuck_after,
             prefix: None,
         })
     }
@@ -119,6 +138,7 @@ impl HealthState {
         Arc::new(HealthState {
             state: self.state.clone(),
             lease_duration: self.lease_duration,
+            stuck_after: self.stuck_after,
             prefix: Some(format!("{stream}/").into()),
         })
     }
@@ -147,6 +167,7 @@ impl HealthState {
             self.name(shard),
             ShardState {
                 progress_at: Instant::now(),
+                watermark: None,
                 failures: 0,
                 last_error: None,
             },
@@ -158,7 +179,23 @@ impl HealthState {
         self.lock().shards.remove(&self.name(shard));
     }
 
-    /// `shard`'s checkpoint was written, or a read of it found nothing new.
+    /// `shard` reads: its progress is measured on `watermark` from now on.
+    pub(crate) fn watch(&self, shard: &str, watermark: Arc<ShardProgress>) {
+        if let Some(s) = self.lock().shards.get_mut(&self.name(shard)) {
+            s.watermark = Some(watermark);
+        }
+    }
+
+    /// How long `shard`'s records have waited with none handled, when that is at least
+    /// the stuck threshold.
+    pub(crate) fn stuck_for(&self, waiting_since: Option<Instant>) -> Option<Duration> {
+        waiting_since
+            .map(|t| t.elapsed())
+            .filter(|waited| *waited >= self.stuck_after)
+    }
+
+    /// `shard`'s checkpoint was written, or a read of it found nothing new with nothing
+    /// waiting to be handled.
     pub(crate) fn progress(&self, shard: &str) {
         if let Some(s) = self.lock().shards.get_mut(&self.name(shard)) {
             s.progress_at = Instant::now();
@@ -195,12 +232,18 @@ impl HealthState {
             shards: state
                 .shards
                 .iter()
-                .map(|(id, s)| ShardHealth {
+                .map(|(id, s)| {
+                    let waiting_since = s.watermark.as_ref().map(|w| w.waiting_since());
+                    ShardHealth {
                     shard_id: id.to_string(),
-                    progress_ago: s.progress_at.elapsed(),
+                    progress_ago: match waiting_since {
+                        None => s.progress_at.elapsed(),
+                        Some(since) => since.map_or(Duration::ZERO, |t| t.elapsed()),
+                    },
+                    stuck_for: self.stuck_for(waiting_since.flatten()),
                     failures_in_a_row: s.failures,
                     last_error: s.last_error.clone(),
-                })
+                }})
                 .collect(),
             failed_streams: state
                 .failed_streams

@@ -71,6 +71,7 @@ use crate::message::{Batch, Message};
 pub use config::{
     CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
     DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
+    DEFAULT_STUCK_AFTER, MAX_STUCK_AFTER,
 };
 use coordinator::{Sink, SpawnDispatch};
 pub use events::ShardEvent;

@@ -369,8 +369,11 @@ impl ShardReader {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
         }
         let Some(last) = messages.last() else {
-            // Caught up (or only records already handled): the shard is healthy.
-            self.health.progress(&self.shard_id);
+            // Caught up (or only records already handled): the shard is healthy, unless
+            // what it handed out before still waits to be handled.
+            if self.progress.idle() {
+                self.health.progress(&self.shard_id);
+            }
             return Flow::NothingNew;
         };
         // After a pause longer than the renewal margin the lease may already be

@@ -1,8 +1,9 @@
 //! One owned shard: runs its reader, commits the watermark (fenced by the lease), restarts
-//! from the watermark after a handler failure, and drains on stop.
+//! from the watermark after a handler failure, drains on stop, and says when it is stuck
+//! (records handed out and none handled for `stuck_after`).
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -13,9 +14,10 @@ use crate::backoff::Backoff;
 use crate::kinesis::KinesisApi;
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
-use crate::metrics::Labels;
+use crate::metrics::{Labels, ShardMetrics};
 
 use super::config::{CheckpointPolicy, Config, InitialPosition};
+use super::events::ShardEvent;
 use super::health::HealthState;
 use super::reader::ShardReader;
 
@@ -86,6 +88,16 @@ impl ShardTask {
         );
         let mut committed = start;
         let metrics = self.labels.shard(&shard_id);
+        self.health.watch(&shard_id, progress.clone());
+        let mut stuck = StuckWatch {
+            shard_id: shard_id.clone(),
+            metrics: metrics.clone(),
+            since: None,
+        };
+        // A few looks per threshold: the event follows the health within an eighth of it.
+        let mut stuck_tick =
+            tokio::time::interval((self.config.stuck_after / 8).max(Duration::from_millis(1)));
+        stuck_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let reader = ShardReader {
             metrics: metrics.clone(),
             health: self.health.clone(),
@@ -145,6 +157,9 @@ impl ShardTask {
                             }
                         }
                         _ = progress.changed.notified() => {
+                            if stuck.since.is_some() {
+                                stuck.check(&self, &progress);
+                            }
                             // Only a failure of this generation restarts it; a late one from
                             // before the last restart was already handled by that restart.
                             let current = progress.lock().generation();
@@ -160,6 +175,7 @@ impl ShardTask {
                                 return ShardExit::Ended;
                             }
                         }
+                        _ = stuck_tick.tick() => stuck.check(&self, &progress),
                         _ = commit_tick.tick() => {
                             if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
                             if committed == Checkpoint::ShardEnd {
@@ -187,7 +203,9 @@ impl ShardTask {
                 Interrupt::Stop => return ShardExit::Stopped,
                 Interrupt::Failed => {
                     metrics.retries.increment(1);
-                    self.health.failure(&shard_id, "a handler failed");
+                    let reason = progress.reason();
+                    self.health
+                        .failure(&shard_id, reason.as_deref().unwrap_or("a handler failed"));
                     let delay = failure_backoff.next_delay();
                     tracing::warn!(shard = %shard_id, checkpoint = %committed, ?delay, "a handler failed; reading again from the checkpoint after a pause");
                     tokio::select! {
@@ -318,6 +336,54 @@ impl ShardTask {
                 tracing::warn!(error = %e, "checkpoint write failed; will retry");
                 Ok(())
             }
+        }
+    }
+}
+
+/// Whether a shard is stuck, as last reported (event and gauge): each transition is
+/// reported once. Dropped with the shard task, when a stuck shard stops counting.
+struct StuckWatch {
+    shard_id: Arc<str>,
+    metrics: Arc<ShardMetrics>,
+    /// When the shard was reported stuck; `None` while it is not.
+    since: Option<Instant>,
+}
+
+impl StuckWatch {
+    /// Compares the shard's progress with the threshold and reports a change.
+    fn check(&mut self, task: &ShardTask, progress: &ShardProgress) {
+        let stuck_for = task.health.stuck_for(progress.waiting_since());
+        match (self.since, stuck_for) {
+            (None, Some(waited)) => {
+                let reason = progress.reason();
+                tracing::warn!(shard = %self.shard_id, ?waited, reason = reason.as_deref().unwrap_or("a handler call has not returned"), "shard stuck: records wait and none was handled");
+                self.since = Some(Instant::now());
+                self.metrics.stuck.increment(1.0);
+                task.config.events.emit(|| ShardEvent::Stuck {
+                    shard: self.shard_id.to_string(),
+                    waited,
+                    reason,
+                });
+            }
+            (Some(since), None) => {
+                let stuck_for = since.elapsed();
+                tracing::info!(shard = %self.shard_id, ?stuck_for, "shard makes progress again");
+                self.since = None;
+                self.metrics.stuck.decrement(1.0);
+                task.config.events.emit(|| ShardEvent::Unstuck {
+                    shard: self.shard_id.to_string(),
+                    stuck_for,
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Drop for StuckWatch {
+    fn drop(&mut self) {
+        if self.since.is_some() {
+            self.metrics.stuck.decrement(1.0);
         }
     }
 }

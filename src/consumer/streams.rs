@@ -35,7 +35,7 @@ impl Group {
         sink: Sink,
     ) -> Self {
         Group {
-            health: HealthState::new(config.lease_duration),
+            health: HealthState::new(config.lease_duration, config.stuck_after),
             config,
             kinesis,
             store,

@@ -50,6 +50,9 @@ pub enum Feature {
     StaleListShards,
     /// Calls that never return (cut by the wrapper's generous cap).
     HungCalls,
+    /// `run`-mode handlers that hang on a chosen record: for a while (then finish), or
+    /// for good (then their worker is killed).
+    HungHandler,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -59,7 +62,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 21] = [
+    pub const ALL: [Feature; 22] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -79,6 +82,7 @@ impl Feature {
         Feature::MissingNextIteratorAnywhere,
         Feature::StaleListShards,
         Feature::HungCalls,
+        Feature::HungHandler,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -104,6 +108,7 @@ impl Feature {
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
+            Feature::HungHandler => "hung-handler",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

@@ -2,8 +2,11 @@
 //! "handled before checkpointed" and "delivered in order within a tenure" can be checked.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::SystemTime;
+
+use tokio::time::Instant;
 
 use shardflow::lease::Checkpoint;
 use shardflow::{Message, SequenceNumber};
@@ -66,6 +69,14 @@ pub struct Log {
     /// Takes, renewals and checkpoint writes the store's fencing refused: (tick,
     /// incarnation).
     pub refused: Mutex<Vec<(u64, String)>>,
+    /// When a record of each shard was last handled.
+    pub last_handled: Mutex<HashMap<String, Instant>>,
+    /// (incarnation, shard) pairs reported stuck and not yet unstuck.
+    pub stuck: Mutex<HashSet<(String, String)>>,
+    /// Stuck events sent, over the history.
+    pub stuck_events: AtomicU64,
+    /// Handlers that hung on a record.
+    pub hung_handlers: AtomicU64,
 }
 
 impl Log {
@@ -90,6 +101,10 @@ impl Log {
 
     pub fn handle(&self, incarnation: &str, msg: &Message) {
         let e = self.event(incarnation, msg);
+        self.last_handled
+            .lock()
+            .unwrap()
+            .insert(e.shard.clone(), Instant::now());
         self.handled.lock().unwrap().push(e);
     }
 

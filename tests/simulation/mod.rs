@@ -6,7 +6,11 @@
 //! (TRIM_HORIZON, LATEST, AT_TIMESTAMP); workers in `run` or `stream()` mode joining,
 //! leaving, killed, frozen past their lease and woken, restarted under the same id;
 //! faults on both services (see [`backend`]); workers in multi-stream mode (the KCL's
-//! multi-stream keys). Each part is a [`history::Feature`].
+//! multi-stream keys); handlers that hang on a record. Each part is a
+//! [`history::Feature`].
+//!
+//! Beside the invariants checked at the end ([`invariants`]), one is watched while the
+//! history runs: no shard stalls in silence (see [`watch_progress`]).
 
 pub mod backend;
 pub mod history;
@@ -14,19 +18,20 @@ pub mod invariants;
 pub mod log;
 
 use std::future::IntoFuture;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
-    CheckpointPolicy, Concurrency, Consumer, InitialPosition, Memory, Message, Position,
-    SequenceNumber, ShutdownHandle,
+    CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory, Message, Position,
+    SequenceNumber, ShardEvent, ShutdownHandle,
 };
 use tokio::task::JoinHandle;
 
@@ -41,6 +46,29 @@ pub const LEASE: Duration = Duration::from_secs(4);
 const HANDLED_WITHIN: Duration = Duration::from_secs(900);
 /// Simulated time within which a whole history (with shutdown) must end.
 pub const HISTORY_BOUND: Duration = Duration::from_secs(1_800);
+/// The workers' `stuck_after`: short, so that the progress invariant bites.
+pub const STUCK_AFTER: Duration = Duration::from_secs(5);
+/// The workers' take interval.
+const TAKE_INTERVAL: Duration = Duration::from_secs(1);
+/// The workers' shutdown timeout (how long a drain waits for a hung handler).
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the progress invariant looks (and the workers publish their health).
+const LOOK_EVERY: Duration = Duration::from_millis(250);
+/// The longest a shard with records waiting may go with its handled position still and
+/// no worker saying so (see [`watch_progress`]): a lost owner's lease expires
+/// (`2 × LEASE`: the last renewal may be a lease old when the owner stops), a worker takes
+/// it at its next take round (`TAKE_INTERVAL`), a drain may wait for a hung handler
+/// (`SHUTDOWN_TIMEOUT`), and a hung handler is reported after `STUCK_AFTER` plus a tick
+/// of an eighth of it; plus a second for the looks and the reads themselves.
+pub const STALL_BOUND: Duration = Duration::from_millis(
+    (2 * LEASE.as_millis()
+        + TAKE_INTERVAL.as_millis()
+        + SHUTDOWN_TIMEOUT.as_millis()
+        + STUCK_AFTER.as_millis() * 9 / 8
+        + 1_000) as u64,
+);
+/// How long a handler that hangs for good hangs before its worker is killed.
+const HUNG_FOR_GOOD: Duration = Duration::from_secs(15);
 
 /// Counts over one history, summed over the seeds.
 #[derive(Clone, Debug, Default)]
@@ -65,6 +93,8 @@ pub struct Stats {
     pub ambiguous_puts: u64,
     pub nacks: u64,
     pub dropped_batches: u64,
+    pub hung_handlers: u64,
+    pub stuck_events: u64,
 }
 
 impl Stats {
@@ -89,6 +119,8 @@ impl Stats {
         self.ambiguous_puts += o.ambiguous_puts;
         self.nacks += o.nacks;
         self.dropped_batches += o.dropped_batches;
+        self.hung_handlers += o.hung_handlers;
+        self.stuck_events += o.stuck_events;
     }
 }
 
@@ -110,6 +142,16 @@ struct Worker {
     stream_mode: bool,
     /// Its `Run` future was dropped (the task aborted) without a shutdown.
     dropped: bool,
+    /// Its handler may hang for good (and the worker then be killed).
+    hangs_for_good: bool,
+}
+
+/// What the progress invariant sees of a worker: whether it lives, and its health as
+/// it last published it.
+struct Probe {
+    incarnation: String,
+    control: Arc<Control>,
+    health: Arc<Mutex<Option<Health>>>,
 }
 
 impl Worker {
@@ -138,12 +180,25 @@ struct Sim {
     /// Generation of each shard (the stream's first shards are generation 0).
     generation: std::collections::HashMap<String, usize>,
     stats: Stats,
+    probes: Arc<Mutex<Vec<Probe>>>,
+    /// The start, for the progress invariant once it is decided.
+    decided_start: Arc<Mutex<Option<Start>>>,
 }
 
 /// Runs one history and checks the invariants; `Err` says which one failed and how.
 pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
     let mut sim = Sim::new(seed, features).await;
+    let done = Arc::new(AtomicBool::new(false));
+    let watch = tokio::spawn(watch_progress(
+        sim.memory.clone(),
+        sim.log.clone(),
+        sim.probes.clone(),
+        sim.decided_start.clone(),
+        done.clone(),
+    ));
     let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
+    done.store(true, Ordering::SeqCst);
+    let stalled = watch.await.map_err(|e| format!("the progress watch panicked: {e}"))?;
     let history = sim.log.history.lock().unwrap().join("\n  ");
     match outcome {
         Err(_) => Err(format!(
@@ -151,6 +206,7 @@ pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
         )),
         Ok(Err(e)) => Err(format!("{e}\n  {history}")),
         Ok(Ok(())) => {
+            stalled.map_err(|e| format!("{e}\n  {history}"))?;
             invariants::check(&sim.memory, &sim.log, &sim.start)
                 .map_err(|e| format!("{e}\n  {history}"))?;
             Ok(sim.finish_stats())
@@ -212,6 +268,8 @@ impl Sim {
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
+            probes: Arc::default(),
+            decided_start: Arc::default(),
         }
     }
 
@@ -325,7 +383,12 @@ impl Sim {
         self.stats.reshards += 1;
     }
 
-    fn consumer(&mut self, backend: SimBackend, concurrency: Concurrency) -> Consumer {
+    fn consumer(
+        &mut self,
+        backend: SimBackend,
+        concurrency: Concurrency,
+        incarnation: &str,
+    ) -> Consumer {
         let position = match &self.start {
             Start::TrimHorizon => InitialPosition::TrimHorizon,
             Start::Latest => InitialPosition::Latest,
@@ -342,13 +405,15 @@ impl Sim {
             .backend(backend)
             .initial_position(position)
             .lease_duration(LEASE)
-            .take_interval(Duration::from_secs(1))
+            .take_interval(TAKE_INTERVAL)
             .shard_sync_interval(Duration::from_secs(2))
             .idle_read_interval(Duration::from_millis(100))
             .max_records_per_read(self.rng.gen_range(5..60))
             .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
             .checkpoint(self.checkpoint.clone())
-            .shutdown_timeout(Duration::from_secs(5))
+            .shutdown_timeout(SHUTDOWN_TIMEOUT)
+            .stuck_after(STUCK_AFTER)
+            .on_event(stuck_hook(self.log.clone(), incarnation.to_owned()))
             .seed(self.rng.gen())
             .concurrency(concurrency)
             .build()
@@ -379,9 +444,28 @@ impl Sim {
         } else {
             Concurrency::Sequential
         };
-        let consumer = self.consumer(backend, concurrency);
+        // Drawn only with the feature on, so the other histories stay as they were.
+        let hang = if !stream_mode
+            && self.features.has(Feature::HungHandler)
+            && self.rng.gen_bool(0.3)
+        {
+            let record = self.rng.gen_range(1..150);
+            let for_good = self.rng.gen_bool(0.3);
+            let millis = STUCK_AFTER.as_millis() as u64;
+            let pause = Duration::from_millis(self.rng.gen_range(millis / 2..millis * 6));
+            Some((record, (!for_good).then_some(pause)))
+        } else {
+            None
+        };
+        let consumer = self.consumer(backend, concurrency, &incarnation);
         let shutdown = consumer.shutdown_handle();
         let log = self.log.clone();
+        let health: Arc<Mutex<Option<Health>>> = Arc::default();
+        self.probes.lock().unwrap().push(Probe {
+            incarnation: incarnation.clone(),
+            control: control.clone(),
+            health: health.clone(),
+        });
         let task = if stream_mode {
             self.stats.stream_workers += 1;
             let rng = SmallRng::seed_from_u64(self.rng.gen());
@@ -392,13 +476,22 @@ impl Sim {
                 log,
                 rng,
                 self.features,
+                health,
             ))
         } else {
             let concurrent = concurrency != Concurrency::Sequential;
             self.stats.per_key_workers += usize::from(concurrent);
-            let service = handler(log, incarnation.clone(), control.clone(), concurrent);
-            let run = consumer.run(service).into_future();
-            tokio::spawn(async move { run.await.map_err(|e| e.to_string()) })
+            let service = handler(log, incarnation.clone(), control.clone(), concurrent, hang);
+            let mut run = consumer.run(service).into_future();
+            tokio::spawn(async move {
+                loop {
+                    *health.lock().unwrap() = Some(run.health());
+                    tokio::select! {
+                        result = &mut run => return result.map_err(|e| e.to_string()),
+                        _ = tokio::time::sleep(LOOK_EVERY) => {}
+                    }
+                }
+            })
         };
         self.note(format!(
             "join {incarnation} ({})",
@@ -414,6 +507,7 @@ impl Sim {
             left: false,
             stream_mode,
             dropped: false,
+            hangs_for_good: matches!(hang, Some((_, None))),
         });
     }
 
@@ -467,6 +561,7 @@ impl Sim {
             "start {:?}, checkpoint {:?}, {shards} shards",
             self.start, self.checkpoint
         ));
+        *self.decided_start.lock().unwrap() = Some(self.start.clone());
 
         let latest = matches!(self.start, Start::Latest);
         let first = if latest { 2 } else { self.rng.gen_range(1..=2) };
@@ -516,7 +611,7 @@ impl Sim {
         let runners = self
             .workers
             .iter()
-            .filter(|w| w.alive() && !w.stream_mode)
+            .filter(|w| w.alive() && !w.stream_mode && !w.hangs_for_good)
             .count();
         if runners == 0 || self.alive().is_empty() {
             self.join("w-final".into(), false);
@@ -720,30 +815,176 @@ impl Sim {
         s.ambiguous_puts = log.ambiguous_puts.load(Ordering::SeqCst);
         s.nacks = log.nacks.load(Ordering::SeqCst);
         s.dropped_batches = log.dropped_batches.load(Ordering::SeqCst);
+        s.hung_handlers = log.hung_handlers.load(Ordering::SeqCst);
+        s.stuck_events = log.stuck_events.load(Ordering::SeqCst);
         s
     }
 }
 
+/// The hook that records which shards each incarnation says are stuck.
+fn stuck_hook(log: Arc<Log>, incarnation: String) -> impl Fn(&ShardEvent) + Send + Sync {
+    move |event| {
+        // Multi-stream mode names the shard `stream/shardId`.
+        let raw = |shard: &str| shard.rsplit('/').next().unwrap_or(shard).to_owned();
+        match event {
+            ShardEvent::Stuck { shard, .. } => {
+                log.stuck_events.fetch_add(1, Ordering::SeqCst);
+                log.stuck
+                    .lock()
+                    .unwrap()
+                    .insert((incarnation.clone(), raw(shard)));
+            }
+            ShardEvent::Unstuck { shard, .. } => {
+                log.stuck
+                    .lock()
+                    .unwrap()
+                    .remove(&(incarnation.clone(), raw(shard)));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The progress invariant, watched while the history runs (until `done`): every shard
+/// with records waiting (required records not handled yet) has its handled position
+/// moving within [`STALL_BOUND`], or a live worker holding it is not ready, shows it
+/// stuck in its health and sent a `Stuck` event naming it. The bound's clock for a
+/// shard starts when it has records waiting and restarts whenever a record of it or of
+/// an ancestor is handled (a child is read only after its parents end), and whenever
+/// the shard is reported stuck as above: a period of [`STALL_BOUND`] with neither is a
+/// silent stall.
+async fn watch_progress(
+    memory: Memory,
+    log: Arc<Log>,
+    probes: Arc<Mutex<Vec<Probe>>>,
+    decided_start: Arc<Mutex<Option<Start>>>,
+    done: Arc<AtomicBool>,
+) -> Result<(), String> {
+    let mut since: HashMap<String, tokio::time::Instant> = HashMap::new();
+    while !done.load(Ordering::SeqCst) {
+        tokio::time::sleep(LOOK_EVERY).await;
+        let Some(start) = decided_start.lock().unwrap().clone() else {
+            continue;
+        };
+        let now = tokio::time::Instant::now();
+        let shards = memory
+            .streams()
+            .list_shards(STREAM)
+            .now_or_never()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let mut waiting: HashMap<String, usize> = HashMap::new();
+        for (shard, _) in invariants::missing(&memory, &log, &start) {
+            *waiting.entry(shard).or_default() += 1;
+        }
+        since.retain(|shard, _| waiting.contains_key(shard));
+        let last_handled = log.last_handled.lock().unwrap().clone();
+        let parents: HashMap<String, Vec<String>> = shards
+            .iter()
+            .map(|s| (s.shard_id.clone(), s.parents()))
+            .collect();
+        for (shard, count) in &waiting {
+            let clock = since.entry(shard.clone()).or_insert(now);
+            // The newest handling in the shard or an ancestor.
+            let mut family = vec![shard.clone()];
+            let mut i = 0;
+            while i < family.len() {
+                family.extend(parents.get(&family[i]).cloned().unwrap_or_default());
+                i += 1;
+            }
+            if let Some(t) = family.iter().filter_map(|s| last_handled.get(s)).max() {
+                *clock = (*clock).max(*t);
+            }
+            let said = probes.lock().unwrap().iter().any(|p| {
+                !p.control.is_dead()
+                    && log
+                        .stuck
+                        .lock()
+                        .unwrap()
+                        .contains(&(p.incarnation.clone(), shard.clone()))
+                    && p.health.lock().unwrap().as_ref().is_some_and(|h| {
+                        !h.is_ready()
+                            && h.shards.iter().any(|s| {
+                                s.shard_id.rsplit('/').next() == Some(shard.as_str())
+                                    && s.stuck_for.is_some()
+                            })
+                    })
+            });
+            if said {
+                *clock = now;
+            }
+            let stalled = now - *clock;
+            if stalled > STALL_BOUND {
+                let health: Vec<String> = probes
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|p| !p.control.is_dead())
+                    .map(|p| format!("{}: {:?}", p.incarnation, p.health.lock().unwrap()))
+                    .collect();
+                return Err(format!(
+                    "stalled in silence: shard {shard} has {count} records waiting and \
+                     its handled position did not move for {stalled:?} (bound \
+                     {STALL_BOUND:?}), and no live worker says it is stuck; health: {health:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The run-mode handler: waits while its process is frozen, never finishes once it is
-/// dead, and logs each record delivered and handled.
+/// dead, and logs each record delivered and handled. With `hang = Some((n, pause))` it
+/// hangs on the `n`-th record it receives: for `pause`, or for good (`None`: its worker
+/// is killed after [`HUNG_FOR_GOOD`]).
 fn handler(
     log: Arc<Log>,
     incarnation: String,
     control: Arc<Control>,
     concurrent: bool,
+    hang: Option<(u64, Option<Duration>)>,
 ) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
     // Records whose first attempt failed (concurrent workers only).
     type Failed = std::collections::HashSet<(Arc<str>, SequenceNumber)>;
     let failed: Arc<std::sync::Mutex<Failed>> = Arc::default();
+    let received = Arc::new(AtomicU64::new(0));
     tower::service_fn(move |msg: Message| {
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
         let failed = failed.clone();
+        let received = received.clone();
         async move {
             control.gate().await;
             log.deliver(&incarnation, &msg);
+            let n = received.fetch_add(1, Ordering::SeqCst) + 1;
+            if let Some((_, pause)) = hang.filter(|(at, _)| *at == n) {
+                log.hung_handlers.fetch_add(1, Ordering::SeqCst);
+                let what = format!(
+                    "{incarnation}'s handler hangs on {} {}",
+                    msg.headers.shard_id, msg.headers.sequence_number
+                );
+                match pause {
+                    Some(pause) => {
+                        log.note(format!("{what} for {pause:?}"));
+                        tokio::time::sleep(pause).await;
+                    }
+                    None => {
+                        log.note(format!("{what} for good"));
+                        let (log, control, incarnation) =
+                            (log.clone(), control.clone(), incarnation.clone());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(HUNG_FOR_GOOD).await;
+                            if !control.is_dead() {
+                                control.kill();
+                                log.note(format!("kill {incarnation} (its handler hangs)"));
+                            }
+                        });
+                        std::future::pending::<()>().await;
+                    }
+                }
+            }
             if concurrent {
                 // Calls finish out of order, and some fail once: the watermark and the
                 // redelivery after a failure are under test.
@@ -777,6 +1018,7 @@ async fn stream_worker(
     log: Arc<Log>,
     mut rng: SmallRng,
     features: Features,
+    health: Arc<Mutex<Option<Health>>>,
 ) -> Result<(), String> {
     let shutdown = consumer.shutdown_handle();
     let mut stream = consumer.stream();
@@ -785,6 +1027,7 @@ async fn stream_worker(
     let mut ended = false;
     let mut result = Ok(());
     while !ended || !held.is_empty() {
+        *health.lock().unwrap() = Some(stream.health());
         let mut tick = false;
         if !ended {
             match tokio::time::timeout(Duration::from_millis(100), stream.next()).await {
