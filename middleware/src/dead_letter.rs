@@ -175,8 +175,9 @@ impl Service<DeadLetterRecord> for Producer {
                 };
             }
         };
-        // `to_records` returns at least one record; the first uses the slot this
-        // handle reserved in `poll_ready`, the others (if any) wait for their own.
+        // `to_records` returns at least one record (so the `Closed` below is never
+        // returned); the first uses the slot this handle reserved in `poll_ready`, the
+        // others (if any) wait for their own.
         let first = parts.next().map(|data| {
             Service::<ProducerRecord>::call(self, ProducerRecord::new(data, key.clone()))
         });
@@ -516,6 +517,7 @@ where
                             Some(panic) => Box::new(panic),
                             None => return Poll::Pending,
                         },
+                        // Not reachable: the outer arm matched one of the two above.
                         _ => return Poll::Pending,
                     };
                     let Some((headers, payload)) = this.copy.take() else {

@@ -66,6 +66,11 @@ pub const MAX_ERROR_BYTES: usize = 4096;
 /// Magic, version byte and header length.
 const PREFIX_LEN: usize = MAGIC.len() + 1 + 4;
 
+/// The most parts a dead letter read back may have. Any record Kinesis accepted takes
+/// at most two; a header that claims more is refused, so that a corrupt or hostile
+/// record cannot make a reader reserve room for millions of parts.
+pub const MAX_PARTS: u32 = 16;
+
 /// A dead letter as written to a stream (see the [module docs](self)): where the record
 /// came from, why it failed, and its payload — whole, or one part of it.
 #[derive(Clone, PartialEq, Eq)]
@@ -290,7 +295,7 @@ impl DeadLetterEnvelope {
         }
         let (json, payload) = rest.split_at(len);
         let h: Header = serde_json::from_slice(json).map_err(|e| NotAnEnvelope(e.to_string()))?;
-        let fits = h.parts >= 1
+        let fits = (1..=MAX_PARTS).contains(&h.parts)
             && h.part < h.parts
             && h.offset
                 .checked_add(payload.len() as u64)
@@ -376,7 +381,8 @@ struct LetterId {
 
 /// Puts dead letters split into parts back together (see the [module docs](self)):
 /// feed it every envelope read, in any order; it returns each dead letter once it is
-/// complete.
+/// complete. It keeps the parts of incomplete letters in memory until their last part
+/// comes; a letter whose parts do not add up to its `payload_len` is dropped.
 #[derive(Default)]
 pub struct Reassembly {
     waiting: HashMap<LetterId, (DeadLetterEnvelope, Vec<Option<Bytes>>)>,
@@ -570,8 +576,16 @@ mod tests {
             b"SFDL\x02\x00\x00\xff\xff{}",
             &other_version,
             &good[..20],
+            &letter(Bytes::from_static(b"x"), "k", "e").header_claiming(u32::MAX),
         ] {
             assert!(DeadLetterEnvelope::from_bytes(data).is_err(), "{data:?}");
+        }
+    }
+
+    impl DeadLetterEnvelope {
+        /// A record whose header claims `parts` parts.
+        fn header_claiming(&self, parts: u32) -> Bytes {
+            Self::encode(&self.header(0, parts, 0), &self.payload)
         }
     }
 
