@@ -234,20 +234,26 @@ impl<R> DeadLetterOutcome<R> {
     }
 }
 
-/// The sink refused a record: the call fails so that the record is delivered again.
+/// The sink refused a record, or did not answer in time: the call fails so that the
+/// record is delivered again.
+///
+/// Its text names the sink's reason (a consumer shows an error's text as the shard's
+/// last error, so the reason a shard does not move is visible there); the sink's own
+/// error is [`sink_error`](Self::sink_error), to downcast.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "the dead-letter sink failed for record {position} (the record had failed with: {original})"
+    "the dead-letter sink failed for record {position}: {sink} (the record had failed with: \
+     {original})"
 )]
 pub struct DeadLetterError {
     position: shardflow::Position,
     original: String,
-    #[source]
-    source: BoxError,
+    sink: BoxError,
 }
 
 /// The sink did not answer within the layer's
-/// [`sink_timeout`](DeadLetterLayer::sink_timeout): the source of a [`DeadLetterError`].
+/// [`sink_timeout`](DeadLetterLayer::sink_timeout): the sink error of a
+/// [`DeadLetterError`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the dead-letter sink did not answer within {after:?}")]
 pub struct SinkTimedOut {
@@ -256,9 +262,14 @@ pub struct SinkTimedOut {
 }
 
 impl DeadLetterError {
-    /// Whether the sink did not answer in time (the source is a [`SinkTimedOut`]).
+    /// Whether the sink did not answer in time (the sink error is a [`SinkTimedOut`]).
     pub fn is_timeout(&self) -> bool {
-        self.source.is::<SinkTimedOut>()
+        self.sink.is::<SinkTimedOut>()
+    }
+
+    /// The sink's error: its own, or a [`SinkTimedOut`].
+    pub fn sink_error(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.sink
     }
 
     /// The text of the error that sent the record to the sink.
@@ -567,7 +578,7 @@ where
                         Err(e) => Err(Box::new(DeadLetterError {
                             position: position.clone(),
                             original: std::mem::take(original),
-                            source: e,
+                            sink: e,
                         })),
                     });
                 }
@@ -654,9 +665,11 @@ mod tests {
             .expect("a DeadLetterError");
         assert_eq!(err.original(), "boom");
         assert_eq!(err.position().sequence.as_str(), "3");
-        assert_eq!(
-            err.source().map(|s| s.to_string()).as_deref(),
-            Some("sink down")
+        assert_eq!(err.sink_error().to_string(), "sink down");
+        assert!(
+            err.to_string()
+                .contains("failed for record 3: sink down (the record had failed"),
+            "the reason is in the text a consumer shows: {err}"
         );
     }
 
@@ -911,11 +924,10 @@ mod tests {
             assert!(err.is_timeout(), "{err}");
             assert_eq!(err.original(), "boom");
             assert_eq!(
-                err.source().map(|s| s.to_string()),
-                Some(format!(
-                    "the dead-letter sink did not answer within {deadline:?}"
-                ))
+                err.sink_error().to_string(),
+                format!("the dead-letter sink did not answer within {deadline:?}")
             );
+            assert!(err.to_string().contains("did not answer within"), "{err}");
         }
     }
 
