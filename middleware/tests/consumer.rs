@@ -1,5 +1,6 @@
 //! The full stack under the real consumer (`Consumer::run`) on the embedded backend:
-//! bad JSON, poison records, a flaky handler and a flaky dead-letter sink, two shards.
+//! bad JSON, poison records, a flaky handler, a handler that panics and a flaky
+//! dead-letter sink.
 //! Every record ends handled exactly once or dead-lettered with its error.
 
 mod common;
@@ -298,6 +299,7 @@ async fn a_record_that_panics_the_handler_is_dead_lettered_once_and_the_checkpoi
     let stack = ServiceBuilder::new()
         .dead_letter(sink)
         .decode::<Order>()
+        .dedup(MemoryDedupStore::new(1_000))
         .retry(
             Backoff::exponential()
                 .max_attempts(3)
