@@ -28,10 +28,13 @@
 //! it retries a throttled stream (about 20 s of backoff over 10 attempts) and well below
 //! the minute or two after which a consumer reports a shard that does not move.
 //!
-//! A handler below that panics in `call` or in its future is an error to this layer: a
-//! [`Panicked`] whose text is the panic's message, dead-lettered
-//! like any other permanent error. A panic in `poll_ready` is not caught (no record is
-//! involved, and the service is in an unknown state): it goes up to the consumer.
+//! A panic below this layer while a record is being handled — in the inner service's
+//! `call` or anywhere in its future, including a [`retry`](crate::retry) layer's
+//! readiness wait — is an error to this layer: a [`Panicked`] whose text is the panic's
+//! message, dead-lettered like any other permanent error. A panic in this layer's own
+//! `poll_ready` (the inner service's readiness before a record is given to it) is not
+//! caught: no record is involved and the service is in an unknown state, so it goes up
+//! to the consumer, which treats the shard's service as failed.
 //!
 //! # Dead letters in a stream: the envelope
 //!

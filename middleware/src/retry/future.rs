@@ -8,7 +8,9 @@
 //! sees only errors, so a panic counts as transient); when no attempt is left the
 //! panic is resumed as it was, for the layer above (the dead-letter layer turns it into
 //! an error) or the consumer. A panic in `poll_ready` is not caught: the service is
-//! then in an unknown state and is not called again; the panic goes up at once.
+//! then in an unknown state and is not called again; the panic goes up at once (out of
+//! `Retry::poll_ready` to whoever polls it; out of the readiness wait between attempts
+//! to the layer above, as a panic of this future).
 
 use std::any::Any;
 use std::fmt;
