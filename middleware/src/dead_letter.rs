@@ -34,7 +34,7 @@
 //! message, dead-lettered like any other permanent error. A panic in this layer's own
 //! `poll_ready` (the inner service's readiness before a record is given to it) is not
 //! caught: no record is involved and the service is in an unknown state, so it goes up
-//! to the consumer, which treats the shard's service as failed.
+//! to the consumer.
 //!
 //! # Dead letters in a stream: the envelope
 //!
