@@ -1,6 +1,8 @@
 //! `dlq replay`: reads a dead-letter stream from its oldest record to its tip and
 //! re-publishes each [`DeadLetterEnvelope`]'s payload to a stream with its original
-//! partition key, through the library's producer.
+//! partition key, through the library's producer. Dead letters written in parts are
+//! put back together first; one whose parts are not all in the stream is not replayed
+//! (counted as incomplete).
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -11,6 +13,7 @@ use serde_json::json;
 use shardflow::kinesis::StartingPosition;
 use shardflow::producer::{Producer, ProducerRecord};
 use shardflow::Backend;
+use shardflow_middleware::dead_letter::envelope::Reassembly;
 use shardflow_middleware::DeadLetterEnvelope;
 
 use crate::read::read_to_tip;
@@ -39,6 +42,7 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
     let limit = args.limit.unwrap_or(u64::MAX);
     let mut letters: Vec<DeadLetterEnvelope> = Vec::new();
     let mut skipped = 0u64;
+    let mut parts = Reassembly::new();
     let reading = progress(None, "reading dead letters");
     // Oldest shards first (ListShards lists parents before children).
     for shard in kinesis.list_shards(&args.from).await? {
@@ -51,10 +55,12 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
             &shard.shard_id,
             &StartingPosition::TrimHorizon,
             |record| {
-                match DeadLetterEnvelope::from_json(&record.data) {
+                match DeadLetterEnvelope::from_bytes(&record.data) {
                     Ok(envelope) => {
-                        letters.push(envelope);
-                        reading.inc(1);
+                        if let Some(letter) = parts.push(envelope) {
+                            letters.push(letter);
+                            reading.inc(1);
+                        }
                     }
                     Err(_) => skipped += 1,
                 }
@@ -73,6 +79,7 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
         "to": args.to,
         "dead_letters": letters.len(),
         "not_envelopes": skipped,
+        "incomplete": parts.incomplete(),
         "original_streams": by_stream,
         "published": 0,
     });
@@ -81,7 +88,7 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
             print_json(&summary);
         } else {
             println!(
-                "would re-publish {} dead letters from {} to {} (originally from: {}); {} records are not dead-letter envelopes and would be skipped; run again with --yes",
+                "would re-publish {} dead letters from {} to {} (originally from: {}); {} records are not dead-letter envelopes and {} dead letters miss parts, and would be skipped; run again with --yes",
                 letters.len(),
                 args.from,
                 args.to,
@@ -90,7 +97,8 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
                     .map(|(s, n)| format!("{s} {n}"))
                     .collect::<Vec<_>>()
                     .join(", "),
-                skipped
+                skipped,
+                parts.incomplete()
             );
         }
         return Ok(ExitCode::from(EXIT_PLAN_ONLY));
@@ -102,7 +110,7 @@ pub async fn replay(cx: &Context, args: ReplayArgs) -> CliResult {
     let bar = progress(Some(letters.len() as u64), "re-publishing");
     let mut sends = FuturesUnordered::new();
     for letter in &letters {
-        let payload = letter.payload()?;
+        let payload = letter.payload.clone();
         let producer = producer.clone();
         let key = letter.partition_key.clone();
         sends.push(async move { producer.send(ProducerRecord::new(payload, key)).await });

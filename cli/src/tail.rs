@@ -64,8 +64,8 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
                 Ok(text) => v["data"] = json!(text),
                 Err(_) => v["data_base64"] = json!(aws_smithy_types::base64::encode(&r.data)),
             }
-            if let Ok(envelope) = DeadLetterEnvelope::from_json(&r.data) {
-                let payload = envelope.payload().unwrap_or_default();
+            if let Ok(envelope) = DeadLetterEnvelope::from_bytes(&r.data) {
+                let payload = &envelope.payload;
                 v["dead_letter"] = json!({
                     "stream": envelope.stream,
                     "shard": envelope.shard,
@@ -75,7 +75,10 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
                     "error": envelope.error,
                     "attempts": envelope.attempts,
                     "failed_at_ms": envelope.failed_at_ms,
-                    "payload": String::from_utf8_lossy(&payload),
+                    "part": envelope.part,
+                    "parts": envelope.parts,
+                    "payload_len": envelope.payload_len,
+                    "payload": String::from_utf8_lossy(payload),
                 });
             }
             v.to_string()
@@ -89,16 +92,21 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
                 TailFormat::Hex => data.iter().map(|b| format!("{b:02x}")).collect::<String>(),
                 _ => String::from_utf8_lossy(data).into_owned(),
             };
-            match DeadLetterEnvelope::from_json(&r.data) {
+            match DeadLetterEnvelope::from_bytes(&r.data) {
                 Ok(e) => format!(
-                    "{head} dead-letter from {} {} {}/{} key={} error={:?}: {}",
+                    "{head} dead-letter{} from {} {} {}/{} key={} error={:?}: {}",
+                    if e.parts > 1 {
+                        format!(" part {}/{}", e.part + 1, e.parts)
+                    } else {
+                        String::new()
+                    },
                     e.stream,
                     e.shard,
                     e.sequence_number,
                     e.sub_sequence,
                     e.partition_key,
                     e.error,
-                    body(&e.payload().unwrap_or_default())
+                    body(&e.payload)
                 ),
                 Err(_) => format!("{head} {}", body(&r.data)),
             }

@@ -494,6 +494,20 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         };
         producer.clone().oneshot(record).await.unwrap();
     }
+    // The largest record Kinesis accepts: its dead letter takes two records.
+    let big_key = "customer-big";
+    let big = "b".repeat(shardflow::producer::MAX_RECORD_BYTES - big_key.len());
+    let record = DeadLetterRecord {
+        headers: Headers::builder()
+            .stream(orders.as_str())
+            .partition_key(big_key)
+            .sequence_number(200u64)
+            .build(),
+        payload: Bytes::from(big.clone()),
+        error: "too big to charge".into(),
+        attempts: Some(3),
+    };
+    producer.clone().oneshot(record).await.unwrap();
     producer.close().await;
     kinesis
         .put_records(
@@ -515,7 +529,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         "--from",
         "trim-horizon",
         "--limit",
-        "4",
+        "6",
     ])
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
@@ -525,6 +539,9 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         "{}",
         out.stdout
     );
+    for part in ["dead-letter part 1/2 from", "dead-letter part 2/2 from"] {
+        assert_eq!(out.stdout.matches(part).count(), 1, "{part}");
+    }
     assert!(
         out.stdout.contains("error=\"charge refused\": order-1"),
         "{}",
@@ -534,7 +551,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
     let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders]).await;
     assert_eq!(out.code, 3, "{}", out.stderr);
     assert!(
-        out.stdout.contains("would re-publish 3 dead letters"),
+        out.stdout.contains("would re-publish 4 dead letters"),
         "{}",
         out.stdout
     );
@@ -552,9 +569,10 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
     assert_eq!(
         (
             summary["published"].clone(),
-            summary["not_envelopes"].clone()
+            summary["not_envelopes"].clone(),
+            summary["incomplete"].clone()
         ),
-        (3.into(), 1.into())
+        (4.into(), 1.into(), 0.into())
     );
     let mut replayed: Vec<(String, String)> = read_all(kinesis.as_ref(), &orders)
         .await
@@ -562,12 +580,12 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         .map(|(data, key, _)| (data, key))
         .collect();
     replayed.sort();
-    assert_eq!(
-        replayed,
-        (0..3)
-            .map(|v| (format!("order-{v}"), format!("customer-{v}")))
-            .collect::<Vec<_>>()
-    );
+    let mut expected: Vec<(String, String)> = (0..3)
+        .map(|v| (format!("order-{v}"), format!("customer-{v}")))
+        .collect();
+    expected.push((big, big_key.to_owned()));
+    expected.sort();
+    assert!(replayed == expected, "the payloads and keys, byte-exact");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

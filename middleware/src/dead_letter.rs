@@ -18,30 +18,49 @@
 //! (throttling, a service error, the producer closing), and any error of a record whose
 //! lease was lost (its new owner handles it). Those go up so the consumer delivers the record again.
 //!
+//! # Deadline and panics
+//!
+//! A sink call (readiness and call) that has not answered after the layer's
+//! [`sink_timeout`](DeadLetterLayer::sink_timeout) (30 s by default) fails like a sink
+//! error, with [`DeadLetterError::is_timeout`]: the record is delivered again and the
+//! shard's last error says why, instead of the shard waiting for ever. The default is
+//! above what a [`Producer`] at its default settings can take to store a record while
+//! it retries a throttled stream (about 20 s of backoff over 10 attempts) and well below
+//! the minute or two after which a consumer reports a shard that does not move.
+//!
+//! A panic below this layer while a record is being handled — in the inner service's
+//! `call` or anywhere in its future, including a [`retry`](crate::retry) layer's
+//! readiness wait — is an error to this layer: a [`Panicked`] whose text is the panic's
+//! message, dead-lettered like any other permanent error. A panic in this layer's own
+//! `poll_ready` (the inner service's readiness before a record is given to it) is not
+//! caught: no record is involved and the service is in an unknown state, so it goes up
+//! to the consumer.
+//!
 //! # Dead letters in a stream: the envelope
 //!
 //! A [`Producer`] is a sink as it is (`.dead_letter(producer.for_stream("orders-dlq"))`):
-//! each dead letter is written as a [`DeadLetterEnvelope`], one JSON object that keeps
-//! where the record came from and why it failed, with the original partition key as
-//! the dead letter's partition key:
-//!
-//! ```json
-//! {"shardflow_dead_letter":1,"stream":"orders","shard":"shardId-000000000001",
-//!  "sequence_number":"4959...","sub_sequence":0,"partition_key":"customer-7",
-//!  "error":"decode: expected value at line 1 column 1","attempts":4,
-//!  "failed_at_ms":1764530000000,"payload_base64":"bm90IGpzb24="}
-//! ```
+//! each dead letter is written as a [`DeadLetterEnvelope`] under the original partition
+//! key — a short binary prefix, a JSON header that keeps where the record came from and
+//! why it failed, then the payload's raw bytes (see [`envelope`] for the format). Any
+//! record Kinesis accepted can be dead-lettered this way: a payload too close to the
+//! 1 MiB limit to fit with its header is written in two parts, which
+//! [`Reassembly`](envelope::Reassembly) puts back together. Envelopes of the earlier
+//! JSON format (payload in base64) are still read.
 //!
 //! `shardflow stream tail` shows envelopes decoded, and `shardflow dlq replay` writes
 //! their payloads back to the original stream with their original partition keys. A
 //! sink of your own can use [`DeadLetterEnvelope::from_record`] as well.
 
+pub mod envelope;
+
 use std::cell::Cell;
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use pin_project_lite::pin_project;
@@ -52,7 +71,13 @@ use tower::{Layer, Service, ServiceExt};
 use shardflow::producer::{ProduceError, Producer, ProducerRecord};
 
 use crate::observe::{chain_any, error_chain, message_span};
+use crate::panic::Panicked;
 use crate::BoxError;
+
+pub use envelope::{DeadLetterEnvelope, EnvelopeError, NotAnEnvelope};
+
+/// How long a sink call may take by default (see the [module docs](self)).
+pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the sink receives for a record that failed.
 #[derive(Clone)]
@@ -118,114 +143,14 @@ impl fmt::Debug for DeadLetterRecord {
     }
 }
 
-/// A dead letter as written to a stream (see the [module docs](self)): JSON, with the
-/// payload in base64. `shardflow_dead_letter` (the format's version, 1) marks a record
-/// as an envelope.
-#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[non_exhaustive]
-pub struct DeadLetterEnvelope {
-    /// The envelope format's version: [`DeadLetterEnvelope::VERSION`].
-    pub shardflow_dead_letter: u32,
-    /// The stream the record was read from.
-    pub stream: String,
-    /// The shard it was read from.
-    pub shard: String,
-    /// Its sequence number (decimal digits).
-    pub sequence_number: String,
-    /// Its sub-sequence number (the user record within a KPL aggregate; 0 otherwise).
-    pub sub_sequence: u64,
-    /// Its partition key (the dead letter's partition key too).
-    pub partition_key: String,
-    /// The error and its causes, joined with `": "`.
-    pub error: String,
-    /// How many calls of the handler failed, where known: reported by a
-    /// [`retry`](crate::retry) layer below the dead-letter layer, `null` without one.
-    pub attempts: Option<u32>,
-    /// When the record was dead-lettered, epoch milliseconds.
-    pub failed_at_ms: u64,
-    /// The payload exactly as read, base64 (standard alphabet, padded).
-    pub payload_base64: String,
-}
-
-/// A record that is not a [`DeadLetterEnvelope`].
-#[derive(Debug, thiserror::Error)]
-#[error("not a shardflow dead-letter envelope: {0}")]
-pub struct NotAnEnvelope(String);
-
-impl DeadLetterEnvelope {
-    /// The version this crate writes.
-    pub const VERSION: u32 = 1;
-
-    /// The envelope of a dead letter, failed now.
-    pub fn from_record(record: &DeadLetterRecord) -> Self {
-        let h = &record.headers;
-        DeadLetterEnvelope {
-            shardflow_dead_letter: Self::VERSION,
-            stream: h.stream.to_string(),
-            shard: h.shard_id.to_string(),
-            sequence_number: h.sequence_number.as_str().to_owned(),
-            sub_sequence: h.sub_sequence_number,
-            partition_key: h.partition_key.clone(),
-            error: record.error.clone(),
-            attempts: record.attempts,
-            failed_at_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-            payload_base64: aws_smithy_types::base64::encode(&record.payload),
-        }
-    }
-
-    /// The JSON written to the stream.
-    pub fn to_json(&self) -> Bytes {
-        // Serializing a struct of strings and integers cannot fail.
-        Bytes::from(serde_json::to_vec(self).unwrap_or_default())
-    }
-
-    /// Reads an envelope from a record's data; an error for anything else (other JSON,
-    /// another version, a payload that is not base64).
-    pub fn from_json(data: &[u8]) -> Result<Self, NotAnEnvelope> {
-        let envelope: DeadLetterEnvelope =
-            serde_json::from_slice(data).map_err(|e| NotAnEnvelope(e.to_string()))?;
-        if envelope.shardflow_dead_letter != Self::VERSION {
-            return Err(NotAnEnvelope(format!(
-                "version {}",
-                envelope.shardflow_dead_letter
-            )));
-        }
-        envelope.payload()?;
-        Ok(envelope)
-    }
-
-    /// The original payload.
-    pub fn payload(&self) -> Result<Bytes, NotAnEnvelope> {
-        aws_smithy_types::base64::decode(&self.payload_base64)
-            .map(Bytes::from)
-            .map_err(|e| NotAnEnvelope(format!("payload_base64: {e}")))
-    }
-}
-
-impl fmt::Debug for DeadLetterEnvelope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Never the payload.
-        f.debug_struct("DeadLetterEnvelope")
-            .field("stream", &self.stream)
-            .field("shard", &self.shard)
-            .field("sequence_number", &self.sequence_number)
-            .field("sub_sequence", &self.sub_sequence)
-            .field("error", &self.error)
-            .field("attempts", &self.attempts)
-            .field("failed_at_ms", &self.failed_at_ms)
-            .field("payload_base64_len", &self.payload_base64.len())
-            .finish()
-    }
-}
-
 /// A producer is a dead-letter sink as it is: each dead letter is written as a
-/// [`DeadLetterEnvelope`] under the record's own partition key.
+/// [`DeadLetterEnvelope`] under the record's own partition key, in one record or, for a
+/// payload close to the 1 MiB limit, in two parts (see [`envelope`]). The response is
+/// where the first part was stored.
 impl Service<DeadLetterRecord> for Producer {
     type Response = shardflow::Stored;
     type Error = ProduceError;
-    type Future = shardflow::producer::ResponseFuture;
+    type Future = ProducerSinkFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
         Service::<ProducerRecord>::poll_ready(self, cx)
@@ -233,10 +158,66 @@ impl Service<DeadLetterRecord> for Producer {
 
     fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
         let envelope = DeadLetterEnvelope::from_record(&record);
-        Service::<ProducerRecord>::call(
-            self,
-            ProducerRecord::new(envelope.to_json(), record.headers.partition_key),
-        )
+        let key = record.headers.partition_key;
+        let mut parts = match envelope.to_records() {
+            Ok(parts) => parts.into_iter(),
+            Err(e) => {
+                let EnvelopeError::HeaderTooLarge {
+                    header,
+                    partition_key,
+                    limit,
+                } = e;
+                let size = header
+                    .saturating_add(partition_key)
+                    .saturating_add(record.payload.len());
+                return ProducerSinkFuture {
+                    inner: Box::pin(std::future::ready(Err(ProduceError::TooLarge {
+                        size,
+                        limit,
+                    }))),
+                };
+            }
+        };
+        // `to_records` returns at least one record (so the `Closed` below is never
+        // returned); the first uses the slot this handle reserved in `poll_ready`, the
+        // others (if any) wait for their own.
+        let first = parts.next().map(|data| {
+            Service::<ProducerRecord>::call(self, ProducerRecord::new(data, key.clone()))
+        });
+        let producer = self.clone();
+        ProducerSinkFuture {
+            inner: Box::pin(async move {
+                let Some(first) = first else {
+                    return Err(ProduceError::Closed);
+                };
+                let stored = first.await?;
+                for data in parts {
+                    producer
+                        .send(ProducerRecord::new(data, key.clone()))
+                        .await?;
+                }
+                Ok(stored)
+            }),
+        }
+    }
+}
+
+/// The response future of a [`Producer`] used as a dead-letter sink.
+pub struct ProducerSinkFuture {
+    inner: Pin<Box<dyn Future<Output = Result<shardflow::Stored, ProduceError>> + Send>>,
+}
+
+impl Future for ProducerSinkFuture {
+    type Output = Result<shardflow::Stored, ProduceError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl fmt::Debug for ProducerSinkFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProducerSinkFuture").finish_non_exhaustive()
     }
 }
 
@@ -256,19 +237,44 @@ impl<R> DeadLetterOutcome<R> {
     }
 }
 
-/// The sink refused a record: the call fails so that the record is delivered again.
+/// The sink refused a record, or did not answer in time: the call fails so that the
+/// record is delivered again.
+///
+/// Its text names the sink's reason (a consumer shows an error's text as the shard's
+/// last error, so the reason a shard does not move is visible there); the sink's own
+/// error is [`sink_error`](Self::sink_error), to downcast.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "the dead-letter sink failed for record {position} (the record had failed with: {original})"
+    "the dead-letter sink failed for record {position}: {sink} (the record had failed with: \
+     {original})"
 )]
 pub struct DeadLetterError {
     position: shardflow::Position,
     original: String,
-    #[source]
-    source: BoxError,
+    sink: BoxError,
+}
+
+/// The sink did not answer within the layer's
+/// [`sink_timeout`](DeadLetterLayer::sink_timeout): the sink error of a
+/// [`DeadLetterError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the dead-letter sink did not answer within {after:?}")]
+pub struct SinkTimedOut {
+    /// The deadline that passed.
+    pub after: Duration,
 }
 
 impl DeadLetterError {
+    /// Whether the sink did not answer in time (the sink error is a [`SinkTimedOut`]).
+    pub fn is_timeout(&self) -> bool {
+        self.sink.is::<SinkTimedOut>()
+    }
+
+    /// The sink's error: its own, or a [`SinkTimedOut`].
+    pub fn sink_error(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.sink
+    }
+
     /// The text of the error that sent the record to the sink.
     pub fn original(&self) -> &str {
         &self.original
@@ -327,6 +333,7 @@ pub struct DeadLetter<S, K, P = PermanentFailures> {
     inner: S,
     sink: K,
     policy: P,
+    sink_timeout: Duration,
 }
 
 impl<S, K, P> DeadLetter<S, K, P> {
@@ -366,12 +373,19 @@ where
     fn call(&mut self, message: Message<Bytes>) -> Self::Future {
         let span = message_span("dead_letter", &message.headers);
         let copy = Some((message.headers.clone(), message.payload.clone()));
-        let future = {
+        let called = {
             let _entered = span.enter();
-            self.inner.call(message)
+            catch_unwind(AssertUnwindSafe(|| self.inner.call(message)))
+        };
+        let state = match called {
+            Ok(future) => State::Handling { future },
+            Err(payload) => State::CallPanicked {
+                panic: Some(Panicked::from_payload(&*payload)),
+            },
         };
         ResponseFuture {
-            state: State::Handling { future },
+            state,
+            sink_timeout: self.sink_timeout,
             copy,
             attempts: 0,
             sink: self.sink.clone(),
@@ -386,6 +400,7 @@ where
 pub struct DeadLetterLayer<K, P = PermanentFailures> {
     sink: K,
     policy: P,
+    sink_timeout: Duration,
 }
 
 impl<K> DeadLetterLayer<K, PermanentFailures> {
@@ -394,6 +409,7 @@ impl<K> DeadLetterLayer<K, PermanentFailures> {
         DeadLetterLayer {
             sink,
             policy: PermanentFailures,
+            sink_timeout: DEFAULT_SINK_TIMEOUT,
         }
     }
 }
@@ -416,7 +432,17 @@ impl<K, P> DeadLetterLayer<K, P> {
         DeadLetterLayer {
             sink: self.sink,
             policy,
+            sink_timeout: self.sink_timeout,
         }
+    }
+
+    /// How long the sink may take to be ready and accept a record
+    /// ([`DEFAULT_SINK_TIMEOUT`] unless set; at least 1 ms). Past it the call fails with
+    /// a [`DeadLetterError`] whose [`is_timeout`](DeadLetterError::is_timeout) holds,
+    /// and the record is delivered again.
+    pub fn sink_timeout(mut self, timeout: Duration) -> Self {
+        self.sink_timeout = timeout.max(Duration::from_millis(1));
+        self
     }
 }
 
@@ -428,6 +454,7 @@ impl<S, K: Clone, P: Clone> Layer<S> for DeadLetterLayer<K, P> {
             inner,
             sink: self.sink.clone(),
             policy: self.policy.clone(),
+            sink_timeout: self.sink_timeout,
         }
     }
 }
@@ -445,6 +472,7 @@ pin_project! {
         attempts: u32,
         sink: K,
         policy: P,
+        sink_timeout: Duration,
         span: tracing::Span,
     }
 }
@@ -456,9 +484,11 @@ pin_project! {
         K: Service<DeadLetterRecord>,
     {
         Handling { #[pin] future: F },
+        // The inner service panicked in `call`: there is no future to poll.
+        CallPanicked { panic: Option<Panicked> },
         // Boxed: the rare path should not make every record's future larger.
         Sinking {
-            future: Pin<Box<Oneshot<K, DeadLetterRecord>>>,
+            future: Pin<Box<tokio::time::Timeout<Oneshot<K, DeadLetterRecord>>>>,
             position: shardflow::Position,
             original: String,
         },
@@ -480,13 +510,29 @@ where
         let _entered = this.span.enter();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Handling { future } => {
-                    let polled = with_attempts_slot(this.attempts, || future.poll(cx));
-                    let error: BoxError = match ready!(polled) {
-                        Ok(response) => {
-                            return Poll::Ready(Ok(DeadLetterOutcome::Handled(response)))
+                state @ (StateProj::Handling { .. } | StateProj::CallPanicked { .. }) => {
+                    let error: BoxError = match state {
+                        StateProj::Handling { future } => {
+                            // A panic of the inner future is an error (module docs); the
+                            // future is not polled again.
+                            let polled = catch_unwind(AssertUnwindSafe(|| {
+                                with_attempts_slot(this.attempts, || future.poll(cx))
+                            }));
+                            match polled {
+                                Ok(Poll::Pending) => return Poll::Pending,
+                                Ok(Poll::Ready(Ok(response))) => {
+                                    return Poll::Ready(Ok(DeadLetterOutcome::Handled(response)))
+                                }
+                                Ok(Poll::Ready(Err(e))) => e.into(),
+                                Err(payload) => Box::new(Panicked::from_payload(&*payload)),
+                            }
                         }
-                        Err(e) => e.into(),
+                        StateProj::CallPanicked { panic } => match panic.take() {
+                            Some(panic) => Box::new(panic),
+                            None => return Poll::Pending,
+                        },
+                        // Not reachable: the outer arm matched one of the two above.
+                        _ => return Poll::Pending,
                     };
                     let Some((headers, payload)) = this.copy.take() else {
                         // Only reachable if polled after completion.
@@ -504,7 +550,10 @@ where
                         attempts: (*this.attempts > 0).then_some(*this.attempts),
                     };
                     this.state.set(State::Sinking {
-                        future: Box::pin(this.sink.clone().oneshot(record)),
+                        future: Box::pin(tokio::time::timeout(
+                            *this.sink_timeout,
+                            this.sink.clone().oneshot(record),
+                        )),
                         position,
                         original: text,
                     });
@@ -514,7 +563,13 @@ where
                     position,
                     original,
                 } => {
-                    return Poll::Ready(match ready!(future.as_mut().poll(cx)) {
+                    let answer = match ready!(future.as_mut().poll(cx)) {
+                        Ok(answer) => answer.map_err(Into::into),
+                        Err(_elapsed) => Err(Box::new(SinkTimedOut {
+                            after: *this.sink_timeout,
+                        }) as BoxError),
+                    };
+                    return Poll::Ready(match answer {
                         Ok(_) => {
                             tracing::warn!(error = %original, "record dead-lettered");
                             tracing::debug!(
@@ -526,7 +581,7 @@ where
                         Err(e) => Err(Box::new(DeadLetterError {
                             position: position.clone(),
                             original: std::mem::take(original),
-                            source: e.into(),
+                            sink: e,
                         })),
                     });
                 }
@@ -545,7 +600,7 @@ mod tests {
     use super::*;
     use crate::decode::DecodeLayer;
     use crate::dedup::DedupError;
-    use crate::test_support::message;
+    use crate::test_support::{headers, message};
 
     type Sunk = Arc<Mutex<Vec<DeadLetterRecord>>>;
 
@@ -613,9 +668,11 @@ mod tests {
             .expect("a DeadLetterError");
         assert_eq!(err.original(), "boom");
         assert_eq!(err.position().sequence.as_str(), "3");
-        assert_eq!(
-            err.source().map(|s| s.to_string()).as_deref(),
-            Some("sink down")
+        assert_eq!(err.sink_error().to_string(), "sink down");
+        assert!(
+            err.to_string()
+                .contains("failed for record 3: sink down (the record had failed"),
+            "the reason is in the text a consumer shows: {err}"
         );
     }
 
@@ -709,7 +766,7 @@ mod tests {
         assert_eq!(page.records.len(), 1);
         let record = &page.records[0];
         assert_eq!(record.partition_key, pk);
-        let envelope = DeadLetterEnvelope::from_json(&record.data).unwrap();
+        let envelope = DeadLetterEnvelope::from_bytes(&record.data).unwrap();
         assert_eq!(
             (
                 envelope.stream.as_str(),
@@ -725,8 +782,8 @@ mod tests {
             "{}",
             envelope.error
         );
-        assert_eq!(&envelope.payload().unwrap()[..], b"\x00binary\xff");
-        assert!(DeadLetterEnvelope::from_json(b"{\"id\":1}").is_err());
+        assert_eq!(&envelope.payload[..], b"\x00binary\xff");
+        assert!(DeadLetterEnvelope::from_bytes(b"{\"id\":1}").is_err());
     }
 
     /// The retry layer below reports how many calls failed; without one it is unknown.
@@ -761,6 +818,218 @@ mod tests {
             DeadLetterEnvelope::from_record(&sunk[0]).attempts,
             Some(3),
             "the envelope keeps them"
+        );
+    }
+
+    /// Reads every record of the one-shard stream `stream` from its start.
+    async fn read_stream(
+        kinesis: &shardflow::memory::MemoryKinesis,
+        stream: &str,
+    ) -> Vec<shardflow::kinesis::Record> {
+        use shardflow::kinesis::{KinesisApi, StartingPosition};
+        let shard_id = kinesis.list_shards(stream).await.unwrap()[0]
+            .shard_id
+            .clone();
+        let it = kinesis
+            .shard_iterator(stream, &shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        kinesis.get_records(&it, 100).await.unwrap().records
+    }
+
+    /// Regression: a payload over about 786 KB made an envelope over the record limit,
+    /// so the dead letter was refused and the record delivered again for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_of_any_accepted_size_is_dead_lettered_to_a_stream_byte_exact() {
+        use shardflow::kinesis::StreamAdmin;
+        use shardflow::producer::MAX_RECORD_BYTES;
+        use shardflow::Memory;
+        let memory = Memory::new();
+        let kinesis = memory.streams().clone();
+        kinesis.create_stream("dlq", 1).await.unwrap();
+        let producer = Producer::builder()
+            .stream("dlq")
+            .backend(memory.clone())
+            .build()
+            .unwrap();
+        let svc =
+            DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
+        // A 256-character key (the most Kinesis takes) of 384 bytes.
+        let key = "ключ".repeat(32) + &"k".repeat(128);
+        let payload = |len: usize| -> Bytes { (0..len).map(|i| (i * 7 % 256) as u8).collect() };
+        let sizes = [1_000_000, MAX_RECORD_BYTES - key.len()];
+        for (sequence, size) in (1u64..).zip(sizes) {
+            let mut msg = Message::new(headers(sequence), payload(size));
+            msg.headers.partition_key = key.clone();
+            let svc = svc.clone();
+            assert!(svc.oneshot(msg).await.unwrap().is_dead_lettered());
+        }
+        producer.close().await;
+        let records = read_stream(&kinesis, "dlq").await;
+        assert_eq!(
+            records.len(),
+            3,
+            "one record, then the largest in two parts"
+        );
+        let mut parts = envelope::Reassembly::new();
+        let mut letters = Vec::new();
+        for record in &records {
+            assert_eq!(record.partition_key, key);
+            assert!(record.data.len() + key.len() <= MAX_RECORD_BYTES);
+            letters.extend(parts.push(DeadLetterEnvelope::from_bytes(&record.data).unwrap()));
+        }
+        assert_eq!(parts.incomplete(), 0);
+        letters.sort_by(|a, b| a.sequence_number.cmp(&b.sequence_number));
+        assert_eq!(letters.len(), 2);
+        for ((sequence, size), letter) in (1u64..).zip(sizes).zip(&letters) {
+            assert_eq!(letter.payload, payload(size), "byte-exact");
+            assert_eq!(
+                (
+                    letter.stream.as_str(),
+                    letter.shard.as_str(),
+                    letter.sequence_number.clone(),
+                    letter.partition_key.as_str(),
+                    letter.error.as_str(),
+                ),
+                (
+                    "orders",
+                    "shardId-000000000000",
+                    sequence.to_string(),
+                    key.as_str(),
+                    "charge refused"
+                )
+            );
+        }
+    }
+
+    /// Regression: a dead-letter sink that never answered stalled its shard for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_that_never_answers_fails_the_call_after_the_sink_timeout() {
+        let silent =
+            service_fn(|_r: DeadLetterRecord| std::future::pending::<Result<(), BoxError>>());
+        for (layer, deadline) in [
+            (DeadLetterLayer::new(silent), DEFAULT_SINK_TIMEOUT),
+            (
+                DeadLetterLayer::new(silent).sink_timeout(Duration::from_secs(5)),
+                Duration::from_secs(5),
+            ),
+        ] {
+            let svc = layer.layer(failing_with(|| "boom".into()));
+            let start = tokio::time::Instant::now();
+            let err = tokio::time::timeout(Duration::from_secs(600), svc.oneshot(message(3, b"x")))
+                .await
+                .expect("the call ends")
+                .unwrap_err();
+            assert_eq!(start.elapsed(), deadline);
+            let err = err
+                .downcast_ref::<DeadLetterError>()
+                .expect("a DeadLetterError");
+            assert!(err.is_timeout(), "{err}");
+            assert_eq!(err.original(), "boom");
+            assert_eq!(
+                err.sink_error().to_string(),
+                format!("the dead-letter sink did not answer within {deadline:?}")
+            );
+            assert!(err.to_string().contains("did not answer within"), "{err}");
+        }
+    }
+
+    /// A sink that is never ready is bounded by the same deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_that_is_never_ready_fails_the_call_after_the_sink_timeout() {
+        #[derive(Clone)]
+        struct NeverReady;
+        impl Service<DeadLetterRecord> for NeverReady {
+            type Response = ();
+            type Error = BoxError;
+            type Future = std::future::Ready<Result<(), BoxError>>;
+            fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+                Poll::Pending
+            }
+            fn call(&mut self, _r: DeadLetterRecord) -> Self::Future {
+                std::future::ready(Ok(()))
+            }
+        }
+        let svc = DeadLetterLayer::new(NeverReady).layer(failing_with(|| "boom".into()));
+        let err = tokio::time::timeout(Duration::from_secs(600), svc.oneshot(message(3, b"x")))
+            .await
+            .expect("the call ends")
+            .unwrap_err();
+        assert!(err
+            .downcast_ref::<DeadLetterError>()
+            .is_some_and(DeadLetterError::is_timeout));
+    }
+
+    /// A handler that panics, in its future or in `call`, is dead-lettered with the
+    /// panic's message; under a retry layer after its attempts, which it reports.
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_handler_is_dead_lettered_with_the_panic_message() {
+        use crate::retry::{Backoff, RetryLayer};
+        #[derive(Clone)]
+        struct PanicsInCall;
+        impl Service<Message<Bytes>> for PanicsInCall {
+            type Response = ();
+            type Error = BoxError;
+            type Future = std::future::Ready<Result<(), BoxError>>;
+            fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+                Poll::Ready(Ok(()))
+            }
+            fn call(&mut self, _m: Message<Bytes>) -> Self::Future {
+                panic!("poison in call")
+            }
+        }
+        let (sunk, sink) = recording_sink(false);
+        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = calls.clone();
+        let in_future = service_fn(move |m: Message<Bytes>| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if m.headers.sequence_number.as_str() == "2" {
+                    panic!("poison record {}", m.headers.sequence_number);
+                }
+                Ok::<_, BoxError>(())
+            }
+        });
+        let policy = Backoff::exponential()
+            .max_attempts(3)
+            .initial_delay(Duration::from_millis(5));
+        let retried = DeadLetterLayer::new(sink.clone())
+            .layer(RetryLayer::new(policy.clone()).layer(in_future));
+        for sequence in 1..=3 {
+            let out = retried
+                .clone()
+                .oneshot(message(sequence, b"x"))
+                .await
+                .unwrap();
+            assert_eq!(out.is_dead_lettered(), sequence == 2);
+        }
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1 + 3 + 1);
+        let bare = DeadLetterLayer::new(sink.clone()).layer(PanicsInCall);
+        assert!(bare
+            .oneshot(message(4, b"y"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let in_call = DeadLetterLayer::new(sink).layer(RetryLayer::new(policy).layer(PanicsInCall));
+        assert!(in_call
+            .oneshot(message(5, b"z"))
+            .await
+            .unwrap()
+            .is_dead_lettered());
+        let sunk = sunk.lock().unwrap();
+        assert_eq!(
+            sunk.iter()
+                .map(|r| (
+                    r.headers.sequence_number.as_str(),
+                    r.error.as_str(),
+                    r.attempts
+                ))
+                .collect::<Vec<_>>(),
+            vec![
+                ("2", "the handler panicked: poison record 2", Some(3)),
+                ("4", "the handler panicked: poison in call", None),
+                ("5", "the handler panicked: poison in call", Some(3)),
+            ]
         );
     }
 }

@@ -73,8 +73,8 @@
 //! [`BoxError`]; the concrete errors are small enums and structs you can
 //! [`downcast_ref`](std::error::Error) to: [`DecodeError`],
 //! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError),
-//! [`BatchError`](batch::BatchError), [`ProduceToError`]. [`Retry`] passes the handler's own
-//! error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
+//! [`BatchError`](batch::BatchError), [`ProduceToError`], [`Panicked`](panic::Panicked).
+//! [`Retry`] passes the handler's own error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
 //! definition (the store is down or another consumer holds the record), so the default
 //! dead-letter policy never dead-letters it: the shard stops and the record comes back.
 //!
@@ -105,6 +105,7 @@ pub mod batch;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
+pub mod panic;
 pub mod produce;
 pub mod retry;
 

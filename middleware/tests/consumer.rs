@@ -1,5 +1,6 @@
 //! The full stack under the real consumer (`Consumer::run`) on the embedded backend:
-//! bad JSON, poison records, a flaky handler and a flaky dead-letter sink, two shards.
+//! bad JSON, poison records, a flaky handler, a handler that panics and a flaky
+//! dead-letter sink.
 //! Every record ends handled exactly once or dead-lettered with its error.
 
 mod common;
@@ -225,5 +226,129 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
                 assert_eq!(errors.len(), 1, "record {id}: {errors:?}");
             }
         }
+    }
+}
+
+/// Regression: a handler that panicked on one record killed its shard's dispatch instead
+/// of failing the call, so a poison record that panics could not be dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_panics_the_handler_is_dead_lettered_once_and_the_checkpoint_passes_it() {
+    const POISON: u64 = 17;
+    const COUNT: u64 = 30;
+    let backend = Memory::new();
+    let kinesis = backend.admin().unwrap();
+    kinesis.create_stream("orders", 1).await.unwrap();
+    let records: Vec<PutRecord> = (0..COUNT)
+        .map(|id| PutRecord {
+            data: Bytes::from(format!(r#"{{"id":{id}}}"#)),
+            partition_key: format!("customer-{id}"),
+            explicit_hash_key: None,
+        })
+        .collect();
+    let outcomes = kinesis.put_records("orders", &records).await.unwrap();
+    let Some(PutOutcome::Stored {
+        sequence_number: last,
+        ..
+    }) = outcomes.last().cloned()
+    else {
+        panic!("stored: {outcomes:?}")
+    };
+
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let progress = Arc::new(Notify::new());
+    let sink = service_fn({
+        let (seen, progress) = (seen.clone(), progress.clone());
+        move |record: DeadLetterRecord| {
+            let mut seen = seen.lock().unwrap();
+            seen.dead
+                .entry(id_of(&record.payload))
+                .or_default()
+                .push(format!(
+                    "{} after {:?} attempts",
+                    record.error, record.attempts
+                ));
+            progress.notify_one();
+            async { Ok::<(), BoxError>(()) }
+        }
+    });
+    let handler = service_fn({
+        let (seen, progress) = (seen.clone(), progress.clone());
+        move |msg: Message<Order>| {
+            let (seen, progress) = (seen.clone(), progress.clone());
+            async move {
+                *seen
+                    .lock()
+                    .unwrap()
+                    .handler_calls
+                    .entry(msg.payload.id)
+                    .or_default() += 1;
+                if msg.payload.id == POISON {
+                    panic!("order {} cannot be charged", msg.payload.id);
+                }
+                *seen
+                    .lock()
+                    .unwrap()
+                    .effects
+                    .entry(msg.payload.id)
+                    .or_default() += 1;
+                progress.notify_one();
+                Ok::<(), Failure>(())
+            }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .dead_letter(sink)
+        .decode::<Order>()
+        .dedup(MemoryDedupStore::new(1_000))
+        .retry(
+            Backoff::exponential()
+                .max_attempts(3)
+                .initial_delay(Duration::from_millis(1))
+                .jitter_seed(5),
+        )
+        .service(handler);
+    let consumer = Consumer::builder()
+        .stream("orders")
+        .group("billing")
+        .backend(backend.clone())
+        .idle_read_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let running = consumer.run(stack).spawn();
+    let all_finished = async {
+        while seen.lock().unwrap().finished() < COUNT as usize {
+            progress.notified().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all_finished)
+        .await
+        .expect("every record finishes within a minute");
+    within("the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+
+    let rows = backend.lease_store("billing").list().await.unwrap();
+    let seen = seen.lock().unwrap();
+    for id in (0..COUNT).filter(|&id| id != POISON) {
+        assert_eq!(seen.effects.get(&id), Some(&1), "record {id} handled once");
+    }
+    assert_eq!(seen.effects.get(&POISON), None);
+    assert_eq!(seen.handler_calls.get(&POISON), Some(&3), "three attempts");
+    assert_eq!(
+        seen.dead.get(&POISON),
+        Some(&vec![
+            "the handler panicked: order 17 cannot be charged after Some(3) attempts".to_owned()
+        ]),
+        "dead-lettered once, with the panic's message"
+    );
+    assert_eq!(rows.len(), 1);
+    match &rows[0].checkpoint {
+        shardflow::lease::Checkpoint::At(position) => {
+            assert_eq!(
+                position.sequence, last,
+                "the checkpoint passed the poison record"
+            )
+        }
+        other => panic!("checkpoint {other:?}"),
     }
 }

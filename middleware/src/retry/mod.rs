@@ -10,12 +10,18 @@
 //! it, and the shard's lease is still held (once `lease_lost` fires, the new owner will
 //! handle the record: the error goes up at once, even in the middle of a backoff wait).
 //!
+//! A handler that panics (in `call` or its future) fails its attempt as an error would;
+//! a panic is always retryable to the policy, and when the attempts run out it goes up
+//! unchanged, for the [`dead_letter`](crate::dead_letter) layer to dead-letter it with
+//! its message (or for the consumer to treat it as a failure).
+//!
 //! Put it below [`dedup`](crate::dedup) so a retry re-runs only the handler.
 
 mod future;
 mod policy;
 
 use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -101,9 +107,11 @@ where
         // the future for the retries; `self` keeps a fresh clone.
         let fresh = self.inner.clone();
         let mut ready = std::mem::replace(&mut self.inner, fresh);
+        // A panic in `call` is a failed attempt (see the future's docs): the future
+        // starts with it, and the same service is made ready again before a retry.
         let first = {
             let _entered = span.enter();
-            ready.call(message)
+            catch_unwind(AssertUnwindSafe(|| ready.call(message)))
         };
         ResponseFuture::new(first, ready, retained, self.policy.clone(), span)
     }

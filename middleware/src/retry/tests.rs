@@ -164,3 +164,122 @@ async fn jittered_delays_stay_within_bounds() {
         "{waited:?}"
     );
 }
+
+/// A handler that fails every call and, after its first call, is ready again only once
+/// `gate` fires (as a service that frees capacity when its shard is given up would).
+#[derive(Clone)]
+struct GatedAfterFirstCall {
+    calls: Arc<AtomicU32>,
+    gate: tokio_util::sync::CancellationToken,
+    waker: Arc<std::sync::Mutex<Option<std::task::Waker>>>,
+}
+
+impl Service<Message<Bytes>> for GatedAfterFirstCall {
+    type Response = ();
+    type Error = Failure;
+    type Future = std::future::Ready<Result<(), Failure>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Failure>> {
+        if self.calls.load(Ordering::SeqCst) == 0 || self.gate.is_cancelled() {
+            return Poll::Ready(Ok(()));
+        }
+        *self.waker.lock().unwrap() = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn call(&mut self, _m: Message<Bytes>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Err(Failure::Flaky))
+    }
+}
+
+/// Regression: a lease lost while the service was getting ready after a backoff still
+/// led to another call of the handler.
+#[tokio::test(start_paused = true)]
+async fn a_lease_lost_while_getting_ready_ends_the_call_without_another_attempt() {
+    let msg = message(1, b"x");
+    let handler = GatedAfterFirstCall {
+        calls: Arc::default(),
+        gate: msg.headers.lease_lost.clone(),
+        waker: Arc::default(),
+    };
+    let (calls, lease_lost, waker) = (
+        handler.calls.clone(),
+        msg.headers.lease_lost.clone(),
+        handler.waker.clone(),
+    );
+    let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
+    // The backoff is 100 ms; the lease goes 1 s in, while the service is not ready.
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        lease_lost.cancel();
+        if let Some(waker) = waker.lock().unwrap().take() {
+            waker.wake();
+        }
+    });
+    let start = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(60), svc.oneshot(msg))
+        .await
+        .expect("the call ends once the lease is lost");
+    assert_eq!(result.unwrap_err(), Failure::Flaky);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "no call after the lease was lost"
+    );
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+}
+
+/// A handler that panics on its first `panics` calls, counting calls.
+fn panicky(
+    panics: u32,
+) -> (
+    Arc<AtomicU32>,
+    impl Service<Message<Bytes>, Response = u32, Error = Failure, Future: Send> + Clone,
+) {
+    let calls = Arc::new(AtomicU32::new(0));
+    let counter = calls.clone();
+    let svc = service_fn(move |_m: Message<Bytes>| {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            assert!(n > panics, "panic number {n}");
+            Ok(n)
+        }
+    });
+    (calls, svc)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_is_a_failed_attempt_and_is_retried() {
+    let (calls, handler) = panicky(2);
+    let svc = RetryLayer::new(exact().max_attempts(3)).layer(handler);
+    let start = Instant::now();
+    assert_eq!(svc.oneshot(message(1, b"x")).await, Ok(3));
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_waited(start, Duration::from_millis(100 + 200));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_on_every_attempt_goes_up_unchanged_when_the_attempts_run_out() {
+    let (calls, handler) = panicky(u32::MAX);
+    let svc = RetryLayer::new(exact().max_attempts(4)).layer(handler);
+    let join = tokio::spawn(svc.oneshot(message(1, b"x"))).await;
+    let panic = join.expect_err("the panic goes up").into_panic();
+    assert_eq!(
+        crate::panic::message(&*panic),
+        "panic number 4",
+        "the last attempt's panic"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_after_the_lease_was_lost_is_not_retried() {
+    let (calls, handler) = panicky(u32::MAX);
+    let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
+    let msg = message(1, b"x");
+    msg.headers.lease_lost.cancel();
+    let join = tokio::spawn(svc.oneshot(msg)).await;
+    assert!(join.expect_err("the panic goes up").is_panic());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
