@@ -50,6 +50,10 @@ pub enum Feature {
     StaleListShards,
     /// Calls that never return (cut by the wrapper's generous cap).
     HungCalls,
+    /// Run-mode handlers that panic on about one record in 50, twice, then handle it.
+    HandlerPanics,
+    /// `on_event` hooks that panic on every event (every other worker).
+    HookPanics,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -59,7 +63,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 21] = [
+    pub const ALL: [Feature; 23] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -79,6 +83,8 @@ impl Feature {
         Feature::MissingNextIteratorAnywhere,
         Feature::StaleListShards,
         Feature::HungCalls,
+        Feature::HandlerPanics,
+        Feature::HookPanics,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -104,6 +110,8 @@ impl Feature {
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
+            Feature::HandlerPanics => "handler-panics",
+            Feature::HookPanics => "hook-panics",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

@@ -336,6 +336,12 @@ impl Sim {
         } else {
             Consumer::builder().stream(STREAM)
         };
+        // Decided without the generator's random numbers: the histories stay the same.
+        let builder = if self.features.has(Feature::HookPanics) && self.incarnations % 2 == 1 {
+            builder.on_event(|_| panic!("a hook that panics"))
+        } else {
+            builder
+        };
         builder
             .group(GROUP)
             .worker_id(backend.worker.clone())
@@ -396,7 +402,8 @@ impl Sim {
         } else {
             let concurrent = concurrency != Concurrency::Sequential;
             self.stats.per_key_workers += usize::from(concurrent);
-            let service = handler(log, incarnation.clone(), control.clone(), concurrent);
+            let panics = self.features.has(Feature::HandlerPanics);
+            let service = handler(log, incarnation.clone(), control.clone(), concurrent, panics);
             let run = consumer.run(service).into_future();
             tokio::spawn(async move { run.await.map_err(|e| e.to_string()) })
         };
@@ -731,19 +738,42 @@ fn handler(
     incarnation: String,
     control: Arc<Control>,
     concurrent: bool,
+    panics: bool,
 ) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
     // Records whose first attempt failed (concurrent workers only).
     type Failed = std::collections::HashSet<(Arc<str>, SequenceNumber)>;
     let failed: Arc<std::sync::Mutex<Failed>> = Arc::default();
+    // How often each chosen record panicked (`panics`).
+    type Panicked = std::collections::HashMap<(Arc<str>, SequenceNumber), u32>;
+    let panicked: Arc<std::sync::Mutex<Panicked>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
         let failed = failed.clone();
+        let panicked = panicked.clone();
         async move {
             control.gate().await;
             log.deliver(&incarnation, &msg);
+            if panics {
+                let h = msg.headers.sequence_number.as_str().bytes().fold(7u64, |h, b| {
+                    h.wrapping_mul(131).wrapping_add(b as u64)
+                });
+                let key = (
+                    msg.headers.shard_id.clone(),
+                    msg.headers.sequence_number.clone(),
+                );
+                if h % 50 == 3 {
+                    let mut panicked = panicked.lock().unwrap();
+                    let n = panicked.entry(key).or_insert(0);
+                    *n += 1;
+                    if *n <= 2 {
+                        drop(panicked);
+                        panic!("a handler that panics");
+                    }
+                }
+            }
             if concurrent {
                 // Calls finish out of order, and some fail once: the watermark and the
                 // redelivery after a failure are under test.
