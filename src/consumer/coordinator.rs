@@ -418,7 +418,9 @@ impl Coordinator {
                 }
                 .instrument(span)
                 .await;
-                Err(ConsumerError::Worker(format!("the worker panicked: {message}")))
+                Err(ConsumerError::Worker(format!(
+                    "the worker panicked: {message}"
+                )))
             }
         };
         // No handler runs once `run` returned.

@@ -403,7 +403,13 @@ impl Sim {
             let concurrent = concurrency != Concurrency::Sequential;
             self.stats.per_key_workers += usize::from(concurrent);
             let panics = self.features.has(Feature::HandlerPanics);
-            let service = handler(log, incarnation.clone(), control.clone(), concurrent, panics);
+            let service = handler(
+                log,
+                incarnation.clone(),
+                control.clone(),
+                concurrent,
+                panics,
+            );
             let run = consumer.run(service).into_future();
             tokio::spawn(async move { run.await.map_err(|e| e.to_string()) })
         };
@@ -757,9 +763,12 @@ fn handler(
             control.gate().await;
             log.deliver(&incarnation, &msg);
             if panics {
-                let h = msg.headers.sequence_number.as_str().bytes().fold(7u64, |h, b| {
-                    h.wrapping_mul(131).wrapping_add(b as u64)
-                });
+                let h = msg
+                    .headers
+                    .sequence_number
+                    .as_str()
+                    .bytes()
+                    .fold(7u64, |h, b| h.wrapping_mul(131).wrapping_add(b as u64));
                 let key = (
                     msg.headers.shard_id.clone(),
                     msg.headers.sequence_number.clone(),
