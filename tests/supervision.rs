@@ -23,9 +23,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use shardflow::kinesis::{PutRecord, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError};
 use shardflow::metrics as names;
-use shardflow::{
-    Batch, Concurrency, Consumer, ConsumerError, Memory, Message, Running, ShardEvent,
-};
+use shardflow::{Batch, Concurrency, ConsumerError, Memory, Message, Running, ShardEvent};
 
 use common::{put_all, within, Recorder};
 use hooks::{Hooked, Hooks};
