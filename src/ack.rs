@@ -176,6 +176,16 @@ impl Watermark {
         }
     }
 
+    /// Whether unit `id` of `generation` is still being worked on (delivered, neither
+    /// acknowledged nor given up, no restart since).
+    fn is_open(&self, id: u64, generation: u64) -> bool {
+        generation == self.generation
+            && id
+                .checked_sub(self.front_id)
+                .and_then(|i| self.pending.get(usize::try_from(i).ok()?))
+                .is_some_and(|u| !u.done && !u.abandoned)
+    }
+
     /// How many units are delivered and still being worked on (neither acknowledged
     /// nor given up): what a drain waits for.
     pub fn open(&self) -> usize {
@@ -375,7 +385,45 @@ impl ShardProgress {
             generation,
             in_flight: None,
             read_ahead: None,
+            _unsettled: Arc::new(GiveUpOnDrop {
+                progress: self.clone(),
+                id,
+                generation,
+            }),
         }
+    }
+
+    /// Gives unit `id` up for good and makes the shard read again from its watermark
+    /// (see [`AckHandle::nack`]); with `only_open`, only while the unit is still being
+    /// worked on. Returns whether it did.
+    fn fail(&self, id: u64, generation: u64, only_open: bool) -> bool {
+        {
+            let mut watermark = self.lock();
+            if only_open && !watermark.is_open(id, generation) {
+                return false;
+            }
+            // Given up first, so the drain that the failure starts does not wait for it.
+            watermark.abandon(id, generation);
+            // Nothing more of this generation may start: a record after the failed one
+            // must not reach the handler before the restart delivers the failed one
+            // again. Decided under the watermark's lock, so a restart that already began
+            // a new generation (and accepts again) is never stopped by a late nack.
+            if watermark.generation() == generation {
+                self.set_accepting(false);
+            }
+        }
+        {
+            let mut failed = self
+                .failed
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Keep the newest generation: a stale nack must not hide the current failure.
+            if failed.is_none_or(|g| g < generation) {
+                *failed = Some(generation);
+            }
+        }
+        self.changed.notify_one();
+        true
     }
 
     /// Registers the end of the shard: reached once every earlier unit is acknowledged.
@@ -395,6 +443,8 @@ impl ShardProgress {
 }
 
 /// Acknowledges one delivered batch. Cheap to clone; acknowledging twice is harmless.
+/// Dropping the last clone of a batch neither acknowledged nor given up counts as a
+/// [`AckHandle::nack`]: the batch is delivered again from the checkpoint.
 #[derive(Clone, Debug)]
 pub struct AckHandle {
     progress: Arc<ShardProgress>,
@@ -405,6 +455,29 @@ pub struct AckHandle {
     /// The batch's share of the worker's read-ahead budget: given back on `ack`,
     /// `nack` or `abandon`, or when the last clone is dropped.
     read_ahead: Option<Arc<ReadAheadShare>>,
+    /// Gives the batch up when the last clone is dropped before it was settled.
+    _unsettled: Arc<GiveUpOnDrop>,
+}
+
+/// Dropped with the last clone of an [`AckHandle`]: a batch neither acknowledged nor
+/// given up then (its holder was dropped: a task that panicked, a `stream()` user that
+/// let it go) is failed like a `nack`, so the shard reads it again from its watermark
+/// after the backoff instead of waiting for it until a drain times out.
+#[derive(Debug)]
+struct GiveUpOnDrop {
+    progress: Arc<ShardProgress>,
+    id: u64,
+    generation: u64,
+}
+
+impl Drop for GiveUpOnDrop {
+    fn drop(&mut self) {
+        if self.progress.fail(self.id, self.generation, true) {
+            tracing::warn!(
+                "a batch was dropped without ack or nack; it is given up and delivered again"
+            );
+        }
+    }
 }
 
 impl AckHandle {
@@ -504,30 +577,7 @@ impl AckHandle {
     /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
         self.release_read_ahead();
-        {
-            let mut watermark = self.progress.lock();
-            // Given up first, so the drain that the failure starts does not wait for it.
-            watermark.abandon(self.id, self.generation);
-            // Nothing more of this generation may start: a record after the failed one
-            // must not reach the handler before the restart delivers the failed one
-            // again. Decided under the watermark's lock, so a restart that already began
-            // a new generation (and accepts again) is never stopped by a late nack.
-            if watermark.generation() == self.generation {
-                self.progress.set_accepting(false);
-            }
-        }
-        {
-            let mut failed = self
-                .progress
-                .failed
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            // Keep the newest generation: a stale nack must not hide the current failure.
-            if failed.is_none_or(|g| g < self.generation) {
-                *failed = Some(self.generation);
-            }
-        }
-        self.progress.changed.notify_one();
+        self.progress.fail(self.id, self.generation, false);
     }
 }
 

@@ -218,9 +218,10 @@ impl<T> fmt::Debug for Message<T> {
 /// The messages of one read from one shard, in sequence order.
 ///
 /// In `consumer.stream()` mode, call [`Batch::ack`] once they are handled: the shard's
-/// checkpoint may then pass them. A batch dropped without `ack` holds the checkpoint
-/// back (its records are delivered again after a restart or hand-off);
-/// [`Batch::nack`] asks for redelivery from the checkpoint right away.
+/// checkpoint may then pass them. [`Batch::nack`] asks for redelivery from the
+/// checkpoint right away; so does dropping a batch (and every [`AckHandle`] taken from
+/// it) without `ack`: its records are delivered again after the backoff, rather than
+/// holding the checkpoint back until a restart or hand-off.
 ///
 /// In `consumer.run_batches(service)` mode the service's `Ok` acknowledges the batch and
 /// an error gives it up; `ack` and `nack` inside the service work as above (`ack` early,

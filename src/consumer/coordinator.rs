@@ -4,6 +4,7 @@
 //! shutdown.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -33,6 +34,7 @@ use super::config::{Config, InitialPosition};
 use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::events::ShardEvent;
 use super::health::HealthState;
+use super::panics::panic_message;
 use super::shard::{ShardExit, ShardTask};
 use super::ConsumerError;
 
@@ -58,6 +60,8 @@ enum Event {
 struct Slot {
     lease: Arc<HeldLease>,
     stop: CancellationToken,
+    /// The shard task: aborted if it did not stop within the shutdown's bound.
+    task: JoinHandle<()>,
     handoff_to: Option<String>,
     /// A reset request is being applied: once the task stopped and drained, the
     /// requested checkpoint is stored and the lease released (read again from there).
@@ -182,6 +186,41 @@ pub(crate) struct Coordinator {
     events_rx: mpsc::UnboundedReceiver<Event>,
     labels: Labels,
     health: Arc<HealthState>,
+    /// The parent of every shard task's stop token: a child of the token `run` was
+    /// given, cancelled too when `run` ends in any way (a panic included).
+    tasks: CancellationToken,
+    /// The dispatch tasks started for shard tasks (`run` mode): whatever still runs
+    /// when the coordinator ends is aborted, so no handler is called after that.
+    dispatchers: Dispatchers,
+}
+
+/// The handles of a coordinator's dispatch tasks; dropping it aborts those still running.
+#[derive(Default)]
+struct Dispatchers(Vec<JoinHandle<()>>);
+
+impl Dispatchers {
+    fn add(&mut self, task: JoinHandle<()>) {
+        self.0.retain(|t| !t.is_finished());
+        self.0.push(task);
+    }
+
+    /// Aborts every dispatch task still running and waits until each has ended.
+    async fn stop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+        for task in self.0.drain(..) {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Dispatchers {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
 }
 
 impl Coordinator {
@@ -249,13 +288,18 @@ impl Coordinator {
             started: SystemTime::now(),
             events_tx,
             events_rx,
+            tasks: CancellationToken::new(),
+            dispatchers: Dispatchers::default(),
         }
     }
 
     pub(crate) async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
         let worker = self.config.owner.clone();
         let span = tracing::info_span!("worker", %worker, stream = %self.stream);
-        async move {
+        // Whatever ends `run` (a return or a panic), the shard tasks are told to stop.
+        self.tasks = shutdown.child_token();
+        let _stop_tasks = self.tasks.clone().drop_guard();
+        let body = async {
             // Transient failures (throttling, a flaky network) are retried; a missing
             // stream or a refused request fails fast instead of polling forever.
             let mut backoff = Backoff::new(
@@ -286,6 +330,8 @@ impl Coordinator {
             // Renewal goes on through the shutdown's drain (which may outlast a lease
             // duration) and stops only once every lease is released.
             let renewing = CancellationToken::new();
+            // Stops the renewer even if the shutdown below does not complete (a panic).
+            let _stop_renewing = renewing.clone().drop_guard();
             let renewer = tokio::spawn(renew_loop(
                 self.config.clone(),
                 self.health.clone(),
@@ -368,9 +414,43 @@ impl Coordinator {
                 self.resign().await;
             }
             outcome
-        }
-        .instrument(span)
-        .await
+        };
+        // A panic anywhere in the rounds (or in the shutdown) ends the worker like an
+        // error does: through the same drain and release as a shutdown, with a renewer
+        // of its own meanwhile (the first one stopped when the panic dropped it).
+        let outcome = match AssertUnwindSafe(body.instrument(span.clone()))
+            .catch_unwind()
+            .await
+        {
+            Ok(outcome) => outcome,
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                async {
+                    tracing::error!(%message, "the worker panicked; draining and releasing its leases");
+                    let renewing = CancellationToken::new();
+                    let _stop_renewing = renewing.clone().drop_guard();
+                    let renewer = tokio::spawn(renew_loop(
+                        self.config.clone(),
+                        self.health.clone(),
+                        self.held.clone(),
+                        self.events_tx.clone(),
+                        renewing.clone(),
+                    ));
+                    self.tasks.cancel();
+                    self.shutdown().await;
+                    renewing.cancel();
+                    renewer.abort();
+                }
+                .instrument(span)
+                .await;
+                Err(ConsumerError::Worker(format!(
+                    "the worker panicked: {message}"
+                )))
+            }
+        };
+        // No handler runs once `run` returned.
+        self.dispatchers.stop().await;
+        outcome
     }
 
     /// The calls before the first lease round: the table exists, the shards have
@@ -1626,12 +1706,12 @@ impl Coordinator {
         let out = match &self.sink {
             Sink::PerShard(spawn) => {
                 let (tx, rx) = mpsc::channel(self.config.prefetch_batches);
-                spawn(rx);
+                self.dispatchers.add(spawn(rx));
                 tx
             }
             Sink::Shared(tx) => tx.clone(),
         };
-        let stop = CancellationToken::new();
+        let stop = self.tasks.child_token();
         let hash_range = self
             .shards
             .iter()
@@ -1653,7 +1733,7 @@ impl Coordinator {
         let events = self.events_tx.clone();
         let span = tracing::info_span!("shard", shard = %key);
         let exit_key = key.clone();
-        tokio::spawn(
+        let task = tokio::spawn(
             async move {
                 let exit = task.run().await;
                 let _ = events.send(Event::Exit(exit_key, exit));
@@ -1670,6 +1750,7 @@ impl Coordinator {
             Slot {
                 lease,
                 stop,
+                task,
                 handoff_to: None,
                 reset: false,
             },
@@ -1697,6 +1778,8 @@ impl Coordinator {
         }
         for (key, slot) in std::mem::take(&mut self.slots) {
             tracing::warn!(lease = %key, "shard did not stop in time; releasing its lease");
+            slot.task.abort();
+            let _ = slot.task.await;
             release(&slot.lease, &key).await;
             self.config
                 .events

@@ -3,8 +3,12 @@
 //! have `leaseLost`/`shardEnded` and rdkafka users have rebalance callbacks.
 
 use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use super::panics::panic_message;
 
 use crate::sequence::SequenceNumber;
 
@@ -15,7 +19,8 @@ use crate::sequence::SequenceNumber;
 /// `stream/shardId`, so the same shard id in two streams is told apart.
 ///
 /// The hook is called on the worker's own tasks, in the order things happened for a
-/// shard: keep it quick (count, log, send on a channel); it must not block.
+/// shard: keep it quick (count, log, send on a channel); it must not block. A hook that
+/// panics loses that event (the panic is logged) and nothing else: the worker goes on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ShardEvent {
@@ -99,8 +104,24 @@ impl EventHook {
         EventHook(None, false)
     }
 
+    /// The user's hook, supervised: a panic in it is caught and logged (a warning at the
+    /// 1st, 2nd, 4th, 8th, ... panic, so a hook that always panics does not flood the
+    /// log), and the worker goes on as if the hook had returned.
     pub(crate) fn new(hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
-        EventHook(Some(Arc::new(hook)), false)
+        let panics = AtomicU64::new(0);
+        EventHook(
+            Some(Arc::new(move |event: &ShardEvent| {
+                let called = std::panic::catch_unwind(AssertUnwindSafe(|| hook(event)));
+                if let Err(payload) = called {
+                    let n = panics.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+                    if n.is_power_of_two() {
+                        let message = panic_message(payload.as_ref());
+                        tracing::warn!(panics = n, %message, "the on_event hook panicked; the event is dropped and the worker goes on");
+                    }
+                }
+            })),
+            false,
+        )
     }
 
     /// The hook for the handlers of a multi-stream consumer: [`Self::shard_name`] names

@@ -46,6 +46,7 @@ mod deadline;
 mod dispatch;
 mod events;
 mod health;
+mod panics;
 pub(crate) mod read_ahead;
 mod reader;
 mod shard;
@@ -233,7 +234,10 @@ impl Consumer {
     /// [`ConsumerBuilder::concurrency`] records of different partition keys (or any
     /// records) of a shard concurrently too, each call on its own clone after
     /// `ServiceExt::ready`. `Ok` marks the record handled; an error stops the shard,
-    /// which reads again from its checkpoint after a backoff. Await the returned [`Run`]
+    /// which reads again from its checkpoint after a backoff. A panic of the service (in
+    /// `poll_ready`, `call` or its future) is such an error too: it is caught, reported
+    /// (`HandlerFailed` with the panic's message, health, metrics), and the shard's calls
+    /// in flight are given up and delivered again. Await the returned [`Run`]
     /// (add [`Run::until`] to stop on a signal) or [`Run::spawn`] it and later call
     /// [`Running::shutdown`].
     pub fn run<S>(self, service: S) -> Run
@@ -243,7 +247,8 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
-        let service = Measured::new(service, &Labels::of(&self.config));
+        // Inside the metrics, so a panic is timed and counted like any failed call.
+        let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
             Concurrency::PerKey(n) => (n, true),
             Concurrency::Unordered(n) => (n, false),
@@ -275,7 +280,8 @@ impl Consumer {
     /// read of one shard), a shard's batches one at a time in order.
     ///
     /// The service's result is the verdict: `Ok` acknowledges the whole batch; an error
-    /// gives it up and the shard reads again from its checkpoint after a backoff. The
+    /// gives it up and the shard reads again from its checkpoint after a backoff (a
+    /// panic of the service is caught and counts as an error). The
     /// [`Batch`] the service receives still has its acknowledgement handle, with the same
     /// meaning as in [`Consumer::stream`]: [`Batch::ack`] marks it handled before the
     /// service returns (harmless: `Ok` would do the same), and [`Batch::nack`] gives it
@@ -295,7 +301,8 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
-        let service = Measured::new(service, &Labels::of(&self.config));
+        // Inside the metrics, so a panic is timed and counted like any failed call.
+        let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {
             tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))

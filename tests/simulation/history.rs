@@ -53,6 +53,10 @@ pub enum Feature {
     /// `run`-mode handlers that hang on a chosen record: for a while (then finish), or
     /// for good (then their worker is killed).
     HungHandler,
+    /// Run-mode handlers that panic on about one record in 50, twice, then handle it.
+    HandlerPanics,
+    /// `on_event` hooks that panic on every event (every other worker).
+    HookPanics,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -62,7 +66,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 22] = [
+    pub const ALL: [Feature; 24] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -83,6 +87,8 @@ impl Feature {
         Feature::StaleListShards,
         Feature::HungCalls,
         Feature::HungHandler,
+        Feature::HandlerPanics,
+        Feature::HookPanics,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -109,6 +115,8 @@ impl Feature {
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
             Feature::HungHandler => "hung-handler",
+            Feature::HandlerPanics => "handler-panics",
+            Feature::HookPanics => "hook-panics",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

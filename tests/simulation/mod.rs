@@ -399,6 +399,12 @@ impl Sim {
         } else {
             Consumer::builder().stream(STREAM)
         };
+        // Decided without the generator's random numbers: the histories stay the same.
+        let builder = if self.features.has(Feature::HookPanics) && self.incarnations % 2 == 1 {
+            builder.on_event(|_| panic!("a hook that panics"))
+        } else {
+            builder
+        };
         builder
             .group(GROUP)
             .worker_id(backend.worker.clone())
@@ -481,7 +487,15 @@ impl Sim {
         } else {
             let concurrent = concurrency != Concurrency::Sequential;
             self.stats.per_key_workers += usize::from(concurrent);
-            let service = handler(log, incarnation.clone(), control.clone(), concurrent, hang);
+            let panics = self.features.has(Feature::HandlerPanics);
+            let service = handler(
+                log,
+                incarnation.clone(),
+                control.clone(),
+                concurrent,
+                hang,
+                panics,
+            );
             let mut run = consumer.run(service).into_future();
             tokio::spawn(async move {
                 loop {
@@ -943,18 +957,23 @@ fn handler(
     control: Arc<Control>,
     concurrent: bool,
     hang: Option<(u64, Option<Duration>)>,
+    panics: bool,
 ) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
     // Records whose first attempt failed (concurrent workers only).
     type Failed = std::collections::HashSet<(Arc<str>, SequenceNumber)>;
     let failed: Arc<std::sync::Mutex<Failed>> = Arc::default();
     let received = Arc::new(AtomicU64::new(0));
+    // How often each chosen record panicked (`panics`).
+    type Panicked = std::collections::HashMap<(Arc<str>, SequenceNumber), u32>;
+    let panicked: Arc<std::sync::Mutex<Panicked>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
         let failed = failed.clone();
         let received = received.clone();
+        let panicked = panicked.clone();
         async move {
             control.gate().await;
             log.deliver(&incarnation, &msg);
@@ -982,6 +1001,27 @@ fn handler(
                             }
                         });
                         std::future::pending::<()>().await;
+                    }
+                }
+            }
+            if panics {
+                let h = msg
+                    .headers
+                    .sequence_number
+                    .as_str()
+                    .bytes()
+                    .fold(7u64, |h, b| h.wrapping_mul(131).wrapping_add(b as u64));
+                let key = (
+                    msg.headers.shard_id.clone(),
+                    msg.headers.sequence_number.clone(),
+                );
+                if h % 50 == 3 {
+                    let mut panicked = panicked.lock().unwrap();
+                    let n = panicked.entry(key).or_insert(0);
+                    *n += 1;
+                    if *n <= 2 {
+                        drop(panicked);
+                        panic!("a handler that panics");
                     }
                 }
             }
