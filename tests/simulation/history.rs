@@ -50,6 +50,10 @@ pub enum Feature {
     StaleListShards,
     /// Calls that never return (cut by the wrapper's generous cap).
     HungCalls,
+    /// Several workers go at once: the first, the last or random k by name (k from 2 to
+    /// all but one) crash together or stop gracefully together (a host, a zone, a
+    /// rolling deploy).
+    CorrelatedCrashes,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -59,7 +63,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 21] = [
+    pub const ALL: [Feature; 22] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -79,6 +83,7 @@ impl Feature {
         Feature::MissingNextIteratorAnywhere,
         Feature::StaleListShards,
         Feature::HungCalls,
+        Feature::CorrelatedCrashes,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -104,6 +109,7 @@ impl Feature {
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
+            Feature::CorrelatedCrashes => "correlated-crashes",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }
