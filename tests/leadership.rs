@@ -158,7 +158,7 @@ async fn all_but_one_of_forty_crashing_leave_every_shard_to_the_last_within_the_
     crash(40, random(40, 39, 3)).await;
 }
 
-/// Regression: the workers first by name stopping together left their shards unread for minutes.
+/// The workers first by name stop together (a deploy stopping four pods at once).
 #[tokio::test(start_paused = true)]
 async fn the_first_four_of_twelve_stopping_have_their_shards_read_again_within_a_round() {
     stop(12, first(4)).await;
