@@ -26,7 +26,7 @@ async fn balanced_fleet(workers: usize) -> Running {
     running
 }
 
-/// Finding 1 (fixed: leadership is a lease, see `tests/leadership.rs`). The leader
+/// Held since leadership is a lease (see `tests/leadership.rs`). The leader
 /// (w000) and the successor (w001) of a fleet of 12 crash together (one host, one rack,
 /// one bad deploy): their shards waited for another worker's paced listing (about 100 s
 /// here, 380 s at 40 workers). Now any worker takes the leader item over once it stops
@@ -139,8 +139,8 @@ fn rows_of(running: &Running, id: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Second review, finding 1 (fixed: no lease is inferred expired from other rows; only
-/// a row whose own counter stood still for a lease duration is). The leader of a fleet of
+/// Held since no lease is inferred expired from other rows: only a row whose own
+/// counter stood still for a lease duration is. The leader of a fleet of
 /// 12 is alive and renews every lease but one: the renewals of its first row in key
 /// order time out for good (a hot item, a store partition in trouble). That row expires
 /// and may be taken, as any row not renewed for a lease duration; none of the leader's
