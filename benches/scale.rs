@@ -215,7 +215,7 @@ fn crash_set(spec: &str, workers: usize, seed: u64) -> Option<(Vec<usize>, bool)
     };
     let (kind, k) = spec.split_once(':')?;
     let k: usize = k.parse().ok()?;
-    let k = k.min(workers);
+    let k = k.min(workers.saturating_sub(1));
     let which = match kind {
         "first" => (0..k).collect(),
         "last" => (workers - k..workers).collect(),

@@ -613,6 +613,75 @@ async fn leases_are_fenced_on_owner_and_counter() {
     .await;
 }
 
+/// The leader item lives in `<lease table>-coordinator`, created beside the lease table,
+/// never in the lease table (a KCL worker would read it as a shard); its take, renewal
+/// and release are fenced on owner and counter, and of two takes on the same view one
+/// lands.
+#[tokio::test]
+async fn the_leader_item_lives_beside_the_lease_table_and_is_fenced() {
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("leases");
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let state = store
+            .coordinator_state()
+            .expect("a coordinator-state table");
+        state
+            .ensure_table()
+            .await
+            .expect("ensure the coordinator table");
+        state.ensure_table().await.expect("ensure it again");
+        let tables = aws
+            .dynamodb_client()
+            .list_tables()
+            .send()
+            .await
+            .expect("ListTables");
+        assert!(
+            tables
+                .table_names()
+                .contains(&format!("{table}-coordinator")),
+            "{:?}",
+            tables.table_names()
+        );
+        let key = shardflow::lease::LEADER_KEY;
+        assert_eq!(state.get(key).await.expect("get"), None);
+        let first = state.claim(key, None, "w1#a").await.expect("claim");
+        assert_eq!((first.owner.as_deref(), first.counter), (Some("w1#a"), 1));
+        assert_conflict(state.claim(key, None, "w2#b").await, key, "a second create");
+        let renewed = state.renew(&first).await.expect("renew");
+        assert_eq!(renewed.counter, 2);
+        assert_conflict(
+            state.renew(&first).await,
+            key,
+            "a renewal on an old counter",
+        );
+        // Two workers saw the same counter: one take lands, the other is fenced.
+        let won = state
+            .claim(key, Some(&renewed), "w2#b")
+            .await
+            .expect("take over");
+        assert_conflict(
+            state.claim(key, Some(&renewed), "w3#c").await,
+            key,
+            "the second take on the same view",
+        );
+        assert_conflict(state.renew(&renewed).await, key, "the old leader's renewal");
+        assert_eq!(state.get(key).await.expect("get"), Some(won.clone()));
+        let released = state.release(&won).await.expect("release");
+        assert_eq!((released.owner.as_deref(), released.counter), (None, 4));
+        let again = state
+            .claim(key, Some(&released), "w3#c")
+            .await
+            .expect("take a released item");
+        assert_eq!((again.owner.as_deref(), again.counter), (Some("w3#c"), 5));
+        // Nothing of it in the lease table.
+        assert!(store.list().await.expect("list").is_empty());
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn list_returns_every_row_with_its_parents() {
     let Some(aws) = aws().await else { return };

@@ -115,6 +115,19 @@ async fn the_first_thirteen_of_forty_crashing_have_their_shards_read_again_withi
     crash(40, first(13)).await;
 }
 
+/// Regression: after half of a fleet of four crashed, the leader saw a small fleet and
+/// stopped covering while the other survivor, still seeing four, did not list: half
+/// the crashed workers' shards were never read again.
+#[tokio::test(start_paused = true)]
+async fn two_of_four_crashing_have_their_shards_read_again_within_the_bound() {
+    crash(4, last(4, 2)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_of_four_stopping_have_their_shards_read_again_within_a_round() {
+    stop(4, first(2)).await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_last_four_of_twelve_crashing_have_their_shards_read_again_within_the_bound() {
     crash(12, last(12, 4)).await;
@@ -145,7 +158,7 @@ async fn all_but_one_of_forty_crashing_leave_every_shard_to_the_last_within_the_
     crash(40, random(40, 39, 3)).await;
 }
 
-/// Regression: the workers first by name stopping together left their shards unread for minutes.
+/// The workers first by name stop together (a deploy stopping four pods at once).
 #[tokio::test(start_paused = true)]
 async fn the_first_four_of_twelve_stopping_have_their_shards_read_again_within_a_round() {
     stop(12, first(4)).await;

@@ -26,15 +26,11 @@ async fn balanced_fleet(workers: usize) -> Running {
     running
 }
 
-/// Finding 1 (fixed: the third and fourth live workers watch rows of the leader and of
-/// the successor, see `Coordinator::watch_steering`). The leader (w000) and the
-/// successor (w001) of a fleet of 12 crash
-/// together (one host, one rack, one bad deploy). Only a worker that lists the table
-/// twice, a lease duration apart, finds their leases expired; the others list once
-/// every `ceil((live - 2) / 2)` rounds (5 here, 19 at 40 workers), and the worker that
-/// becomes leader (w002) too, so the crashed workers' shards wait up to two paced
-/// listings (about 100 s here, 380 s at 40 workers) instead of the lease duration and
-/// a round (20 s) DESIGN.md promises for a killed worker's shards.
+/// Held since leadership is a lease (see `tests/leadership.rs`). The leader
+/// (w000) and the successor (w001) of a fleet of 12 crash together (one host, one rack,
+/// one bad deploy): their shards waited for another worker's paced listing (about 100 s
+/// here, 380 s at 40 workers). Now any worker takes the leader item over once it stops
+/// moving, and the first two by name are no different from any other two workers.
 #[tokio::test(start_paused = true)]
 async fn leader_and_successor_crashing_together_have_their_shards_read_again_within_a_lease_and_a_round(
 ) {
@@ -143,21 +139,18 @@ fn rows_of(running: &Running, id: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Second review, finding 1 (fixed: both watched rows of an owner must stand still).
-/// The leader (w000) of a fleet of 12 is alive and renews every lease but
-/// one: the renewals of its first row in key order (the row the third and fourth live
-/// workers watch) time out for good (a hot item, a store partition in trouble). That
-/// row expires and may be taken, as any row not renewed for a lease duration. But the
-/// watchers take its standing still for a crash of the leader and count every other
-/// row of the leader expired (`balance`, "A watched row ... stood still"), although
-/// those were renewed all along: a live worker's leases are taken, each such shard
-/// moves (a drain-less take, read twice up to the fenced renewal), and the leader,
-/// now short, takes leases back (churn). Bound: no lease of the leader but the stuck
-/// one changes owner within 6 rounds.
+/// Held since no lease is inferred expired from other rows: only a row whose own
+/// counter stood still for a lease duration is. The leader of a fleet of
+/// 12 is alive and renews every lease but one: the renewals of its first row in key
+/// order time out for good (a hot item, a store partition in trouble). That row expires
+/// and may be taken, as any row not renewed for a lease duration; none of the leader's
+/// other rows may be. Bound: no lease of the leader but the stuck one changes owner
+/// within 6 rounds.
 #[tokio::test(start_paused = true)]
 async fn a_leader_whose_watched_row_stops_renewing_keeps_its_other_leases() {
     let running = balanced_fleet(12).await;
-    let mut before = rows_of(&running, "w000");
+    let leader = format!("w{:03}", running.leader().expect("a fleet has a leader"));
+    let mut before = rows_of(&running, &leader);
     before.sort();
     assert!(before.len() >= 7, "{before:?}");
     let (stuck, _) = before[0].clone();
@@ -165,10 +158,10 @@ async fn a_leader_whose_watched_row_stops_renewing_keeps_its_other_leases() {
         .failing_renewals
         .lock()
         .unwrap()
-        .push(("w000".to_owned(), stuck.clone()));
+        .push((leader.clone(), stuck.clone()));
     let others: Vec<(String, String)> = before[1..].to_vec();
     let moved = |r: &Running| {
-        let now = rows_of(r, "w000");
+        let now = rows_of(r, &leader);
         others
             .iter()
             .filter(|o| !now.contains(o))
@@ -208,7 +201,8 @@ async fn a_leader_whose_watched_row_stops_renewing_keeps_its_other_leases() {
 #[tokio::test(start_paused = true)]
 async fn a_leader_row_whose_renewals_fail_is_read_again_by_someone() {
     let running = balanced_fleet(12).await;
-    let mut rows = rows_of(&running, "w000");
+    let leader = format!("w{:03}", running.leader().expect("a fleet has a leader"));
+    let mut rows = rows_of(&running, &leader);
     rows.sort();
     let (stuck, _) = rows[0].clone();
     let since = tokio::time::Instant::now();
@@ -216,7 +210,7 @@ async fn a_leader_row_whose_renewals_fail_is_read_again_by_someone() {
         .failing_renewals
         .lock()
         .unwrap()
-        .push(("w000".to_owned(), stuck.clone()));
+        .push((leader.clone(), stuck.clone()));
     let limit = ROUND * 3 + ROUND / 5;
     let read = running
         .until(running.started.elapsed() + limit, |r| {

@@ -396,6 +396,26 @@ pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
                 aws_sdk_dynamodb::error::DisplayErrorContext(e)
             )
         })?;
+    // The group's coordinator-state table (its leader item) goes with it; a group that
+    // never ran a worker of this version has none.
+    let coordinator = shardflow::lease::dynamo_state::coordinator_table(table_name);
+    if let Err(e) = cx
+        .aws
+        .dynamodb_client()
+        .delete_table()
+        .table_name(&coordinator)
+        .send()
+        .await
+    {
+        use aws_sdk_dynamodb::error::ProvideErrorMetadata;
+        if e.code() != Some("ResourceNotFoundException") {
+            return Err(format!(
+                "DeleteTable {coordinator}: {}",
+                aws_sdk_dynamodb::error::DisplayErrorContext(e)
+            )
+            .into());
+        }
+    }
     if cx.json {
         let mut done = plan;
         done["deleted"] = json!(true);

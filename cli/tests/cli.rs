@@ -657,6 +657,14 @@ async fn delete_refuses_a_running_group_and_deletes_a_stopped_ones_table() {
         store.list().await,
         Err(LeaseError::TableMissing { .. })
     ));
+    // The coordinator-state table beside it (the leader item) is gone too.
+    let coordination = store
+        .coordinator_state()
+        .expect("a coordinator-state table");
+    assert!(matches!(
+        coordination.get(shardflow::lease::LEADER_KEY).await,
+        Err(LeaseError::TableMissing { .. })
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

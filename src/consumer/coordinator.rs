@@ -81,8 +81,7 @@ const MAX_CONCURRENT_WRITES: usize = 32;
 const MAX_RACED_ROUNDS: u32 = 8;
 
 /// Fleets of up to this many live workers: every worker lists the whole table every
-/// round, as it always did (the leader covers for nobody: every worker's plan deals
-/// out what is free or expired).
+/// round, as it always did (every worker's plan deals out what is free or expired).
 const SMALL_FLEET: usize = 3;
 
 /// The leader item while this worker holds it, and when its last renewal (or the take)
@@ -653,9 +652,12 @@ impl Coordinator {
         lock_leading(&self.leading).is_some()
     }
 
-    /// Whether this worker leads a fleet larger than [`SMALL_FLEET`].
+    /// Whether this worker leads: covers for the others (see `balance`). Whatever the
+    /// fleet's size in its own view: the others' views of how many workers live are as
+    /// old as their last listing, so after workers crash or stop the fleet may look
+    /// small to the leader and large to the rest, which then do not list.
     fn leads(&self) -> bool {
-        self.live.len() > SMALL_FLEET && self.is_leading()
+        self.is_leading()
     }
 
     /// The key of this group's leader item: one per stream (in a multi-stream table,

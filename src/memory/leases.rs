@@ -86,9 +86,10 @@ impl MemoryLeaseStore {
         s.faults = faults;
     }
 
-    /// How many calls the store has answered (the DynamoDB request count).
+    /// How many calls the store has answered (the DynamoDB request count), those of the
+    /// coordinator-state table beside it included.
     pub fn requests(&self) -> u64 {
-        lock(&self.state).requests
+        lock(&self.state).requests + self.coordinator.requests()
     }
 
     /// The rows read so far, by kind of read (see [`RowsRead`]).

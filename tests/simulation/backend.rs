@@ -16,7 +16,7 @@ use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamIdentity,
 };
-use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{Checkpoint, CoordinatorState, LeaderItem, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
 use tokio::sync::watch;
 
@@ -306,8 +306,50 @@ impl SimStore {
     }
 }
 
+/// The coordinator-state table as a simulated worker sees it: its calls hang, freeze
+/// and die with the worker, as its lease calls do.
+struct SimState {
+    backend: SimBackend,
+    inner: Arc<dyn CoordinatorState>,
+}
+
+#[async_trait]
+impl CoordinatorState for SimState {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.ensure_table().await
+    }
+    async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.get(key).await
+    }
+    async fn claim(
+        &self,
+        key: &str,
+        seen: Option<&LeaderItem>,
+        owner: &str,
+    ) -> Result<LeaderItem, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.claim(key, seen, owner).await
+    }
+    async fn renew(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.renew(held).await
+    }
+    async fn release(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.release(held).await
+    }
+}
+
 #[async_trait]
 impl LeaseStore for SimStore {
+    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
+        Some(Arc::new(SimState {
+            backend: self.backend.clone(),
+            inner: self.inner.coordinator_state()?,
+        }))
+    }
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.backend.enter_store().await?;
         self.inner.ensure_table().await

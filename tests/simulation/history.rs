@@ -57,6 +57,10 @@ pub enum Feature {
     HandlerPanics,
     /// `on_event` hooks that panic on every event (every other worker).
     HookPanics,
+    /// Several workers go at once: the first, the last or random k by name (k from 2 to
+    /// all but one) crash together or stop gracefully together (a host, a zone, a
+    /// rolling deploy).
+    CorrelatedCrashes,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -66,7 +70,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 24] = [
+    pub const ALL: [Feature; 25] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -89,6 +93,7 @@ impl Feature {
         Feature::HungHandler,
         Feature::HandlerPanics,
         Feature::HookPanics,
+        Feature::CorrelatedCrashes,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -117,6 +122,7 @@ impl Feature {
             Feature::HungHandler => "hung-handler",
             Feature::HandlerPanics => "handler-panics",
             Feature::HookPanics => "hook-panics",
+            Feature::CorrelatedCrashes => "correlated-crashes",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

@@ -600,6 +600,9 @@ impl Sim {
         if self.features.has(Feature::DropRun) && self.rng.gen_bool(0.5) {
             events.push(8);
         }
+        if self.features.has(Feature::CorrelatedCrashes) {
+            events.push(9);
+        }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
             events.swap(i, j);
@@ -764,6 +767,7 @@ impl Sim {
                     });
                 }
             }
+            9 => self.correlated(),
             _ => {
                 // A quiet period longer than a lease.
                 tokio::time::sleep(LEASE).await;
@@ -780,6 +784,45 @@ impl Sim {
             w.task.abort();
             self.log.note(format!("kill {}", w.incarnation));
             self.stats.kills += 1;
+        }
+    }
+
+    /// The first, last or random k of the live workers by name (k from 2 to all but
+    /// one) crash together, or stop gracefully together.
+    fn correlated(&mut self) {
+        let mut alive = self.alive();
+        if alive.len() < 3 {
+            return;
+        }
+        alive.sort_by(|a, b| self.workers[*a].name.cmp(&self.workers[*b].name));
+        let k = self.rng.gen_range(2..alive.len());
+        let which: Vec<usize> = match self.rng.gen_range(0..3) {
+            0 => alive[..k].to_vec(),
+            1 => alive[alive.len() - k..].to_vec(),
+            _ => {
+                for i in (1..alive.len()).rev() {
+                    let j = self.rng.gen_range(0..=i);
+                    alive.swap(i, j);
+                }
+                alive[..k].to_vec()
+            }
+        };
+        let crash = self.rng.gen_bool(0.5);
+        for i in which {
+            let w = &mut self.workers[i];
+            if crash {
+                w.control.kill();
+                w.task.abort();
+                self.log
+                    .note(format!("kill {} (correlated)", w.incarnation));
+                self.stats.kills += 1;
+            } else {
+                w.left = true;
+                w.shutdown.shutdown();
+                self.log
+                    .note(format!("leave {} (correlated)", w.incarnation));
+                self.stats.leaves += 1;
+            }
         }
     }
 
