@@ -464,17 +464,21 @@ impl Sim {
         } else {
             Concurrency::Sequential
         };
-        // Drawn only with the feature on, so the other histories stay as they were.
-        let hang =
-            if !stream_mode && self.features.has(Feature::HungHandler) && self.rng.gen_bool(0.3) {
-                let record = self.rng.gen_range(1..150);
-                let for_good = self.rng.gen_bool(0.3);
-                let millis = STUCK_AFTER.as_millis() as u64;
-                let pause = Duration::from_millis(self.rng.gen_range(millis / 2..millis * 6));
-                Some((record, (!for_good).then_some(pause)))
-            } else {
-                None
-            };
+        // Drawn only with the feature on, so the other histories stay as they were. The
+        // final worker, there so that every record gets handled, never hangs.
+        let hang = if !stream_mode
+            && name != "w-final"
+            && self.features.has(Feature::HungHandler)
+            && self.rng.gen_bool(0.3)
+        {
+            let record = self.rng.gen_range(1..150);
+            let for_good = self.rng.gen_bool(0.3);
+            let millis = STUCK_AFTER.as_millis() as u64;
+            let pause = Duration::from_millis(self.rng.gen_range(millis / 2..millis * 6));
+            Some((record, (!for_good).then_some(pause)))
+        } else {
+            None
+        };
         let consumer = self.consumer(backend, concurrency, &incarnation);
         let shutdown = consumer.shutdown_handle();
         let log = self.log.clone();
