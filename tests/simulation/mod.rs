@@ -67,8 +67,9 @@ pub const STALL_BOUND: Duration = Duration::from_millis(
         + STUCK_AFTER.as_millis() * 9 / 8
         + 1_000) as u64,
 );
-/// How long a handler that hangs for good hangs before its worker is killed.
-const HUNG_FOR_GOOD: Duration = Duration::from_secs(15);
+/// How long a handler that hangs for good hangs before its worker is killed: longer
+/// than [`STALL_BOUND`], so that such a hang not reported fails the history.
+const HUNG_FOR_GOOD: Duration = Duration::from_secs(25);
 
 /// Counts over one history, summed over the seeds.
 #[derive(Clone, Debug, Default)]
