@@ -642,6 +642,34 @@ mod tests {
     }
 
     #[test]
+    fn records_wait_from_delivery_until_handled_or_nothing_is_pending() {
+        let mut w = Watermark::new(Checkpoint::TrimHorizon);
+        assert!(w.idle() && w.waiting_since.is_none());
+        let a = w.register(Mark::At(at(10)), false);
+        let first = w.waiting_since;
+        assert!(first.is_some());
+        let b = w.register(Mark::At(at(20)), false);
+        assert_eq!(
+            w.waiting_since, first,
+            "more records do not restart the wait"
+        );
+        assert!(!w.idle(), "delivered units are pending");
+        // A failure forgets the units, but their records still wait.
+        w.reset();
+        assert!(!w.ack(a, 0) && !w.ack(b, 0));
+        assert_eq!(w.waiting_since, first);
+        let g = w.generation();
+        let c = w.register(Mark::At(at(10)), false);
+        assert_eq!(w.waiting_since, first);
+        assert!(w.ack(c, g));
+        assert!(w.waiting_since.is_none(), "handled and nothing pending");
+        // A read that finds nothing new after a reset ends the wait.
+        w.register(Mark::At(at(30)), false);
+        w.reset();
+        assert!(w.idle() && w.waiting_since.is_none());
+    }
+
+    #[test]
     fn record_marks_cover_only_the_contiguous_handled_prefix_for_any_finish_order() {
         let mut runner = TestRunner::new_with_rng(
             Config::with_cases(256),

@@ -147,7 +147,10 @@ fn a_hung_handler_makes_its_shard_stuck_until_it_returns() {
         tokio::time::sleep_until(hung_at + STUCK_AFTER + REPORTED_WITHIN).await;
         let health = running.health();
         assert!(health.is_live(), "{health:?}");
-        assert!(!health.is_ready(), "a stuck shard makes the worker not ready");
+        assert!(
+            !health.is_ready(),
+            "a stuck shard makes the worker not ready"
+        );
         let shard = &health.shards[0];
         assert!(
             shard.stuck_for.is_some() && shard.progress_ago >= STUCK_AFTER,
@@ -350,8 +353,6 @@ fn a_stream_batch_held_unacknowledged_makes_its_shard_stuck() {
         };
         within(LIMIT, "ready and recovered after the ack", ready).await;
         assert_eq!(gauge(&m, names::SHARDS_STUCK), 0.0);
-        within(LIMIT, "shutdown", batches.shutdown())
-            .await
-            .unwrap();
+        within(LIMIT, "shutdown", batches.shutdown()).await.unwrap();
     });
 }

@@ -574,8 +574,9 @@ impl ConsumerBuilder {
     /// the `shardflow_shards_stuck` gauge, until a record is handled again
     /// ([`ShardEvent::Unstuck`](super::ShardEvent::Unstuck)). A busy shard whose records
     /// are handled slowly is not stuck: one handled record is progress (with
-    /// `run_batches` and `stream()`, one acknowledged batch), so this must be longer than
-    /// the longest single call (or batch) a healthy handler takes, retries included.
+    /// `run_batches` and `stream()`, one acknowledged batch; with concurrent dispatch, the
+    /// oldest unfinished record moving on), so this must be longer than the longest
+    /// single call (or batch) a healthy handler takes, retries included.
     pub fn stuck_after(mut self, d: Duration) -> Self {
         self.stuck_after = d;
         self

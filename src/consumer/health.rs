@@ -235,15 +235,16 @@ impl HealthState {
                 .map(|(id, s)| {
                     let waiting_since = s.watermark.as_ref().map(|w| w.waiting_since());
                     ShardHealth {
-                    shard_id: id.to_string(),
-                    progress_ago: match waiting_since {
-                        None => s.progress_at.elapsed(),
-                        Some(since) => since.map_or(Duration::ZERO, |t| t.elapsed()),
-                    },
-                    stuck_for: self.stuck_for(waiting_since.flatten()),
-                    failures_in_a_row: s.failures,
-                    last_error: s.last_error.clone(),
-                }})
+                        shard_id: id.to_string(),
+                        progress_ago: match waiting_since {
+                            None => s.progress_at.elapsed(),
+                            Some(since) => since.map_or(Duration::ZERO, |t| t.elapsed()),
+                        },
+                        stuck_for: self.stuck_for(waiting_since.flatten()),
+                        failures_in_a_row: s.failures,
+                        last_error: s.last_error.clone(),
+                    }
+                })
                 .collect(),
             failed_streams: state
                 .failed_streams

@@ -89,15 +89,16 @@ impl ShardTask {
         let mut committed = start;
         let metrics = self.labels.shard(&shard_id);
         self.health.watch(&shard_id, progress.clone());
+        // A few looks per threshold: the event follows the health within an eighth of it.
+        let mut tick =
+            tokio::time::interval((self.config.stuck_after / 8).max(Duration::from_millis(1)));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut stuck = StuckWatch {
             shard_id: shard_id.clone(),
             metrics: metrics.clone(),
             since: None,
+            tick,
         };
-        // A few looks per threshold: the event follows the health within an eighth of it.
-        let mut stuck_tick =
-            tokio::time::interval((self.config.stuck_after / 8).max(Duration::from_millis(1)));
-        stuck_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let reader = ShardReader {
             metrics: metrics.clone(),
             health: self.health.clone(),
@@ -151,7 +152,7 @@ impl ShardTask {
                             if let Some(why) = failure {
                                 tracing::error!(shard = %shard_id, %why, "giving the shard up");
                                 progress.set_accepting(false);
-                                self.drain(&progress).await;
+                                self.drain(&progress, &mut stuck).await;
                                 if let Err(exit) = self.commit_before_leaving(&progress, &mut committed, &mut failure_backoff).await { return exit; }
                                 return ShardExit::Failed(why);
                             }
@@ -175,7 +176,7 @@ impl ShardTask {
                                 return ShardExit::Ended;
                             }
                         }
-                        _ = stuck_tick.tick() => stuck.check(&self, &progress),
+                        _ = stuck.tick.tick() => stuck.check(&self, &progress),
                         _ = commit_tick.tick() => {
                             if let Err(exit) = self.commit(&progress, &mut committed).await { return exit; }
                             if committed == Checkpoint::ShardEnd {
@@ -188,7 +189,7 @@ impl ShardTask {
             // The reader is dropped here: nothing more is read in this generation. What
             // was delivered finishes (or times out) and its watermark is committed.
             progress.set_accepting(false);
-            self.drain(&progress).await;
+            self.drain(&progress, &mut stuck).await;
             if let Err(exit) = self
                 .commit_before_leaving(&progress, &mut committed, &mut failure_backoff)
                 .await
@@ -262,8 +263,9 @@ impl ShardTask {
         }
     }
 
-    /// Waits until no delivered work is in progress, at most the shutdown timeout.
-    async fn drain(&self, progress: &ShardProgress) {
+    /// Waits until no delivered work is in progress, at most the shutdown timeout (still
+    /// saying when the shard is stuck meanwhile).
+    async fn drain(&self, progress: &ShardProgress, stuck: &mut StuckWatch) {
         let deadline = Instant::now() + self.config.shutdown_timeout;
         loop {
             let open = progress.lock().open();
@@ -272,6 +274,7 @@ impl ShardTask {
             }
             tokio::select! {
                 _ = progress.changed.notified() => {}
+                _ = stuck.tick.tick() => stuck.check(self, progress),
                 _ = tokio::time::sleep_until(deadline) => {
                     tracing::warn!(open, "in-flight batches did not finish before the timeout; they will be delivered again");
                     return;
@@ -347,6 +350,8 @@ struct StuckWatch {
     metrics: Arc<ShardMetrics>,
     /// When the shard was reported stuck; `None` while it is not.
     since: Option<Instant>,
+    /// When to look next.
+    tick: tokio::time::Interval,
 }
 
 impl StuckWatch {

@@ -1,8 +1,8 @@
 //! What happened during one history, on one global clock of events (ticks), so that
 //! "handled before checkpointed" and "delivered in order within a tenure" can be checked.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::SystemTime;
 

@@ -17,8 +17,8 @@ pub mod history;
 pub mod invariants;
 pub mod log;
 
-use std::future::IntoFuture;
 use std::collections::HashMap;
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -67,8 +67,9 @@ pub const STALL_BOUND: Duration = Duration::from_millis(
         + STUCK_AFTER.as_millis() * 9 / 8
         + 1_000) as u64,
 );
-/// How long a handler that hangs for good hangs before its worker is killed.
-const HUNG_FOR_GOOD: Duration = Duration::from_secs(15);
+/// How long a handler that hangs for good hangs before its worker is killed: longer
+/// than [`STALL_BOUND`], so that such a hang not reported fails the history.
+const HUNG_FOR_GOOD: Duration = Duration::from_secs(25);
 
 /// Counts over one history, summed over the seeds.
 #[derive(Clone, Debug, Default)]
@@ -152,6 +153,24 @@ struct Probe {
     incarnation: String,
     control: Arc<Control>,
     health: Arc<Mutex<Option<Health>>>,
+    /// Its consumer runs (its task neither returned nor was aborted).
+    running: Arc<AtomicBool>,
+}
+
+impl Probe {
+    /// The worker runs and can act: not killed, not frozen.
+    fn acts(&self) -> bool {
+        self.running.load(Ordering::SeqCst) && !self.control.is_dead() && !self.control.is_frozen()
+    }
+}
+
+/// Clears a probe's `running` when the worker's task ends, whichever way.
+struct Running(Arc<AtomicBool>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl Worker {
@@ -198,7 +217,9 @@ pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
     ));
     let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
     done.store(true, Ordering::SeqCst);
-    let stalled = watch.await.map_err(|e| format!("the progress watch panicked: {e}"))?;
+    let stalled = watch
+        .await
+        .map_err(|e| format!("the progress watch panicked: {e}"))?;
     let history = sim.log.history.lock().unwrap().join("\n  ");
     match outcome {
         Err(_) => Err(format!(
@@ -450,8 +471,10 @@ impl Sim {
         } else {
             Concurrency::Sequential
         };
-        // Drawn only with the feature on, so the other histories stay as they were.
+        // Drawn only with the feature on, so the other histories stay as they were. The
+        // final worker, there so that every record gets handled, never hangs.
         let hang = if !stream_mode
+            && name != "w-final"
             && self.features.has(Feature::HungHandler)
             && self.rng.gen_bool(0.3)
         {
@@ -467,15 +490,18 @@ impl Sim {
         let shutdown = consumer.shutdown_handle();
         let log = self.log.clone();
         let health: Arc<Mutex<Option<Health>>> = Arc::default();
+        let running = Arc::new(AtomicBool::new(true));
         self.probes.lock().unwrap().push(Probe {
             incarnation: incarnation.clone(),
             control: control.clone(),
             health: health.clone(),
+            running: running.clone(),
         });
+        let running = Running(running);
         let task = if stream_mode {
             self.stats.stream_workers += 1;
             let rng = SmallRng::seed_from_u64(self.rng.gen());
-            tokio::spawn(stream_worker(
+            let worker = stream_worker(
                 consumer,
                 incarnation.clone(),
                 control.clone(),
@@ -483,7 +509,11 @@ impl Sim {
                 rng,
                 self.features,
                 health,
-            ))
+            );
+            tokio::spawn(async move {
+                let _running = running;
+                worker.await
+            })
         } else {
             let concurrent = concurrency != Concurrency::Sequential;
             self.stats.per_key_workers += usize::from(concurrent);
@@ -498,6 +528,7 @@ impl Sim {
             );
             let mut run = consumer.run(service).into_future();
             tokio::spawn(async move {
+                let _running = running;
                 loop {
                     *health.lock().unwrap() = Some(run.health());
                     tokio::select! {
@@ -907,9 +938,10 @@ fn stuck_hook(log: Arc<Log>, incarnation: String) -> impl Fn(&ShardEvent) + Send
 /// moving within [`STALL_BOUND`], or a live worker holding it is not ready, shows it
 /// stuck in its health and sent a `Stuck` event naming it. The bound's clock for a
 /// shard starts when it has records waiting and restarts whenever a record of it or of
-/// an ancestor is handled (a child is read only after its parents end), and whenever
-/// the shard is reported stuck as above: a period of [`STALL_BOUND`] with neither is a
-/// silent stall.
+/// an ancestor is handled (a child is read only after its parents end), whenever the
+/// shard or an ancestor is reported stuck as above, and while no worker runs unfrozen
+/// and live (nobody could read it, and every running worker says it is not live): a
+/// period of [`STALL_BOUND`] with none of these is a silent stall.
 async fn watch_progress(
     memory: Memory,
     log: Arc<Log>,
@@ -940,6 +972,32 @@ async fn watch_progress(
             .iter()
             .map(|s| (s.shard_id.clone(), s.parents()))
             .collect();
+        let probes = probes.lock().unwrap();
+        // A worker that is not live (for example still starting, its first lease table
+        // call hung) says so: it cannot read, but it does not stall in silence.
+        let someone_acts = probes.iter().any(|p| {
+            p.acts()
+                && p.health
+                    .lock()
+                    .unwrap()
+                    .as_ref()
+                    .is_some_and(Health::is_live)
+        });
+        let stuck = log.stuck.lock().unwrap().clone();
+        // Whether a live worker holds `shard` stuck, not ready, and sent the event.
+        let said = |shard: &str| {
+            probes.iter().any(|p| {
+                !p.control.is_dead()
+                    && stuck.contains(&(p.incarnation.clone(), shard.to_owned()))
+                    && p.health.lock().unwrap().as_ref().is_some_and(|h| {
+                        !h.is_ready()
+                            && h.shards.iter().any(|s| {
+                                s.shard_id.rsplit('/').next() == Some(shard)
+                                    && s.stuck_for.is_some()
+                            })
+                    })
+            })
+        };
         for (shard, count) in &waiting {
             let clock = since.entry(shard.clone()).or_insert(now);
             // The newest handling in the shard or an ancestor.
@@ -952,29 +1010,12 @@ async fn watch_progress(
             if let Some(t) = family.iter().filter_map(|s| last_handled.get(s)).max() {
                 *clock = (*clock).max(*t);
             }
-            let said = probes.lock().unwrap().iter().any(|p| {
-                !p.control.is_dead()
-                    && log
-                        .stuck
-                        .lock()
-                        .unwrap()
-                        .contains(&(p.incarnation.clone(), shard.clone()))
-                    && p.health.lock().unwrap().as_ref().is_some_and(|h| {
-                        !h.is_ready()
-                            && h.shards.iter().any(|s| {
-                                s.shard_id.rsplit('/').next() == Some(shard.as_str())
-                                    && s.stuck_for.is_some()
-                            })
-                    })
-            });
-            if said {
+            if !someone_acts || family.iter().any(|s| said(s)) {
                 *clock = now;
             }
             let stalled = now - *clock;
             if stalled > STALL_BOUND {
                 let health: Vec<String> = probes
-                    .lock()
-                    .unwrap()
                     .iter()
                     .filter(|p| !p.control.is_dead())
                     .map(|p| format!("{}: {:?}", p.incarnation, p.health.lock().unwrap()))
