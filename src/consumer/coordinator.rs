@@ -1146,9 +1146,9 @@ impl Coordinator {
                 && r.unreadable.is_none()
                 && !self.slots.contains_key(&r.key)
         }) {
+            // (The withdrawal keeps the counter: a reset below still applies.)
             if row.owner.is_none() && row.pending_owner.is_some() {
                 withdraw_stale_request(self.store.as_ref(), row).await;
-                continue;
             }
             let Some(to) = row.reset_to.clone() else {
                 continue;

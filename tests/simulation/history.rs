@@ -50,6 +50,13 @@ pub enum Feature {
     StaleListShards,
     /// Calls that never return (cut by the wrapper's generous cap).
     HungCalls,
+    /// A lease row stops parsing for a while (an attribute written in the wrong form),
+    /// then is repaired: nobody takes or overwrites it meanwhile, its children wait.
+    UnreadableRows,
+    /// Checkpoint resets requested on the rows of shards a reshard just closed, while
+    /// their owners still read them: applied by the owner or, once the shard ended, by
+    /// whoever lists the finished row.
+    ResetAtShardEnd,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -59,7 +66,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 21] = [
+    pub const ALL: [Feature; 23] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -79,6 +86,8 @@ impl Feature {
         Feature::MissingNextIteratorAnywhere,
         Feature::StaleListShards,
         Feature::HungCalls,
+        Feature::UnreadableRows,
+        Feature::ResetAtShardEnd,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -104,6 +113,8 @@ impl Feature {
             Feature::MissingNextIteratorAnywhere => "missing-next-iterator-anywhere",
             Feature::StaleListShards => "stale-list-shards",
             Feature::HungCalls => "hung-calls",
+            Feature::UnreadableRows => "unreadable-rows",
+            Feature::ResetAtShardEnd => "reset-at-shard-end",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

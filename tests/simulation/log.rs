@@ -66,6 +66,9 @@ pub struct Log {
     /// Takes, renewals and checkpoint writes the store's fencing refused: (tick,
     /// incarnation).
     pub refused: Mutex<Vec<(u64, String)>>,
+    /// Checkpoint resets that landed (an operator's, applied): (tick, shard). The
+    /// checkpoint may move back at one.
+    pub resets: Mutex<Vec<(u64, String)>>,
 }
 
 impl Log {
