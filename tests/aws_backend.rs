@@ -1406,3 +1406,81 @@ async fn wire_an_owner_index_that_cannot_be_queried_falls_back_to_a_scan() {
     .await;
     assert_eq!(fake.ops(), vec!["DescribeTable", "Query", "Scan"]);
 }
+
+/// A row with a malformed attribute (written by hand or another tool) is listed as
+/// unreadable with the reason, not skipped, and no write conditioned on what the
+/// listing gave is sent: the item stays exactly as it was.
+///
+/// Regression: the listing skipped such a row, so a worker counted its shard as
+/// finished and read its children.
+#[tokio::test]
+async fn a_row_with_a_malformed_attribute_is_listed_unreadable_and_never_written() {
+    let Some(aws) = aws().await else { return };
+    within(async {
+        use aws_sdk_dynamodb::types::AttributeValue;
+        let table = unique("leases");
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let good = Lease::new("shardId-000000000001", Vec::new(), Checkpoint::TrimHorizon);
+        let bad = Lease::new("shardId-000000000002", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&good).await.expect("create"));
+        assert!(store.create(&bad).await.expect("create"));
+        let client = aws.dynamodb_client();
+        client
+            .update_item()
+            .table_name(&table)
+            .key("leaseKey", AttributeValue::S(bad.key.clone()))
+            .update_expression("SET checkpoint = :n")
+            .expression_attribute_values(":n", AttributeValue::N("12".into()))
+            .send()
+            .await
+            .expect("UpdateItem");
+        let raw = || async {
+            client
+                .get_item()
+                .table_name(&table)
+                .key("leaseKey", AttributeValue::S(bad.key.clone()))
+                .consistent_read(true)
+                .send()
+                .await
+                .expect("GetItem")
+                .item
+        };
+        let before = raw().await;
+
+        let mut listed = store.list().await.expect("list");
+        listed.sort_by(|a, b| a.key.cmp(&b.key));
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        assert_eq!(listed[0], good);
+        assert_eq!(listed[1].key, bad.key);
+        let reason = listed[1].unreadable.clone().expect("listed as unreadable");
+        assert!(reason.contains("checkpoint"), "{reason}");
+        let fetched = store.get(&bad.key).await.expect("get").expect("the row");
+        assert!(fetched.unreadable.is_some(), "{fetched:?}");
+
+        let stand_in = &listed[1];
+        assert!(matches!(
+            store.take(stand_in, "w1#a").await,
+            Err(LeaseError::Corrupt(_))
+        ));
+        assert!(matches!(
+            store.renew(stand_in).await,
+            Err(LeaseError::Corrupt(_))
+        ));
+        assert!(matches!(
+            store.checkpoint(stand_in, &Checkpoint::ShardEnd).await,
+            Err(LeaseError::Corrupt(_))
+        ));
+        assert!(matches!(
+            store.release(stand_in).await,
+            Err(LeaseError::Corrupt(_))
+        ));
+        assert!(matches!(
+            store.delete(stand_in).await,
+            Err(LeaseError::Corrupt(_))
+        ));
+        assert!(!store.create(&bad).await.expect("create"), "the row exists");
+        assert_eq!(raw().await, before, "the malformed row was written");
+    })
+    .await;
+}

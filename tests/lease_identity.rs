@@ -406,3 +406,72 @@ async fn two_incarnations_of_one_worker_id_never_move_a_checkpoint_back() {
     let writers: BTreeSet<usize> = commits.iter().map(|c| c.writer).collect();
     assert_eq!(writers.len(), 2, "both processes held leases");
 }
+
+/// Two consumers built with the same worker id and the same seed (two pods of one
+/// StatefulSet name, started from one config): they are two owners, so the shards are
+/// shared between them, each read by one of them at a time — no record is handled by
+/// both.
+///
+/// Regression: the seed also drew the incarnation nonce, making both one owner.
+#[tokio::test(start_paused = true)]
+async fn same_worker_id_and_seed_are_two_owners_that_never_both_read_a_shard() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("clones", 4).await.unwrap();
+    let build = || {
+        test_consumer(memory.clone(), "clones", "clones-group", "billing-7")
+            .seed(42)
+            .build()
+            .unwrap()
+    };
+    let (first, second) = (build(), build());
+    assert_ne!(first.config().owner(), second.config().owner());
+    let owners = [
+        first.config().owner().to_owned(),
+        second.config().owner().to_owned(),
+    ];
+    let recorders = [Recorder::default(), Recorder::default()];
+    let stops = [first.shutdown_handle(), second.shutdown_handle()];
+    let first_run = tokio::spawn(
+        first
+            .run(recording_handler(recorders[0].clone()))
+            .into_future(),
+    );
+    let second_run = tokio::spawn(
+        second
+            .run(recording_handler(recorders[1].clone()))
+            .into_future(),
+    );
+    let total = 800;
+    for chunk in 0..8 {
+        produce(kinesis.as_ref(), "clones", chunk * 100..(chunk + 1) * 100).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let both = || {
+        let mut all = handled_below(&recorders[0], total);
+        all.extend(handled_below(&recorders[1], total));
+        all.len()
+    };
+    until("every record is handled", || both() == total).await;
+    // Both hold leases: the shards are shared, not read twice.
+    let holders: BTreeSet<String> = memory
+        .table("clones-group")
+        .rows()
+        .into_iter()
+        .filter_map(|row| row.owner)
+        .collect();
+    stops.iter().for_each(|stop| stop.shutdown());
+    let _ = tokio::time::timeout(LIMIT, first_run).await;
+    let _ = tokio::time::timeout(LIMIT, second_run).await;
+
+    let twice: BTreeSet<usize> = handled_below(&recorders[0], total)
+        .intersection(&handled_below(&recorders[1], total))
+        .copied()
+        .collect();
+    assert!(twice.is_empty(), "handled by both consumers: {twice:?}");
+    assert_eq!(
+        holders,
+        owners.iter().cloned().collect::<BTreeSet<_>>(),
+        "both owners hold leases"
+    );
+}

@@ -68,6 +68,10 @@ async fn sample_rows(
 }
 
 fn state(row: &Lease, shard: Option<&ShardInfo>) -> &'static str {
+    if row.unreadable.is_some() {
+        // A row that does not parse: left alone by the workers, its children wait.
+        return "unreadable";
+    }
     match (&row.checkpoint, shard) {
         (Checkpoint::ShardEnd, _) => "finished",
         (_, None) => "gone",
@@ -181,7 +185,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         let stream = single.or(row.stream_name()).unwrap_or_default();
         let shard = shards.get(&row.stream).and_then(|s| s.get(&row.shard));
         let state = state(&row.lease, shard);
-        let (millis, records, error) = if state == "gone" {
+        let (millis, records, error) = if matches!(state, "gone" | "unreadable") {
             (None, None, None)
         } else {
             match lag(kinesis.as_ref(), stream, row, bar.as_ref()).await {
@@ -238,7 +242,8 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                     "renewing": renewing(&lease.key),
                     "pending_owner": lease.pending_owner,
                     "reset_to": lease.reset_to.as_ref().map(show),
-                    "checkpoint": show(&lease.checkpoint),
+                    "checkpoint": lease.unreadable.is_none().then(|| show(&lease.checkpoint)),
+                    "unreadable": lease.unreadable,
                     "millis_behind_latest": millis,
                     "records_behind": records,
                     "error": error,
@@ -293,7 +298,10 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             (true, Some(true)) => format!("renewed <{} s", args.sample_ms.div_ceil(1000)),
             (true, Some(false)) => format!("idle >={} s", args.sample_ms / 1000),
         };
-        let mut checkpoint = show(&lease.checkpoint);
+        let mut checkpoint = match &lease.unreadable {
+            Some(reason) => format!("row does not parse: {reason}"),
+            None => show(&lease.checkpoint),
+        };
         if let Some(to) = &lease.reset_to {
             checkpoint.push_str(&format!(" (reset to {} pending)", show(to)));
         }

@@ -961,3 +961,74 @@ async fn multi_stream_tables_are_described_and_reset_per_stream() {
     assert_eq!(row.reset_to, None, "{row:?}");
     assert!(matches!(row.checkpoint, Checkpoint::At(_)), "{row:?}");
 }
+
+/// A lease row with a malformed attribute is described with the state `unreadable` and
+/// why, and nothing tries to read its lag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
+    if !emulators_enabled() {
+        return;
+    }
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-unreadable"), unique("cli-unreadable-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..10).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(10, LIMIT).await;
+    running.stop().await;
+    let rows = aws.lease_store(&group).list().await.unwrap();
+    let broken = rows[0].key.clone();
+    aws.dynamodb_client()
+        .update_item()
+        .table_name(&group)
+        .key("leaseKey", AttributeValue::S(broken.clone()))
+        .update_expression("SET leaseCounter = :s")
+        .expression_attribute_values(":s", AttributeValue::S("seven".into()))
+        .send()
+        .await
+        .unwrap();
+    let out = run(&[
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--json",
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let described = out.json();
+    let shards = described["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2, "{described}");
+    for s in shards {
+        if s["shard"] == broken.as_str() {
+            assert_eq!(s["state"], "unreadable", "{s}");
+            assert!(
+                s["unreadable"].as_str().unwrap().contains("leaseCounter"),
+                "{s}"
+            );
+        } else {
+            assert_eq!(s["state"], "open", "{s}");
+            assert_eq!(s["unreadable"], Value::Null, "{s}");
+        }
+    }
+    let out = run(&[
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("unreadable"), "{}", out.stdout);
+}

@@ -272,8 +272,9 @@ impl Config {
     /// ([`crate::lease::worker_of`] gives the worker id back). Each consumer built is a
     /// new incarnation, so a restarted process that keeps its worker id (a StatefulSet
     /// pod) never mistakes the old process's leases, or its writes, for its own. The
-    /// nonce is drawn from [`ConsumerBuilder::seed`] when one is set (give each start its
-    /// own seed then), else at random. Leases an older incarnation of the same worker id
+    /// nonce comes from the operating system's random generator, whatever
+    /// [`ConsumerBuilder::seed`] says: two consumers built with the same worker id and
+    /// seed are two owners. Leases an older incarnation of the same worker id
     /// still holds are treated like any other worker's: taken once they expire (their
     /// counter did not move for the lease duration) or handed over on request.
     pub fn owner(&self) -> &str {
@@ -651,8 +652,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Seeds the jitter of backoffs and the nonce of this incarnation's owner name (see
-    /// [`Config::owner`]) (default: random), for reproducible simulations.
+    /// Seeds the jitter of backoffs (default: random), for reproducible simulations. The
+    /// nonce of this incarnation's owner name is never seeded (see [`Config::owner`]).
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
         self
@@ -914,7 +915,7 @@ impl ConsumerBuilder {
             stream,
             streams,
             group,
-            owner: crate::lease::incarnation(&worker_id, seed),
+            owner: crate::lease::incarnation(&worker_id),
             worker_id,
             lease_table,
             initial_position: self.initial_position.clone(),

@@ -544,7 +544,18 @@ impl Coordinator {
                     ShardExit::Ended => {
                         self.need_sync = true;
                         events.emit(|| ShardEvent::ShardEnded { shard: shard() });
-                        release(&slot.lease, &key).await;
+                        match slot.lease.release().await {
+                            // A hand-off asked for a shard that ended has nothing left to
+                            // hand: the request goes, or its worker would keep waiting
+                            // for it (and planning around it) until the row is deleted.
+                            Ok(row) if row.pending_owner.is_some() => {
+                                withdraw_stale_request(self.store.as_ref(), &row).await;
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(lease = %key, error = %e, "release failed; the lease will expire instead")
+                            }
+                        }
                     }
                     ShardExit::Failed(why) => {
                         tracing::warn!(lease = %key, %why, "giving the shard up");
@@ -821,7 +832,10 @@ impl Coordinator {
             if !self.steals.contains_key(&row.key) {
                 continue;
             }
-            if row.pending_owner.as_deref() != Some(&me) || row.owner.as_deref() == Some(&me) {
+            if row.pending_owner.as_deref() != Some(&me)
+                || row.owner.as_deref() == Some(&me)
+                || row.checkpoint == Checkpoint::ShardEnd
+            {
                 self.steals.remove(&row.key);
                 continue;
             }
@@ -887,14 +901,23 @@ impl Coordinator {
                     .get(&row.key)
                     .is_some_and(|(_, t)| now.duration_since(*t) >= lease_duration)
         };
+        self.report_unreadable(&rows);
+        self.settle_finished(&rows, &by_key, |row| expired(row, &self.seen))
+            .await;
+        // A row that does not parse is never taken, and a parent whose row does not
+        // parse is not known to be finished: its children wait, as for any parent not
+        // at SHARD_END (a parent without a row was cleaned up after it finished). So do
+        // the children of a finished parent with a reset pending: it is read again first.
         let eligible: Vec<&Lease> = rows
             .iter()
-            .filter(|r| r.checkpoint != Checkpoint::ShardEnd)
+            .filter(|r| r.checkpoint != Checkpoint::ShardEnd && r.unreadable.is_none())
             .filter(|r| {
                 r.parents.iter().all(|p| {
-                    by_key
-                        .get(p.as_str())
-                        .is_none_or(|parent| parent.checkpoint == Checkpoint::ShardEnd)
+                    by_key.get(p.as_str()).is_none_or(|parent| {
+                        parent.unreadable.is_none()
+                            && parent.reset_to.is_none()
+                            && parent.checkpoint == Checkpoint::ShardEnd
+                    })
                 })
             })
             .collect();
@@ -1063,9 +1086,9 @@ impl Coordinator {
 
         // Hand-offs we asked for: taken anyway once the owner let the timeout pass.
         self.steals.retain(|k, _| {
-            by_key
-                .get(k.as_str())
-                .is_some_and(|r| r.pending_owner.as_deref() == Some(&me))
+            by_key.get(k.as_str()).is_some_and(|r| {
+                r.pending_owner.as_deref() == Some(&me) && r.checkpoint != Checkpoint::ShardEnd
+            })
         });
         for row in eligible
             .iter()
@@ -1211,6 +1234,114 @@ impl Coordinator {
 
         self.clean_up(&rows).await;
         Ok(())
+    }
+
+    /// Settles what a finished row (at SHARD_END, nobody reading it) still carries:
+    ///
+    /// - a hand-off request: nothing is left to hand over, so it is withdrawn (by
+    ///   whoever lists it first), or its worker would wait for it until the row is
+    ///   deleted past retention;
+    /// - a checkpoint reset an operator asked for while the shard was still read, which
+    ///   its owner did not see before the shard ended (or its owner died at the end):
+    ///   applied here, to the row (taken first if its owner's lease expired) and to the
+    ///   row's descendants, as an operator's reset of a finished shard does, so the
+    ///   shard is read again before its children are (they wait meanwhile, see
+    ///   `balance`).
+    async fn settle_finished(
+        &self,
+        rows: &[Lease],
+        by_key: &BTreeMap<&str, &Lease>,
+        expired: impl Fn(&Lease) -> bool,
+    ) {
+        let me = self.config.owner.as_str();
+        for row in rows.iter().filter(|r| {
+            r.checkpoint == Checkpoint::ShardEnd
+                && r.unreadable.is_none()
+                && !self.slots.contains_key(&r.key)
+        }) {
+            // (The withdrawal keeps the counter: a reset below still applies.)
+            if row.owner.is_none() && row.pending_owner.is_some() {
+                withdraw_stale_request(self.store.as_ref(), row).await;
+            }
+            let Some(to) = row.reset_to.clone() else {
+                continue;
+            };
+            let unowned = match &row.owner {
+                None => row.clone(),
+                Some(_) if expired(row) => match self.store.take(row, me).await {
+                    Ok(taken) => taken,
+                    Err(e) => {
+                        tracing::debug!(lease = %row.key, error = %e, "could not take a finished lease to reset it");
+                        continue;
+                    }
+                },
+                Some(_) => continue,
+            };
+            let applied = self.store.reset(&unowned, &to).await;
+            if unowned.owner.is_some() {
+                let held = HeldLease::taken_at(
+                    applied.as_ref().unwrap_or(&unowned).clone(),
+                    self.store.clone(),
+                    me,
+                    Instant::now(),
+                );
+                release(&held, &row.key).await;
+            }
+            match applied {
+                Ok(_) => {
+                    tracing::info!(lease = %row.key, checkpoint = %to, "checkpoint reset of a finished shard applied");
+                    self.reset_descendants(&row.key, &to, by_key).await;
+                }
+                Err(e) => {
+                    tracing::debug!(lease = %row.key, error = %e, "could not apply the reset of a finished shard")
+                }
+            }
+        }
+    }
+
+    /// Resets the descendants of `key`, whose reset to `to` was just applied after its
+    /// end: to the same start, or from their own start when `to` is a record of the
+    /// parent (as `shardflow group reset` does for a finished shard).
+    async fn reset_descendants(&self, key: &str, to: &Checkpoint, by_key: &BTreeMap<&str, &Lease>) {
+        let below = match to {
+            Checkpoint::At(_) | Checkpoint::ShardEnd => Checkpoint::TrimHorizon,
+            start => start.clone(),
+        };
+        let mut todo = vec![key];
+        let mut seen: BTreeSet<&str> = BTreeSet::new();
+        while let Some(parent) = todo.pop() {
+            for child in by_key
+                .values()
+                .filter(|r| r.parents.iter().any(|p| p == parent))
+            {
+                if !seen.insert(child.key.as_str()) {
+                    continue;
+                }
+                todo.push(child.key.as_str());
+                if let Err(e) =
+                    crate::admin::reset_checkpoint(self.store.as_ref(), &child.key, &below).await
+                {
+                    tracing::warn!(lease = %child.key, error = %e, "could not reset a descendant of a reset finished shard");
+                }
+            }
+        }
+    }
+
+    /// Reports the rows of a listing that do not parse: in health (the worker is not
+    /// ready while one is listed), and once per row found so in an event and a warning.
+    fn report_unreadable(&self, rows: &[Lease]) {
+        let unreadable: BTreeMap<&str, &str> = rows
+            .iter()
+            .filter_map(|r| Some((r.key.as_str(), r.unreadable.as_deref()?)))
+            .collect();
+        for key in self.health.unreadable_rows(unreadable.clone()) {
+            let reason = unreadable.get(key.as_str()).copied().unwrap_or_default();
+            tracing::warn!(lease = %key, %reason, "a lease row does not parse: its shard and its children are not read until it is repaired");
+            self.config.events.emit(|| ShardEvent::RowUnreadable {
+                shard: key.clone(),
+                reason: reason.to_owned(),
+            });
+        }
     }
 
     /// Deletes rows of finished shards once Kinesis no longer lists the shard (it is
@@ -1524,10 +1655,9 @@ impl Coordinator {
     /// sync.
     async fn claim_rows(&self, rows: &[Lease], shards: &[ShardInfo]) {
         let ids: BTreeSet<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
-        for row in rows
-            .iter()
-            .filter(|r| r.stream.is_none() && ids.contains(r.key.as_str()))
-        {
+        for row in rows.iter().filter(|r| {
+            r.stream.is_none() && r.unreadable.is_none() && ids.contains(r.key.as_str())
+        }) {
             if let Err(e) = self.store.claim_for_stream(row, &self.stream).await {
                 tracing::debug!(lease = %row.key, error = %e, "could not record the stream in the row");
             }
@@ -1962,6 +2092,21 @@ async fn settle_unheld(store: Arc<dyn LeaseStore>, me: String, row: Lease) {
     tracing::info!(lease = %key, "releasing a lease handed to this worker that it never ran");
     // Released like a held lease: retried, and adopted if an answer was lost.
     release(&HeldLease::taken_at(row, store, &me, Instant::now()), &key).await;
+}
+
+/// Withdraws the hand-off request on a finished row (conditional on the request alone).
+async fn withdraw_stale_request(store: &dyn LeaseStore, row: &Lease) {
+    let Some(worker) = row.pending_owner.as_deref() else {
+        return;
+    };
+    match store.withdraw_handoff(row, worker).await {
+        Ok(_) => {
+            tracing::debug!(lease = %row.key, %worker, "withdrew a hand-off request on a finished shard")
+        }
+        Err(e) => {
+            tracing::debug!(lease = %row.key, error = %e, "could not withdraw a hand-off request on a finished shard")
+        }
+    }
 }
 
 async fn release(lease: &HeldLease, key: &str) {

@@ -55,6 +55,16 @@ pub enum ShardEvent {
         /// The shard.
         shard: String,
     },
+    /// The shard's lease row exists but does not parse (an attribute of the wrong type
+    /// or form): nobody takes or overwrites it, and its children wait for it, until an
+    /// operator repairs the row. Sent once by each worker that lists the table and finds
+    /// it so (again after a repair and a new breakage).
+    RowUnreadable {
+        /// The shard.
+        shard: String,
+        /// Why the row does not parse.
+        reason: String,
+    },
     /// A handler failed on a record: the shard restarts from its checkpoint and the
     /// record is delivered again (records are never skipped; add a dead-letter layer to
     /// move on from a record that cannot be handled).
@@ -159,6 +169,7 @@ impl ShardEvent {
             | ShardEvent::HandedOff { shard, .. }
             | ShardEvent::Released { shard }
             | ShardEvent::ShardEnded { shard }
+            | ShardEvent::RowUnreadable { shard, .. }
             | ShardEvent::HandlerFailed { shard, .. }
             | ShardEvent::Stuck { shard, .. }
             | ShardEvent::Unstuck { shard, .. } => shard,

@@ -21,11 +21,12 @@ pub const FAILING_AFTER: u32 = 3;
 /// * live ([`Health::is_live`]): the worker reached its lease table (a lease renewal or a
 ///   lease round succeeded) within the lease duration. A worker that is not live has
 ///   lost, or is about to lose, every lease: restart it.
-/// * ready ([`Health::is_ready`]): live, started (its first lease round succeeded), and
+/// * ready ([`Health::is_ready`]): live, started (its first lease round succeeded),
 ///   none of its shards is failing ([`ShardHealth::failing`]) or stuck
-///   ([`ShardHealth::stuck_for`]). Not ready is a reason to look, not always to restart:
-///   a poison record keeps its shard failing until the handler accepts it, and a hung
-///   handler keeps it stuck until the call returns.
+///   ([`ShardHealth::stuck_for`]), and its last listing of the lease table found no row
+///   that does not parse ([`Health::unreadable_rows`]). Not ready is a reason to look,
+///   not always to restart: a poison record keeps its shard failing until the handler
+///   accepts it, and a hung handler keeps it stuck until the call returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Health {
@@ -41,6 +42,11 @@ pub struct Health {
     /// streams that stopped with an error and are not read until the list changes,
     /// with the error.
     pub failed_streams: Vec<(String, String)>,
+    /// Lease rows this worker's last listing of the table found but could not parse
+    /// (shard id, as [`ShardHealth::shard_id`] names shards, and the reason). Such a row
+    /// is left alone and its shard's children wait for it: the group is not healthy
+    /// until an operator repairs it.
+    pub unreadable_rows: Vec<(String, String)>,
 }
 
 /// One held shard's health.
@@ -91,6 +97,7 @@ impl Health {
             && !self.shards.iter().any(ShardHealth::failing)
             && !self.shards.iter().any(|s| s.stuck_for.is_some())
             && self.failed_streams.is_empty()
+            && self.unreadable_rows.is_empty()
     }
 }
 
@@ -108,6 +115,7 @@ struct State {
     lease_table_ok_at: Option<Instant>,
     shards: BTreeMap<Arc<str>, ShardState>,
     failed_streams: BTreeMap<String, String>,
+    unreadable_rows: BTreeMap<Arc<str>, String>,
 }
 
 /// What the coordinator, shard tasks and readers report into; shared with the handles.
@@ -224,6 +232,30 @@ impl HealthState {
         self.lock().failed_streams.remove(stream);
     }
 
+    /// The rows of this view's stream that a listing found unreadable, by shard id, with
+    /// the reason (replacing what the previous listing found). Returns the shards newly
+    /// found so.
+    pub(crate) fn unreadable_rows(&self, rows: BTreeMap<&str, &str>) -> Vec<String> {
+        let mut state = self.lock();
+        let prefix = self.prefix.as_deref().unwrap_or("");
+        let before: BTreeMap<Arc<str>, String> = std::mem::take(&mut state.unreadable_rows);
+        let mut new = Vec::new();
+        // Other streams' rows (multi-stream mode) are theirs to report.
+        for (name, reason) in &before {
+            if !name.starts_with(prefix) {
+                state.unreadable_rows.insert(name.clone(), reason.clone());
+            }
+        }
+        for (shard, reason) in rows {
+            let name = self.name(shard);
+            if !before.contains_key(&name) {
+                new.push(shard.to_owned());
+            }
+            state.unreadable_rows.insert(name, reason.to_owned());
+        }
+        new
+    }
+
     pub(crate) fn snapshot(&self) -> Health {
         let state = self.lock();
         Health {
@@ -250,6 +282,11 @@ impl HealthState {
                 .failed_streams
                 .iter()
                 .map(|(stream, error)| (stream.clone(), error.clone()))
+                .collect(),
+            unreadable_rows: state
+                .unreadable_rows
+                .iter()
+                .map(|(shard, reason)| (shard.to_string(), reason.clone()))
                 .collect(),
         }
     }

@@ -391,6 +391,9 @@ impl DynamoLeaseStore {
             ("#pcp_sub", PENDING_SUB_SEQUENCE),
             ("#pcp_state", PENDING_STATE),
         ];
+        // Applying a reset is conditional on the request it applies too: a second request
+        // that landed since `expected` was read is not removed unapplied.
+        let mut applies = None;
         if clear_reset {
             remove.extend(["#reset", "#reset_sub", "#reset_ts"]);
             names.extend([
@@ -398,18 +401,42 @@ impl DynamoLeaseStore {
                 ("#reset_sub", RESET_SUB_SEQUENCE),
                 ("#reset_ts", RESET_TIMESTAMP),
             ]);
+            applies = Some(match &expected.reset_to {
+                None => "attribute_not_exists(#reset)".to_owned(),
+                Some(request) => {
+                    let (value, sub_sequence) = request.as_attribute();
+                    values.push((":asked", AttributeValue::S(value)));
+                    values.push((":asked_sub", AttributeValue::N(sub_sequence.to_string())));
+                    let timestamp = match request.timestamp_millis() {
+                        Some(millis) => {
+                            values.push((":asked_ts", AttributeValue::N(millis.to_string())));
+                            "#reset_ts = :asked_ts"
+                        }
+                        None => "attribute_not_exists(#reset_ts)",
+                    };
+                    format!("#reset = :asked AND #reset_sub = :asked_sub AND {timestamp}")
+                }
+            });
         }
         let update = format!("{set} REMOVE {}", remove.join(", "));
-        self.fenced_update(op, expected, &update, &names, values, || Lease {
-            checkpoint: to.clone(),
-            owner_switches: 0,
-            reset_to: if clear_reset {
-                None
-            } else {
-                expected.reset_to.clone()
+        self.fenced_update_if(
+            op,
+            expected,
+            applies.as_deref(),
+            &update,
+            &names,
+            values,
+            || Lease {
+                checkpoint: to.clone(),
+                owner_switches: 0,
+                reset_to: if clear_reset {
+                    None
+                } else {
+                    expected.reset_to.clone()
+                },
+                ..expected.clone()
             },
-            ..expected.clone()
-        })
+        )
         .await
     }
 
@@ -443,6 +470,7 @@ impl DynamoLeaseStore {
         values: Vec<(&str, AttributeValue)>,
         after: impl FnOnce() -> Lease,
     ) -> Result<Lease, LeaseError> {
+        expected.refuse_if_unreadable()?;
         let fence = fence(expected);
         let condition = match extra {
             Some(extra) => format!("{} AND ({extra})", fence.condition),
@@ -746,6 +774,7 @@ fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<Lease, Leas
         checkpoint: Checkpoint::from_attribute(&checkpoint, sub_sequence)?
             .with_timestamp_millis(timestamp),
         pending_owner: string(item, PENDING_OWNER, &key)?,
+        unreadable: None,
         key,
     })
 }
@@ -882,7 +911,9 @@ impl LeaseStore for DynamoLeaseStore {
                 .map_err(|e| classify(&self.table, "Scan", None, e))?;
             for item in out.items.unwrap_or_default() {
                 // One row that does not parse must not stop balancing for the whole
-                // group: it is skipped (its shard is not read until the row is fixed).
+                // group, nor vanish from it: it is listed as unreadable (see
+                // `Lease::unreadable`), so its shard and its children wait for a repair
+                // and workers report it.
                 match lease_from_item(&item) {
                     Ok(lease) => leases.push(lease),
                     Err(e) => {
@@ -890,7 +921,8 @@ impl LeaseStore for DynamoLeaseStore {
                             Some(AttributeValue::S(k)) => k.as_str(),
                             _ => "?",
                         };
-                        tracing::warn!(table = %self.table, lease = %key, error = %e, "skipping a lease row that does not parse");
+                        tracing::warn!(table = %self.table, lease = %key, error = %e, "a lease row does not parse; it is left alone until repaired");
+                        leases.push(Lease::unreadable(key, e.to_string()));
                     }
                 }
             }
@@ -945,7 +977,9 @@ impl LeaseStore for DynamoLeaseStore {
             .await
             .map_err(|e| classify(&self.table, "GetItem", None, e))?;
         match out.item {
-            Some(item) if !item.is_empty() => lease_from_item(&item).map(Some),
+            Some(item) if !item.is_empty() => Ok(Some(
+                lease_from_item(&item).unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
+            )),
             _ => Ok(None),
         }
     }
@@ -1046,6 +1080,7 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        expected.refuse_if_unreadable()?;
         let out = self
             .client
             .update_item()
@@ -1159,6 +1194,7 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        expected.refuse_if_unreadable()?;
         let fence = fence(expected);
         let mut request = self
             .client
@@ -1233,7 +1269,7 @@ mod tests {
                 std::time::SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_518_400_123),
             )),
         );
-        lease.owner = Some(crate::lease::incarnation("billing-7", 42));
+        lease.owner = Some(crate::lease::incarnation("billing-7"));
         lease.counter = 3;
         let item = item_from_lease(&lease);
         assert_eq!(

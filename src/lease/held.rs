@@ -28,6 +28,10 @@ pub(crate) struct HeldLease {
 /// lease is left to expire.
 const RELEASE_ATTEMPTS: u32 = 3;
 
+/// How many newer reset requests [`HeldLease::apply_reset`] follows before it gives up
+/// (an operator asking again and again while the owner applies).
+const RESET_ATTEMPTS: u32 = 5;
+
 /// The pause before the second release attempt (doubled before the third).
 const RELEASE_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -143,13 +147,43 @@ impl HeldLease {
     /// [`Lease::reset_to`](super::Lease::reset_to)): stores its checkpoint, fenced like
     /// every write, and removes the request. Call it only once the shard task stopped
     /// and drained. Returns the row unchanged when there is no request.
+    ///
+    /// The write is conditional on the request it applies: when another request landed
+    /// since the row was read (the owner and counter unchanged), the row is read again
+    /// and the newer request applied instead, so an operator's later request is never
+    /// overwritten by an earlier one. A request that landed after the last renewal
+    /// (none on the row as last read) is found the same way.
     pub async fn apply_reset(&self) -> Result<Lease, LeaseError> {
         self.write(|store, row| {
             Box::pin(async move {
-                match row.reset_to.clone() {
-                    Some(to) => store.reset(&row, &to).await,
-                    None => Ok(row),
+                let mut row = row;
+                for _ in 0..RESET_ATTEMPTS {
+                    let Some(to) = row.reset_to.clone() else {
+                        // Perhaps asked for since the row was read: look once.
+                        match store.get(&row.key).await? {
+                            Some(cur)
+                                if cur.reset_to.is_some()
+                                    && cur.owner == row.owner
+                                    && cur.counter == row.counter =>
+                            {
+                                row = cur;
+                                continue;
+                            }
+                            _ => return Ok(row),
+                        }
+                    };
+                    match store.reset(&row, &to).await {
+                        Err(LeaseError::Conflict(key)) => match store.get(&key).await? {
+                            // Only the request changed: apply the one on the row now.
+                            Some(cur) if cur.owner == row.owner && cur.counter == row.counter => {
+                                row = cur;
+                            }
+                            _ => return Err(LeaseError::Conflict(key)),
+                        },
+                        result => return result,
+                    }
                 }
+                Err(LeaseError::Conflict(row.key))
             })
         })
         .await

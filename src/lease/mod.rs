@@ -174,11 +174,13 @@ pub fn worker_of(owner: &str) -> &str {
 }
 
 /// The owner name of one incarnation of `worker`: the worker id and a nonce of six
-/// base-36 characters drawn from `seed`.
-pub(crate) fn incarnation(worker: &str, seed: u64) -> String {
-    use rand::{Rng, SeedableRng};
+/// base-36 characters drawn from the operating system's generator. Never from a
+/// configured seed: two processes started with the same worker id and the same seed
+/// must still be two owners, or both would read and checkpoint the same shards.
+pub(crate) fn incarnation(worker: &str) -> String {
+    use rand::Rng;
     const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 0x1ca7_10b5_0f11_fe00);
+    let mut rng = rand::rngs::OsRng;
     let nonce: String = (0..6)
         .map(|_| char::from(DIGITS[rng.gen_range(0..DIGITS.len())]))
         .collect();
@@ -232,6 +234,13 @@ pub struct Lease {
     /// [`crate::admin`]): the owner stops the shard, drains, stores this checkpoint and
     /// lets the shard be read again from it. Kept by takes, so a new owner applies it.
     pub reset_to: Option<Checkpoint>,
+    /// `Some(reason)`: a row exists under this key but does not parse (an attribute of
+    /// the wrong type or form, written by hand or by another tool). Only `key` is
+    /// meaningful then; the other fields are placeholders. Such a row is never taken,
+    /// renewed, overwritten or deleted (every store refuses a write conditioned on it
+    /// with [`LeaseError::Corrupt`]), its children wait for it as for an unfinished
+    /// parent, and workers report it in their health until it is repaired.
+    pub unreadable: Option<String>,
 }
 
 impl Lease {
@@ -250,6 +259,28 @@ impl Lease {
             owner_switches: 0,
             checkpoint_owner: None,
             reset_to: None,
+            unreadable: None,
+        }
+    }
+
+    /// The listing's stand-in for the row under `key` that does not parse, with the
+    /// reason (see [`Lease::unreadable`]).
+    pub fn unreadable(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Lease {
+            unreadable: Some(reason.into()),
+            ..Lease::new(key, Vec::new(), Checkpoint::TrimHorizon)
+        }
+    }
+
+    /// Refuses a write conditioned on a row that does not parse: such a row is left for
+    /// an operator to repair, never overwritten.
+    pub(crate) fn refuse_if_unreadable(&self) -> Result<(), LeaseError> {
+        match &self.unreadable {
+            Some(reason) => Err(LeaseError::Corrupt(format!(
+                "lease {}: the row does not parse ({reason}); it is not written until repaired",
+                self.key
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -424,7 +455,9 @@ pub trait LeaseStore: Send + Sync + 'static {
 
     /// Stores `to` as the checkpoint, whatever the stored one (it may move backwards),
     /// and removes a reset request, if the row still matches `expected` (the counter is
-    /// kept). Used by an operator on an unowned row and by the owner applying a
+    /// kept) and still carries `expected`'s reset request (or none, if it had none): a
+    /// second request that landed since `expected` was read is a conflict, never
+    /// removed unapplied. Used by an operator on an unowned row and by the owner applying a
     /// request. A store that cannot do it (the default) refuses.
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         let _ = to;

@@ -103,9 +103,34 @@ impl MemoryLeaseStore {
         self.coordinator.clone()
     }
 
-    /// A copy of every row, for assertions.
+    /// A copy of every row, for assertions (a row made unreadable shows what it holds,
+    /// with [`Lease::unreadable`] set).
     pub fn rows(&self) -> Vec<Lease> {
         lock(&self.state).rows.values().cloned().collect()
+    }
+
+    /// Makes the row under `key` unreadable, as a row whose attribute was written in the
+    /// wrong type or form is in DynamoDB: listings and reads answer
+    /// [`Lease::unreadable`] with `reason` in its place, and every write to it is refused
+    /// with [`LeaseError::Corrupt`]. What the row held is kept for [`Self::repair`].
+    /// Returns whether the row exists.
+    pub fn make_unreadable(&self, key: &str, reason: &str) -> bool {
+        match lock(&self.state).rows.get_mut(key) {
+            Some(row) => {
+                row.unreadable = Some(reason.to_owned());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Repairs a row made unreadable by [`Self::make_unreadable`]: it reads as it did
+    /// before. Returns whether it was unreadable.
+    pub fn repair(&self, key: &str) -> bool {
+        lock(&self.state)
+            .rows
+            .get_mut(key)
+            .is_some_and(|row| row.unreadable.take().is_some())
     }
 
     /// A read: `op` answers from the rows and counts what it handed out in `read`.
@@ -150,12 +175,30 @@ impl MemoryLeaseStore {
     }
 }
 
+/// What a read answers for a stored row: the row, or its stand-in when it was made
+/// unreadable.
+fn as_read(row: &Lease) -> Lease {
+    match &row.unreadable {
+        Some(reason) => Lease::unreadable(row.key.clone(), reason.clone()),
+        None => row.clone(),
+    }
+}
+
+/// Refuses any write to a row that does not parse (nor to its stand-in): DynamoDB's
+/// conditions could not be evaluated against it either.
+fn refuse_unreadable(rows: &BTreeMap<String, Lease>, expected: &Lease) -> Result<(), LeaseError> {
+    expected.refuse_if_unreadable()?;
+    rows.get(&expected.key)
+        .map_or(Ok(()), Lease::refuse_if_unreadable)
+}
+
 /// Applies `change` to the row if it still has `expected`'s owner and counter.
 fn conditional(
     rows: &mut BTreeMap<String, Lease>,
     expected: &Lease,
     change: impl FnOnce(&mut Lease),
 ) -> Result<Lease, LeaseError> {
+    refuse_unreadable(rows, expected)?;
     match rows.get_mut(&expected.key) {
         Some(row) if row.owner == expected.owner && row.counter == expected.counter => {
             change(row);
@@ -178,14 +221,14 @@ impl LeaseStore for MemoryLeaseStore {
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
         self.read(|rows, read| {
             read.listed += rows.len() as u64;
-            rows.values().cloned().collect()
+            rows.values().map(as_read).collect()
         })
         .await
     }
 
     async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
         self.read(|rows, read| {
-            let row = rows.get(key).cloned();
+            let row = rows.get(key).map(as_read);
             read.fetched += u64::from(row.is_some());
             row
         })
@@ -196,7 +239,7 @@ impl LeaseStore for MemoryLeaseStore {
         self.read(|rows, read| {
             let keys: Vec<String> = rows
                 .values()
-                .filter(|row| row.owner.as_deref() == Some(owner))
+                .filter(|row| row.unreadable.is_none() && row.owner.as_deref() == Some(owner))
                 .map(|row| row.key.clone())
                 .collect();
             read.owned += keys.len() as u64;
@@ -218,6 +261,7 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
+            refuse_unreadable(rows, expected)?;
             // A hand-over needs the new owner's request to still stand.
             let handover = expected.pending_owner.as_deref() == Some(new_owner);
             let withdrawn = rows
@@ -275,6 +319,7 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
+            refuse_unreadable(rows, expected)?;
             // The first request wins, as in the DynamoDB store.
             let asked_by_another = rows.get(&expected.key).is_some_and(|row| {
                 row.pending_owner
@@ -292,12 +337,15 @@ impl LeaseStore for MemoryLeaseStore {
     }
 
     async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.call(true, |rows| match rows.get_mut(&expected.key) {
-            Some(row) if row.pending_owner.as_deref() == Some(worker) => {
-                row.pending_owner = None;
-                Ok(row.clone())
+        self.call(true, |rows| {
+            refuse_unreadable(rows, expected)?;
+            match rows.get_mut(&expected.key) {
+                Some(row) if row.pending_owner.as_deref() == Some(worker) => {
+                    row.pending_owner = None;
+                    Ok(row.clone())
+                }
+                _ => Err(LeaseError::Conflict(expected.key.clone())),
             }
-            _ => Err(LeaseError::Conflict(expected.key.clone())),
         })
         .await
     }
@@ -311,6 +359,13 @@ impl LeaseStore for MemoryLeaseStore {
 
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
+            // Conditional on the request it applies too, as in the DynamoDB store.
+            let asked_again = rows
+                .get(&expected.key)
+                .is_some_and(|row| row.reset_to != expected.reset_to);
+            if asked_again {
+                return Err(LeaseError::Conflict(expected.key.clone()));
+            }
             conditional(rows, expected, |row| {
                 row.checkpoint = to.clone();
                 row.owner_switches = 0;

@@ -434,6 +434,29 @@ impl LeaseStore for SimStore {
         self.backend.enter_store().await?;
         self.inner.withdraw_handoff(expected, worker).await
     }
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.backend.enter_store().await?;
+        self.inner.request_reset(expected, to).await
+    }
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.backend.enter_store().await?;
+        let result = self.inner.reset(expected, to).await;
+        // One that landed although the caller saw an error counts too.
+        let landed = result.is_ok()
+            || self
+                .backend
+                .row(&expected.key)
+                .is_some_and(|row| row.checkpoint == *to && row.reset_to.is_none());
+        if landed {
+            let log = &self.backend.log;
+            let at = log.tick();
+            log.resets
+                .lock()
+                .unwrap()
+                .push((at, shard_of(&expected.key)));
+        }
+        result
+    }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
         self.backend.enter_store().await?;
         let deleted = self.inner.delete(expected).await;

@@ -61,6 +61,13 @@ pub enum Feature {
     /// all but one) crash together or stop gracefully together (a host, a zone, a
     /// rolling deploy).
     CorrelatedCrashes,
+    /// A lease row stops parsing for a while (an attribute written in the wrong form),
+    /// then is repaired: nobody takes or overwrites it meanwhile, its children wait.
+    UnreadableRows,
+    /// Checkpoint resets requested on the rows of shards a reshard just closed, while
+    /// their owners still read them: applied by the owner or, once the shard ended, by
+    /// whoever lists the finished row.
+    ResetAtShardEnd,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -70,7 +77,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 25] = [
+    pub const ALL: [Feature; 27] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -94,6 +101,8 @@ impl Feature {
         Feature::HandlerPanics,
         Feature::HookPanics,
         Feature::CorrelatedCrashes,
+        Feature::UnreadableRows,
+        Feature::ResetAtShardEnd,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
     ];
@@ -123,6 +132,8 @@ impl Feature {
             Feature::HandlerPanics => "handler-panics",
             Feature::HookPanics => "hook-panics",
             Feature::CorrelatedCrashes => "correlated-crashes",
+            Feature::UnreadableRows => "unreadable-rows",
+            Feature::ResetAtShardEnd => "reset-at-shard-end",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
         }

@@ -181,6 +181,7 @@ fn check_commits(memory: &Memory, log: &Log, start: &Start) -> Result<(), String
     }
     let mut owners: HashMap<(String, u64), String> = HashMap::new();
     let mut last: HashMap<String, Checkpoint> = HashMap::new();
+    let mut last_at: HashMap<String, u64> = HashMap::new();
     for c in &commits {
         if let Some(other) = owners.insert((c.key.clone(), c.counter), c.incarnation.clone()) {
             if other != c.incarnation {
@@ -250,7 +251,18 @@ fn check_commits(memory: &Memory, log: &Log, start: &Start) -> Result<(), String
                 if c.ambiguous { " (ambiguous write)" } else { "" }
             ));
         }
-        if let Some(prev) = last.get(&c.key) {
+        // A reset landed since the lease's previous commit: it may start lower.
+        let reset_since = |from: u64| {
+            log.resets
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(at, key)| *key == c.key && *at > from && *at < c.at)
+        };
+        if let Some(prev) = last
+            .get(&c.key)
+            .filter(|_| !last_at.get(&c.key).is_some_and(|from| reset_since(*from)))
+        {
             let backwards = match (prev, &c.checkpoint) {
                 (Checkpoint::ShardEnd, cp) => *cp != Checkpoint::ShardEnd,
                 (Checkpoint::At(a), Checkpoint::At(b)) => b < a,
@@ -265,6 +277,7 @@ fn check_commits(memory: &Memory, log: &Log, start: &Start) -> Result<(), String
             }
         }
         last.insert(c.key.clone(), c.checkpoint.clone());
+        last_at.insert(c.key.clone(), c.at);
     }
     Ok(())
 }

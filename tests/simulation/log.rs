@@ -77,6 +77,9 @@ pub struct Log {
     pub stuck_events: AtomicU64,
     /// Handlers that hung on a record.
     pub hung_handlers: AtomicU64,
+    /// Checkpoint resets that landed (an operator's, applied): (tick, shard). The
+    /// checkpoint may move back at one.
+    pub resets: Mutex<Vec<(u64, String)>>,
 }
 
 impl Log {

@@ -27,6 +27,7 @@ use futures_util::{FutureExt, StreamExt};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
+use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
@@ -634,6 +635,12 @@ impl Sim {
         if self.features.has(Feature::CorrelatedCrashes) {
             events.push(9);
         }
+        if self.features.has(Feature::UnreadableRows) && self.rng.gen_bool(0.5) {
+            events.push(10);
+        }
+        if self.features.has(Feature::ResetAtShardEnd) && self.rng.gen_bool(0.5) {
+            events.push(11);
+        }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
             events.swap(i, j);
@@ -799,11 +806,76 @@ impl Sim {
                 }
             }
             9 => self.correlated(),
+            10 => self.unreadable_row_for_a_while(),
+            11 => self.reset_as_a_shard_ends().await,
             _ => {
                 // A quiet period longer than a lease.
                 tokio::time::sleep(LEASE).await;
             }
         }
+    }
+
+    /// A random lease row stops parsing, and is repaired after half a lease to four.
+    fn unreadable_row_for_a_while(&mut self) {
+        let table = self.memory.table(GROUP);
+        let rows = table.rows();
+        if rows.is_empty() {
+            return;
+        }
+        let key = rows[self.rng.gen_range(0..rows.len())].key.clone();
+        let lease = LEASE.as_millis() as u64;
+        let millis = self.rng.gen_range(lease / 2..lease * 4);
+        table.make_unreadable(&key, "an attribute in the wrong form (simulated)");
+        self.note(format!("row {key} unreadable for {millis} ms"));
+        let log = self.log.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(millis)).await;
+            table.repair(&key);
+            log.note(format!("row {key} repaired"));
+        });
+    }
+
+    /// A reshard, and at once a reset (to TRIM_HORIZON) requested on the row of a shard
+    /// it closed, which its owner is still reading to its end.
+    async fn reset_as_a_shard_ends(&mut self) {
+        if !self.features.has(Feature::Reshard) && !self.features.has(Feature::MergeBack) {
+            return;
+        }
+        self.reshard().await;
+        self.record_generations().await;
+        let closed: Vec<String> = self
+            .memory
+            .streams()
+            .list_shards(STREAM)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s.is_closed())
+            .map(|s| s.shard_id)
+            .collect();
+        let table = self.memory.table(GROUP);
+        let reading: Vec<_> = table
+            .rows()
+            .into_iter()
+            .filter(|r| {
+                r.owner.is_some()
+                    && r.unreadable.is_none()
+                    && r.checkpoint != Checkpoint::ShardEnd
+                    && closed.iter().any(|c| r.key.ends_with(c.as_str()))
+            })
+            .collect();
+        if reading.is_empty() {
+            return;
+        }
+        let row = &reading[self.rng.gen_range(0..reading.len())];
+        // The store's injected faults may refuse it: then no reset was accepted.
+        let asked = table.request_reset(row, &Checkpoint::TrimHorizon).await;
+        self.note(format!(
+            "reset {} to TRIM_HORIZON as it ends: {asked:?}",
+            row.key
+        ));
+        let n = self.rng.gen_range(20..100);
+        self.produce(n).await;
     }
 
     fn kill_one(&mut self) {
