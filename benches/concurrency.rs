@@ -1,4 +1,4 @@
-//! Per-key concurrency inside a shard (issue 11): records/s of `run` with a handler that
+//! Per-key concurrency inside a shard: records/s of `run` with a handler that
 //! sleeps 10 ms, sequential against `Concurrency::PerKey(n)`, and what the concurrent
 //! path costs per record.
 //!

@@ -1,4 +1,4 @@
-//! Memory of one worker (issue 12), counted by a global allocator that tracks the bytes
+//! Memory of one worker, counted by a global allocator that tracks the bytes
 //! allocated now and at most (VmRSS from /proc/self/status is printed beside it, but
 //! the allocator's figure is the one that does not depend on what the allocator keeps
 //! cached). Memory backend under tokio's paused clock, one worker, default settings.

@@ -23,7 +23,7 @@
 # Needs only a Rust toolchain, node 20+ with npm, and python3.
 set -euo pipefail
 
-STARTUP_TIMEOUT_S=15
+STARTUP_TIMEOUT_S=60
 
 started_at=$(date +%s)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1124,7 +1124,7 @@ async fn wire_errors_never_carry_record_payloads() {
     .await;
 }
 
-/// (issue 12) A table shardflow creates has the KCL 3's owner index, and `owned_keys`
+/// A table shardflow creates has the KCL 3's owner index, and `owned_keys`
 /// answers what a filtered listing answers, for single-stream and multi-stream keys
 /// alike (dynalite keeps the index and answers Queries on it).
 #[tokio::test]
@@ -1232,7 +1232,7 @@ fn lease_table_json(index: Option<&str>) -> serde_json::Value {
     table
 }
 
-/// (issue 12) A worker that starts while a peer's upgrade adds the owner index finds the
+/// A worker that starts while a peer's upgrade adds the owner index finds the
 /// table UPDATING: DynamoDB serves reads and writes meanwhile, so it starts at once
 /// (one DescribeTable, no second UpdateTable) and scans until the index is ACTIVE,
 /// instead of waiting for the index to build and failing its start-up after a minute.
@@ -1261,7 +1261,7 @@ async fn wire_a_table_being_upgraded_is_used_at_once() {
     assert_eq!(fake.ops(), vec!["DescribeTable", "Scan"]);
 }
 
-/// (issue 12) A lease table with provisioned capacity (as KCL 1.x creates them) gets
+/// A lease table with provisioned capacity (as KCL 1.x creates them) gets
 /// the owner index with the table's own capacity: DynamoDB refuses an index without
 /// one there, and the workers would scan the table in every light round for good.
 #[tokio::test]
@@ -1291,7 +1291,7 @@ async fn wire_a_provisioned_table_gets_an_index_with_capacity() {
     );
 }
 
-/// (issue 12) A lease table without the owner index (an older shardflow's, a KCL 1/2
+/// A lease table without the owner index (an older shardflow's, a KCL 1/2
 /// application's) is upgraded in place at start-up: UpdateTable adds the KCL 3's index
 /// (keys `leaseOwner` and `leaseKey`, keys only). Until it is ACTIVE `owned_keys` scans
 /// and filters; once it is, it queries the index. (dynalite accepts an UpdateTable

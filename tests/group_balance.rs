@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use fleet::{leases_per_owner, Fleet};
 
-/// Three rounds at the default take interval (10 s): the target of issue 12.
+/// Three rounds at the default take interval (10 s): the start-up target.
 const BALANCED_WITHIN: Duration = Duration::from_secs(30);
 
 async fn starts_balanced(shards: u32, workers: usize) {

@@ -253,14 +253,14 @@ fn generated_histories_keep_the_invariants() {
     );
 }
 
-/// The default features plus `run`-mode workers with per-key concurrency (issue 11).
+/// The default features plus `run`-mode workers with per-key concurrency.
 #[test]
 fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
     let features = simulation::history::Features::parse("+per-key-concurrency").unwrap();
     run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
 }
 
-/// The default features with every worker in multi-stream mode (issue 9): lease keys
+/// The default features with every worker in multi-stream mode: lease keys
 /// `account:stream:creationEpoch:shardId` through the stream's view of the table, under
 /// the same kills, freezes, reshards, hand-offs and faults.
 #[test]

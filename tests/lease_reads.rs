@@ -1,4 +1,4 @@
-//! Lease-table reads that do not grow with the fleet (issue 12): in a fleet of more
+//! Lease-table reads that do not grow with the fleet: in a fleet of more
 //! than three workers only the leader and the successor list the whole table every
 //! round, the others once every few rounds, and between those they read only the keys
 //! they own (the owner index) and the few rows handed to them. The tests prove that the

@@ -1,4 +1,4 @@
-//! The worker-wide read-ahead budget (`read_ahead_bytes`, issue 12): many shards with a
+//! The worker-wide read-ahead budget (`read_ahead_bytes`): many shards with a
 //! backlog never hand out more unacknowledged bytes than the budget, nothing is lost,
 //! and a budget smaller than one read still delivers everything (one read at a time).
 

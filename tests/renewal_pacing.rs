@@ -1,4 +1,4 @@
-//! Renewal pacing (issue 12): a worker holding 200 leases spreads their renewals over
+//! Renewal pacing: a worker holding 200 leases spreads their renewals over
 //! the renew interval instead of sending 200 UpdateItems in the same millisecond (a
 //! DynamoDB partition throttles such bursts), and no lease waits longer between two
 //! renewals than the renew interval, so fencing is as strong as before. Simulated time

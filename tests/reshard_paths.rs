@@ -1,4 +1,4 @@
-//! Shard discovery and shard end never lose or re-read records (issue 8): closed
+//! Shard discovery and shard end never lose or re-read records: closed
 //! parents at AT_TIMESTAMP, reads cut short on a closed shard, a stale ListShards answer
 //! with a NotFound, and reshard trees of several generations whose finished rows stay
 //! until their shards are past retention. On the embedded backend under tokio's paused clock; the reshard tree also

@@ -1,4 +1,4 @@
-//! Findings of the hostile review of the consumer's correctness (issue 8): each test is a
+//! Histories that once lost, duplicated or reordered records: each test is a
 //! history that loses, duplicates or reorders records, moves a checkpoint back or hangs
 //! on the current code. A test stays `#[ignore = "finding: ..."]` until its fix lands.
 //! Embedded backend, tokio's paused clock, fixed seeds, every wait bounded.

@@ -1,9 +1,8 @@
-//! Reviews of the lease-reads change (issue 12): paths where, because only the leader
-//! and the successor list the table every round, a shard stayed unread much longer than
-//! the promised bounds, a shard that ran well was moved for nothing, or a live worker
-//! lost leases. Each test failed before its fix (the first review on 89ca468, the second
-//! on 824566a) and states the bound it holds the change to. Memory backend, tokio's
-//! paused clock, fixed seeds (the fleet's).
+//! Lease-table reads in a large fleet, where not every worker lists the table every
+//! round: paths where a shard stayed unread much longer than the promised bounds, a
+//! shard that ran well was moved for nothing, or a live worker lost leases. Each test
+//! failed before its fix and states the bound it holds the code to. Memory backend,
+//! tokio's paused clock, fixed seeds (the fleet's).
 
 mod fleet;
 
@@ -195,7 +194,7 @@ async fn a_leader_whose_watched_row_stops_renewing_keeps_its_other_leases() {
 /// and every worker is at its share, so nobody takes it: the shard stays unread for
 /// good (promise 7: a stuck call never costs a worker its leases, nor a shard its
 /// reader). Bound: the shard is read again within two lease durations and a round of
-/// its last renewal. (Not caused by issue 12 or its follow-ups: the same test fails with
+/// its last renewal. (Not caused by the leader's role: the same test failed with
 /// 3 workers, where every worker lists every round; every worker's plan deals the
 /// "expired" lease back to its owner, now one below its share, which runs it already.)
 #[tokio::test(start_paused = true)]

@@ -1,8 +1,8 @@
-//! Findings of the review of the tombstone / first-sync / start-up changes (issue 8):
+//! Tombstones, the first shard sync and start-up:
 //! a first shard sync that created some rows but not a closed shard's (a failed create,
 //! a shutdown during start-up) leaves a table on which no later sync ever creates that
 //! shard's row, and its children are read at once: the closed shard's records are lost.
-//! Each test failed before its fix (branch s2-r-fix). Embedded backend,
+//! Each test failed before its fix. Embedded backend,
 //! tokio's paused clock, every wait bounded.
 
 mod common;

@@ -1,4 +1,4 @@
-//! The start-up create storm (issue 12): workers of a new group started together share
+//! The start-up create storm: workers of a new group started together share
 //! the creation of the lease rows instead of each sending one conditional put per
 //! shard (10 workers x 500 shards were 5,000 puts for 500 rows), and every shard still
 //! gets its row and delivers. Simulated time, default timings, realistic latencies; the

@@ -226,7 +226,7 @@ impl KinesisApi for SimBackend {
         // Pages without a next iterator (an emulator bug), on open shards and on closed
         // ones before their end. Only with the feature: even on an open shard, a reshard
         // between the page and the reader's ListShards makes today's reader end the
-        // shard early (default seed 338 of issue 8).
+        // shard early (default seed 338 once did).
         let p = if self.is_closed(iterator) { 0.1 } else { 0.02 };
         let drop_next = self.chance(Feature::MissingNextIteratorAnywhere, p);
         if page.next_iterator.is_some() && page.child_shards.is_empty() && drop_next {

@@ -142,8 +142,8 @@ impl Feature {
 
 /// The features on by default: every one but `per-key-concurrency` and
 /// `multi-stream-keys` (the last two of [`Feature::ALL`]), which their own tests run, so
-/// the default histories stay those the seeds always named. The bugs they reproduced on the main of 2026-11-30 are fixed
-/// (issue 8; the last, `stale-list-shards`, by keeping finished rows as tombstones while
+/// the default histories stay those the seeds always named. The bugs they reproduced are fixed
+/// (the last, `stale-list-shards`, by keeping finished rows as tombstones while
 /// their shard is listed).
 pub const DEFAULT_FEATURES: &[Feature] = Feature::ALL.split_at(Feature::ALL.len() - 2).0;
 
