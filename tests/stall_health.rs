@@ -107,6 +107,8 @@ async fn never_stuck(period: Duration, health: impl Fn() -> Health) {
     }
 }
 
+/// Regression: a hung handler left the worker ready, its shard's progress a few ms old
+/// (a read that found nothing new counted as progress).
 #[test]
 fn a_hung_handler_makes_its_shard_stuck_until_it_returns() {
     with_metrics(|m| async move {
@@ -306,6 +308,7 @@ fn a_busy_shard_with_a_slow_handler_that_finishes_is_never_stuck() {
     });
 }
 
+/// Regression: a `stream()` batch held unacknowledged left the worker ready.
 #[test]
 fn a_stream_batch_held_unacknowledged_makes_its_shard_stuck() {
     with_metrics(|m| async move {
