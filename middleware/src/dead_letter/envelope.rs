@@ -561,6 +561,41 @@ mod tests {
         assert!(read.is_complete());
     }
 
+    /// Regression: a dead letter whose parts did not add up to its length vanished from a
+    /// replay, counted neither as read nor as incomplete.
+    #[test]
+    #[ignore = "a letter that cannot be put together is dropped without being counted"]
+    fn a_letter_whose_parts_do_not_add_up_is_counted_as_incomplete() {
+        let envelope = letter(Bytes::from_static(b"payload"), "k", "e");
+        // One record that claims more payload than it carries.
+        let mut header = envelope.header(0, 1, 0);
+        header.payload_len = 100;
+        let short =
+            DeadLetterEnvelope::from_bytes(&DeadLetterEnvelope::encode(&header, b"payload"))
+                .expect("an envelope");
+        let mut reassembly = Reassembly::new();
+        assert!(reassembly.push(short).is_none());
+        assert_eq!(
+            reassembly.incomplete(),
+            1,
+            "the short letter is not counted"
+        );
+        // Two parts, both there, that add up to less than the length they claim.
+        let mut reassembly = Reassembly::new();
+        for (part, offset) in [(0, 0), (1, 3)] {
+            let mut header = envelope.header(part, 2, offset);
+            header.payload_len = 10;
+            let data = DeadLetterEnvelope::encode(&header, b"abc");
+            let read = DeadLetterEnvelope::from_bytes(&data).expect("an envelope");
+            assert!(reassembly.push(read).is_none());
+        }
+        assert_eq!(
+            reassembly.incomplete(),
+            1,
+            "the broken letter is not counted"
+        );
+    }
+
     #[test]
     fn anything_else_is_not_an_envelope() {
         let good = letter(Bytes::from_static(b"payload"), "k", "e")
