@@ -359,3 +359,78 @@ fn a_stream_batch_held_unacknowledged_makes_its_shard_stuck() {
         within(LIMIT, "shutdown", batches.shutdown()).await.unwrap();
     });
 }
+
+/// Writes `values` into the shard whose hash range starts at `starting_hash_key`.
+async fn put_into(memory: &Memory, starting_hash_key: u128, values: std::ops::Range<usize>) {
+    let records = values
+        .map(|v| shardflow::kinesis::PutRecord {
+            data: bytes::Bytes::from(v.to_string()),
+            partition_key: format!("pk-{v}"),
+            explicit_hash_key: Some(starting_hash_key.to_string()),
+        })
+        .collect();
+    common::put_all(memory.streams().as_ref(), "orders", records).await;
+}
+
+/// Regression: a handler hung on one shard kept the worker's whole read-ahead budget, so
+/// another shard with records waiting was never read again, healthy in its health and
+/// named by no event (only the hung shard was reported stuck).
+#[test]
+#[ignore = "a shard starved of read-ahead budget by a hung shard is never named"]
+fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
+    with_metrics(|_| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 2).await.unwrap();
+        let shards = shardflow::kinesis::KinesisApi::list_shards(memory.streams().as_ref(), "orders").await.unwrap();
+        let (hung, starved) = (shards[0].clone(), shards[1].clone());
+        put_into(&memory, hung.starting_hash_key, 0..5).await;
+        put_into(&memory, starved.starting_hash_key, 100..105).await;
+        let recorder = Recorder::default();
+        let hanging = Arc::new(Notify::new());
+        let handler = {
+            let (recorder, hanging, hung) = (recorder.clone(), hanging.clone(), hung.shard_id.clone());
+            tower::service_fn(move |msg: Message| {
+                let (recorder, hanging) = (recorder.clone(), hanging.clone());
+                let hangs = *msg.headers.shard_id == *hung;
+                async move {
+                    if hangs {
+                        hanging.notify_one();
+                        std::future::pending::<()>().await;
+                    }
+                    recorder.record(&msg);
+                    Ok::<_, &str>(())
+                }
+            })
+        };
+        let events = Events::default();
+        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+            .stuck_after(STUCK_AFTER)
+            // The smallest budget: one batch of a shard takes all of it.
+            .read_ahead_bytes(1024)
+            .on_event(events.hook())
+            .build()
+            .unwrap();
+        let running = consumer.run(handler).spawn();
+        within(LIMIT, "the handler hangs on the first shard", hanging.notified()).await;
+        // More records for the other shard, after the hang began.
+        put_into(&memory, starved.starting_hash_key, 200..205).await;
+        tokio::time::sleep(STUCK_AFTER * 3).await;
+
+        let handled = recorder.snapshot().iter().filter(|h| h.value >= 200).count();
+        let named: Vec<String> = events.stuck().into_iter().map(|(s, _)| s).collect();
+        let health = running.health();
+        assert!(
+            named.contains(&hung.shard_id),
+            "the hung shard is reported: {named:?}"
+        );
+        assert!(
+            handled == 5 || named.contains(&starved.shard_id),
+            "{} of 5 records written to {} after the hang were handled in {:?}, and no \
+             event named it (stuck: {named:?}); health: {health:?}",
+            handled,
+            starved.shard_id,
+            STUCK_AFTER * 3
+        );
+        drop(running);
+    });
+}

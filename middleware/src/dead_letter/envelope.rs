@@ -382,10 +382,13 @@ struct LetterId {
 /// Puts dead letters split into parts back together (see the [module docs](self)):
 /// feed it every envelope read, in any order; it returns each dead letter once it is
 /// complete. It keeps the parts of incomplete letters in memory until their last part
-/// comes; a letter whose parts do not add up to its `payload_len` is dropped.
+/// comes; a letter whose parts do not add up to its `payload_len` is dropped and counted
+/// in [`Reassembly::incomplete`].
 #[derive(Default)]
 pub struct Reassembly {
     waiting: HashMap<LetterId, (DeadLetterEnvelope, Vec<Option<Bytes>>)>,
+    /// Letters dropped because their parts do not add up to their length.
+    broken: usize,
 }
 
 impl Reassembly {
@@ -398,7 +401,11 @@ impl Reassembly {
     /// already or was its last missing part. A part seen twice is ignored.
     pub fn push(&mut self, envelope: DeadLetterEnvelope) -> Option<DeadLetterEnvelope> {
         if envelope.parts == 1 {
-            return envelope.is_complete().then_some(envelope);
+            if !envelope.is_complete() {
+                self.broken += 1;
+                return None;
+            }
+            return Some(envelope);
         }
         let id = LetterId {
             stream: envelope.stream.clone(),
@@ -430,6 +437,7 @@ impl Reassembly {
             payload.put_slice(&chunk);
         }
         if payload.len() as u64 != letter.payload_len {
+            self.broken += 1;
             return None;
         }
         letter.payload = payload.freeze();
@@ -439,9 +447,10 @@ impl Reassembly {
         Some(letter)
     }
 
-    /// How many dead letters have parts missing so far.
+    /// How many dead letters have parts missing so far, or were dropped because their
+    /// parts do not add up to their length.
     pub fn incomplete(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.broken
     }
 }
 
@@ -559,6 +568,40 @@ mod tests {
             ("orders", "customer-7", Some(4), "decode: expected value")
         );
         assert!(read.is_complete());
+    }
+
+    /// Regression: a dead letter whose parts did not add up to its length vanished from a
+    /// replay, counted neither as read nor as incomplete.
+    #[test]
+    fn a_letter_whose_parts_do_not_add_up_is_counted_as_incomplete() {
+        let envelope = letter(Bytes::from_static(b"payload"), "k", "e");
+        // One record that claims more payload than it carries.
+        let mut header = envelope.header(0, 1, 0);
+        header.payload_len = 100;
+        let short =
+            DeadLetterEnvelope::from_bytes(&DeadLetterEnvelope::encode(&header, b"payload"))
+                .expect("an envelope");
+        let mut reassembly = Reassembly::new();
+        assert!(reassembly.push(short).is_none());
+        assert_eq!(
+            reassembly.incomplete(),
+            1,
+            "the short letter is not counted"
+        );
+        // Two parts, both there, that add up to less than the length they claim.
+        let mut reassembly = Reassembly::new();
+        for (part, offset) in [(0, 0), (1, 3)] {
+            let mut header = envelope.header(part, 2, offset);
+            header.payload_len = 10;
+            let data = DeadLetterEnvelope::encode(&header, b"abc");
+            let read = DeadLetterEnvelope::from_bytes(&data).expect("an envelope");
+            assert!(reassembly.push(read).is_none());
+        }
+        assert_eq!(
+            reassembly.incomplete(),
+            1,
+            "the broken letter is not counted"
+        );
     }
 
     #[test]
