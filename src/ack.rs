@@ -298,6 +298,10 @@ pub(crate) struct ShardProgress {
     /// Records a sequential handler finished inside batches not yet acknowledged whole:
     /// progress that the watermark only sees at the batch's end.
     handled: AtomicU64,
+    /// Since when, and on what, the shard's reader waits for room outside the shard (the
+    /// worker's read-ahead budget, the channel to the handlers) before it can read or
+    /// hand out a batch; see [`ShardProgress::blocked_on`].
+    blocked: Mutex<Option<(Instant, &'static str)>>,
 }
 
 impl std::fmt::Debug for ShardProgress {
@@ -323,7 +327,25 @@ impl ShardProgress {
             lease,
             fresh_for,
             handled: AtomicU64::new(0),
+            blocked: Mutex::new(None),
         })
+    }
+
+    /// The reader waits on `what` (room outside this shard: the worker's read-ahead
+    /// budget, held by other shards' unacknowledged batches, or the channel to the
+    /// handlers) until the returned guard is dropped. A shard with nothing of its own
+    /// waiting to be handled then counts as waiting since now: the shard is not read,
+    /// so a wait longer than `stuck_after` makes it stuck with `what` as the reason,
+    /// instead of healthy and unread while another shard's hung handler holds the room.
+    pub(crate) fn blocked_on(&self, what: &'static str) -> Blocked<'_> {
+        *self.lock_blocked() = Some((Instant::now(), what));
+        Blocked(self)
+    }
+
+    fn lock_blocked(&self) -> MutexGuard<'_, Option<(Instant, &'static str)>> {
+        self.blocked
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Since when records have been waiting to be handled with no progress: read and
@@ -342,12 +364,23 @@ impl ShardProgress {
                 w.waiting_since = Some(Instant::now());
             }
         }
+        // The shard's own records waiting govern; without any, a reader that waits for
+        // room outside the shard leaves it unread (see `blocked_on`).
         w.waiting_since
+            .or_else(|| self.lock_blocked().map(|(since, _)| since))
     }
 
-    /// The handler's last error since the handled position last moved.
+    /// The handler's last error since the handled position last moved, or what the
+    /// reader waits on (see [`ShardProgress::blocked_on`]).
     pub(crate) fn reason(&self) -> Option<String> {
-        self.lock().reason.clone()
+        let w = self.lock();
+        match (&w.reason, w.waiting_since) {
+            (Some(reason), _) => Some(reason.clone()),
+            (None, Some(_)) => None,
+            (None, None) => self
+                .lock_blocked()
+                .map(|(_, what)| format!("the reader waits for {what}")),
+        }
     }
 
     /// A read found nothing new; returns whether nothing waits (see [`Watermark::idle`]).
@@ -439,6 +472,16 @@ impl ShardProgress {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
+    }
+}
+
+/// While alive, the shard's reader waits for room outside the shard (see
+/// [`ShardProgress::blocked_on`]).
+pub(crate) struct Blocked<'a>(&'a ShardProgress);
+
+impl Drop for Blocked<'_> {
+    fn drop(&mut self) {
+        *self.0.lock_blocked() = None;
     }
 }
 

@@ -376,19 +376,22 @@ async fn put_into(memory: &Memory, starting_hash_key: u128, values: std::ops::Ra
 /// another shard with records waiting was never read again, healthy in its health and
 /// named by no event (only the hung shard was reported stuck).
 #[test]
-#[ignore = "a shard starved of read-ahead budget by a hung shard is never named"]
 fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
     with_metrics(|_| async move {
         let memory = Memory::new();
         memory.streams().create_stream("orders", 2).await.unwrap();
-        let shards = shardflow::kinesis::KinesisApi::list_shards(memory.streams().as_ref(), "orders").await.unwrap();
+        let shards =
+            shardflow::kinesis::KinesisApi::list_shards(memory.streams().as_ref(), "orders")
+                .await
+                .unwrap();
         let (hung, starved) = (shards[0].clone(), shards[1].clone());
         put_into(&memory, hung.starting_hash_key, 0..5).await;
         put_into(&memory, starved.starting_hash_key, 100..105).await;
         let recorder = Recorder::default();
         let hanging = Arc::new(Notify::new());
         let handler = {
-            let (recorder, hanging, hung) = (recorder.clone(), hanging.clone(), hung.shard_id.clone());
+            let (recorder, hanging, hung) =
+                (recorder.clone(), hanging.clone(), hung.shard_id.clone());
             tower::service_fn(move |msg: Message| {
                 let (recorder, hanging) = (recorder.clone(), hanging.clone());
                 let hangs = *msg.headers.shard_id == *hung;
@@ -411,12 +414,21 @@ fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
             .build()
             .unwrap();
         let running = consumer.run(handler).spawn();
-        within(LIMIT, "the handler hangs on the first shard", hanging.notified()).await;
+        within(
+            LIMIT,
+            "the handler hangs on the first shard",
+            hanging.notified(),
+        )
+        .await;
         // More records for the other shard, after the hang began.
         put_into(&memory, starved.starting_hash_key, 200..205).await;
         tokio::time::sleep(STUCK_AFTER * 3).await;
 
-        let handled = recorder.snapshot().iter().filter(|h| h.value >= 200).count();
+        let handled = recorder
+            .snapshot()
+            .iter()
+            .filter(|h| h.value >= 200)
+            .count();
         let named: Vec<String> = events.stuck().into_iter().map(|(s, _)| s).collect();
         let health = running.health();
         assert!(

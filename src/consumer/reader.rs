@@ -25,6 +25,10 @@ use super::config::{Config, FanOut, InitialPosition};
 use super::health::HealthState;
 use super::read_ahead::MESSAGE_OVERHEAD;
 
+/// What a reader waiting for the worker's read-ahead budget waits on (a health reason).
+const READ_AHEAD: &str =
+    "the worker's read-ahead budget (held by unacknowledged batches, perhaps of other shards)";
+
 /// Everything a shard's reader needs.
 pub(crate) struct ShardReader {
     pub(crate) config: Arc<Config>,
@@ -111,7 +115,10 @@ impl ShardReader {
                     }
                 },
             };
-            let reserved = self.config.read_ahead.reserve(estimate).await;
+            let reserved = {
+                let _blocked = self.progress.blocked_on(READ_AHEAD);
+                self.config.read_ahead.reserve(estimate).await
+            };
             let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
                 Err(KinesisError::ExpiredIterator(why)) => {
@@ -391,10 +398,19 @@ impl ShardReader {
             .iter()
             .map(|m| m.payload.len() + m.headers.partition_key.len() + MESSAGE_OVERHEAD)
             .sum();
-        let share = self.config.read_ahead.take(reserved, accounted).await;
+        let share = {
+            let _blocked = self.progress.blocked_on(READ_AHEAD);
+            self.config.read_ahead.take(reserved, accounted).await
+        };
         // Room first, then register: a batch registered but never sent (the reader
         // dropped while waiting for room) would hold every drain until its timeout.
-        let Ok(permit) = self.out.reserve().await else {
+        let room = {
+            let _blocked = self
+                .progress
+                .blocked_on("room in the channel to the handlers");
+            self.out.reserve().await
+        };
+        let Ok(permit) = room else {
             return Flow::Stop;
         };
         let bytes = messages.iter().map(|m| m.payload.len()).sum();
