@@ -205,8 +205,31 @@ struct Sim {
     decided_start: Arc<Mutex<Option<Start>>>,
 }
 
+/// The messages of the panics the generator's handlers and hooks raise on purpose.
+const INTENDED_PANICS: [&str; 2] = ["a handler that panics", "a hook that panics"];
+
+/// Keeps the panics the generator raises on purpose (thousands over the seeds, each
+/// caught by the consumer) out of the test's output; any other panic is printed as usual.
+fn quiet_intended_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+            if !message.is_some_and(|m| INTENDED_PANICS.contains(&m)) {
+                default(info);
+            }
+        }));
+    });
+}
+
 /// Runs one history and checks the invariants; `Err` says which one failed and how.
 pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
+    quiet_intended_panics();
     let mut sim = Sim::new(seed, features).await;
     let done = Arc::new(AtomicBool::new(false));
     let watch = tokio::spawn(watch_progress(
@@ -423,7 +446,7 @@ impl Sim {
         };
         // Decided without the generator's random numbers: the histories stay the same.
         let builder = if self.features.has(Feature::HookPanics) && self.incarnations % 2 == 1 {
-            builder.on_event(|_| panic!("a hook that panics"))
+            builder.on_event(|_| panic!("{}", INTENDED_PANICS[1]))
         } else {
             builder
         };
@@ -1177,7 +1200,7 @@ fn handler(
                     *n += 1;
                     if *n <= 2 {
                         drop(panicked);
-                        panic!("a handler that panics");
+                        panic!("{}", INTENDED_PANICS[0]);
                     }
                 }
             }
