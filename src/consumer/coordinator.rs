@@ -1410,7 +1410,8 @@ impl Coordinator {
     /// before children so no worker can see a child without its parent.
     ///
     /// A shard without a row is skipped when any of its descendants (children,
-    /// grandchildren, ... in this ListShards answer) has a row or gets one in this sync:
+    /// grandchildren, ... in this ListShards answer or named so by the rows' parents)
+    /// has a row or gets one in this sync:
     /// the shard was consumed to its end and its row cleaned up (see `clean_up`), and
     /// reading it again would deliver it twice. An open shard has no descendants, so it
     /// always gets a row.
@@ -1444,6 +1445,17 @@ impl Coordinator {
                     .entry(parent.as_str())
                     .or_default()
                     .push(shard.shard_id.as_str());
+            }
+        }
+        // The table's own parent links too: a stale answer can leave a child out (and
+        // its row names its parents), and a shard whose child has a row was consumed
+        // to its end, whether its own row is still there or was cleaned up.
+        for row in &rows {
+            for parent in &row.parents {
+                let known = children.entry(parent.as_str()).or_default();
+                if !known.contains(&row.key.as_str()) {
+                    known.push(row.key.as_str());
+                }
             }
         }
         let first = rows.is_empty();
