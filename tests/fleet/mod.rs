@@ -86,6 +86,9 @@ pub struct Running {
     /// Worker ids whose writes of the leader item (takes, renewals) time out, while
     /// their lease writes land.
     pub failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose listings of the lease table (Scans) time out, while their
+    /// other calls land.
+    pub failing_lists: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -107,6 +110,7 @@ struct Killable {
     calls: Arc<Mutex<Vec<Call>>>,
     failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
     failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    failing_lists: Arc<Mutex<Vec<String>>>,
 }
 
 #[async_trait]
@@ -136,6 +140,8 @@ impl Hooks for Killable {
                     .lock()
                     .unwrap()
                     .contains(&self.worker));
+        let failing = failing
+            || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
         if failing {
             return Err(LeaseError::TimedOut {
                 op,
@@ -203,6 +209,7 @@ pub async fn start(fleet: Fleet) -> Running {
         calls: Arc::default(),
         failing_renewals: Arc::default(),
         failing_leader_writes: Arc::default(),
+        failing_lists: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -259,6 +266,7 @@ impl Running {
                         calls: self.calls.clone(),
                         failing_renewals: self.failing_renewals.clone(),
                         failing_leader_writes: self.failing_leader_writes.clone(),
+                        failing_lists: self.failing_lists.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
