@@ -154,6 +154,13 @@ pub(crate) struct Coordinator {
     leader_seen: Option<(Option<LeaderItem>, Instant)>,
     /// The leader item while this worker leads.
     leading: Leading,
+    /// While this worker leads, since when its listings of the lease table fail: a
+    /// leader that cannot list covers for nobody, so after a lease duration it gives
+    /// the leadership up (see `round`).
+    leader_listing_failed_since: Option<Instant>,
+    /// Until when this worker does not take the leadership (it gave it up because its
+    /// listings failed): another worker takes it meanwhile.
+    no_claim_until: Option<Instant>,
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
@@ -277,6 +284,8 @@ impl Coordinator {
             coordination,
             leader_seen: None,
             leading: Arc::default(),
+            leader_listing_failed_since: None,
+            no_claim_until: None,
             took_lead: false,
             follow_up: None,
             handed: BTreeSet::new(),
@@ -619,6 +628,7 @@ impl Coordinator {
             }
         }
         let listed = self.store.list().await;
+        self.give_up_leading_if_blind(listed.is_ok()).await;
         let Some(rows) = self.table_answered(listed, "listing leases") else {
             return Ok(());
         };
@@ -694,6 +704,12 @@ impl Coordinator {
         if self.is_leading() {
             return;
         }
+        if self
+            .no_claim_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return;
+        }
         let key = self.leader_key();
         let item = match state.get(&key).await {
             Ok(item) => item,
@@ -748,6 +764,29 @@ impl Coordinator {
                 self.leader_seen = None;
             }
         }
+    }
+
+    /// A leader whose listings fail while its renewals land would keep the leader item
+    /// and cover for nobody (the others do not list while they hold their share): after
+    /// a lease duration of failed listings it releases the item and leaves it to the
+    /// others for a lease duration.
+    async fn give_up_leading_if_blind(&mut self, listed: bool) {
+        if listed || !self.is_leading() {
+            self.leader_listing_failed_since = None;
+            return;
+        }
+        let since = *self
+            .leader_listing_failed_since
+            .get_or_insert_with(Instant::now);
+        if since.elapsed() < self.config.lease_duration {
+            return;
+        }
+        tracing::warn!(
+            "listing the lease table failed for a lease duration; giving the leadership up"
+        );
+        self.leader_listing_failed_since = None;
+        self.no_claim_until = Some(Instant::now() + self.config.lease_duration);
+        self.resign().await;
     }
 
     /// Releases the leader item at a graceful stop, once every lease is released, so

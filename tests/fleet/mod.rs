@@ -140,8 +140,8 @@ impl Hooks for Killable {
                     .lock()
                     .unwrap()
                     .contains(&self.worker));
-        let failing = failing
-            || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
+        let failing =
+            failing || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
         if failing {
             return Err(LeaseError::TimedOut {
                 op,
