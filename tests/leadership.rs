@@ -318,3 +318,39 @@ async fn a_leader_that_cannot_list_does_not_keep_crashed_workers_shards_unread()
         .await
         .expect("the fleet stops");
 }
+
+/// A leader whose writes to the lease table fail (takes, renewals, releases) while its
+/// listings and its leader-item renewals land: its own leases expire, and someone must
+/// read its shards again within the crash bound; the others do not list while they
+/// hold their share, and the leader cannot take.
+#[tokio::test(start_paused = true)]
+#[ignore = "a leader whose lease writes fail keeps the leader item, and its own shards are never read again"]
+async fn a_leader_whose_lease_writes_fail_does_not_keep_its_shards_unread() {
+    let running = balanced_fleet(12).await;
+    let leader = running.leader().expect("a fleet has a leader");
+    let id = format!("w{leader:03}");
+    let held: Vec<String> = running
+        .memory
+        .table(fleet::GROUP)
+        .rows()
+        .into_iter()
+        .filter(|r| {
+            r.owner
+                .as_deref()
+                .is_some_and(|o| o.starts_with(&format!("{id}#")))
+        })
+        .map(|r| r.key)
+        .collect();
+    assert!(!held.is_empty());
+    let failing_at = Instant::now();
+    running.failing_lease_writes.lock().unwrap().push(id);
+    // Its leases expire a lease duration after their last renewal; then they are as a
+    // crashed worker's.
+    running
+        .read_again(&held, failing_at + LEASE, AFTER_CRASH + READ)
+        .await;
+    running.failing_lease_writes.lock().unwrap().clear();
+    tokio::time::timeout(Duration::from_secs(120), running.stop())
+        .await
+        .expect("the fleet stops");
+}

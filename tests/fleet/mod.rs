@@ -89,6 +89,9 @@ pub struct Running {
     /// Worker ids whose listings of the lease table (Scans) time out, while their
     /// other calls land.
     pub failing_lists: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose writes to the lease table (takes, renewals, checkpoints,
+    /// releases, ...) time out, while their reads and leader-item writes land.
+    pub failing_lease_writes: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -111,6 +114,7 @@ struct Killable {
     failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
     failing_leader_writes: Arc<Mutex<Vec<String>>>,
     failing_lists: Arc<Mutex<Vec<String>>>,
+    failing_lease_writes: Arc<Mutex<Vec<String>>>,
 }
 
 #[async_trait]
@@ -142,6 +146,14 @@ impl Hooks for Killable {
                     .contains(&self.worker));
         let failing =
             failing || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
+        let failing = failing
+            || (!matches!(op, "list" | "owned_keys" | "get" | "ensure_table")
+                && !op.starts_with("leader_")
+                && self
+                    .failing_lease_writes
+                    .lock()
+                    .unwrap()
+                    .contains(&self.worker));
         if failing {
             return Err(LeaseError::TimedOut {
                 op,
@@ -210,6 +222,7 @@ pub async fn start(fleet: Fleet) -> Running {
         failing_renewals: Arc::default(),
         failing_leader_writes: Arc::default(),
         failing_lists: Arc::default(),
+        failing_lease_writes: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -267,6 +280,7 @@ impl Running {
                         failing_renewals: self.failing_renewals.clone(),
                         failing_leader_writes: self.failing_leader_writes.clone(),
                         failing_lists: self.failing_lists.clone(),
+                        failing_lease_writes: self.failing_lease_writes.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
