@@ -628,12 +628,16 @@ impl Coordinator {
             }
         }
         let listed = self.store.list().await;
-        self.give_up_leading_if_blind(listed.is_ok()).await;
+        if listed.is_err() {
+            self.give_up_leading_if_blind(false).await;
+        }
         let Some(rows) = self.table_answered(listed, "listing leases") else {
             return Ok(());
         };
         self.check_stream(&rows)?;
-        if let Err(e) = self.balance(rows).await {
+        let balanced = self.balance(rows).await;
+        self.give_up_leading_if_blind(balanced.is_ok()).await;
+        if let Err(e) = balanced {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
@@ -766,12 +770,13 @@ impl Coordinator {
         }
     }
 
-    /// A leader whose listings fail while its renewals land would keep the leader item
-    /// and cover for nobody (the others do not list while they hold their share): after
-    /// a lease duration of failed listings it releases the item and leaves it to the
-    /// others for a lease duration.
-    async fn give_up_leading_if_blind(&mut self, listed: bool) {
-        if listed || !self.is_leading() {
+    /// A leader whose listings or takes fail while its leader-item renewals land would
+    /// keep the item and cover for nobody (the others do not list while they hold their
+    /// share): after a lease duration of failed rounds (`ok`: this round listed and
+    /// took what it meant to) it releases the item and leaves it to the others for a
+    /// lease duration.
+    async fn give_up_leading_if_blind(&mut self, ok: bool) {
+        if ok || !self.is_leading() {
             self.leader_listing_failed_since = None;
             return;
         }
@@ -782,7 +787,7 @@ impl Coordinator {
             return;
         }
         tracing::warn!(
-            "listing the lease table failed for a lease duration; giving the leadership up"
+            "listing or taking leases failed for a lease duration; giving the leadership up"
         );
         self.leader_listing_failed_since = None;
         self.no_claim_until = Some(Instant::now() + self.config.lease_duration);
