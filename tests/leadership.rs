@@ -356,3 +356,73 @@ async fn a_leader_whose_lease_writes_fail_does_not_keep_its_shards_unread() {
         .await
         .expect("the fleet stops");
 }
+
+/// Shards split while the leader crashes: the children (whose parents a live worker
+/// read to their end) and the leader's own shards are read within the crash bound.
+#[tokio::test(start_paused = true)]
+async fn shards_that_split_while_the_leader_crashes_have_their_children_read_within_the_bound() {
+    use bytes::Bytes;
+    use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
+    let mut running = balanced_fleet(12).await;
+    let leader = running.leader().expect("a fleet has a leader");
+    let streams = running.memory.streams().clone();
+    let rows = running.memory.table(fleet::GROUP).rows();
+    let parents: Vec<String> = rows
+        .iter()
+        .filter(|r| {
+            r.owner
+                .as_deref()
+                .is_some_and(|o| !o.starts_with(&format!("w{leader:03}#")))
+        })
+        .map(|r| r.key.clone())
+        .step_by(5)
+        .take(4)
+        .collect();
+    assert_eq!(parents.len(), 4);
+    let at = Instant::now();
+    let mut orphans = running.kill(leader);
+    for parent in &parents {
+        let shard = streams
+            .list_shards(fleet::STREAM)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|s| &s.shard_id == parent)
+            .unwrap();
+        let middle = shard.starting_hash_key / 2 + shard.ending_hash_key / 2;
+        streams
+            .split_shard(fleet::STREAM, parent, middle)
+            .await
+            .expect("split");
+    }
+    let children: Vec<_> = streams
+        .list_shards(fleet::STREAM)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| {
+            s.parent_shard_id
+                .as_ref()
+                .is_some_and(|p| parents.contains(p))
+        })
+        .collect();
+    assert_eq!(children.len(), 8);
+    let records: Vec<PutRecord> = children
+        .iter()
+        .map(|s| PutRecord {
+            data: Bytes::from_static(b"y"),
+            partition_key: s.shard_id.clone(),
+            explicit_hash_key: Some(s.starting_hash_key.to_string()),
+        })
+        .collect();
+    streams
+        .put_records(fleet::STREAM, &records)
+        .await
+        .expect("put");
+    orphans.extend(children.iter().map(|s| s.shard_id.clone()));
+    let after = running.read_again(&orphans, at, AFTER_CRASH + READ).await;
+    eprintln!("read again after {after:?}");
+    tokio::time::timeout(Duration::from_secs(120), running.stop())
+        .await
+        .expect("the fleet stops");
+}
