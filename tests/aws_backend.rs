@@ -682,6 +682,54 @@ async fn the_leader_item_lives_beside_the_lease_table_and_is_fenced() {
     .await;
 }
 
+/// A leader item whose owner was cleared by hand to an empty string (an operator forcing
+/// a new election from the console) reads as released: a worker that read it so can
+/// take it over, or no worker ever leads again.
+#[tokio::test]
+#[ignore = "an empty leaderOwner reads as released but the take's condition wants the attribute absent: nobody can ever lead"]
+async fn a_leader_item_with_an_empty_owner_can_be_taken_over() {
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("leases");
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let state = store
+            .coordinator_state()
+            .expect("a coordinator-state table");
+        state
+            .ensure_table()
+            .await
+            .expect("ensure the coordinator table");
+        let key = shardflow::lease::LEADER_KEY;
+        aws.dynamodb_client()
+            .put_item()
+            .table_name(format!("{table}-coordinator"))
+            .item(
+                "key",
+                aws_sdk_dynamodb::types::AttributeValue::S(key.to_owned()),
+            )
+            .item(
+                "leaderOwner",
+                aws_sdk_dynamodb::types::AttributeValue::S(String::new()),
+            )
+            .item(
+                "leaderCounter",
+                aws_sdk_dynamodb::types::AttributeValue::N("7".into()),
+            )
+            .send()
+            .await
+            .expect("PutItem");
+        let seen = state.get(key).await.expect("get").expect("the item");
+        assert_eq!((seen.owner.as_deref(), seen.counter), (None, 7));
+        let taken = state
+            .claim(key, Some(&seen), "w1#a")
+            .await
+            .expect("take an item that reads as released");
+        assert_eq!((taken.owner.as_deref(), taken.counter), (Some("w1#a"), 8));
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn list_returns_every_row_with_its_parents() {
     let Some(aws) = aws().await else { return };
