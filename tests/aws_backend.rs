@@ -682,11 +682,11 @@ async fn the_leader_item_lives_beside_the_lease_table_and_is_fenced() {
     .await;
 }
 
+/// Regression: a leader item whose owner was cleared to an empty string could never be taken over.
 /// A leader item whose owner was cleared by hand to an empty string (an operator forcing
 /// a new election from the console) reads as released: a worker that read it so can
 /// take it over, or no worker ever leads again.
 #[tokio::test]
-#[ignore = "an empty leaderOwner reads as released but the take's condition wants the attribute absent: nobody can ever lead"]
 async fn a_leader_item_with_an_empty_owner_can_be_taken_over() {
     let Some(aws) = aws().await else { return };
     within(async {
