@@ -289,3 +289,140 @@ async fn a_leader_whose_leader_item_writes_fail_loses_the_leadership_but_none_of
         .await
         .expect("the fleet stops");
 }
+
+/// Regression: a leader that could not list kept the leader item, and crashed workers' shards were never read again.
+/// A leader whose listings of the lease table fail while its renewals (of the leader
+/// item and of its leases) land: then four other workers crash. Someone must still
+/// take their shards within the crash bound; the others do not list while they hold
+/// their share, so the leader that cannot list must not keep the leadership.
+#[tokio::test(start_paused = true)]
+async fn a_leader_that_cannot_list_does_not_keep_crashed_workers_shards_unread() {
+    let mut running = balanced_fleet(12).await;
+    let leader = running.leader().expect("a fleet has a leader");
+    running
+        .failing_lists
+        .lock()
+        .unwrap()
+        .push(format!("w{leader:03}"));
+    tokio::time::sleep(ROUND * 2).await;
+    let which: Vec<usize> = (0..12).filter(|&i| i != leader).take(4).collect();
+    let killed_at = Instant::now();
+    let mut orphans = Vec::new();
+    for &i in &which {
+        orphans.extend(running.kill(i));
+    }
+    running
+        .read_again(&orphans, killed_at, AFTER_CRASH + READ)
+        .await;
+    tokio::time::timeout(Duration::from_secs(120), running.stop())
+        .await
+        .expect("the fleet stops");
+}
+
+/// Regression: a leader whose lease writes failed kept the leader item, and its own shards were never read again.
+/// A leader whose writes to the lease table fail (takes, renewals, releases) while its
+/// listings and its leader-item renewals land: its own leases expire, the others do not
+/// list while they hold their share, and the leader cannot take. It gives the
+/// leadership up after a lease duration of failed rounds, and the new leader takes the
+/// rows once it saw them stand still for a lease duration: read again within twice the
+/// crash bound (not within the crash bound itself).
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_lease_writes_fail_does_not_keep_its_shards_unread() {
+    let running = balanced_fleet(12).await;
+    let leader = running.leader().expect("a fleet has a leader");
+    let id = format!("w{leader:03}");
+    let held: Vec<String> = running
+        .memory
+        .table(fleet::GROUP)
+        .rows()
+        .into_iter()
+        .filter(|r| {
+            r.owner
+                .as_deref()
+                .is_some_and(|o| o.starts_with(&format!("{id}#")))
+        })
+        .map(|r| r.key)
+        .collect();
+    assert!(!held.is_empty());
+    let failing_at = Instant::now();
+    running.failing_lease_writes.lock().unwrap().push(id);
+    // Its leases expire a lease duration after their last renewal; then they are as a
+    // crashed worker's.
+    running
+        .read_again(&held, failing_at + LEASE, AFTER_CRASH * 2 + READ)
+        .await;
+    running.failing_lease_writes.lock().unwrap().clear();
+    tokio::time::timeout(Duration::from_secs(120), running.stop())
+        .await
+        .expect("the fleet stops");
+}
+
+/// Shards split while the leader crashes: the children (whose parents a live worker
+/// read to their end) and the leader's own shards are read within the crash bound.
+#[tokio::test(start_paused = true)]
+async fn shards_that_split_while_the_leader_crashes_have_their_children_read_within_the_bound() {
+    use bytes::Bytes;
+    use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
+    let mut running = balanced_fleet(12).await;
+    let leader = running.leader().expect("a fleet has a leader");
+    let streams = running.memory.streams().clone();
+    let rows = running.memory.table(fleet::GROUP).rows();
+    let parents: Vec<String> = rows
+        .iter()
+        .filter(|r| {
+            r.owner
+                .as_deref()
+                .is_some_and(|o| !o.starts_with(&format!("w{leader:03}#")))
+        })
+        .map(|r| r.key.clone())
+        .step_by(5)
+        .take(4)
+        .collect();
+    assert_eq!(parents.len(), 4);
+    let at = Instant::now();
+    let mut orphans = running.kill(leader);
+    for parent in &parents {
+        let shard = streams
+            .list_shards(fleet::STREAM)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|s| &s.shard_id == parent)
+            .unwrap();
+        let middle = shard.starting_hash_key / 2 + shard.ending_hash_key / 2;
+        streams
+            .split_shard(fleet::STREAM, parent, middle)
+            .await
+            .expect("split");
+    }
+    let children: Vec<_> = streams
+        .list_shards(fleet::STREAM)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| {
+            s.parent_shard_id
+                .as_ref()
+                .is_some_and(|p| parents.contains(p))
+        })
+        .collect();
+    assert_eq!(children.len(), 8);
+    let records: Vec<PutRecord> = children
+        .iter()
+        .map(|s| PutRecord {
+            data: Bytes::from_static(b"y"),
+            partition_key: s.shard_id.clone(),
+            explicit_hash_key: Some(s.starting_hash_key.to_string()),
+        })
+        .collect();
+    streams
+        .put_records(fleet::STREAM, &records)
+        .await
+        .expect("put");
+    orphans.extend(children.iter().map(|s| s.shard_id.clone()));
+    let after = running.read_again(&orphans, at, AFTER_CRASH + READ).await;
+    eprintln!("read again after {after:?}");
+    tokio::time::timeout(Duration::from_secs(120), running.stop())
+        .await
+        .expect("the fleet stops");
+}

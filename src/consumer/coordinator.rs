@@ -154,6 +154,13 @@ pub(crate) struct Coordinator {
     leader_seen: Option<(Option<LeaderItem>, Instant)>,
     /// The leader item while this worker leads.
     leading: Leading,
+    /// While this worker leads, since when its listings of the lease table fail: a
+    /// leader that cannot list covers for nobody, so after a lease duration it gives
+    /// the leadership up (see `round`).
+    leader_listing_failed_since: Option<Instant>,
+    /// Until when this worker does not take the leadership (it gave it up because its
+    /// listings failed): another worker takes it meanwhile.
+    no_claim_until: Option<Instant>,
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
@@ -277,6 +284,8 @@ impl Coordinator {
             coordination,
             leader_seen: None,
             leading: Arc::default(),
+            leader_listing_failed_since: None,
+            no_claim_until: None,
             took_lead: false,
             follow_up: None,
             handed: BTreeSet::new(),
@@ -619,11 +628,16 @@ impl Coordinator {
             }
         }
         let listed = self.store.list().await;
+        if listed.is_err() {
+            self.give_up_leading_if_blind(false).await;
+        }
         let Some(rows) = self.table_answered(listed, "listing leases") else {
             return Ok(());
         };
         self.check_stream(&rows)?;
-        if let Err(e) = self.balance(rows).await {
+        let balanced = self.balance(rows).await;
+        self.give_up_leading_if_blind(balanced.is_ok()).await;
+        if let Err(e) = balanced {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
@@ -694,6 +708,12 @@ impl Coordinator {
         if self.is_leading() {
             return;
         }
+        if self
+            .no_claim_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return;
+        }
         let key = self.leader_key();
         let item = match state.get(&key).await {
             Ok(item) => item,
@@ -748,6 +768,30 @@ impl Coordinator {
                 self.leader_seen = None;
             }
         }
+    }
+
+    /// A leader whose listings or takes fail while its leader-item renewals land would
+    /// keep the item and cover for nobody (the others do not list while they hold their
+    /// share): after a lease duration of failed rounds (`ok`: this round listed and
+    /// took what it meant to) it releases the item and leaves it to the others for a
+    /// lease duration.
+    async fn give_up_leading_if_blind(&mut self, ok: bool) {
+        if ok || !self.is_leading() {
+            self.leader_listing_failed_since = None;
+            return;
+        }
+        let since = *self
+            .leader_listing_failed_since
+            .get_or_insert_with(Instant::now);
+        if since.elapsed() < self.config.lease_duration {
+            return;
+        }
+        tracing::warn!(
+            "listing or taking leases failed for a lease duration; giving the leadership up"
+        );
+        self.leader_listing_failed_since = None;
+        self.no_claim_until = Some(Instant::now() + self.config.lease_duration);
+        self.resign().await;
     }
 
     /// Releases the leader item at a graceful stop, once every lease is released, so

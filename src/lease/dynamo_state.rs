@@ -234,9 +234,15 @@ impl CoordinatorState for DynamoCoordinatorState {
                         "#counter = :seen AND #owner = :old",
                         vec![(":old", AttributeValue::S(old.clone()))],
                     ),
+                    // Released, as `item_of` reads it: no owner, or one that is not a
+                    // non-empty string (cleared by hand).
                     None => (
-                        "#counter = :seen AND attribute_not_exists(#owner)",
-                        Vec::new(),
+                        "#counter = :seen AND (attribute_not_exists(#owner) \
+                         OR NOT attribute_type(#owner, :string) OR size(#owner) = :zero)",
+                        vec![
+                            (":string", AttributeValue::S("S".into())),
+                            (":zero", AttributeValue::N("0".into())),
+                        ],
                     ),
                 };
                 values.extend([(":me", me), (":seen", counter), (":next", next)]);

@@ -86,6 +86,12 @@ pub struct Running {
     /// Worker ids whose writes of the leader item (takes, renewals) time out, while
     /// their lease writes land.
     pub failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose listings of the lease table (Scans) time out, while their
+    /// other calls land.
+    pub failing_lists: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose writes to the lease table (takes, renewals, checkpoints,
+    /// releases, ...) time out, while their reads and leader-item writes land.
+    pub failing_lease_writes: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
 }
@@ -107,6 +113,8 @@ struct Killable {
     calls: Arc<Mutex<Vec<Call>>>,
     failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
     failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    failing_lists: Arc<Mutex<Vec<String>>>,
+    failing_lease_writes: Arc<Mutex<Vec<String>>>,
 }
 
 #[async_trait]
@@ -133,6 +141,16 @@ impl Hooks for Killable {
             || (matches!(op, "leader_claim" | "leader_renew")
                 && self
                     .failing_leader_writes
+                    .lock()
+                    .unwrap()
+                    .contains(&self.worker));
+        let failing =
+            failing || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
+        let failing = failing
+            || (!matches!(op, "list" | "owned_keys" | "get" | "ensure_table")
+                && !op.starts_with("leader_")
+                && self
+                    .failing_lease_writes
                     .lock()
                     .unwrap()
                     .contains(&self.worker));
@@ -203,6 +221,8 @@ pub async fn start(fleet: Fleet) -> Running {
         calls: Arc::default(),
         failing_renewals: Arc::default(),
         failing_leader_writes: Arc::default(),
+        failing_lists: Arc::default(),
+        failing_lease_writes: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -259,6 +279,8 @@ impl Running {
                         calls: self.calls.clone(),
                         failing_renewals: self.failing_renewals.clone(),
                         failing_leader_writes: self.failing_leader_writes.clone(),
+                        failing_lists: self.failing_lists.clone(),
+                        failing_lease_writes: self.failing_lease_writes.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
