@@ -1034,9 +1034,12 @@ fn stuck_hook(log: Arc<Log>, incarnation: String) -> impl Fn(&ShardEvent) + Send
 /// stuck in its health and sent a `Stuck` event naming it. The bound's clock for a
 /// shard starts when it has records waiting and restarts whenever a record of it or of
 /// an ancestor is handled (a child is read only after its parents end), whenever the
-/// shard or an ancestor is reported stuck as above, and while no worker runs unfrozen
-/// and live (nobody could read it, and every running worker says it is not live): a
-/// period of [`STALL_BOUND`] with none of these is a silent stall.
+/// shard or an ancestor is reported stuck as above, while a live worker, not ready,
+/// names the lease row of the shard or an ancestor unreadable (no worker can take a
+/// lease whose row does not parse; once it parses again, a taker must see it stand still
+/// a lease duration, within the bound), and while no worker runs unfrozen and live
+/// (nobody could read it, and every running worker says it is not live): a period of
+/// [`STALL_BOUND`] with none of these is a silent stall.
 async fn watch_progress(
     memory: Memory,
     log: Arc<Log>,
@@ -1093,6 +1096,19 @@ async fn watch_progress(
                     })
             })
         };
+        // Whether a live worker, not ready, names `shard`'s lease row unreadable: nobody
+        // can take a lease whose row does not parse, and the worker says so.
+        let unreadable = |shard: &str| {
+            probes.iter().any(|p| {
+                !p.control.is_dead()
+                    && p.health.lock().unwrap().as_ref().is_some_and(|h| {
+                        !h.is_ready()
+                            && h.unreadable_rows
+                                .iter()
+                                .any(|(s, _)| s.rsplit('/').next() == Some(shard))
+                    })
+            })
+        };
         for (shard, count) in &waiting {
             let clock = since.entry(shard.clone()).or_insert(now);
             // The newest handling in the shard or an ancestor.
@@ -1105,7 +1121,7 @@ async fn watch_progress(
             if let Some(t) = family.iter().filter_map(|s| last_handled.get(s)).max() {
                 *clock = (*clock).max(*t);
             }
-            if !someone_acts || family.iter().any(|s| said(s)) {
+            if !someone_acts || family.iter().any(|s| said(s) || unreadable(s)) {
                 *clock = now;
             }
             let stalled = now - *clock;
