@@ -139,6 +139,36 @@ impl DynamoCoordinatorState {
     }
 }
 
+impl DynamoCoordinatorState {
+    /// A leader item whose counter is missing or does not parse (written by hand) would
+    /// fail every read and every take: nobody could lead again. It is reset to a
+    /// released item (counter 1, no owner), conditional on the counter still being what
+    /// was read, so the next worker that reads it takes it over; a leader that held it
+    /// before can no longer renew it (its renewal names itself as the owner).
+    async fn repair(
+        &self,
+        key: &str,
+        item: &HashMap<String, AttributeValue>,
+        why: &str,
+    ) -> Result<LeaderItem, LeaseError> {
+        tracing::warn!(table = %self.table, %key, %why, "the leader item does not parse; resetting it to released");
+        let (condition, values) = match item.get(COUNTER) {
+            Some(raw) => ("#counter = :raw", vec![(":raw", raw.clone())]),
+            None => ("attribute_not_exists(#counter)", Vec::new()),
+        };
+        let mut values = values;
+        values.push((":one", AttributeValue::N("1".into())));
+        self.update(
+            "UpdateItem",
+            key,
+            "SET #counter = :one REMOVE #owner",
+            condition,
+            values,
+        )
+        .await
+    }
+}
+
 /// The leader item stored as `item` under `key`.
 fn item_of(key: &str, item: &HashMap<String, AttributeValue>) -> Result<LeaderItem, LeaseError> {
     let counter = match item.get(COUNTER) {
@@ -205,7 +235,13 @@ impl CoordinatorState for DynamoCoordinatorState {
             .send()
             .await
             .map_err(|e| classify(&self.table, "GetItem", Some(key), e))?;
-        out.item.map(|item| item_of(key, &item)).transpose()
+        let Some(item) = out.item else {
+            return Ok(None);
+        };
+        match item_of(key, &item) {
+            Err(LeaseError::Corrupt(why)) => self.repair(key, &item, &why).await.map(Some),
+            read => read.map(Some),
+        }
     }
 
     async fn claim(
