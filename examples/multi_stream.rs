@@ -2,7 +2,7 @@
 //! table, then a fourth stream is added and one removed while it runs.
 //!
 //! The rule it shows: the stream list can change at run time; every message names its
-//! stream (`msg.headers.stream`), lease keys take the KCL's multi-stream form
+//! stream (`msg.metadata.stream`), lease keys take the KCL's multi-stream form
 //! `account:stream:creationEpoch:shardId`, and a removed stream's leases are released
 //! after its shards drained and checkpointed, its rows kept (adding it back continues
 //! where it left off). It prints the records handled per stream and every row's
@@ -49,7 +49,7 @@ async fn main() -> Result<(), common::Error> {
     // Records handled per stream: every message names its stream (and shard, ...).
     let (handled, mut per_stream) = watch::channel(BTreeMap::<String, usize>::new());
     let handler = tower::service_fn(move |msg: Message| {
-        handled.send_modify(|n| *n.entry(msg.headers.stream.to_string()).or_default() += 1);
+        handled.send_modify(|n| *n.entry(msg.metadata.stream.to_string()).or_default() += 1);
         async { Ok::<_, Infallible>(()) }
     });
     let running = consumer.run(handler).spawn();

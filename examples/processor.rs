@@ -47,7 +47,7 @@ struct Shipment {
 
 /// One order in, one shipment out, under the order's partition key (the customer).
 async fn enrich(order: Message<Order>) -> Result<Output, serde_json::Error> {
-    let h = &order.headers;
+    let h = &order.metadata;
     let source = format!("{}/{}/{}", h.stream, h.shard_id, h.position());
     let warehouse = ["berlin", "lyon", "porto"][(order.payload.id % 3) as usize].to_owned();
     let shipment = Shipment {

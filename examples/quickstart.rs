@@ -56,8 +56,8 @@ async fn main() -> Result<(), common::Error> {
         .timeout(Duration::from_secs(5))
         .service_fn(move |msg: Message| {
             handled.send_modify(|shards| {
-                let shard = shards.entry(msg.headers.shard_id.to_string()).or_default();
-                shard.push(msg.headers.sequence_number.clone());
+                let shard = shards.entry(msg.metadata.shard_id.to_string()).or_default();
+                shard.push(msg.metadata.sequence_number.clone());
             });
             async { Ok::<_, Infallible>(()) }
         });

@@ -12,7 +12,7 @@
 //! | [`ShardEvent`] | what happens to a worker's shards (leases taken, lost, handed off; shards ended; handler failures), for [`ConsumerBuilder::on_event`] |
 //! | [`Health`] (`Running::health()`) | liveness and readiness: is the worker renewing, are its shards advancing or failing |
 //! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
-//! | [`Message`], [`Headers`], [`HeadersBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
+//! | [`Message`], [`Metadata`], [`MetadataBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
@@ -29,12 +29,12 @@
 //! # Testing your handlers
 //!
 //! A handler is a `tower` service over [`Message`]; unit-test it with a hand-built
-//! message ([`Message::for_test`], or [`Headers::builder`] to set the metadata), no
+//! message ([`Message::for_test`], or [`Metadata::builder`] to set the metadata), no
 //! consumer needed:
 //!
 //! ```
 //! use bytes::Bytes;
-//! use shardflow::{Headers, Message};
+//! use shardflow::{Metadata, Message};
 //! use tower::{service_fn, Service, ServiceExt};
 //!
 //! async fn count_bytes(msg: Message) -> Result<usize, std::convert::Infallible> {
@@ -48,12 +48,12 @@
 //! assert_eq!(handler.ready().await.unwrap().call(msg).await, Ok(5));
 //!
 //! // The metadata, when the handler looks at it:
-//! let msg = Headers::builder()
+//! let msg = Metadata::builder()
 //!     .shard_id("shardId-000000000007")
 //!     .sequence_number(42)
 //!     .partition_key("customer-1")
 //!     .message(Bytes::from_static(b"{}"));
-//! assert_eq!(msg.headers.sequence_number.as_str(), "42");
+//! assert_eq!(msg.metadata.sequence_number.as_str(), "42");
 //! # }
 //! ```
 
@@ -81,6 +81,6 @@ pub use consumer::{
 };
 pub use error::{AwsError, ErrorDetail};
 pub use memory::Memory;
-pub use message::{Batch, Headers, HeadersBuilder, Message};
+pub use message::{Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -1,4 +1,4 @@
-//! What handlers receive: [`Message`] (headers + payload) and [`Batch`] (the messages of
+//! What handlers receive: [`Message`] (metadata + payload) and [`Batch`] (the messages of
 //! one read of one shard, with the handle that acknowledges them).
 
 use std::fmt;
@@ -13,13 +13,13 @@ use crate::sequence::{Position, SequenceNumber};
 
 /// Where a record came from and what Kinesis said about it.
 ///
-/// These are the Kinesis record's metadata (filled in by the consumer), not user
-/// key-values: Kinesis records carry no user headers. The struct is `#[non_exhaustive]`
-/// so that metadata can be added later; build one for a test with [`Headers::builder`]
+/// This is what Kinesis knows of the record (filled in by the consumer), apart from the
+/// application's own key-values. The struct is `#[non_exhaustive]` so that fields can be
+/// added later; build one for a test with [`Metadata::builder`]
 /// (or [`Message::for_test`]).
 #[derive(Clone)]
 #[non_exhaustive]
-pub struct Headers {
+pub struct Metadata {
     /// The stream's name.
     pub stream: Arc<str>,
     /// The shard the record was read from.
@@ -44,19 +44,19 @@ pub struct Headers {
     pub lease_lost: CancellationToken,
 }
 
-impl Headers {
+impl Metadata {
     /// The record's position in its shard: sequence and sub-sequence number.
     pub fn position(&self) -> Position {
         Position::new(self.sequence_number.clone(), self.sub_sequence_number)
     }
 
-    /// Starts building headers by hand, for unit tests of handlers. The defaults: stream
+    /// Starts building metadata by hand, for unit tests of handlers. The defaults: stream
     /// `test-stream`, shard `shardId-000000000000`, sequence number 1, sub-sequence 0,
     /// partition key `partition-key`, no explicit hash key, no arrival time, and a
     /// `lease_lost` token that is not cancelled.
-    pub fn builder() -> HeadersBuilder {
-        HeadersBuilder {
-            headers: Headers {
+    pub fn builder() -> MetadataBuilder {
+        MetadataBuilder {
+            metadata: Metadata {
                 stream: Arc::from("test-stream"),
                 shard_id: Arc::from("shardId-000000000000"),
                 sequence_number: SequenceNumber::from(1),
@@ -71,77 +71,77 @@ impl Headers {
     }
 }
 
-/// Builds [`Headers`] by hand (see [`Headers::builder`]); for unit tests of handlers.
+/// Builds [`Metadata`] by hand (see [`Metadata::builder`]); for unit tests of handlers.
 #[derive(Debug, Clone)]
-pub struct HeadersBuilder {
-    headers: Headers,
+pub struct MetadataBuilder {
+    metadata: Metadata,
 }
 
-impl HeadersBuilder {
+impl MetadataBuilder {
     /// The stream's name.
     pub fn stream(mut self, stream: impl Into<Arc<str>>) -> Self {
-        self.headers.stream = stream.into();
+        self.metadata.stream = stream.into();
         self
     }
 
     /// The shard's id.
     pub fn shard_id(mut self, shard_id: impl Into<Arc<str>>) -> Self {
-        self.headers.shard_id = shard_id.into();
+        self.metadata.shard_id = shard_id.into();
         self
     }
 
     /// The sequence number (a `u64` or a parsed [`SequenceNumber`]).
     pub fn sequence_number(mut self, sequence_number: impl Into<SequenceNumber>) -> Self {
-        self.headers.sequence_number = sequence_number.into();
+        self.metadata.sequence_number = sequence_number.into();
         self
     }
 
     /// The user record's index inside a KPL aggregate.
     pub fn sub_sequence_number(mut self, sub_sequence_number: u64) -> Self {
-        self.headers.sub_sequence_number = sub_sequence_number;
+        self.metadata.sub_sequence_number = sub_sequence_number;
         self
     }
 
     /// The partition key.
     pub fn partition_key(mut self, partition_key: impl Into<String>) -> Self {
-        self.headers.partition_key = partition_key.into();
+        self.metadata.partition_key = partition_key.into();
         self
     }
 
     /// The explicit hash key.
     pub fn explicit_hash_key(mut self, explicit_hash_key: impl Into<String>) -> Self {
-        self.headers.explicit_hash_key = Some(explicit_hash_key.into());
+        self.metadata.explicit_hash_key = Some(explicit_hash_key.into());
         self
     }
 
     /// When Kinesis accepted the record.
     pub fn approximate_arrival(mut self, at: SystemTime) -> Self {
-        self.headers.approximate_arrival = Some(at);
+        self.metadata.approximate_arrival = Some(at);
         self
     }
 
     /// The lag of the read that brought the record, in milliseconds.
     pub fn millis_behind_latest(mut self, millis: i64) -> Self {
-        self.headers.millis_behind_latest = Some(millis);
+        self.metadata.millis_behind_latest = Some(millis);
         self
     }
 
-    /// The headers built so far. Their `lease_lost` token can be cancelled to test a
+    /// The metadata built so far. Its `lease_lost` token can be cancelled to test a
     /// handler's reaction to a lost lease.
-    pub fn build(self) -> Headers {
-        self.headers
+    pub fn build(self) -> Metadata {
+        self.metadata
     }
 
-    /// A message with these headers and `payload`.
+    /// A message with this metadata and `payload`.
     pub fn message<T>(self, payload: T) -> Message<T> {
-        Message::new(self.headers, payload)
+        Message::new(self.metadata, payload)
     }
 }
 
-impl fmt::Debug for Headers {
+impl fmt::Debug for Metadata {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The partition key can be business data (an account id): keep it out of Debug too.
-        f.debug_struct("Headers")
+        f.debug_struct("Metadata")
             .field("stream", &self.stream)
             .field("shard_id", &self.shard_id)
             .field("sequence_number", &self.sequence_number.as_str())
@@ -153,56 +153,56 @@ impl fmt::Debug for Headers {
     }
 }
 
-/// One record: headers and a payload (raw [`Bytes`] until a decode layer types it).
+/// One record: metadata and a payload (raw [`Bytes`] until a decode layer types it).
 #[derive(Clone)]
 pub struct Message<T = Bytes> {
     /// Where the record came from.
-    pub headers: Headers,
+    pub metadata: Metadata,
     /// The record's data.
     pub payload: T,
 }
 
 impl<T> Message<T> {
     /// Builds a message from its parts.
-    pub fn new(headers: Headers, payload: T) -> Self {
-        Message { headers, payload }
+    pub fn new(metadata: Metadata, payload: T) -> Self {
+        Message { metadata, payload }
     }
 
-    /// A message with `payload` and the default test headers of [`Headers::builder`]:
-    /// for unit tests of handlers. Use [`Headers::builder`] to set the metadata.
+    /// A message with `payload` and the default test metadata of [`Metadata::builder`]:
+    /// for unit tests of handlers. Use [`Metadata::builder`] to set the metadata.
     pub fn for_test(payload: T) -> Self {
-        Headers::builder().message(payload)
+        Metadata::builder().message(payload)
     }
 
-    /// Replaces the payload, keeping the headers (what a decode layer does).
+    /// Replaces the payload, keeping the metadata (what a decode layer does).
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Message<U> {
         Message {
-            headers: self.headers,
+            metadata: self.metadata,
             payload: f(self.payload),
         }
     }
 
-    /// Like [`Message::map`] with a fallible function; on error the headers come back
+    /// Like [`Message::map`] with a fallible function; on error the metadata comes back
     /// with the error so nothing about the record is lost.
-    // The error carries the headers by value on purpose: it is the rare path, and the
+    // The error carries the metadata by value on purpose: it is the rare path, and the
     // caller (a decode layer) moves them straight into its own error.
     #[allow(clippy::result_large_err)]
     pub fn try_map<U, E>(
         self,
         f: impl FnOnce(T) -> Result<U, E>,
-    ) -> Result<Message<U>, (Headers, E)> {
+    ) -> Result<Message<U>, (Metadata, E)> {
         match f(self.payload) {
             Ok(payload) => Ok(Message {
-                headers: self.headers,
+                metadata: self.metadata,
                 payload,
             }),
-            Err(e) => Err((self.headers, e)),
+            Err(e) => Err((self.metadata, e)),
         }
     }
 
     /// The record's position in its shard.
     pub fn position(&self) -> Position {
-        self.headers.position()
+        self.metadata.position()
     }
 }
 
@@ -210,7 +210,7 @@ impl<T> fmt::Debug for Message<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the payload: messages end up in logs through `?msg`.
         f.debug_struct("Message")
-            .field("headers", &self.headers)
+            .field("metadata", &self.metadata)
             .finish_non_exhaustive()
     }
 }
@@ -286,7 +286,7 @@ impl<T> Batch<T> {
         self.ack.take()
     }
 
-    /// Replaces every payload, keeping headers and the acknowledgement handle.
+    /// Replaces every payload, keeping metadata and the acknowledgement handle.
     pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Batch<U> {
         Batch {
             stream: self.stream,
@@ -309,14 +309,14 @@ impl<T> fmt::Debug for Batch<T> {
                 &self
                     .messages
                     .first()
-                    .map(|m| m.headers.sequence_number.as_str()),
+                    .map(|m| m.metadata.sequence_number.as_str()),
             )
             .field(
                 "last",
                 &self
                     .messages
                     .last()
-                    .map(|m| m.headers.sequence_number.as_str()),
+                    .map(|m| m.metadata.sequence_number.as_str()),
             )
             .field("millis_behind_latest", &self.millis_behind_latest)
             .finish()

@@ -916,7 +916,7 @@ mod fake {
         let mut buffer = Vec::new();
         let mut chunk = [0u8; 8192];
         loop {
-            // Headers, then a body of Content-Length bytes (the SDK does not chunk here).
+            // Metadata, then a body of Content-Length bytes (the SDK does not chunk here).
             let header_end = loop {
                 if let Some(at) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
                     break at + 4;

@@ -93,7 +93,7 @@ fn handler(
     tower::service_fn(move |msg: Message| {
         let (behaviour, gauge, handled) = (behaviour.clone(), gauge.clone(), handled.clone());
         started.record(&msg);
-        let key = msg.headers.partition_key.clone();
+        let key = msg.metadata.partition_key.clone();
         gauge.enter(&key);
         async move {
             let v = value(&msg);

@@ -89,7 +89,7 @@ async fn a_failing_handler_redelivers_from_the_checkpoint_and_skips_nothing() {
                 failures.fetch_add(1, Ordering::SeqCst);
                 recorder.handled.lock().unwrap().push(Handled {
                     shard: String::new(),
-                    sequence: msg.headers.sequence_number.clone(),
+                    sequence: msg.metadata.sequence_number.clone(),
                     partition_key: String::new(),
                     value: value + 1_000_000,
                 });
@@ -413,7 +413,7 @@ async fn record_mode_messages_carry_the_lag_of_their_read() {
     produce(kinesis.as_ref(), "lag", 0..300).await;
     let (seen, mut lags) = tokio::sync::mpsc::unbounded_channel();
     let handler = tower::service_fn(move |msg: Message| {
-        let _ = seen.send(msg.headers.millis_behind_latest);
+        let _ = seen.send(msg.metadata.millis_behind_latest);
         async { Ok::<_, Infallible>(()) }
     });
     let consumer = test_consumer(memory.clone(), "lag", "lag-group", "w1")

@@ -289,7 +289,7 @@ fn slow_first_record_per_shard(
         let first = started
             .lock()
             .unwrap()
-            .insert(msg.headers.shard_id.to_string());
+            .insert(msg.metadata.shard_id.to_string());
         async move {
             if first {
                 tokio::time::sleep(slow).await;

@@ -58,9 +58,9 @@ impl Log {
         tower::service_fn(move |msg: Message| {
             let value = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
             log.seen.lock().unwrap().push(Seen {
-                stream: msg.headers.stream.to_string(),
-                shard: msg.headers.shard_id.to_string(),
-                sequence: msg.headers.sequence_number.clone(),
+                stream: msg.metadata.stream.to_string(),
+                shard: msg.metadata.shard_id.to_string(),
+                sequence: msg.metadata.sequence_number.clone(),
                 value,
             });
             log.changed.notify_waiters();
@@ -656,7 +656,10 @@ async fn events_and_health_name_the_stream() {
     let tried = Arc::new(Mutex::new(HashSet::new()));
     let inner = log.handler();
     let handler = tower::service_fn(move |msg: Message| {
-        let first = tried.lock().unwrap().insert(msg.headers.stream.to_string());
+        let first = tried
+            .lock()
+            .unwrap()
+            .insert(msg.metadata.stream.to_string());
         let mut inner = inner.clone();
         async move {
             if first {
@@ -756,11 +759,11 @@ async fn batches_of_several_streams_in_stream_mode() {
         while seen.len() < 2 * RECORDS {
             let batch = batches.next().await.unwrap().unwrap();
             for msg in &batch.messages {
-                assert_eq!(msg.headers.stream, batch.stream);
+                assert_eq!(msg.metadata.stream, batch.stream);
                 seen.push(Seen {
                     stream: batch.stream.to_string(),
                     shard: batch.shard_id.to_string(),
-                    sequence: msg.headers.sequence_number.clone(),
+                    sequence: msg.metadata.sequence_number.clone(),
                     value: std::str::from_utf8(&msg.payload).unwrap().parse().unwrap(),
                 });
             }

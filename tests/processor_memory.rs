@@ -418,7 +418,7 @@ async fn many_outputs_keep_each_keys_order(ordered_producer: bool) {
         .produce_to(shipments.clone())
         .service_fn(|msg: Message| async move {
             let v = value(&msg);
-            let key = &msg.headers.partition_key;
+            let key = &msg.metadata.partition_key;
             Ok::<_, Infallible>(vec![
                 Output::new(format!("{v}.0")),
                 Output::new(format!("{v}.1")),

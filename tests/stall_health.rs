@@ -394,7 +394,7 @@ fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
                 (recorder.clone(), hanging.clone(), hung.shard_id.clone());
             tower::service_fn(move |msg: Message| {
                 let (recorder, hanging) = (recorder.clone(), hanging.clone());
-                let hangs = *msg.headers.shard_id == *hung;
+                let hangs = *msg.metadata.shard_id == *hung;
                 async move {
                     if hangs {
                         hanging.notify_one();

@@ -21,11 +21,11 @@ const IDLE: Duration = Duration::from_millis(500);
 /// How a record's data is printed.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum TailFormat {
-    /// One JSON object per line: headers, and the data as text (if UTF-8) or base64.
+    /// One JSON object per line: metadata, and the data as text (if UTF-8) or base64.
     Json,
-    /// Headers, then the data as text (invalid UTF-8 replaced).
+    /// Metadata, then the data as text (invalid UTF-8 replaced).
     Text,
-    /// Headers, then the data in hex.
+    /// Metadata, then the data in hex.
     Hex,
 }
 

@@ -15,7 +15,7 @@ use shardflow::aggregation::Aggregator;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
-use shardflow::{Aws, Backend, Headers};
+use shardflow::{Aws, Backend, Metadata};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
 use tower::ServiceExt;
 
@@ -423,7 +423,7 @@ async fn tail_splits_aggregates_and_follows_a_split() {
         children, 12,
         "the records after the split come from the children"
     );
-    // Text and hex: one line per record with its headers.
+    // Text and hex: one line per record with its metadata.
     let out = run(&[
         "stream",
         "tail",
@@ -483,7 +483,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         .unwrap();
     for v in 0..3 {
         let record = DeadLetterRecord {
-            headers: Headers::builder()
+            metadata: Metadata::builder()
                 .stream(orders.as_str())
                 .partition_key(format!("customer-{v}"))
                 .sequence_number(100u64 + v)
@@ -498,7 +498,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
     let big_key = "customer-big";
     let big = "b".repeat(shardflow::producer::MAX_RECORD_BYTES - big_key.len());
     let record = DeadLetterRecord {
-        headers: Headers::builder()
+        metadata: Metadata::builder()
             .stream(orders.as_str())
             .partition_key(big_key)
             .sequence_number(200u64)

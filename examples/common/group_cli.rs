@@ -167,7 +167,7 @@ pub struct Line<'a> {
 impl<'a> Line<'a> {
     /// The line for `msg`, with the wall-clock time when `timestamps`.
     pub fn new(worker: &'a str, msg: &'a Message, timestamps: bool) -> Self {
-        let h = &msg.headers;
+        let h = &msg.metadata;
         let ts_us = timestamps.then(|| {
             SystemTime::now()
                 .duration_since(UNIX_EPOCH)

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use shardflow::{Batch, Headers, Message, SequenceNumber};
+use shardflow::{Batch, Message, Metadata, SequenceNumber};
 use shardflow_middleware::dead_letter::{DeadLetterLayer, DeadLetterRecord};
 use shardflow_middleware::dedup::DedupLayer;
 use shardflow_middleware::{
@@ -40,7 +40,7 @@ fn records(count: u64) -> Vec<Message<Bytes>> {
     let shard: Arc<str> = Arc::from("shardId-000000000000");
     (0..count)
         .map(|i| {
-            let headers = Headers::builder()
+            let metadata = Metadata::builder()
                 .stream(stream.clone())
                 .shard_id(shard.clone())
                 .sequence_number(
@@ -52,7 +52,7 @@ fn records(count: u64) -> Vec<Message<Bytes>> {
                 .partition_key(format!("customer-{}", i % 1000))
                 .build();
             let payload = format!(r#"{{"id":{i},"amount":4200,"currency":"EUR"}}"#);
-            Message::new(headers, Bytes::from(payload))
+            Message::new(metadata, Bytes::from(payload))
         })
         .collect()
 }

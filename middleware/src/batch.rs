@@ -396,9 +396,9 @@ where
         (Some(first), Some(last)) => tracing::debug_span!(
             "shardflow_middleware",
             layer = "batch",
-            shard = %first.headers.shard_id,
-            first_sequence = %first.headers.sequence_number,
-            last_sequence = %last.headers.sequence_number,
+            shard = %first.metadata.shard_id,
+            first_sequence = %first.metadata.sequence_number,
+            last_sequence = %last.metadata.sequence_number,
             size,
         ),
         _ => tracing::Span::none(),

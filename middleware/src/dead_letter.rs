@@ -2,7 +2,7 @@
 //! one bad record does not hold its shard back forever.
 //!
 //! When the inner service fails with an error the [`DeadLetterPolicy`] accepts, the
-//! layer sends a [`DeadLetterRecord`] — the headers, the payload exactly as it was read
+//! layer sends a [`DeadLetterRecord`] — the metadata, the payload exactly as it was read
 //! and the error's text — to the sink service. The record counts as handled (`Ok`) only
 //! once the sink accepted it; if the sink fails, the call fails with
 //! [`DeadLetterError`] and the consumer delivers the record again. Nothing is lost.
@@ -64,7 +64,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pin_project_lite::pin_project;
-use shardflow::{Headers, Message};
+use shardflow::{Message, Metadata};
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceExt};
 
@@ -82,8 +82,8 @@ pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(30);
 /// What the sink receives for a record that failed.
 #[derive(Clone)]
 pub struct DeadLetterRecord {
-    /// The record's headers.
-    pub headers: Headers,
+    /// The record's metadata.
+    pub metadata: Metadata,
     /// The payload as it was read from the stream.
     pub payload: Bytes,
     /// The error and its causes, joined with `": "`.
@@ -135,7 +135,7 @@ impl fmt::Debug for DeadLetterRecord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the payload.
         f.debug_struct("DeadLetterRecord")
-            .field("headers", &self.headers)
+            .field("metadata", &self.metadata)
             .field("payload_len", &self.payload.len())
             .field("error", &self.error)
             .field("attempts", &self.attempts)
@@ -158,7 +158,7 @@ impl Service<DeadLetterRecord> for Producer {
 
     fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
         let envelope = DeadLetterEnvelope::from_record(&record);
-        let key = record.headers.partition_key;
+        let key = record.metadata.partition_key;
         let mut parts = match envelope.to_records() {
             Ok(parts) => parts.into_iter(),
             Err(e) => {
@@ -288,11 +288,11 @@ impl DeadLetterError {
 
 /// Decides which errors are dead-lettered; the others go up (the consumer redelivers).
 pub trait DeadLetterPolicy {
-    /// Whether the record with `headers`, which failed with `error`, goes to the sink.
+    /// Whether the record with `metadata`, which failed with `error`, goes to the sink.
     fn should_dead_letter(
         &self,
         error: &(dyn Error + Send + Sync + 'static),
-        headers: &Headers,
+        metadata: &Metadata,
     ) -> bool;
 }
 
@@ -305,9 +305,9 @@ impl DeadLetterPolicy for PermanentFailures {
     fn should_dead_letter(
         &self,
         error: &(dyn Error + Send + Sync + 'static),
-        headers: &Headers,
+        metadata: &Metadata,
     ) -> bool {
-        !headers.lease_lost.is_cancelled()
+        !metadata.lease_lost.is_cancelled()
             && !chain_any::<crate::dedup::DedupError>(error, |_| true)
             && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
             && !chain_any::<crate::produce::ProduceToError>(error, |e| e.is_transient())
@@ -316,14 +316,14 @@ impl DeadLetterPolicy for PermanentFailures {
 
 impl<F> DeadLetterPolicy for F
 where
-    F: Fn(&(dyn Error + Send + Sync + 'static), &Headers) -> bool,
+    F: Fn(&(dyn Error + Send + Sync + 'static), &Metadata) -> bool,
 {
     fn should_dead_letter(
         &self,
         error: &(dyn Error + Send + Sync + 'static),
-        headers: &Headers,
+        metadata: &Metadata,
     ) -> bool {
-        self(error, headers)
+        self(error, metadata)
     }
 }
 
@@ -371,8 +371,8 @@ where
     }
 
     fn call(&mut self, message: Message<Bytes>) -> Self::Future {
-        let span = message_span("dead_letter", &message.headers);
-        let copy = Some((message.headers.clone(), message.payload.clone()));
+        let span = message_span("dead_letter", &message.metadata);
+        let copy = Some((message.metadata.clone(), message.payload.clone()));
         let called = {
             let _entered = span.enter();
             catch_unwind(AssertUnwindSafe(|| self.inner.call(message)))
@@ -467,7 +467,7 @@ pin_project! {
     {
         #[pin]
         state: State<F, K>,
-        copy: Option<(Headers, Bytes)>,
+        copy: Option<(Metadata, Bytes)>,
         // What a retry layer below reported (0: nothing).
         attempts: u32,
         sink: K,
@@ -534,17 +534,17 @@ where
                         // Not reachable: the outer arm matched one of the two above.
                         _ => return Poll::Pending,
                     };
-                    let Some((headers, payload)) = this.copy.take() else {
+                    let Some((metadata, payload)) = this.copy.take() else {
                         // Only reachable if polled after completion.
                         return Poll::Ready(Err(error));
                     };
-                    if !this.policy.should_dead_letter(&*error, &headers) {
+                    if !this.policy.should_dead_letter(&*error, &metadata) {
                         return Poll::Ready(Err(error));
                     }
                     let text = error_chain(&*error);
-                    let position = headers.position();
+                    let position = metadata.position();
                     let record = DeadLetterRecord {
-                        headers,
+                        metadata,
                         payload,
                         error: text.clone(),
                         attempts: (*this.attempts > 0).then_some(*this.attempts),
@@ -600,7 +600,7 @@ mod tests {
     use super::*;
     use crate::decode::DecodeLayer;
     use crate::dedup::DedupError;
-    use crate::test_support::{headers, message};
+    use crate::test_support::{message, metadata};
 
     type Sunk = Arc<Mutex<Vec<DeadLetterRecord>>>;
 
@@ -652,7 +652,7 @@ mod tests {
         assert_eq!(out, DeadLetterOutcome::DeadLettered);
         let sunk = sunk.lock().unwrap();
         assert_eq!(sunk.len(), 1);
-        assert_eq!(sunk[0].headers.sequence_number.as_str(), "9");
+        assert_eq!(sunk[0].metadata.sequence_number.as_str(), "9");
         assert_eq!(&sunk[0].payload[..], b"raw bytes");
         assert_eq!(sunk[0].error, "boom");
         assert!(!format!("{:?}", sunk[0]).contains("raw bytes"));
@@ -689,7 +689,7 @@ mod tests {
 
         let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
         let msg = message(2, b"x");
-        msg.headers.lease_lost.cancel();
+        msg.metadata.lease_lost.cancel();
         assert_eq!(svc.oneshot(msg).await.unwrap_err().to_string(), "boom");
         assert!(sunk.lock().unwrap().is_empty());
     }
@@ -698,7 +698,7 @@ mod tests {
     async fn a_custom_policy_decides() {
         let (sunk, sink) = recording_sink(false);
         let svc = DeadLetterLayer::new(sink)
-            .policy(|e: &(dyn Error + Send + Sync + 'static), _: &Headers| {
+            .policy(|e: &(dyn Error + Send + Sync + 'static), _: &Metadata| {
                 e.to_string() != "retry me"
             })
             .layer(failing_with(|| "retry me".into()));
@@ -749,9 +749,9 @@ mod tests {
             DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
         let msg = message(42, b"\x00binary\xff");
         let (stream, shard, pk) = (
-            msg.headers.stream.to_string(),
-            msg.headers.shard_id.to_string(),
-            msg.headers.partition_key.clone(),
+            msg.metadata.stream.to_string(),
+            msg.metadata.shard_id.to_string(),
+            msg.metadata.partition_key.clone(),
         );
         assert!(svc.oneshot(msg).await.unwrap().is_dead_lettered());
         producer.close().await;
@@ -859,8 +859,8 @@ mod tests {
         let payload = |len: usize| -> Bytes { (0..len).map(|i| (i * 7 % 256) as u8).collect() };
         let sizes = [1_000_000, MAX_RECORD_BYTES - key.len()];
         for (sequence, size) in (1u64..).zip(sizes) {
-            let mut msg = Message::new(headers(sequence), payload(size));
-            msg.headers.partition_key = key.clone();
+            let mut msg = Message::new(metadata(sequence), payload(size));
+            msg.metadata.partition_key = key.clone();
             let svc = svc.clone();
             assert!(svc.oneshot(msg).await.unwrap().is_dead_lettered());
         }
@@ -984,8 +984,8 @@ mod tests {
         let in_future = service_fn(move |m: Message<Bytes>| {
             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             async move {
-                if m.headers.sequence_number.as_str() == "2" {
-                    panic!("poison record {}", m.headers.sequence_number);
+                if m.metadata.sequence_number.as_str() == "2" {
+                    panic!("poison record {}", m.metadata.sequence_number);
                 }
                 Ok::<_, BoxError>(())
             }
@@ -1020,7 +1020,7 @@ mod tests {
         assert_eq!(
             sunk.iter()
                 .map(|r| (
-                    r.headers.sequence_number.as_str(),
+                    r.metadata.sequence_number.as_str(),
                     r.error.as_str(),
                     r.attempts
                 ))

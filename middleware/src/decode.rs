@@ -2,7 +2,7 @@
 //! pluggable [`Format`] (JSON via `serde_json` by default).
 //!
 //! A payload that does not decode never reaches the inner service and never panics: the
-//! call fails with a [`DecodeError`] that carries the record's headers and its raw bytes,
+//! call fails with a [`DecodeError`] that carries the record's metadata and its raw bytes,
 //! so a [`dead_letter`](crate::dead_letter) layer above can send the record on as it was.
 
 use std::fmt;
@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use pin_project_lite::pin_project;
 use serde::de::DeserializeOwned;
-use shardflow::{Headers, Message};
+use shardflow::{Message, Metadata};
 use tower::{Layer, Service};
 
 use crate::observe::message_span;
@@ -94,15 +94,15 @@ impl fmt::Debug for JsonError {
 
 impl std::error::Error for JsonError {}
 
-/// A payload that did not decode: the record's headers, its raw bytes and the reason.
+/// A payload that did not decode: the record's metadata, its raw bytes and the reason.
 #[derive(thiserror::Error)]
 #[error(
     "payload of record {} in shard {} is not valid {format}",
-    .headers.position(),
-    .headers.shard_id
+    .metadata.position(),
+    .metadata.shard_id
 )]
 pub struct DecodeError {
-    headers: Headers,
+    metadata: Metadata,
     raw: Bytes,
     format: &'static str,
     #[source]
@@ -110,9 +110,9 @@ pub struct DecodeError {
 }
 
 impl DecodeError {
-    /// The record's headers.
-    pub fn headers(&self) -> &Headers {
-        &self.headers
+    /// The record's metadata.
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
     }
 
     /// The payload exactly as it was read.
@@ -125,9 +125,9 @@ impl DecodeError {
         self.format
     }
 
-    /// Headers and raw payload, to rebuild the `Message<Bytes>`.
-    pub fn into_parts(self) -> (Headers, Bytes) {
-        (self.headers, self.raw)
+    /// Metadata and raw payload, to rebuild the `Message<Bytes>`.
+    pub fn into_parts(self) -> (Metadata, Bytes) {
+        (self.metadata, self.raw)
     }
 }
 
@@ -135,7 +135,7 @@ impl fmt::Debug for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the bytes.
         f.debug_struct("DecodeError")
-            .field("headers", &self.headers)
+            .field("metadata", &self.metadata)
             .field("raw_len", &self.raw.len())
             .field("format", &self.format)
             .field("source", &self.source)
@@ -214,10 +214,10 @@ where
         });
         match decoded {
             Ok(message) => ResponseFuture::called(self.inner.call(message)),
-            Err((headers, (raw, error))) => {
+            Err((metadata, (raw, error))) => {
                 // Decoding is synchronous: the span exists only around this event, so
                 // the counter carries the same context as every other layer's.
-                message_span("decode", &headers).in_scope(|| {
+                message_span("decode", &metadata).in_scope(|| {
                     tracing::debug!(
                         monotonic_counter.shardflow.decode_failed = 1u64,
                         format = format.name(),
@@ -226,7 +226,7 @@ where
                     );
                 });
                 ResponseFuture::failed(DecodeError {
-                    headers,
+                    metadata,
                     raw,
                     format: format.name(),
                     source: Box::new(error),
@@ -368,7 +368,7 @@ mod tests {
         let err = svc.oneshot(message(7, raw)).await.unwrap_err();
         let err = err.downcast_ref::<DecodeError>().expect("a DecodeError");
         assert_eq!(err.raw().as_ref(), raw);
-        assert_eq!(err.headers().sequence_number.as_str(), "7");
+        assert_eq!(err.metadata().sequence_number.as_str(), "7");
         assert_eq!(err.format(), "JSON");
         assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never sees it");
         // Neither Display, the error chain nor Debug repeats the payload.

@@ -3,16 +3,16 @@
 use std::error::Error;
 use std::fmt::Write;
 
-use shardflow::Headers;
+use shardflow::Metadata;
 
 /// The per-record span: where the record came from, never what it holds.
-pub(crate) fn message_span(layer: &'static str, headers: &Headers) -> tracing::Span {
+pub(crate) fn message_span(layer: &'static str, metadata: &Metadata) -> tracing::Span {
     tracing::debug_span!(
         "shardflow_middleware",
         layer,
-        shard = %headers.shard_id,
-        sequence = %headers.sequence_number,
-        sub_sequence = headers.sub_sequence_number,
+        shard = %metadata.shard_id,
+        sequence = %metadata.sequence_number,
+        sub_sequence = metadata.sub_sequence_number,
     )
 }
 

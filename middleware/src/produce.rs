@@ -287,17 +287,17 @@ where
     }
 
     fn call(&mut self, message: Message<T>) -> ResponseFuture {
-        let headers = &message.headers;
+        let metadata = &message.metadata;
         let span = tracing::debug_span!(
             "shardflow_middleware",
             layer = "produce_to",
-            source_stream = %headers.stream,
-            shard = %headers.shard_id,
-            sequence = %headers.sequence_number,
-            sub_sequence = headers.sub_sequence_number,
+            source_stream = %metadata.stream,
+            shard = %metadata.shard_id,
+            sequence = %metadata.sequence_number,
+            sub_sequence = metadata.sub_sequence_number,
             target = self.producer.stream(),
         );
-        let input_key = headers.partition_key.clone();
+        let input_key = metadata.partition_key.clone();
         let producer = self.producer.clone();
         let called = self.inner.call(message);
         let produce = async move {

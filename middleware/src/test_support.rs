@@ -1,11 +1,11 @@
 //! Hand-made messages for the unit tests.
 
 use bytes::Bytes;
-use shardflow::{Headers, Message};
+use shardflow::{Message, Metadata};
 
-/// Headers of record `sequence` in shard `shardId-000000000000` of stream `orders`.
-pub(crate) fn headers(sequence: u64) -> Headers {
-    Headers::builder()
+/// Metadata of record `sequence` in shard `shardId-000000000000` of stream `orders`.
+pub(crate) fn metadata(sequence: u64) -> Metadata {
+    Metadata::builder()
         .stream("orders")
         .shard_id("shardId-000000000000")
         .sequence_number(sequence)
@@ -15,5 +15,5 @@ pub(crate) fn headers(sequence: u64) -> Headers {
 
 /// A message with the given sequence number and payload.
 pub(crate) fn message(sequence: u64, payload: &[u8]) -> Message<Bytes> {
-    Message::new(headers(sequence), Bytes::copy_from_slice(payload))
+    Message::new(metadata(sequence), Bytes::copy_from_slice(payload))
 }

@@ -257,7 +257,7 @@ async fn every_record_is_handled_exactly_once_or_dead_lettered_with_its_error() 
 }
 
 fn msg_index_of(record: &DeadLetterRecord) -> usize {
-    record.headers.sequence_number.as_str()[4..]
+    record.metadata.sequence_number.as_str()[4..]
         .parse()
         .expect("a test sequence number")
 }

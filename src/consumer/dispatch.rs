@@ -307,7 +307,7 @@ impl Window {
             };
             let key = if self.limits.per_key {
                 let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                message.headers.partition_key.hash(&mut hasher);
+                message.metadata.partition_key.hash(&mut hasher);
                 // Two keys with one hash are merely handled one after the other.
                 hasher.finish()
             } else {
@@ -519,7 +519,7 @@ pub(crate) async fn concurrent<S>(
 /// Whether a taken record may still be handed to the service: not after a restart (it
 /// is delivered again) nor once the lease is lost. A drain still finishes what was taken.
 fn may_call(ack: &AckHandle, message: &Message) -> bool {
-    ack.is_current() && !message.headers.lease_lost.is_cancelled()
+    ack.is_current() && !message.metadata.lease_lost.is_cancelled()
 }
 
 /// One call: a place in the worker-wide limit, the service's readiness, the call.

@@ -25,7 +25,7 @@
 //!     .backend(memory.clone())
 //!     .build()?;
 //! let handler = tower::service_fn(|msg: Message| async move {
-//!     println!("{}", msg.headers.sequence_number);
+//!     println!("{}", msg.metadata.sequence_number);
 //!     Ok::<_, std::convert::Infallible>(())
 //! });
 //! let running = consumer.run(handler).spawn();

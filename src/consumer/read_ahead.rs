@@ -14,7 +14,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 const UNIT: u64 = 1024;
 
 /// Accounted bytes per delivered message besides its payload and partition key: the
-/// message's struct, its sequence number and the headers' shared pointers.
+/// message's struct, its sequence number and the metadata' shared pointers.
 pub(crate) const MESSAGE_OVERHEAD: usize = 256;
 
 /// The budget: a semaphore of KiB units shared by the shard readers of one worker.

@@ -17,7 +17,7 @@ use crate::aggregation::{self, Deaggregated};
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease};
-use crate::message::{Batch, Headers, Message};
+use crate::message::{Batch, Message, Metadata};
 use crate::metrics::ShardMetrics;
 use crate::sequence::{Position, SequenceNumber};
 
@@ -370,7 +370,7 @@ impl ShardReader {
         }
         // The lag is reported per read: every record of it carries the same value.
         for message in &mut messages {
-            message.headers.millis_behind_latest = millis_behind_latest;
+            message.metadata.millis_behind_latest = millis_behind_latest;
         }
         if raw > messages.len() {
             tracing::debug!(shard = %self.shard_id, skipped = raw - messages.len(), "dropped records already handled");
@@ -396,7 +396,7 @@ impl ShardReader {
         let last = last.position();
         let accounted = messages
             .iter()
-            .map(|m| m.payload.len() + m.headers.partition_key.len() + MESSAGE_OVERHEAD)
+            .map(|m| m.payload.len() + m.metadata.partition_key.len() + MESSAGE_OVERHEAD)
             .sum();
         let share = {
             let _blocked = self.progress.blocked_on(READ_AHEAD);
@@ -440,7 +440,7 @@ impl ShardReader {
         payload: bytes::Bytes,
     ) -> Message {
         Message {
-            headers: Headers {
+            metadata: Metadata {
                 stream: self.stream.clone(),
                 shard_id: self.shard_id.clone(),
                 sequence_number: position.sequence,

@@ -35,9 +35,9 @@ impl Recorder {
     pub fn record(&self, msg: &Message) {
         let value = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
         self.handled.lock().unwrap().push(Handled {
-            shard: msg.headers.shard_id.to_string(),
-            sequence: msg.headers.sequence_number.clone(),
-            partition_key: msg.headers.partition_key.clone(),
+            shard: msg.metadata.shard_id.to_string(),
+            sequence: msg.metadata.sequence_number.clone(),
+            partition_key: msg.metadata.partition_key.clone(),
             value,
         });
         self.count.fetch_add(1, Ordering::SeqCst);
@@ -535,7 +535,7 @@ pub async fn kpl_aggregates_resume_inside_an_aggregate<B: Backend + Clone>(
             if !fail {
                 seen.lock()
                     .unwrap()
-                    .push((msg.payload.clone(), msg.headers.sub_sequence_number));
+                    .push((msg.payload.clone(), msg.metadata.sub_sequence_number));
                 if value.is_some() && value == stop_at {
                     shutdown.shutdown();
                     stopping.store(true, Ordering::SeqCst);

@@ -298,8 +298,8 @@ impl Running {
                     if gone.load(Ordering::SeqCst) {
                         std::future::pending::<()>().await;
                     }
-                    let shard = msg.headers.shard_id.to_string();
-                    let sequence = msg.headers.sequence_number.to_string();
+                    let shard = msg.metadata.shard_id.to_string();
+                    let sequence = msg.metadata.sequence_number.to_string();
                     *counts
                         .lock()
                         .unwrap()

@@ -91,9 +91,9 @@ impl Log {
         Event {
             at: self.tick(),
             incarnation: incarnation.to_owned(),
-            shard: msg.headers.shard_id.to_string(),
-            sequence: msg.headers.sequence_number.clone(),
-            partition_key: msg.headers.partition_key.clone(),
+            shard: msg.metadata.shard_id.to_string(),
+            sequence: msg.metadata.sequence_number.clone(),
+            partition_key: msg.metadata.partition_key.clone(),
         }
     }
 

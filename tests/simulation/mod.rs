@@ -1177,7 +1177,7 @@ fn handler(
                 log.hung_handlers.fetch_add(1, Ordering::SeqCst);
                 let what = format!(
                     "{incarnation}'s handler hangs on {} {}",
-                    msg.headers.shard_id, msg.headers.sequence_number
+                    msg.metadata.shard_id, msg.metadata.sequence_number
                 );
                 match pause {
                     Some(pause) => {
@@ -1201,14 +1201,14 @@ fn handler(
             }
             if panics {
                 let h = msg
-                    .headers
+                    .metadata
                     .sequence_number
                     .as_str()
                     .bytes()
                     .fold(7u64, |h, b| h.wrapping_mul(131).wrapping_add(b as u64));
                 let key = (
-                    msg.headers.shard_id.clone(),
-                    msg.headers.sequence_number.clone(),
+                    msg.metadata.shard_id.clone(),
+                    msg.metadata.sequence_number.clone(),
                 );
                 if h % 50 == 3 {
                     let mut panicked = panicked.lock().unwrap();
@@ -1224,15 +1224,15 @@ fn handler(
                 // Calls finish out of order, and some fail once: the watermark and the
                 // redelivery after a failure are under test.
                 let h = msg
-                    .headers
+                    .metadata
                     .sequence_number
                     .as_str()
                     .bytes()
                     .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
                 tokio::time::sleep(Duration::from_millis(h % 20)).await;
                 let key = (
-                    msg.headers.shard_id.clone(),
-                    msg.headers.sequence_number.clone(),
+                    msg.metadata.shard_id.clone(),
+                    msg.metadata.sequence_number.clone(),
                 );
                 if h % 40 == 0 && failed.lock().unwrap().insert(key) {
                     return Err("injected failure");
@@ -1315,7 +1315,7 @@ async fn stream_worker(
                         "{incarnation} acks {} through a position past its batch",
                         batch.shard_id
                     ));
-                    let digits = batch.messages[last].headers.sequence_number.as_str().len();
+                    let digits = batch.messages[last].metadata.sequence_number.as_str().len();
                     if let Ok(beyond) = SequenceNumber::new("9".repeat(digits)) {
                         ack.ack_through(Position::new(beyond, 0));
                     }

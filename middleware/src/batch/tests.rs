@@ -20,7 +20,7 @@ fn bulk(
     let svc = service_fn(move |messages: Vec<Message<Bytes>>| {
         let sequences: Vec<String> = messages
             .iter()
-            .map(|m| m.headers.sequence_number.to_string())
+            .map(|m| m.metadata.sequence_number.to_string())
             .collect();
         let failed = sequences.first().is_some_and(|s| fail(s));
         seen.lock().unwrap().push(sequences);
@@ -280,8 +280,8 @@ async fn a_bulk_handler_that_is_not_ready_fails_its_records_transiently() {
         assert!(batch_error.is_transient());
         // So the default dead-letter policy sends it back to the consumer.
         use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
-        let headers = message(1, b"x").headers;
-        assert!(!PermanentFailures.should_dead_letter(&*err, &headers));
+        let metadata = message(1, b"x").metadata;
+        assert!(!PermanentFailures.should_dead_letter(&*err, &metadata));
     }
 }
 

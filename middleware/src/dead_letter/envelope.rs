@@ -31,7 +31,7 @@
 //! Kinesis counts a record's data *and* its partition key against the 1 MiB limit, so
 //! a record of exactly 1 MiB leaves no room for any header: such a payload cannot fit in
 //! one record with its metadata. When the payload, the header and the partition key do
-//! not fit in [`MAX_RECORD_BYTES`], the payload is split into parts of equal headers
+//! not fit in [`MAX_RECORD_BYTES`], the payload is split into parts whose headers are equal
 //! (every field the same except `part` and `offset`), each a full record of the layout
 //! above; for any record Kinesis accepted that is at most two parts.
 //!
@@ -182,7 +182,7 @@ impl DeadLetterEnvelope {
 
     /// The complete envelope of a dead letter, failed now.
     pub fn from_record(record: &DeadLetterRecord) -> Self {
-        let h = &record.headers;
+        let h = &record.metadata;
         DeadLetterEnvelope {
             stream: h.stream.to_string(),
             shard: h.shard_id.to_string(),

@@ -143,7 +143,7 @@ pub struct ByPosition;
 impl<T> KeyFn<T> for ByPosition {
     fn key(&self, message: &Message<T>) -> String {
         use std::fmt::Write;
-        let h = &message.headers;
+        let h = &message.metadata;
         let sequence = h.sequence_number.as_str();
         let mut key = String::with_capacity(h.stream.len() + h.shard_id.len() + sequence.len() + 8);
         key.push_str(&h.stream);
@@ -251,7 +251,7 @@ where
     }
 
     fn call(&mut self, message: Message<T>) -> Self::Future {
-        let span = message_span("dedup", &message.headers);
+        let span = message_span("dedup", &message.metadata);
         let key = namespaced(self.namespace.as_deref(), self.key.key(&message));
         let store = self.store.clone();
         let timing = self.timing;

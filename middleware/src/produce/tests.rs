@@ -8,7 +8,7 @@ use tower::{service_fn, ServiceBuilder, ServiceExt};
 
 use super::*;
 use crate::dead_letter::{DeadLetterPolicy, DeadLetterRecord, PermanentFailures};
-use crate::test_support::{headers, message};
+use crate::test_support::{message, metadata};
 use crate::ServiceBuilderExt;
 
 async fn memory_producer() -> (Memory, Producer) {
@@ -127,7 +127,7 @@ fn only_permanent_produce_failures_are_dead_lettered() {
     ] {
         let error = not_stored(transient.clone());
         assert!(
-            !policy.should_dead_letter(error.as_ref(), &headers(1)),
+            !policy.should_dead_letter(error.as_ref(), &metadata(1)),
             "{transient:?} comes back instead"
         );
     }
@@ -137,7 +137,7 @@ fn only_permanent_produce_failures_are_dead_lettered() {
     ] {
         let error = not_stored(permanent.clone());
         assert!(
-            policy.should_dead_letter(error.as_ref(), &headers(1)),
+            policy.should_dead_letter(error.as_ref(), &metadata(1)),
             "{permanent:?} is dead-lettered"
         );
     }

@@ -195,7 +195,7 @@ where
                     ready!(sleep.poll(cx));
                     let failure = failure.take();
                     this.state.set(State::Readying {
-                        lease_lost: this.request.headers.lease_lost.clone().cancelled_owned(),
+                        lease_lost: this.request.metadata.lease_lost.clone().cancelled_owned(),
                         failure,
                     });
                     continue;
@@ -211,7 +211,7 @@ where
                     if !lost {
                         ready!(this.service.poll_ready(cx))?;
                     }
-                    if lost || this.request.headers.lease_lost.is_cancelled() {
+                    if lost || this.request.metadata.lease_lost.is_cancelled() {
                         if let Some(failure) = failure.take() {
                             tracing::debug!(
                                 attempts = *this.attempts,
@@ -261,7 +261,7 @@ where
                     );
                     this.state.set(State::Sleeping {
                         sleep: tokio::time::sleep(delay),
-                        lease_lost: this.request.headers.lease_lost.clone().cancelled_owned(),
+                        lease_lost: this.request.metadata.lease_lost.clone().cancelled_owned(),
                         failure: Some(failure),
                     });
                 }
@@ -311,14 +311,14 @@ where
     if error.is_some_and(|error| policy.classify.classify(error) == ErrorClass::Permanent) {
         return Err(Stop::Permanent);
     }
-    if request.headers.lease_lost.is_cancelled() {
+    if request.metadata.lease_lost.is_cancelled() {
         return Err(Stop::LeaseLost);
     }
     if attempts >= policy.max_attempts {
         return Err(Stop::Exhausted);
     }
     let schedule = schedule.get_or_insert_with(|| Schedule {
-        delays: policy.delays(&request.headers),
+        delays: policy.delays(&request.metadata),
         deadline: policy
             .max_elapsed
             .and_then(|elapsed| Instant::now().checked_add(elapsed)),

@@ -100,7 +100,7 @@ where
     }
 
     fn call(&mut self, message: Message<T>) -> Self::Future {
-        let span = message_span("retry", &message.headers);
+        let span = message_span("retry", &message.metadata);
         // The copy for a second attempt: the first one consumes `message`.
         let retained = message.clone();
         // The service that was driven to readiness makes the first call and moves into

@@ -3,7 +3,7 @@
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
-use shardflow::{backoff, Headers};
+use shardflow::{backoff, Metadata};
 
 /// Whether a failed attempt is worth another try. "Transient" is the one name the
 /// workspace uses for "may succeed later" (see the `is_transient` methods of the
@@ -180,9 +180,9 @@ impl<C> Backoff<C> {
         &self.classify
     }
 
-    /// The delays between the attempts for the record with `headers` (at most
+    /// The delays between the attempts for the record with `metadata` (at most
     /// `max_attempts - 1` of them; `max_elapsed` is applied by the retry layer).
-    pub fn delays(&self, headers: &Headers) -> std::iter::Take<backoff::Backoff> {
+    pub fn delays(&self, metadata: &Metadata) -> std::iter::Take<backoff::Backoff> {
         let retries = self.max_attempts.saturating_sub(1) as usize;
         let delays = if self.jitter {
             // The shared schedule draws from `[d/2, d]`: doubled bounds give `[d, 2d]`.
@@ -191,7 +191,7 @@ impl<C> Backoff<C> {
                 self.max_delay.saturating_mul(2),
             );
             match self.seed {
-                Some(seed) => backoff::Backoff::new(min, max, seed ^ record_hash(headers)),
+                Some(seed) => backoff::Backoff::new(min, max, seed ^ record_hash(metadata)),
                 None => backoff::Backoff::unseeded(min, max),
             }
         } else {
@@ -203,19 +203,19 @@ impl<C> Backoff<C> {
 
 /// A hash of the record's identity that is the same on every run (std's `DefaultHasher`
 /// built with `new()` uses fixed keys).
-fn record_hash(headers: &Headers) -> u64 {
+fn record_hash(metadata: &Metadata) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    headers.stream.hash(&mut hasher);
-    headers.shard_id.hash(&mut hasher);
-    headers.sequence_number.hash(&mut hasher);
-    headers.sub_sequence_number.hash(&mut hasher);
+    metadata.stream.hash(&mut hasher);
+    metadata.shard_id.hash(&mut hasher);
+    metadata.sequence_number.hash(&mut hasher);
+    metadata.sub_sequence_number.hash(&mut hasher);
     hasher.finish()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::headers;
+    use crate::test_support::metadata;
 
     #[test]
     fn without_jitter_the_delays_double_up_to_the_cap() {
@@ -224,19 +224,19 @@ mod tests {
             .initial_delay(Duration::from_millis(100))
             .max_delay(Duration::from_millis(500))
             .jitter(false);
-        let delays: Vec<u128> = policy.delays(&headers(1)).map(|d| d.as_millis()).collect();
+        let delays: Vec<u128> = policy.delays(&metadata(1)).map(|d| d.as_millis()).collect();
         assert_eq!(delays, [100, 200, 400, 500, 500]);
     }
 
     #[test]
     fn seeded_jitter_repeats_per_record_and_stays_in_range() {
         let policy = Backoff::exponential().max_attempts(5).jitter_seed(42);
-        let a: Vec<_> = policy.delays(&headers(1)).collect();
-        let b: Vec<_> = policy.delays(&headers(1)).collect();
-        let c: Vec<_> = policy.delays(&headers(2)).collect();
+        let a: Vec<_> = policy.delays(&metadata(1)).collect();
+        let b: Vec<_> = policy.delays(&metadata(1)).collect();
+        let c: Vec<_> = policy.delays(&metadata(2)).collect();
         assert_eq!(a, b, "same seed, same record: same delays");
         assert_ne!(a, c, "another record draws other delays");
-        let plain: Vec<_> = policy.clone().jitter(false).delays(&headers(1)).collect();
+        let plain: Vec<_> = policy.clone().jitter(false).delays(&metadata(1)).collect();
         for (jittered, base) in a.iter().zip(&plain) {
             assert!(
                 jittered >= base && *jittered < *base * 2,
@@ -250,6 +250,6 @@ mod tests {
         let policy = Backoff::exponential().max_attempts(0).factor(f32::NAN);
         assert_eq!(policy.max_attempts, 1);
         assert_eq!(policy.factor, 1.0);
-        assert_eq!(policy.delays(&headers(1)).count(), 0);
+        assert_eq!(policy.delays(&metadata(1)).count(), 0);
     }
 }

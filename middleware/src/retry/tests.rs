@@ -117,7 +117,7 @@ async fn a_lost_lease_stops_retrying() {
     let (calls, handler) = flaky(u32::MAX, || Failure::Flaky);
     let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
     let msg = message(1, b"x");
-    msg.headers.lease_lost.cancel();
+    msg.metadata.lease_lost.cancel();
     svc.oneshot(msg).await.unwrap_err();
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
@@ -130,7 +130,7 @@ async fn a_lease_lost_during_the_backoff_ends_the_wait_with_the_last_error() {
         .max_attempts(5);
     let svc = RetryLayer::new(policy).layer(handler);
     let msg = message(1, b"x");
-    let lease_lost = msg.headers.lease_lost.clone();
+    let lease_lost = msg.metadata.lease_lost.clone();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
         lease_lost.cancel();
@@ -200,12 +200,12 @@ async fn a_lease_lost_while_getting_ready_ends_the_call_without_another_attempt(
     let msg = message(1, b"x");
     let handler = GatedAfterFirstCall {
         calls: Arc::default(),
-        gate: msg.headers.lease_lost.clone(),
+        gate: msg.metadata.lease_lost.clone(),
         waker: Arc::default(),
     };
     let (calls, lease_lost, waker) = (
         handler.calls.clone(),
-        msg.headers.lease_lost.clone(),
+        msg.metadata.lease_lost.clone(),
         handler.waker.clone(),
     );
     let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
@@ -278,7 +278,7 @@ async fn a_panic_after_the_lease_was_lost_is_not_retried() {
     let (calls, handler) = panicky(u32::MAX);
     let svc = RetryLayer::new(exact().max_attempts(5)).layer(handler);
     let msg = message(1, b"x");
-    msg.headers.lease_lost.cancel();
+    msg.metadata.lease_lost.cancel();
     let join = tokio::spawn(svc.oneshot(msg)).await;
     assert!(join.expect_err("the panic goes up").is_panic());
     assert_eq!(calls.load(Ordering::SeqCst), 1);

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use shardflow::{Headers, Message, SequenceNumber};
+use shardflow::{Message, Metadata, SequenceNumber};
 
 /// Record `sequence` of shard `shard` in stream `orders`.
 pub fn message(shard: &str, sequence: u64, payload: impl Into<Bytes>) -> Message<Bytes> {
     Message::new(
-        Headers::builder()
+        Metadata::builder()
             .stream("orders")
             .shard_id(shard)
             .sequence_number(SequenceNumber::new(format!("4959{sequence:020}")).expect("digits"))
@@ -94,7 +94,7 @@ where
     let handler = service_fn(move |msg: Message<Bytes>| {
         let seen = seen.clone();
         async move {
-            let sequence = msg.headers.sequence_number.to_string();
+            let sequence = msg.metadata.sequence_number.to_string();
             // Some handlers are slower than others, so the consumers interleave.
             let pause = sequence.bytes().last().map_or(0, |b| u64::from(b % 3));
             tokio::time::sleep(Duration::from_millis(pause)).await;
