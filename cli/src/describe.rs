@@ -300,10 +300,10 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         };
         let mut checkpoint = match &lease.unreadable {
             Some(reason) => format!("row does not parse: {reason}"),
-            None => show(&lease.checkpoint),
+            None => shorten(&show(&lease.checkpoint)),
         };
         if let Some(to) = &lease.reset_to {
-            checkpoint.push_str(&format!(" (reset to {} pending)", show(to)));
+            checkpoint.push_str(&format!(" (reset to {} pending)", shorten(&show(to))));
         }
         let mut cells = vec![
             row.shard.clone(),
@@ -335,14 +335,14 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     }
     let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
     println!(
-        "{}{} shards, {} workers ({}), max lag {} ms{}",
+        "{}{} shards, {} ({}), max lag {} ms{}",
         if multi {
             format!("{} streams, ", per_stream.len())
         } else {
             String::new()
         },
         rows.len(),
-        workers.len(),
+        count(workers.len(), "worker"),
         if per_worker.is_empty() {
             "no leases held".to_owned()
         } else {
@@ -352,6 +352,45 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         total_records.map_or_else(String::new, |r| format!(", {r} records behind")),
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `n thing` or `n things`.
+fn count(n: usize, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
+/// A checkpoint as the table shows it: sequence numbers (up to 129 digits, 56 on AWS)
+/// shortened to their first 4 and last 10 digits around an ellipsis, so a row fits on
+/// one line; `--json` gives them whole. Shorter runs of digits are left as they are.
+fn shorten(checkpoint: &str) -> String {
+    const HEAD: usize = 4;
+    const TAIL: usize = 10;
+    let mut out = String::with_capacity(checkpoint.len().min(64));
+    let mut digits = String::new();
+    let flush = |digits: &mut String, out: &mut String| {
+        if digits.len() > HEAD + TAIL + 1 {
+            out.push_str(&digits[..HEAD]);
+            out.push('…');
+            out.push_str(&digits[digits.len() - TAIL..]);
+        } else {
+            out.push_str(digits);
+        }
+        digits.clear();
+    };
+    for c in checkpoint.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+        } else {
+            flush(&mut digits, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut digits, &mut out);
+    out
 }
 
 /// `group delete`.
@@ -432,4 +471,30 @@ pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
         println!("deleted lease table {table_name} ({} rows)", rows.len());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_sequence_numbers_are_shortened_in_the_table() {
+        let long = "49654565409398421111118436223087298347873486795513266178";
+        assert_eq!(shorten(long), "4965…5513266178");
+        assert_eq!(
+            shorten(&format!("{long}/3")),
+            "4965…5513266178/3",
+            "a sub-sequence number stays"
+        );
+        assert_eq!(shorten("TRIM_HORIZON"), "TRIM_HORIZON");
+        assert_eq!(shorten("SHARD_END"), "SHARD_END");
+        assert_eq!(shorten("123456789012345"), "123456789012345");
+    }
+
+    #[test]
+    fn counts_are_singular_for_one() {
+        assert_eq!(count(1, "worker"), "1 worker");
+        assert_eq!(count(0, "worker"), "0 workers");
+        assert_eq!(count(2, "worker"), "2 workers");
+    }
 }
