@@ -333,6 +333,30 @@ async fn without_limits_nothing_is_refused_or_paced() {
 
 #[tokio::test(start_paused = true)]
 async fn a_consumer_at_default_settings_handles_every_record_once_under_the_limits() {
+    let backend = consume_under_limits(None).await;
+    assert!(
+        backend.throttled() > 0,
+        "the limits never throttled a read: the test proves nothing"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fan_out_consumer_handles_every_record_once_at_the_paced_rate() {
+    let start = Instant::now();
+    consume_under_limits(Some("limited-app")).await;
+    // About 6 MiB per shard at 2 MiB per second after a one-second burst: the pacing
+    // held the consumer back.
+    assert!(
+        start.elapsed() > Duration::from_secs(2),
+        "done after {:?}: fan-out was not paced",
+        start.elapsed()
+    );
+}
+
+/// A consumer at its default settings (through enhanced fan-out when `fan_out` names
+/// its consumer) reads a backlog of a stream with AWS' limits while a writer adds to it
+/// at the write limit: every record is handled once, in order per shard.
+async fn consume_under_limits(fan_out: Option<&str>) -> Throttles {
     let memory = memory(2, KinesisLimits::none()).await;
     // A backlog of 12,000 records of 1 KiB (about 6 MiB per shard), written before the
     // limits are switched on: the default read of 10,000 records per call is far more
@@ -352,13 +376,15 @@ async fn a_consumer_at_default_settings_handles_every_record_once_under_the_limi
     memory.streams().set_limits(KinesisLimits::aws());
 
     let backend = Throttles::new(memory.clone());
-    let consumer = Consumer::builder()
+    let mut builder = Consumer::builder()
         .stream(STREAM)
         .group("limited")
         .worker_id("w1")
-        .backend(backend.clone())
-        .build()
-        .unwrap();
+        .backend(backend.clone());
+    if let Some(name) = fan_out {
+        builder = builder.fan_out(name);
+    }
+    let consumer = builder.build().unwrap();
     let recorder = Recorder::default();
     let running = start(consumer, &recorder);
 
@@ -379,10 +405,7 @@ async fn a_consumer_at_default_settings_handles_every_record_once_under_the_limi
 
     let shards = open_shards(memory.streams().as_ref(), STREAM).await;
     assert_exactly_once_in_order(&recorder.snapshot(), total, &shards);
-    assert!(
-        backend.throttled() > 0,
-        "the limits never throttled a read: the test proves nothing"
-    );
+    backend
 }
 
 /// The embedded backend, counting the GetRecords calls refused as throttled.
@@ -452,5 +475,19 @@ impl KinesisApi for Throttles {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         self.memory.streams().put_records(stream, records).await
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.memory.streams().register_consumer(stream, name).await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.memory
+            .streams()
+            .subscribe_to_shard(consumer_arn, shard_id, from)
+            .await
     }
 }
