@@ -11,6 +11,11 @@
 # enhanced fan-out tests only (kinesalite has no SubscribeToShard): its endpoint is
 # SHARDFLOW_FANOUT_KINESIS_ENDPOINT.
 #
+# awslabs' aws-kinesis-agg (Python, PyPI), an independent KPL aggregation reader and
+# writer for tests/kpl_interop.rs, is installed into .cache/kpl-venv from
+# scripts/kpl-requirements.txt (every version pinned; re-installed when it changes);
+# SHARDFLOW_KPL_PYTHON names its interpreter.
+#
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
 #   scripts/test.sh --test aws_backend   # a target selection (--lib, --test, --bin,
@@ -72,6 +77,30 @@ if command -v flock >/dev/null 2>&1; then
     fi
 elif ! installed; then
     install_emulators
+fi
+
+kpl_venv="$repo/.cache/kpl-venv"
+kpl_requirements="$repo/scripts/kpl-requirements.txt"
+kpl_installed() { # the venv holds what the committed requirements pin
+    [[ -x "$kpl_venv/bin/python" && -f "$kpl_venv/.installed-requirements-hash" &&
+       "$(cat "$kpl_venv/.installed-requirements-hash")" == "$(sha256sum <"$kpl_requirements" | cut -d' ' -f1)" ]]
+}
+install_kpl() {
+    log "installing aws-kinesis-agg from scripts/kpl-requirements.txt into .cache/kpl-venv"
+    python3 -m venv --clear "$kpl_venv" >&2
+    "$kpl_venv/bin/pip" install --quiet --disable-pip-version-check -r "$kpl_requirements" >&2
+    sha256sum <"$kpl_requirements" | cut -d' ' -f1 >"$kpl_venv/.installed-requirements-hash"
+}
+# One install at a time; a run that finds the venv current does not wait.
+if ! kpl_installed; then
+    if command -v flock >/dev/null 2>&1; then
+        (
+            flock -x 8
+            kpl_installed || install_kpl
+        ) 8>"$repo/.cache/kpl-venv.lock"
+    else
+        install_kpl
+    fi
 fi
 
 free_port() { # a port the kernel just handed out on 127.0.0.1
@@ -177,6 +206,7 @@ export AWS_SECRET_ACCESS_KEY=test
 export AWS_EC2_METADATA_DISABLED=true
 export SHARDFLOW_EMULATORS=1
 export SHARDFLOW_FANOUT_KINESIS_ENDPOINT="http://127.0.0.1:$fanout_kinesis_port"
+export SHARDFLOW_KPL_PYTHON="$kpl_venv/bin/python"
 # Keep any configured HTTP proxy away from the loopback emulators.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 export no_proxy="$NO_PROXY"
