@@ -27,6 +27,26 @@
 //! finished before the failing piece, never a record after it; the redelivery starts at
 //! the first record that was neither handled nor dead-lettered.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use shardflow::{Batch, Consumer};
+//! use shardflow_middleware::bisect::{BisectConfig, BisectLayer};
+//! use tower::ServiceBuilder;
+//!
+//! # async fn insert_rows(_: &[shardflow::Message]) -> Result<(), std::io::Error> { Ok(()) }
+//! # async fn demo(consumer: Consumer, producer: shardflow::producer::Producer)
+//! #     -> Result<(), Box<dyn std::error::Error>> {
+//! let config = BisectConfig::new()
+//!     .max_attempts(5)
+//!     .max_record_age(Duration::from_secs(3600));
+//! let handler = ServiceBuilder::new()
+//!     .layer(BisectLayer::with_config(producer.for_stream("orders-dlq")?, config)?)
+//!     .service_fn(|batch: Batch| async move { insert_rows(&batch.messages).await });
+//! consumer.run_batches(handler).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Why inside one call
 //!
 //! The checkpoint is the contiguous low-watermark of acknowledged batches. Bisecting by
@@ -269,7 +289,8 @@ impl Clock {
 
 /// Failed deliveries in a row per shard: the first record of the piece that could not
 /// be narrowed down, and how many deliveries failed there.
-type Stuck = Arc<Mutex<HashMap<(Arc<str>, Arc<str>), (Position, u32)>>>;
+type Stuck = Arc<Mutex<StuckMap>>;
+type StuckMap = HashMap<(Arc<str>, Arc<str>), (Position, u32)>;
 
 /// Narrows a failing batch down to its poison records; see the [module docs](self).
 pub struct Bisect<S, K, P = PermanentFailures> {
@@ -621,9 +642,7 @@ where
         }
     }
 
-    fn lock_stuck(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, Arc<str>), (Position, u32)>> {
+    fn lock_stuck(&self) -> std::sync::MutexGuard<'_, StuckMap> {
         // The map is consistent between statements: a panic elsewhere leaves it usable.
         self.stuck.lock().unwrap_or_else(PoisonError::into_inner)
     }
