@@ -38,11 +38,14 @@ fn value(msg: &Message) -> usize {
     std::str::from_utf8(&msg.payload).unwrap().parse().unwrap()
 }
 
+/// One handler call: the values of its batch and whether it failed.
+type Call = (Vec<usize>, bool);
+
 /// What the handler and the sink saw.
 #[derive(Clone, Default)]
 struct Seen {
     /// Every call: the values of its batch and whether it failed.
-    calls: Arc<Mutex<Vec<(Vec<usize>, bool)>>>,
+    calls: Arc<Mutex<Vec<Call>>>,
     /// Values handled (in successful calls), with their sequence numbers.
     handled: Arc<Mutex<Vec<(usize, SequenceNumber)>>>,
     /// Dead letters: value and error text.
