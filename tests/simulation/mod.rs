@@ -528,6 +528,7 @@ impl Sim {
             running: running.clone(),
         });
         let running = Running(running);
+        let batch_workers_before = self.stats.batch_workers;
         let task = if stream_mode {
             self.stats.stream_workers += 1;
             let rng = SmallRng::seed_from_u64(self.rng.gen());
@@ -582,7 +583,13 @@ impl Sim {
         };
         self.note(format!(
             "join {incarnation} ({})",
-            if stream_mode { "stream" } else { "run" }
+            if stream_mode {
+                "stream"
+            } else if self.stats.batch_workers > batch_workers_before {
+                "run_batches"
+            } else {
+                "run"
+            }
         ));
         self.stats.joins += 1;
         self.workers.push(Worker {
