@@ -269,6 +269,14 @@ fn generated_histories_with_multi_stream_keys_keep_the_invariants() {
     run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
 }
 
+/// The default features plus `run_batches` workers with poison records under a
+/// `Bisect` layer.
+#[test]
+fn generated_histories_with_poison_batches_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+poison-batches").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
 /// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),
 /// `SHARDFLOW_SIM_SEEDS` (that many) or `default_seeds` seeds; fails naming each
 /// failing seed and how to replay it.

@@ -22,6 +22,16 @@
 //! did not, and [`BatchError::Unavailable`] (transient) when the bulk handler was not
 //! even ready to take it.
 //!
+//! A bulk call that fails with an error about the records (one the default dead-letter
+//! policy, [`PermanentFailures`], would dead-letter) is narrowed down
+//! ([`BatchConfig::bisect`], on by default): the batch is split in halves, called again
+//! in order, down to single messages, so only a message that fails alone gets
+//! [`BatchError::Failed`] (and is dead-lettered by a [`dead_letter`](crate::dead_letter)
+//! layer above); the others get `Ok`. A poison record among ten costs about
+//! `2·log2(10)` more bulk calls, and its nine neighbours are handled. Transient errors
+//! are not narrowed down: every message of the batch gets the error. Record mode needs
+//! `T: Clone` for this (each piece is a copy of its messages).
+//!
 //! The consumer calls a shard's service sequentially by default — it awaits each
 //! response before sending the next record — so in record mode a shard's batches only
 //! fill when the consumer pipelines calls (or several shards share one service);
@@ -55,6 +65,8 @@ use tokio_util::sync::PollSender;
 use tower::{Layer, Service, ServiceExt};
 use tracing::Instrument;
 
+use crate::bisect::Splits;
+use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
 use crate::BoxError;
 
 /// The size of a payload, for [`BatchConfig::max_bytes`].
@@ -92,16 +104,19 @@ pub struct BatchConfig {
     max_bytes: usize,
     linger: Duration,
     queue: Option<usize>,
+    splits: Splits,
 }
 
 impl Default for BatchConfig {
-    /// 500 messages, 5 MiB, 100 ms linger.
+    /// 500 messages, 5 MiB, 100 ms linger; record mode splits a failing batch down to
+    /// single records.
     fn default() -> Self {
         BatchConfig {
             max_count: 500,
             max_bytes: 5 * 1024 * 1024,
             linger: Duration::from_millis(100),
             queue: None,
+            splits: Splits::Full,
         }
     }
 }
@@ -135,6 +150,14 @@ impl BatchConfig {
     /// back (default: twice `max_count`; at least 1 and at most 2^20, whatever is asked).
     pub fn queue(mut self, capacity: usize) -> Self {
         self.queue = Some(capacity);
+        self
+    }
+
+    /// Record mode: how far a failing batch is split to find the messages that fail
+    /// alone (default [`Splits::Full`]; see the [module docs](self)). Batch mode: put a
+    /// [`Bisect`](crate::bisect::Bisect) above this layer instead.
+    pub fn bisect(mut self, splits: Splits) -> Self {
+        self.splits = splits;
         self
     }
 
@@ -250,7 +273,7 @@ where
     S: Service<Vec<Message<T>>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Into<BoxError>,
-    T: Weigh + Send + 'static,
+    T: Weigh + Clone + Send + 'static,
 {
     /// The queue of the running worker, starting one if there is none (or it died).
     fn worker_queue(&self) -> Result<mpsc::Sender<Item<T>>, BatchError> {
@@ -275,7 +298,7 @@ where
     S: Service<Vec<Message<T>>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Into<BoxError>,
-    T: Weigh + Send + 'static,
+    T: Weigh + Clone + Send + 'static,
 {
     type Response = ();
     type Error = BoxError;
@@ -422,7 +445,7 @@ async fn run_worker<S, T>(
 ) where
     S: Service<Vec<Message<T>>>,
     S::Error: Into<BoxError>,
-    T: Weigh,
+    T: Weigh + Clone,
 {
     let mut carried: Option<Item<T>> = None;
     loop {
@@ -454,8 +477,99 @@ async fn run_worker<S, T>(
                 Ok(None) | Err(_) => break,
             }
         }
-        flush(&mut inner, batch).await;
+        if config.splits == Splits::Off || batch.len() == 1 {
+            flush(&mut inner, batch).await;
+        } else {
+            flush_bisecting(&mut inner, batch, config.splits).await;
+        }
     }
+}
+
+/// Like [`flush`], narrowing a failed batch down: a bulk error about the records (one the
+/// default dead-letter policy would dead-letter) splits the batch in halves, called in
+/// order, down to the messages that fail alone (or to the split limit); each message
+/// gets the outcome of the smallest piece it was in. A first half that succeeds means its
+/// failed parent's second half holds the culprit: that half is split at once.
+async fn flush_bisecting<S, T>(inner: &mut S, batch: Vec<Item<T>>, splits: Splits)
+where
+    S: Service<Vec<Message<T>>>,
+    S::Error: Into<BoxError>,
+    T: Clone,
+{
+    let (messages, mut answers): (Vec<_>, Vec<_>) = batch
+        .into_iter()
+        .map(|(message, answer)| (message, Some(answer)))
+        .unzip();
+    // (start, end, depth, second half, known to fail)
+    let mut pieces = vec![(0, messages.len(), 0u32, false, false)];
+    while let Some((start, end, depth, second_half, known_failed)) = pieces.pop() {
+        let size = end - start;
+        let can_split = size > 1 && splits.allows(depth);
+        if known_failed && can_split {
+            split(&mut pieces, start, end, depth, size);
+            continue;
+        }
+        let result: Result<(), (bool, BoxError)> = match inner.ready().await.map_err(Into::into) {
+            Ok(ready) => call_bulk(ready, messages[start..end].to_vec())
+                .await
+                .map(drop)
+                .map_err(|e| (false, e.into())),
+            Err(e) => Err((true, e)),
+        };
+        let error = match result {
+            Ok(()) => {
+                if !second_half {
+                    if let Some(next) = pieces.last_mut() {
+                        if next.3 && next.0 == end && next.2 == depth {
+                            next.4 = true;
+                        }
+                    }
+                }
+                for answer in answers[start..end].iter_mut().filter_map(Option::take) {
+                    let _ = answer.send(Ok(()));
+                }
+                continue;
+            }
+            Err(error) => error,
+        };
+        let (unready, error) = error;
+        let about_records = !unready
+            && messages
+                .get(start)
+                .is_some_and(|m| PermanentFailures.should_dead_letter(&*error, &m.metadata));
+        if about_records && can_split {
+            split(&mut pieces, start, end, depth, size);
+            continue;
+        }
+        tracing::debug!(size, unready, error = %crate::observe::error_chain(&*error), "bulk handler failed");
+        let shared: Arc<dyn Error + Send + Sync> = Arc::from(error);
+        for answer in answers[start..end].iter_mut().filter_map(Option::take) {
+            let source = shared.clone();
+            let _ = answer.send(Err(if unready {
+                BatchError::Unavailable { size, source }
+            } else {
+                BatchError::Failed { size, source }
+            }));
+        }
+    }
+}
+
+/// Splits the failed piece `start..end` into halves on the stack, the first on top.
+fn split(
+    pieces: &mut Vec<(usize, usize, u32, bool, bool)>,
+    start: usize,
+    end: usize,
+    depth: u32,
+    size: usize,
+) {
+    let middle = start + size / 2;
+    pieces.push((middle, end, depth + 1, true, false));
+    pieces.push((start, middle, depth + 1, false, false));
+    tracing::debug!(
+        monotonic_counter.shardflow.batches_split = 1u64,
+        size,
+        "a failed batch is split in two"
+    );
 }
 
 async fn flush<S, T>(inner: &mut S, batch: Vec<Item<T>>)

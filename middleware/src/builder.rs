@@ -4,6 +4,7 @@ use tower::layer::util::Stack;
 use tower::ServiceBuilder;
 
 use crate::batch::{BatchConfig, BatchLayer};
+use crate::bisect::BisectLayer;
 use crate::dead_letter::DeadLetterLayer;
 use crate::decode::{DecodeLayer, Json};
 use crate::dedup::DedupLayer;
@@ -64,6 +65,11 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
         self,
         producer: shardflow::producer::Producer,
     ) -> ServiceBuilder<Stack<ProduceToLayer, L>>;
+
+    /// Batch mode: splits a failing batch down to the records that fail alone and sends
+    /// those to `sink` ([`bisect`](crate::bisect)). For limits (attempts, record age,
+    /// split depth) use `.layer(BisectLayer::with_config(sink, config)?)`.
+    fn bisect<K>(self, sink: K) -> ServiceBuilder<Stack<BisectLayer<K>, L>>;
 }
 
 impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
@@ -96,5 +102,9 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
         producer: shardflow::producer::Producer,
     ) -> ServiceBuilder<Stack<ProduceToLayer, L>> {
         self.layer(ProduceToLayer::new(producer))
+    }
+
+    fn bisect<K>(self, sink: K) -> ServiceBuilder<Stack<BisectLayer<K>, L>> {
+        self.layer(BisectLayer::new(sink))
     }
 }

@@ -265,6 +265,16 @@ pub struct SinkTimedOut {
 }
 
 impl DeadLetterError {
+    /// The sink failed with `sink` on the record at `position`, which had failed with
+    /// `original`.
+    pub(crate) fn new(position: shardflow::Position, original: String, sink: BoxError) -> Self {
+        DeadLetterError {
+            position,
+            original,
+            sink,
+        }
+    }
+
     /// Whether the sink did not answer in time (the sink error is a [`SinkTimedOut`]).
     pub fn is_timeout(&self) -> bool {
         self.sink.is::<SinkTimedOut>()
@@ -572,8 +582,11 @@ where
                     return Poll::Ready(match answer {
                         Ok(_) => {
                             tracing::warn!(error = %original, "record dead-lettered");
+                            // Record mode: each record is handled alone (a retry
+                            // layer below counts `retries_exhausted` itself).
                             tracing::debug!(
                                 monotonic_counter.shardflow.dead_lettered = 1u64,
+                                reason = crate::bisect::Reason::FailedAlone.as_str(),
                                 "dead-lettered",
                             );
                             Ok(DeadLetterOutcome::DeadLettered)

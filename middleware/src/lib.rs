@@ -65,14 +65,17 @@
 //!
 //! With `Consumer::run_batches` the service receives a whole read
 //! ([`Batch`](shardflow::Batch)); [`batch`]'s [`Batching`] re-chunks it for a bulk
-//! handler. The per-record layers (decode, dedup, retry, dead-letter) serve record mode.
+//! handler, and [`bisect`]'s [`Bisect`] narrows a failing batch down to the records
+//! that fail alone and dead-letters those. The per-record layers (decode, dedup, retry,
+//! dead-letter) serve record mode.
 //!
 //! # Errors
 //!
 //! Like tower's own middleware, layers that add failures of their own return
 //! [`BoxError`]; the concrete errors are small enums and structs you can
 //! [`downcast_ref`](std::error::Error) to: [`DecodeError`],
-//! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError),
+//! [`DedupError`](dedup::DedupError), [`DeadLetterError`](dead_letter::DeadLetterError)
+//! (a [`bisect`] sink that failed too),
 //! [`BatchError`](batch::BatchError), [`ProduceToError`], [`Panicked`](panic::Panicked).
 //! [`Retry`] passes the handler's own error type through unchanged. [`DedupError`](dedup::DedupError) is transient by
 //! definition (the store is down or another consumer holds the record), so the default
@@ -86,8 +89,8 @@
 //! where the input broke, not what it held.
 //!
 //! Counters are `debug` events with a `monotonic_counter.*` field of value 1 (the
-//! convention of `tracing-opentelemetry`'s metrics layer); each is emitted by exactly one
-//! layer:
+//! convention of `tracing-opentelemetry`'s metrics layer); each event is counted once, by the
+//! layer named:
 //!
 //! | counter | emitted by | when |
 //! |---|---|---|
@@ -95,13 +98,15 @@
 //! | `shardflow.retried` | [`retry`] | a failed attempt is scheduled again |
 //! | `shardflow.retries_exhausted` | [`retry`] | attempts or time ran out; the error goes up |
 //! | `shardflow.deduplicated` | [`dedup`] | the key was already done; the handler was skipped |
-//! | `shardflow.dead_lettered` | [`dead_letter`] | the sink accepted a failed record |
+//! | `shardflow.dead_lettered` | [`dead_letter`], [`bisect`] | the sink accepted a failed record (field `reason`: `failed_alone`, `too_old`, `attempts_exhausted`) |
 //! | `shardflow.decode_failed` | [`decode`] | a payload did not decode |
 //! | `shardflow.batches` | [`batch`] | a batch was handed to the bulk handler (field `size`) |
+//! | `shardflow.batches_split` | [`bisect`], [`batch`] | a failed batch was split in two to find the record that fails alone (field `size`) |
 
 #![warn(missing_docs)]
 
 pub mod batch;
+pub mod bisect;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
@@ -113,6 +118,7 @@ mod builder;
 mod observe;
 
 pub use batch::{BatchConfig, BatchLayer, Batching};
+pub use bisect::{Bisect, BisectConfig, BisectLayer, Splits};
 pub use builder::ServiceBuilderExt;
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,

@@ -290,8 +290,10 @@ impl Consumer {
     /// even when the handle was moved out with [`Batch::take_ack`]): to acknowledge
     /// later, use [`Consumer::stream`].
     ///
-    /// Of the `shardflow-middleware` layers, only `batch` (`Batching`, which re-chunks a
-    /// read for a bulk handler) is a `Service<Batch>`; `decode`, `dedup`, `retry` and
+    /// Of the `shardflow-middleware` layers, `batch` (`Batching`, which re-chunks a read
+    /// for a bulk handler) and `bisect` (`Bisect`, which splits a failing batch down to the
+    /// records that fail alone and dead-letters those, so one poison record does not
+    /// hold the shard) are `Service<Batch>`s; `decode`, `dedup`, `retry` and
     /// `dead_letter` wrap a `Service<Message>` and so work in [`Consumer::run`] mode (or
     /// below `Batching`'s bulk handler, which receives `Vec<Message>`, not at all).
     pub fn run_batches<S>(self, service: S) -> Run

@@ -10,7 +10,9 @@
 //! - no two owners (process incarnations) commit under one lease counter, and only the
 //!   worker that took a lease last commits it;
 //! - every checkpoint covers only required records some handler finished before it
-//!   was written.
+//!   was written;
+//! - in batch mode with a poison record, each delivery's records are each handled or
+//!   dead-lettered exactly once (a failed delivery: a prefix of them), none skipped.
 
 use std::collections::{HashMap, HashSet};
 
@@ -104,6 +106,9 @@ pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
                 late.sequence, late.shard
             ));
         }
+    }
+    if let Some(v) = log.poison_violations.lock().unwrap().first() {
+        return Err(format!("invariant handled-or-dead-lettered-once: {v}"));
     }
     let lost = missing(memory, log, start);
     if !lost.is_empty() {

@@ -80,6 +80,13 @@ pub struct Log {
     /// Checkpoint resets that landed (an operator's, applied): (tick, shard). The
     /// checkpoint may move back at one.
     pub resets: Mutex<Vec<(u64, String)>>,
+    /// Batch-mode deliveries whose records were not each handled or dead-lettered
+    /// exactly once (none skipped): what went wrong.
+    pub poison_violations: Mutex<Vec<String>>,
+    /// Records dead-lettered by batch-mode workers.
+    pub dead_lettered: AtomicU64,
+    /// Batch-mode calls that returned `Ok` after dead-lettering.
+    pub bisected_batches: AtomicU64,
 }
 
 impl Log {

@@ -97,6 +97,9 @@ pub struct Stats {
     pub dropped_batches: u64,
     pub hung_handlers: u64,
     pub stuck_events: u64,
+    pub batch_workers: usize,
+    pub dead_lettered: u64,
+    pub bisected_batches: u64,
 }
 
 impl Stats {
@@ -123,6 +126,9 @@ impl Stats {
         self.dropped_batches += o.dropped_batches;
         self.hung_handlers += o.hung_handlers;
         self.stuck_events += o.stuck_events;
+        self.batch_workers += o.batch_workers;
+        self.dead_lettered += o.dead_lettered;
+        self.bisected_batches += o.bisected_batches;
     }
 }
 
@@ -522,6 +528,7 @@ impl Sim {
             running: running.clone(),
         });
         let running = Running(running);
+        let batch_workers_before = self.stats.batch_workers;
         let task = if stream_mode {
             self.stats.stream_workers += 1;
             let rng = SmallRng::seed_from_u64(self.rng.gen());
@@ -543,14 +550,26 @@ impl Sim {
             self.stats.per_key_workers += usize::from(concurrent);
             let panics = self.features.has(Feature::HandlerPanics);
             let service = handler(
-                log,
+                log.clone(),
                 incarnation.clone(),
                 control.clone(),
                 concurrent,
                 hang,
                 panics,
             );
-            let mut run = consumer.run(service).into_future();
+            // Drawn only with the feature on, so the other histories stay as they were.
+            let batches = self.features.has(Feature::PoisonBatches) && self.rng.gen_bool(0.5);
+            self.stats.batch_workers += usize::from(batches);
+            let run = if batches {
+                consumer.run_batches(batch_handler(
+                    log.clone(),
+                    incarnation.clone(),
+                    control.clone(),
+                ))
+            } else {
+                consumer.run(service)
+            };
+            let mut run = run.into_future();
             tokio::spawn(async move {
                 let _running = running;
                 loop {
@@ -564,7 +583,13 @@ impl Sim {
         };
         self.note(format!(
             "join {incarnation} ({})",
-            if stream_mode { "stream" } else { "run" }
+            if stream_mode {
+                "stream"
+            } else if self.stats.batch_workers > batch_workers_before {
+                "run_batches"
+            } else {
+                "run"
+            }
         ));
         self.stats.joins += 1;
         self.workers.push(Worker {
@@ -1000,6 +1025,8 @@ impl Sim {
         s.dropped_batches = log.dropped_batches.load(Ordering::SeqCst);
         s.hung_handlers = log.hung_handlers.load(Ordering::SeqCst);
         s.stuck_events = log.stuck_events.load(Ordering::SeqCst);
+        s.dead_lettered = log.dead_lettered.load(Ordering::SeqCst);
+        s.bisected_batches = log.bisected_batches.load(Ordering::SeqCst);
         s
     }
 }
@@ -1240,6 +1267,143 @@ fn handler(
             }
             log.handle(&incarnation, &msg);
             Ok(())
+        }
+    })
+}
+
+/// Whether a record is poison for the batch-mode handler (about one in 30).
+fn is_poison(msg: &Message) -> bool {
+    let h = msg
+        .metadata
+        .sequence_number
+        .as_str()
+        .bytes()
+        .fold(11u64, |h, b| h.wrapping_mul(137).wrapping_add(b as u64));
+    h % 30 == 7
+}
+
+/// A record's identity within its shard: shard, sequence and sub-sequence number.
+type RecordId = (Arc<str>, String, u64);
+
+fn record_id(msg: &Message) -> RecordId {
+    (
+        msg.metadata.shard_id.clone(),
+        msg.metadata.sequence_number.as_str().to_owned(),
+        msg.metadata.sub_sequence_number,
+    )
+}
+
+/// The batch-mode handler: a `Bisect` layer over a bulk handler that fails every call
+/// holding a poison record, with a dead-letter sink that refuses each poison record the
+/// first time. Around it, a check that each delivery's records were each handled or
+/// dead-lettered exactly once (all of them on `Ok`, a prefix on an error).
+fn batch_handler(
+    log: Arc<Log>,
+    incarnation: String,
+    control: Arc<Control>,
+) -> impl tower::Service<shardflow::Batch, Response = (), Error = String, Future = impl Send>
+       + Clone
+       + Send {
+    use shardflow_middleware::dead_letter::DeadLetterRecord;
+    use shardflow_middleware::ServiceBuilderExt;
+
+    // What the current call of each shard finished, in order.
+    type Finished = HashMap<Arc<str>, Vec<RecordId>>;
+    let finished: Arc<Mutex<Finished>> = Arc::default();
+    let refused: Arc<Mutex<std::collections::HashSet<RecordId>>> = Arc::default();
+    let bulk = {
+        let (log, incarnation, control, finished) = (
+            log.clone(),
+            incarnation.clone(),
+            control.clone(),
+            finished.clone(),
+        );
+        tower::service_fn(move |batch: shardflow::Batch| {
+            let (log, incarnation, control, finished) = (
+                log.clone(),
+                incarnation.clone(),
+                control.clone(),
+                finished.clone(),
+            );
+            async move {
+                control.gate().await;
+                for m in &batch.messages {
+                    log.deliver(&incarnation, m);
+                }
+                if batch.messages.iter().any(is_poison) {
+                    return Err::<(), &'static str>("poison record");
+                }
+                let mut finished = finished.lock().unwrap();
+                for m in &batch.messages {
+                    log.handle(&incarnation, m);
+                    finished
+                        .entry(batch.shard_id.clone())
+                        .or_default()
+                        .push(record_id(m));
+                }
+                Ok(())
+            }
+        })
+    };
+    let sink = {
+        let (log, incarnation, control, finished) = (
+            log.clone(),
+            incarnation.clone(),
+            control.clone(),
+            finished.clone(),
+        );
+        tower::service_fn(move |record: DeadLetterRecord| {
+            let (log, incarnation, control, finished, refused) = (
+                log.clone(),
+                incarnation.clone(),
+                control.clone(),
+                finished.clone(),
+                refused.clone(),
+            );
+            async move {
+                control.gate().await;
+                let msg = Message::new(record.metadata, record.payload);
+                if refused.lock().unwrap().insert(record_id(&msg)) {
+                    return Err::<(), &'static str>("the dead-letter stream is down");
+                }
+                log.handle(&incarnation, &msg);
+                log.dead_lettered.fetch_add(1, Ordering::SeqCst);
+                finished
+                    .lock()
+                    .unwrap()
+                    .entry(msg.metadata.shard_id.clone())
+                    .or_default()
+                    .push(record_id(&msg));
+                Ok(())
+            }
+        })
+    };
+    let bisect = tower::ServiceBuilder::new().bisect(sink).service(bulk);
+    tower::service_fn(move |batch: shardflow::Batch| {
+        let (log, incarnation, finished) = (log.clone(), incarnation.clone(), finished.clone());
+        let expected: Vec<RecordId> = batch.messages.iter().map(record_id).collect();
+        let shard = batch.shard_id.clone();
+        finished.lock().unwrap().remove(&shard);
+        let call = tower::ServiceExt::oneshot(bisect.clone(), batch);
+        async move {
+            let result = call.await;
+            let done = finished.lock().unwrap().remove(&shard).unwrap_or_default();
+            let ok = match &result {
+                Ok(outcome) => {
+                    if outcome.dead_lettered > 0 {
+                        log.bisected_batches.fetch_add(1, Ordering::SeqCst);
+                    }
+                    done == expected
+                }
+                Err(_) => expected.starts_with(&done),
+            };
+            if !ok {
+                log.poison_violations.lock().unwrap().push(format!(
+                    "{incarnation} on {shard}: delivered {expected:?}, finished {done:?} ({})",
+                    if result.is_ok() { "ok" } else { "failed" }
+                ));
+            }
+            result.map(drop).map_err(|e| e.to_string())
         }
     })
 }

@@ -120,7 +120,8 @@ async fn record_mode_respects_the_byte_limit() {
 #[tokio::test(start_paused = true)]
 async fn every_message_of_a_failed_batch_gets_the_error() {
     let (_, handler) = bulk(|_| true);
-    let svc = Batching::new(handler, BatchConfig::new().max_count(2));
+    let config = BatchConfig::new().max_count(2).bisect(Splits::Off);
+    let svc = Batching::new(handler, config);
     for call in send_all(&svc, 1..=2, b"x") {
         let err = call.await.unwrap().unwrap_err();
         match err.downcast_ref::<BatchError>() {
@@ -299,4 +300,94 @@ async fn huge_limits_and_queues_do_not_panic() {
         }
         assert_eq!(sequences(&calls), strings(&[&[1, 2]]));
     }
+}
+
+/// A bulk handler that fails every call holding sequence number `poison`.
+fn bulk_poisoned(
+    poison: &'static str,
+) -> (
+    Calls,
+    impl Service<Vec<Message<Bytes>>, Response = (), Error = BoxError, Future: Send> + Clone,
+) {
+    let calls: Calls = Arc::default();
+    let seen = calls.clone();
+    let svc = service_fn(move |messages: Vec<Message<Bytes>>| {
+        let sequences: Vec<String> = messages
+            .iter()
+            .map(|m| m.metadata.sequence_number.to_string())
+            .collect();
+        let failed = sequences.iter().any(|s| s == poison);
+        seen.lock().unwrap().push(sequences);
+        async move {
+            if failed {
+                Err::<(), BoxError>("bulk write failed".into())
+            } else {
+                Ok(())
+            }
+        }
+    });
+    (calls, svc)
+}
+
+/// Regression: one poison record in a collected batch of ten sent all ten to the
+/// dead-letter sink.
+#[tokio::test(start_paused = true)]
+async fn record_mode_dead_letters_only_the_record_that_fails_alone() {
+    use crate::dead_letter::{DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord};
+
+    let sunk: Arc<Mutex<Vec<String>>> = Arc::default();
+    let into = sunk.clone();
+    let sink = service_fn(move |record: DeadLetterRecord| {
+        into.lock()
+            .unwrap()
+            .push(record.metadata.sequence_number.to_string());
+        async { Ok::<_, BoxError>(()) }
+    });
+    let (calls, handler) = bulk_poisoned("7");
+    let batching = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(10)
+            .linger(Duration::from_secs(1)),
+    );
+    let svc = DeadLetterLayer::new(sink).layer(batching);
+    let outcomes: Vec<_> = (1..=10)
+        .map(|n| tokio::spawn(svc.clone().oneshot(message(n, b"x"))))
+        .collect();
+    let mut dead_lettered = Vec::new();
+    for (n, outcome) in (1..=10).zip(outcomes) {
+        if let DeadLetterOutcome::DeadLettered = outcome.await.unwrap().unwrap() {
+            dead_lettered.push(n);
+        }
+    }
+    assert_eq!(dead_lettered, [7]);
+    assert_eq!(*sunk.lock().unwrap(), ["7"]);
+    let calls = sequences(&calls);
+    assert_eq!(calls[0].len(), 10, "one collected batch first");
+    let handled: Vec<&String> = calls
+        .iter()
+        .filter(|c| !c.iter().any(|s| s == "7"))
+        .flatten()
+        .collect();
+    assert_eq!(
+        handled.len(),
+        9,
+        "each of the others handled once: {calls:?}"
+    );
+    assert!(calls.len() - 1 <= 2 * 4, "{} calls", calls.len());
+}
+
+#[tokio::test(start_paused = true)]
+async fn record_mode_does_not_split_on_a_transient_error() {
+    let (calls, handler) = bulk(|_| true);
+    let svc = Batching::new(
+        tower::ServiceBuilder::new()
+            .map_err(|_: BoxError| -> BoxError { Box::new(BatchError::Closed) })
+            .service(handler),
+        BatchConfig::new().max_count(4),
+    );
+    for call in send_all(&svc, 1..=4, b"x") {
+        call.await.unwrap().unwrap_err();
+    }
+    assert_eq!(sequences(&calls).len(), 1, "not split");
 }

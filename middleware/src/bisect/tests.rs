@@ -1,0 +1,298 @@
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use tower::service_fn;
+
+use super::*;
+use crate::test_support::message;
+
+type Sunk = Arc<Mutex<Vec<DeadLetterRecord>>>;
+type Calls = Arc<Mutex<Vec<Vec<u64>>>>;
+
+/// A transient error, for the tests' policy.
+#[derive(Debug, thiserror::Error)]
+#[error("the database is down")]
+struct Down;
+
+fn sink(
+    down: bool,
+) -> (
+    Sunk,
+    impl Service<DeadLetterRecord, Response = (), Error = BoxError, Future: Send> + Clone,
+) {
+    let sunk: Sunk = Arc::default();
+    let into = sunk.clone();
+    let svc = service_fn(move |record: DeadLetterRecord| {
+        let into = into.clone();
+        async move {
+            if down {
+                return Err::<(), BoxError>("sink down".into());
+            }
+            into.lock().unwrap().push(record);
+            Ok(())
+        }
+    });
+    (sunk, svc)
+}
+
+/// A bulk handler that records each call's sequence numbers and fails a call that holds
+/// any record `poison` picks, with the error `error` makes.
+fn handler(
+    poison: impl Fn(u64) -> bool + Clone + Send + Sync + 'static,
+    error: fn() -> BoxError,
+) -> (
+    Calls,
+    impl Service<Batch<Bytes>, Response = (), Error = BoxError, Future: Send> + Clone,
+) {
+    let calls: Calls = Arc::default();
+    let seen = calls.clone();
+    let svc = service_fn(move |batch: Batch<Bytes>| {
+        let sequences: Vec<u64> = batch
+            .messages
+            .iter()
+            .map(|m| m.metadata.sequence_number.as_str().parse().unwrap())
+            .collect();
+        let failed = sequences.iter().any(|s| poison(*s));
+        seen.lock().unwrap().push(sequences);
+        async move {
+            if failed {
+                Err(error())
+            } else {
+                Ok(())
+            }
+        }
+    });
+    (calls, svc)
+}
+
+fn batch(range: std::ops::Range<u64>) -> Batch<Bytes> {
+    Batch::new(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        range.map(|n| message(n, b"x")).collect(),
+    )
+}
+
+fn bad() -> BoxError {
+    "constraint violated".into()
+}
+
+fn down() -> BoxError {
+    Box::new(Down)
+}
+
+fn not_down(e: &(dyn std::error::Error + Send + Sync + 'static), _: &shardflow::Metadata) -> bool {
+    !e.is::<Down>()
+}
+
+fn sunk_sequences(sunk: &Sunk) -> Vec<u64> {
+    sunk.lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.metadata.sequence_number.as_str().parse().unwrap())
+        .collect()
+}
+
+fn handled(calls: &Calls, poison: impl Fn(&[u64]) -> bool) -> Vec<u64> {
+    calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| !poison(c))
+        .flatten()
+        .copied()
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_poison_record_fails_alone_and_only_it_is_dead_lettered() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 7, bad);
+    let svc = BisectLayer::new(sink).layer(inner);
+    let outcome = svc.oneshot(batch(0..16)).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), [7]);
+    let record = &sunk.lock().unwrap()[0];
+    assert!(
+        record
+            .error
+            .starts_with("failed_alone: constraint violated"),
+        "{}",
+        record.error
+    );
+    // Whole (fail), [0..8) (fail), [0..4) ok, [4..8) split at once, [4..6) ok, [6..8)
+    // split at once, [6] ok, [7] fails alone, [8..16) ok: three failed calls held 7.
+    assert_eq!(record.attempts, Some(3));
+    let ok = handled(&calls, |c| c.contains(&7));
+    assert_eq!(
+        ok,
+        (0..16).filter(|s| *s != 7).collect::<Vec<_>>(),
+        "in order, once each"
+    );
+    assert_eq!(outcome.calls, 7);
+    assert_eq!(outcome.dead_lettered, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transient_error_fails_the_call_and_dead_letters_nothing() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 7, down);
+    let svc = BisectLayer::new(sink).policy(not_down).layer(inner);
+    let error = svc.oneshot(batch(0..16)).await.unwrap_err();
+    assert!(error.is::<Down>());
+    assert!(sunk.lock().unwrap().is_empty());
+    assert_eq!(calls.lock().unwrap().len(), 1, "not split");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_that_is_down_fails_the_call_at_the_poison_record() {
+    let (_, sink) = sink(true);
+    let (calls, inner) = handler(|s| s == 5, bad);
+    let svc = BisectLayer::new(sink).layer(inner);
+    let error = svc.oneshot(batch(0..16)).await.unwrap_err();
+    let error = error
+        .downcast_ref::<DeadLetterError>()
+        .expect("a sink error");
+    assert_eq!(error.position().sequence.as_str(), "5");
+    let ok = handled(&calls, |c| c.contains(&5));
+    assert_eq!(ok, [0, 1, 2, 3, 4], "nothing after the record was handled");
+}
+
+#[tokio::test(start_paused = true)]
+async fn records_older_than_the_limit_go_to_the_sink_instead_of_being_retried() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|_| true, down);
+    let layer = BisectLayer::with_config(
+        sink,
+        BisectConfig::new().max_record_age(Duration::from_secs(3600)),
+    )
+    .unwrap()
+    .policy(not_down);
+    let svc = layer.layer(inner);
+    let now = SystemTime::now();
+    let mut old = batch(0..6);
+    for (i, m) in old.messages.iter_mut().enumerate() {
+        // Records 0..3 arrived two hours ago, 3..6 just now.
+        let age = if i < 3 {
+            Duration::from_secs(7200)
+        } else {
+            Duration::ZERO
+        };
+        m.metadata.approximate_arrival = Some(now - age);
+    }
+    let error = svc.clone().oneshot(old).await.unwrap_err();
+    assert!(error.is::<Down>());
+    assert_eq!(sunk_sequences(&sunk), [0, 1, 2]);
+    assert!(sunk.lock().unwrap()[0].error.starts_with("too_old: "));
+    assert_eq!(calls.lock().unwrap().len(), 1);
+    // An hour and a bit later (tokio's clock) the others are too old as well.
+    tokio::time::advance(Duration::from_secs(3601)).await;
+    let mut rest = batch(3..6);
+    for m in &mut rest.messages {
+        m.metadata.approximate_arrival = Some(now);
+    }
+    let outcome = svc.oneshot(rest).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), [0, 1, 2, 3, 4, 5]);
+    assert_eq!(outcome.dead_lettered, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_piece_that_keeps_failing_is_dead_lettered_after_max_attempts_deliveries() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 5, down);
+    let layer = BisectLayer::with_config(sink, BisectConfig::new().max_attempts(3))
+        .unwrap()
+        .policy(not_down);
+    let svc = layer.layer(inner);
+    for _ in 0..2 {
+        svc.clone().oneshot(batch(0..8)).await.unwrap_err();
+    }
+    assert!(sunk.lock().unwrap().is_empty());
+    let outcome = svc.clone().oneshot(batch(0..8)).await.unwrap();
+    assert_eq!(
+        outcome.dead_lettered, 8,
+        "the piece that could not be narrowed down"
+    );
+    let sunk_records = sunk.lock().unwrap().clone();
+    assert!(sunk_records.iter().all(|r| r.attempts == Some(3)
+        && r.error
+            .starts_with("attempts_exhausted: the database is down")));
+    assert_eq!(calls.lock().unwrap().len(), 3);
+    // The count starts again for the next stuck record.
+    svc.oneshot(batch(5..8)).await.unwrap_err();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_split_limit_stops_narrowing_and_the_attempts_limit_ends_it() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 5, bad);
+    let config = BisectConfig::new()
+        .splits(Splits::AtMost(1))
+        .max_attempts(2);
+    let svc = BisectLayer::with_config(sink, config).unwrap().layer(inner);
+    // [0..8) fails, [0..4) ok, [4..8) is at the limit: called, fails, delivered again.
+    svc.clone().oneshot(batch(0..8)).await.unwrap_err();
+    assert!(sunk.lock().unwrap().is_empty());
+    // The redelivery starts at 4 (the consumer's checkpoint passed 0..4).
+    svc.oneshot(batch(4..8)).await.unwrap();
+    // [4..8) fails, [4..6) fails at the limit (second time at 4): dead-lettered; [6..8) ok.
+    assert_eq!(sunk_sequences(&sunk), [4, 5]);
+    assert_eq!(handled(&calls, |c| c.contains(&5)), [0, 1, 2, 3, 6, 7]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_panics_on_a_record_is_a_failure_of_that_record() {
+    let (sunk, sink) = sink(false);
+    let seen = Arc::new(AtomicU32::new(0));
+    let count = seen.clone();
+    let inner = service_fn(move |batch: Batch<Bytes>| {
+        count.fetch_add(1, Ordering::SeqCst);
+        let poisoned = batch
+            .messages
+            .iter()
+            .any(|m| m.metadata.sequence_number.as_str() == "3");
+        async move {
+            assert!(!poisoned, "poison");
+            Ok::<_, BoxError>(())
+        }
+    });
+    let svc = BisectLayer::new(sink).layer(inner);
+    svc.oneshot(batch(0..4)).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), [3]);
+    assert!(sunk.lock().unwrap()[0]
+        .error
+        .contains("the handler panicked"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_poison_records_are_each_dead_lettered_once() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 2 || s == 11, bad);
+    let svc = BisectLayer::new(sink).layer(inner);
+    svc.oneshot(batch(0..16)).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), [2, 11]);
+    let ok: BTreeSet<u64> = handled(&calls, |c| c.contains(&2) || c.contains(&11))
+        .into_iter()
+        .collect();
+    assert_eq!(ok.len(), 14);
+}
+
+#[test]
+fn limits_that_cannot_work_are_refused_naming_the_field() {
+    for (config, field) in [
+        (BisectConfig::new().max_attempts(0), "max_attempts"),
+        (
+            BisectConfig::new().max_record_age(Duration::ZERO),
+            "max_record_age",
+        ),
+        (
+            BisectConfig::new().sink_timeout(Duration::ZERO),
+            "sink_timeout",
+        ),
+    ] {
+        match BisectLayer::with_config((), config) {
+            Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+}
