@@ -30,7 +30,63 @@ pub(crate) struct Settings {
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) ordered_per_key: bool,
+    pub(crate) aggregation: Option<Aggregation>,
     pub(crate) seed: u64,
+}
+
+/// How the producer packs user records into KPL aggregated records
+/// ([`ProducerBuilder::aggregation`]). The defaults are the KPL's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Aggregation {
+    max_size: usize,
+    max_count: u64,
+}
+
+impl Default for Aggregation {
+    fn default() -> Self {
+        Aggregation {
+            max_size: DEFAULT_AGGREGATE_BYTES,
+            max_count: DEFAULT_AGGREGATE_RECORDS,
+        }
+    }
+}
+
+/// The KPL's `AggregationMaxSize`: aggregates of at most 51,200 bytes.
+pub const DEFAULT_AGGREGATE_BYTES: usize = 51_200;
+
+/// The KPL's `AggregationMaxCount`: in effect no limit but the size.
+pub const DEFAULT_AGGREGATE_RECORDS: u64 = 4_294_967_295;
+
+impl Aggregation {
+    /// The KPL's defaults: aggregates of at most 51,200 bytes, no count limit in effect.
+    pub fn new() -> Self {
+        Aggregation::default()
+    }
+
+    /// At most this many bytes (data with its framing, plus the partition key) per
+    /// aggregated record, `1..=1 MiB` (default 51,200). Smaller aggregates spread
+    /// better over the shards and cost less to deliver again; a user record that does
+    /// not fit in one of its own goes alone, as a plain record.
+    pub fn max_size(mut self, bytes: usize) -> Self {
+        self.max_size = bytes;
+        self
+    }
+
+    /// At most this many user records per aggregated record (default 4,294,967,295).
+    pub fn max_count(mut self, records: u64) -> Self {
+        self.max_count = records;
+        self
+    }
+
+    /// The size limit.
+    pub fn size_limit(&self) -> usize {
+        self.max_size
+    }
+
+    /// The count limit.
+    pub fn count_limit(&self) -> u64 {
+        self.max_count
+    }
 }
 
 /// Builds a [`Producer`]. `stream` and a backend (`backend` or `kinesis`) are required;
@@ -46,6 +102,7 @@ pub(crate) struct Settings {
 /// | [`max_attempts`](Self::max_attempts) | 10 | sends of one record before it fails |
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
+/// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -58,6 +115,7 @@ pub struct ProducerBuilder {
     retry_min: Duration,
     retry_max: Duration,
     ordered_per_key: bool,
+    aggregation: Option<Aggregation>,
     seed: Option<u64>,
 }
 
@@ -75,6 +133,7 @@ impl Default for ProducerBuilder {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(5),
             ordered_per_key: false,
+            aggregation: None,
             seed: None,
         }
     }
@@ -160,6 +219,20 @@ impl ProducerBuilder {
         self
     }
 
+    /// Packs many user records into each Kinesis record with the KPL's aggregation
+    /// format and defaults ([`Aggregation::new`]), grouped by the shard each record
+    /// lands in (default off). See the [module docs](super#aggregation).
+    pub fn aggregate(mut self, on: bool) -> Self {
+        self.aggregation = on.then(Aggregation::new);
+        self
+    }
+
+    /// Aggregation with these limits (see [`aggregate`](Self::aggregate)).
+    pub fn aggregation(mut self, aggregation: Aggregation) -> Self {
+        self.aggregation = Some(aggregation);
+        self
+    }
+
     /// Seeds the retry jitter (default: random), for reproducible tests.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -234,6 +307,23 @@ impl ProducerBuilder {
             retry_min: self.retry_min,
             retry_max: self.retry_max,
             ordered_per_key: self.ordered_per_key,
+            aggregation: match self.aggregation {
+                Some(aggregation) => {
+                    at_least_one(
+                        "aggregation.max_size",
+                        aggregation.max_size,
+                        crate::kinesis::MAX_RECORD_BYTES,
+                    )?;
+                    if aggregation.max_count == 0 {
+                        return Err(ConfigError::Invalid {
+                            field: "aggregation.max_count",
+                            reason: "0 is not at least 1".into(),
+                        });
+                    }
+                    Some(aggregation)
+                }
+                None => None,
+            },
             seed: self.seed.unwrap_or_else(rand::random),
         })
     }
@@ -297,6 +387,20 @@ mod tests {
         let ms = Duration::from_millis;
         assert_eq!(field(base().retry_backoff(ms(0), ms(1))), "retry_backoff");
         assert_eq!(field(base().retry_backoff(ms(10), ms(1))), "retry_backoff");
+        assert_eq!(field(base().aggregate(true)), "ok");
+        let aggregation = |a: Aggregation| field(base().aggregation(a));
+        assert_eq!(
+            aggregation(Aggregation::new().max_size(0)),
+            "aggregation.max_size"
+        );
+        assert_eq!(
+            aggregation(Aggregation::new().max_size(crate::kinesis::MAX_RECORD_BYTES + 1)),
+            "aggregation.max_size"
+        );
+        assert_eq!(
+            aggregation(Aggregation::new().max_count(0)),
+            "aggregation.max_count"
+        );
     }
 
     #[test]
