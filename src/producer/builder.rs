@@ -31,6 +31,8 @@ pub(crate) struct Settings {
     pub(crate) retry_max: Duration,
     pub(crate) ordered_per_key: bool,
     pub(crate) aggregation: Option<Aggregation>,
+    /// Percent of a shard's write quota the producer allows itself per shard.
+    pub(crate) rate_limit: Option<u32>,
     pub(crate) seed: u64,
 }
 
@@ -103,6 +105,7 @@ impl Aggregation {
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
 /// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
+/// | [`rate_limit`](Self::rate_limit) | off | percent of a shard's write quota to use |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -116,6 +119,7 @@ pub struct ProducerBuilder {
     retry_max: Duration,
     ordered_per_key: bool,
     aggregation: Option<Aggregation>,
+    rate_limit: Option<u32>,
     seed: Option<u64>,
 }
 
@@ -134,6 +138,7 @@ impl Default for ProducerBuilder {
             retry_max: Duration::from_secs(5),
             ordered_per_key: false,
             aggregation: None,
+            rate_limit: None,
             seed: None,
         }
     }
@@ -233,6 +238,24 @@ impl ProducerBuilder {
         self
     }
 
+    /// Writes at most `percent` of a shard's quota (1,000 records and 1 MiB per second)
+    /// to each shard, 1..=1000 (default: no limit). The KPL's default is 150: more
+    /// than the quota, to absorb the imprecision of Kinesis' meter. Records of a shard
+    /// over its budget wait in the producer (records of other shards go on) instead of
+    /// being sent and refused; an entry refused for throughput empties its shard's
+    /// budget, so that shard waits while the others go on. The producer lists the
+    /// stream's shards to know where each record goes, as for aggregation.
+    pub fn rate_limit(mut self, percent: u32) -> Self {
+        self.rate_limit = Some(percent);
+        self
+    }
+
+    /// No per-shard rate limit (the default): every record goes when its batch does.
+    pub fn no_rate_limit(mut self) -> Self {
+        self.rate_limit = None;
+        self
+    }
+
     /// Seeds the retry jitter (default: random), for reproducible tests.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -322,6 +345,10 @@ impl ProducerBuilder {
                     }
                     Some(aggregation)
                 }
+                None => None,
+            },
+            rate_limit: match self.rate_limit {
+                Some(percent) => Some(at_least_one("rate_limit", percent as usize, 1000)? as u32),
                 None => None,
             },
             seed: self.seed.unwrap_or_else(rand::random),

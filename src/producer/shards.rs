@@ -107,3 +107,110 @@ mod tests {
         assert_eq!(id(u128::MAX).as_deref(), Some("b"));
     }
 }
+
+/// Kinesis' write quota of one shard: 1,000 records and 1 MiB per second.
+const SHARD_RECORDS_PER_SECOND: f64 = 1_000.0;
+const SHARD_BYTES_PER_SECOND: f64 = 1_048_576.0;
+
+/// The rate the producer allows itself per shard: a share of the shard's quota.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RateLimit {
+    records: f64,
+    bytes: f64,
+}
+
+impl RateLimit {
+    /// `percent` of a shard's quota per second.
+    pub(crate) fn percent(percent: u32) -> Self {
+        let share = f64::from(percent) / 100.0;
+        RateLimit {
+            records: SHARD_RECORDS_PER_SECOND * share,
+            bytes: SHARD_BYTES_PER_SECOND * share,
+        }
+    }
+}
+
+/// A token bucket of records and bytes for one shard, holding at most one second of
+/// its rate, on tokio's clock (so it runs under the paused clock in tests).
+pub(crate) struct ShardBudget {
+    records: f64,
+    bytes: f64,
+    at: Instant,
+}
+
+impl ShardBudget {
+    /// A full bucket.
+    pub(crate) fn new(limit: &RateLimit, now: Instant) -> Self {
+        ShardBudget {
+            records: limit.records,
+            bytes: limit.bytes,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, limit: &RateLimit, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.records = (self.records + elapsed * limit.records).min(limit.records);
+        self.bytes = (self.bytes + elapsed * limit.bytes).min(limit.bytes);
+        self.at = now;
+    }
+
+    /// Takes `records` and `bytes` if the bucket holds them (a cost above a full
+    /// bucket's needs a full bucket); else returns when it will.
+    pub(crate) fn take(
+        &mut self,
+        limit: &RateLimit,
+        records: f64,
+        bytes: f64,
+        now: Instant,
+    ) -> Result<(), Instant> {
+        self.refill(limit, now);
+        let records = records.min(limit.records);
+        let bytes = bytes.min(limit.bytes);
+        if self.records >= records && self.bytes >= bytes {
+            self.records -= records;
+            self.bytes -= bytes;
+            return Ok(());
+        }
+        let wait = ((records - self.records) / limit.records)
+            .max((bytes - self.bytes) / limit.bytes)
+            .max(0.0);
+        Err(now + std::time::Duration::from_secs_f64(wait.min(1.0)))
+    }
+
+    /// Empties the bucket: Kinesis refused an entry for throughput, so the shard is
+    /// busier than the bucket thought (other producers write to it too).
+    pub(crate) fn drain(&mut self, limit: &RateLimit, now: Instant) {
+        self.refill(limit, now);
+        self.records = 0.0;
+        self.bytes = 0.0;
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_budget_gives_a_second_of_its_rate_then_refills_with_time() {
+        let limit = RateLimit::percent(150);
+        let start = Instant::now();
+        let mut budget = ShardBudget::new(&limit, start);
+        for _ in 0..1_500 {
+            assert!(budget.take(&limit, 1.0, 10.0, start).is_ok());
+        }
+        let ready = budget.take(&limit, 1.0, 10.0, start).unwrap_err();
+        assert!(ready > start && ready <= start + Duration::from_millis(1));
+        let later = start + Duration::from_millis(100);
+        for _ in 0..150 {
+            assert!(budget.take(&limit, 1.0, 10.0, later).is_ok());
+        }
+        assert!(budget.take(&limit, 1.0, 10.0, later).is_err());
+        // Bytes count as well; a cost above a full bucket needs a full bucket.
+        let mut budget = ShardBudget::new(&RateLimit::percent(50), start);
+        assert!(budget.take(&RateLimit::percent(50), 0.0, 1e9, start).is_ok());
+        assert!(budget.take(&RateLimit::percent(50), 0.0, 1.0, start).is_err());
+        budget.drain(&RateLimit::percent(50), start);
+    }
+}

@@ -37,7 +37,7 @@ use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 
 use super::builder::Settings;
 use super::record::{ProduceError, Stored};
-use super::shards::{hash_key, ShardMap};
+use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
 
 /// How often the shard map is listed again even when nothing showed a reshard.
 const SHARD_MAP_MAX_AGE: Duration = Duration::from_secs(60);
@@ -215,6 +215,11 @@ pub(crate) struct Worker {
     listed_at: Option<Instant>,
     /// The last listing failed and there is no map: records go unaggregated meanwhile.
     map_unavailable: bool,
+    /// The per-shard rate limit, each shard's budget, and when one refills enough for a
+    /// record that waits (set when none could go).
+    rate_limit: Option<RateLimit>,
+    budgets: HashMap<Arc<str>, ShardBudget>,
+    rate_wait: Option<Instant>,
 }
 
 impl Worker {
@@ -230,6 +235,7 @@ impl Worker {
             .saturating_mul(per_entry)
             .saturating_mul(settings.max_in_flight.saturating_add(1));
         let backoff = Backoff::new(settings.retry_min, settings.retry_max, settings.seed);
+        let rate_limit = settings.rate_limit;
         Worker {
             settings,
             rx,
@@ -253,6 +259,9 @@ impl Worker {
             listing_wanted: false,
             listed_at: None,
             map_unavailable: false,
+            rate_limit: rate_limit.map(RateLimit::percent),
+            budgets: HashMap::new(),
+            rate_wait: None,
         }
     }
 
@@ -413,8 +422,7 @@ impl Worker {
         if self.paused_until.is_some_and(|until| until > now) {
             return;
         }
-        if self.settings.aggregation.is_some() && self.shard_map.is_none() && !self.map_unavailable
-        {
+        if self.uses_shard_map() && self.shard_map.is_none() && !self.map_unavailable {
             // The first listing is under way: its answer wakes the loop.
             return;
         }
@@ -434,20 +442,33 @@ impl Worker {
             if !(full || due) {
                 break;
             }
-            self.launch();
+            if self.rate_wait.is_some_and(|at| at > now) {
+                // Every shard with records waiting is over its budget.
+                break;
+            }
+            let calls = self.in_flight.len();
+            self.launch(now);
+            if self.in_flight.len() == calls {
+                break;
+            }
         }
     }
 
     /// Sends the next batch from the front of `ready`: at most `max_batch_records`
     /// records and `max_batch_bytes` bytes (a single larger record goes alone).
-    fn launch(&mut self) {
-        match (&self.settings.aggregation, &self.shard_map) {
-            (Some(_), Some(map)) => {
+    fn launch(&mut self, now: Instant) {
+        match (self.uses_shard_map(), &self.shard_map) {
+            (true, Some(map)) => {
                 let map = map.clone();
-                self.launch_aggregated(&map);
+                self.launch_aggregated(&map, now);
             }
             _ => self.launch_plain(),
         }
+    }
+
+    /// Aggregation and the per-shard rate limit both need to know each record's shard.
+    fn uses_shard_map(&self) -> bool {
+        self.settings.aggregation.is_some() || self.rate_limit.is_some()
     }
 
     fn launch_plain(&mut self) {
@@ -477,11 +498,17 @@ impl Worker {
     /// Sends the next batch from the front of `ready`, each record packed into an
     /// aggregate of the shard it is predicted to land in: at most `max_batch_records`
     /// entries and about `max_batch_bytes` bytes.
-    fn launch_aggregated(&mut self, map: &ShardMap) {
+    ///
+    /// With a rate limit, a record whose shard has no budget left stays in `ready` (in
+    /// its place) and the others go on; `rate_wait` is when a budget refills.
+    fn launch_aggregated(&mut self, map: &ShardMap, now: Instant) {
+        // Without aggregation (rate limit only), "aggregates" of one record: plain.
         let (max_size, max_count) = match &self.settings.aggregation {
             Some(a) => (a.size_limit(), a.count_limit()),
-            None => return self.launch_plain(),
+            None => (crate::kinesis::MAX_RECORD_BYTES, 1),
         };
+        let mut deferred: Vec<Entry> = Vec::new();
+        let mut wake: Option<Instant> = None;
         let mut records = Vec::new();
         let mut parts = Vec::new();
         let mut open: HashMap<usize, Open> = HashMap::new();
@@ -498,12 +525,39 @@ impl Worker {
             {
                 break;
             }
+            let predicted = hash_key(&front.record).and_then(|h| map.shard_of(h));
+            if let (Some(limit), Some(index)) = (&self.rate_limit, predicted) {
+                // A new Kinesis record costs one record of the budget; every user
+                // record its bytes (with a little framing when aggregated).
+                let starts = open.get(&index).is_none_or(|slot| {
+                    slot.aggregator.is_empty()
+                        || slot.aggregator.len() as u64 >= max_count
+                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD
+                            > max_size
+                });
+                let cost_records = if starts { 1.0 } else { 0.0 };
+                let cost_bytes = front.meta.size as f64;
+                if let Some(shard) = map.id(index) {
+                    let budget = self
+                        .budgets
+                        .entry(shard.clone())
+                        .or_insert_with(|| ShardBudget::new(limit, now));
+                    if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
+                        wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                        if let Some(entry) = self.ready.pop_front() {
+                            self.ready_bytes -= entry.meta.size;
+                            deferred.push(entry);
+                        }
+                        continue;
+                    }
+                }
+            }
             let Some(Entry { record, mut meta }) = self.ready.pop_front() else {
                 break;
             };
             self.ready_bytes -= meta.size;
             meta.attempts += 1;
-            let Some(index) = hash_key(&record).and_then(|h| map.shard_of(h)) else {
+            let Some(index) = predicted else {
                 // Outside every known range: the map is stale. Sent alone, where
                 // Kinesis routes it.
                 self.listing_wanted = true;
@@ -553,6 +607,12 @@ impl Worker {
             }
             pending = pending.saturating_sub(before) + slot.aggregator.size();
         }
+        // Records over their shard's budget keep their place, ahead of newer ones.
+        for entry in deferred.into_iter().rev() {
+            self.ready_bytes += entry.meta.size;
+            self.ready.push_front(entry);
+        }
+        self.rate_wait = wake.filter(|_| records.is_empty() && open.is_empty());
         for (index, slot) in open {
             let Open {
                 mut aggregator,
@@ -588,7 +648,7 @@ impl Worker {
     /// Starts listing the shards when aggregating and the map is missing, stale, or
     /// shown wrong (at most once per [`SHARD_MAP_MIN_INTERVAL`]).
     fn list_shards_if_due(&mut self, now: Instant) {
-        if self.settings.aggregation.is_none() || self.listing.is_some() {
+        if !self.uses_shard_map() || self.listing.is_some() {
             return;
         }
         let due = match &self.shard_map {
@@ -684,6 +744,15 @@ impl Worker {
                 },
                 PutOutcome::Failed { code, message } => {
                     let transient = entry_error_is_transient(&code);
+                    if let (Some(limit), Part::Aggregate { shard, .. }) = (&self.rate_limit, &part) {
+                        if code == "ProvisionedThroughputExceededException" {
+                            // The shard is busier than its budget said: it waits, the
+                            // others go on.
+                            if let Some(budget) = self.budgets.get_mut(shard) {
+                                budget.drain(limit, now);
+                            }
+                        }
+                    }
                     for entry in part.into_entries(record) {
                         self.not_stored(entry, transient, &code, &message, jitter, now, &mut tally);
                     }
@@ -839,7 +908,10 @@ impl Worker {
         for (at, _) in &self.retries {
             consider(*at);
         }
-        if self.settings.aggregation.is_some() && self.listing.is_none() {
+        if let Some(at) = self.rate_wait {
+            consider(at);
+        }
+        if self.uses_shard_map() && self.listing.is_none() {
             // A listing wanted but too soon after the last one.
             if let (true, Some(at)) = (self.listing_wanted || self.map_unavailable, self.listed_at)
             {
