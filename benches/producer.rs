@@ -19,23 +19,43 @@
 //!   4 calls at once, records prepared in advance; no producer.
 //!
 //! Environment knobs: `BENCH_ITERS` (default 5), `BENCH_RECORDS` (memory, default
-//! 200000), `BENCH_EMULATOR_RECORDS` (default 20000).
+//! 200000), `BENCH_EMULATOR_RECORDS` (default 20000), `BENCH_LIMITED_ITERS` (default 3).
+//!
+//! **Limits on** (the memory backend with `KinesisLimits::aws()`: 1,000 records and
+//! 1 MiB per second per shard): each mode of [`limited_modes`] (a list of producer
+//! configurations) with 100-byte records and with 1 KiB records, 1,000 keys, 4 shards,
+//! on the real clock (a throughput claim needs wall-clock time). Printed per run:
+//! records/s stored in the steady state (answers after the first second, which the
+//! shards' one-second burst would flatter) and its fraction of 4 × 1,000 records/s and
+//! of 4 × 1 MiB/s; PUT payload units per million records (each stored Kinesis record
+//! rounded up to 25 KiB = 25,600 bytes of data plus partition key); entries refused per
+//! 1,000 stored; records that finally failed. Then `consumer`: the default producer
+//! writes 100-byte records at the limit while a consumer at its default settings reads
+//! the same stream in the same process: both rates.
 //!
 //! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
 //! --all-targets` runs this binary without), it makes a smoke run instead: the memory
 //! backend only (never the emulator, even when its endpoint is set), 1,000 records, one
-//! warm-up and one timed run per mode, the knobs ignored.
+//! warm-up and one timed run per mode, and each limits-on run with 1,000 records (within
+//! the shards' burst, so its figures mean nothing), the knobs ignored.
 
 mod common;
 
 use common::*;
-use std::sync::Arc;
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
-use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StreamAdmin};
-use shardflow::{Backend, Memory, Producer, ProducerRecord};
+use shardflow::kinesis::{
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
+    StreamAdmin, StreamIdentity, Subscription,
+};
+use shardflow::memory::KinesisLimits;
+use shardflow::{Backend, Consumer, Memory, Message, Producer, ProducerBuilder, ProducerRecord};
 
 const SHARDS: u32 = 4;
 const RECORD_BYTES: usize = 100;
@@ -123,6 +143,264 @@ fn report(label: &str, mode: Mode, records: usize, mut times: Vec<Duration>) {
     );
 }
 
+/// A producer configuration measured with Kinesis' limits on.
+struct LimitedMode {
+    name: &'static str,
+    /// User records per run, by record size: a few seconds at the rate the mode reaches.
+    records: fn(usize) -> usize,
+    /// The settings on top of the stream and backend.
+    configure: fn(ProducerBuilder) -> ProducerBuilder,
+}
+
+/// The producer configurations measured with limits on: one line per mode.
+fn limited_modes() -> Vec<LimitedMode> {
+    vec![LimitedMode {
+        name: "producer",
+        records: |_| 20_000,
+        configure: |b| b,
+    }]
+}
+
+/// Record sizes of the limits-on runs.
+const LIMITED_SIZES: [usize; 2] = [100, 1024];
+/// Kinesis' write limits per shard.
+const SHARD_RECORDS_PER_SECOND: f64 = 1_000.0;
+const SHARD_BYTES_PER_SECOND: f64 = 1024.0 * 1024.0;
+/// The PUT payload unit AWS bills: "25 KB", taken as 25 KiB as Kinesis' other limits are.
+const PUT_UNIT_BYTES: u64 = 25 * 1024;
+/// Answers within this long of the start are left out of steady-state rates: a shard's
+/// budget starts with one second's quota.
+const BURST: Duration = Duration::from_secs(1);
+
+/// A [`KinesisApi`] that counts what PutRecords stored and refused.
+struct Metered {
+    inner: Arc<dyn KinesisApi>,
+    stored: AtomicU64,
+    refused: AtomicU64,
+    stored_bytes: AtomicU64,
+    put_units: AtomicU64,
+}
+
+impl Metered {
+    fn new(inner: Arc<dyn KinesisApi>) -> Arc<Self> {
+        Arc::new(Metered {
+            inner,
+            stored: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            stored_bytes: AtomicU64::new(0),
+            put_units: AtomicU64::new(0),
+        })
+    }
+}
+
+#[async_trait]
+impl KinesisApi for Metered {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        self.inner.list_shards(stream).await
+    }
+    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
+        self.inner.is_updating(stream).await
+    }
+    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
+        self.inner.stream_identity(stream).await
+    }
+    async fn shard_iterator(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<String, KinesisError> {
+        self.inner.shard_iterator(stream, shard_id, from).await
+    }
+    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
+        self.inner.get_records(iterator, limit).await
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        let outcomes = self.inner.put_records(stream, records).await?;
+        for (r, o) in records.iter().zip(&outcomes) {
+            if matches!(o, PutOutcome::Stored { .. }) {
+                let bytes = (r.data.len() + r.partition_key.len()) as u64;
+                self.stored.fetch_add(1, Ordering::Relaxed);
+                self.stored_bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.put_units
+                    .fetch_add(bytes.div_ceil(PUT_UNIT_BYTES), Ordering::Relaxed);
+            } else {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(outcomes)
+    }
+    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
+        self.inner.register_consumer(stream, name).await
+    }
+    async fn subscribe_to_shard(
+        &self,
+        consumer_arn: &str,
+        shard_id: &str,
+        from: &StartingPosition,
+    ) -> Result<Subscription, KinesisError> {
+        self.inner
+            .subscribe_to_shard(consumer_arn, shard_id, from)
+            .await
+    }
+}
+
+/// Records per second among `times` (since the start, in any order) after the burst;
+/// the whole run's rate when nothing came after it (a smoke run).
+fn steady_rate(times: &mut [Duration]) -> f64 {
+    times.sort_unstable();
+    let Some(&last) = times.last() else {
+        return 0.0;
+    };
+    let after = times.iter().filter(|t| **t > BURST).count();
+    if after < 2 {
+        return times.len() as f64 / last.as_secs_f64().max(1e-9);
+    }
+    after as f64 / (last - BURST).as_secs_f64()
+}
+
+/// What one limits-on run measured.
+struct LimitedRun {
+    rate: f64,
+    bytes_per_record: f64,
+    put_units_per_million: f64,
+    refused_per_1000: f64,
+    failed: usize,
+}
+
+/// A fresh 4-shard stream on a memory backend with AWS' limits.
+async fn limited_memory() -> Memory {
+    let memory = Memory::builder().limits(KinesisLimits::aws()).build();
+    memory
+        .streams()
+        .create_stream("bench", SHARDS)
+        .await
+        .expect("create");
+    memory
+}
+
+/// Sends `records` records of `bytes` through `producer`; the answer times since the
+/// start, and how many calls failed.
+async fn send_all(producer: &Producer, records: usize, bytes: usize) -> (Vec<Duration>, usize) {
+    let data = Bytes::from(vec![b'x'; bytes]);
+    let keys = keys();
+    let start = Instant::now();
+    let answers: Vec<(Duration, bool)> = stream::iter(0..records)
+        .map(|i| {
+            let send = producer.send(ProducerRecord::new(data.clone(), keys[i % KEYS].clone()));
+            async move {
+                let ok = send.await.is_ok();
+                (start.elapsed(), ok)
+            }
+        })
+        .buffer_unordered(OUTSTANDING)
+        .collect()
+        .await;
+    let failed = answers.iter().filter(|(_, ok)| !ok).count();
+    let times = answers
+        .into_iter()
+        .filter(|(_, ok)| *ok)
+        .map(|(t, _)| t)
+        .collect();
+    (times, failed)
+}
+
+async fn limited_run(mode: &LimitedMode, records: usize, bytes: usize) -> LimitedRun {
+    let memory = limited_memory().await;
+    let metered = Metered::new(Backend::kinesis(&memory));
+    let producer = (mode.configure)(Producer::builder().stream("bench").kinesis(metered.clone()))
+        .build()
+        .expect("config");
+    let (mut times, failed) = send_all(&producer, records, bytes).await;
+    producer.close().await;
+    let stored = metered.stored.load(Ordering::Relaxed) as f64;
+    let user = (records - failed).max(1) as f64;
+    LimitedRun {
+        rate: steady_rate(&mut times),
+        bytes_per_record: metered.stored_bytes.load(Ordering::Relaxed) as f64 / user,
+        put_units_per_million: metered.put_units.load(Ordering::Relaxed) as f64 * 1e6 / user,
+        refused_per_1000: metered.refused.load(Ordering::Relaxed) as f64 * 1000.0 / stored.max(1.0),
+        failed,
+    }
+}
+
+fn report_limited(name: &str, bytes: usize, records: usize, mut runs: Vec<LimitedRun>) {
+    runs.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+    let (low, high) = (runs[0].rate, runs[runs.len() - 1].rate);
+    let m = &runs[runs.len() / 2];
+    let shards = SHARDS as f64;
+    println!(
+        "{:>16} {bytes:>5} B: {records:>6} records, {:>7.0} records/s stored (runs {low:.0}-{high:.0}) \
+         = {:>5.1} % of the record limit, {:>5.1} % of the byte limit; \
+         {:>9.0} PUT units per million records; {:>6.1} refused per 1,000 stored; {} failed",
+        name,
+        m.rate,
+        100.0 * m.rate / (shards * SHARD_RECORDS_PER_SECOND),
+        100.0 * m.rate * m.bytes_per_record / (shards * SHARD_BYTES_PER_SECOND),
+        m.put_units_per_million,
+        m.refused_per_1000,
+        m.failed,
+    );
+}
+
+/// The default producer writes `records` 100-byte records at the limit while a consumer
+/// at its default settings reads them: (records/s written, records/s handled), each in
+/// the steady state, and how long after the last record was stored the last was handled.
+async fn producer_and_consumer(records: usize) -> (f64, f64, Duration) {
+    let memory = limited_memory().await;
+    let handled = Arc::new(Mutex::new(Vec::with_capacity(records)));
+    let all_handled = Arc::new(tokio::sync::Notify::new());
+    let start = Instant::now();
+    let consumer = Consumer::builder()
+        .stream("bench")
+        .group("bench")
+        .backend(memory.clone())
+        .build()
+        .expect("config");
+    let service = {
+        let handled = handled.clone();
+        let all_handled = all_handled.clone();
+        tower::service_fn(move |_msg: Message| {
+            let mut h = handled.lock().unwrap();
+            h.push(start.elapsed());
+            if h.len() == records {
+                all_handled.notify_one();
+            }
+            std::future::ready(Ok::<_, std::convert::Infallible>(()))
+        })
+    };
+    let running = tokio::spawn(
+        consumer
+            .run(service)
+            .until(async move { all_handled.notified().await })
+            .into_future(),
+    );
+    let producer = Producer::builder()
+        .stream("bench")
+        .backend(memory.clone())
+        .build()
+        .expect("config");
+    let (mut written, failed) = send_all(&producer, records, RECORD_BYTES).await;
+    assert_eq!(failed, 0, "records failed");
+    producer.close().await;
+    tokio::time::timeout(Duration::from_secs(120), running)
+        .await
+        .expect("the consumer handles every record within 2 minutes")
+        .expect("consumer task")
+        .expect("consumer");
+    let mut handled = handled.lock().unwrap().clone();
+    let (written_rate, handled_rate) = (steady_rate(&mut written), steady_rate(&mut handled));
+    let lag = match (handled.last(), written.last()) {
+        (Some(h), Some(w)) => h.saturating_sub(*w),
+        _ => Duration::ZERO,
+    };
+    (written_rate, handled_rate, lag)
+}
+
 fn main() {
     let measure = measuring();
     let (iters, records): (usize, usize) = if measure {
@@ -163,6 +441,38 @@ fn main() {
             }
             report("memory", mode, records, times);
         }
+
+        let limited_iters: usize = if measure {
+            env_or("BENCH_LIMITED_ITERS", 3)
+        } else {
+            1
+        };
+        println!(
+            "limits on (KinesisLimits::aws(), real clock): {KEYS} partition keys, {SHARDS} \
+             shards; {limited_iters} runs each, median"
+        );
+        for mode in limited_modes() {
+            for bytes in LIMITED_SIZES {
+                let records = if measure {
+                    (mode.records)(bytes)
+                } else {
+                    1_000
+                };
+                let mut runs = Vec::new();
+                for _ in 0..limited_iters {
+                    runs.push(limited_run(&mode, records, bytes).await);
+                }
+                report_limited(mode.name, bytes, records, runs);
+            }
+        }
+        let records = if measure { 20_000 } else { 1_000 };
+        let (written, handled, lag) = producer_and_consumer(records).await;
+        println!(
+            "{:>16} {RECORD_BYTES:>5} B: {records:>6} records, {written:>7.0} records/s written, \
+             {handled:>7.0} records/s handled by a consumer at its default settings, the last \
+             {lag:.2?} after the last was stored",
+            "consumer"
+        );
 
         if !measure {
             println!("emulator: skipped in a smoke run");

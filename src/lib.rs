@@ -14,7 +14,7 @@
 //! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
 //! | [`Message`], [`Metadata`], [`MetadataBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
-//! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
+//! | [`Backend`], [`Aws`], [`Memory`], [`MemoryBuilder`], [`KinesisLimits`] | where streams and lease tables live: AWS, or the embedded in-process backend (optionally with Kinesis' per-shard throughput limits) |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
 //! | [`AwsError`], [`ErrorDetail`] | what AWS answered to a failed call (code, message, HTTP status): the `source()` of a Kinesis or lease-store error |
 //! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
@@ -80,7 +80,7 @@ pub use consumer::{
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use error::{AwsError, ErrorDetail};
-pub use memory::Memory;
+pub use memory::{KinesisLimits, Memory, MemoryBuilder};
 pub use message::{Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

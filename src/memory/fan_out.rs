@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use crate::kinesis::{KinesisError, SubscriptionEvent};
 
 use super::kinesis::{behind_latest, KinesisState, MemoryKinesis};
+use super::limits::metered_size;
 use super::lock;
 
 /// One open subscription of the memory backend.
@@ -17,6 +18,8 @@ pub(super) struct MemSubscription {
     pub(super) state: Arc<Mutex<KinesisState>>,
     pub(super) changes: watch::Receiver<()>,
     pub(super) stream: String,
+    /// The fan-out consumer's ARN: its budget per shard paces the events.
+    pub(super) consumer: String,
     pub(super) shard_id: String,
     /// The index of the next record to deliver.
     pub(super) next: usize,
@@ -27,6 +30,9 @@ pub(super) struct MemSubscription {
     pub(super) heartbeat_interval: Duration,
     pub(super) report_shard_end: bool,
     pub(super) interruptions: u64,
+    /// When the consumer's throughput budget lets the next records go (see
+    /// `KinesisLimits::fan_out_bytes_per_second`); `None` when not held back.
+    pub(super) paced_until: Option<Instant>,
 }
 
 /// What one look at the shard gave.
@@ -57,13 +63,16 @@ impl MemSubscription {
                 Step::Event(Err(e)) => return Some((Err(e), None)),
                 Step::Wait => {}
             }
+            // Held back by the throughput limit: the records go as soon as it allows
+            // (well within a heartbeat interval), and no heartbeat goes before them.
+            let wake_at = self.paced_until.unwrap_or(self.heartbeat_at);
             tokio::select! {
                 changed = self.changes.changed() => {
                     if changed.is_err() {
                         return None; // the backend is gone
                     }
                 }
-                _ = tokio::time::sleep_until(self.heartbeat_at) => {}
+                _ = tokio::time::sleep_until(wake_at) => {}
                 _ = tokio::time::sleep_until(self.ends_at) => return None,
             }
         }
@@ -91,7 +100,20 @@ impl MemSubscription {
         let start = self
             .next
             .max(MemoryKinesis::first_retained(s, &shard.records));
-        let end = (start + self.max_records).min(shard.records.len());
+        let mut end = (start + self.max_records).min(shard.records.len());
+        let sizes = shard.records[start..end]
+            .iter()
+            .map(|r| metered_size(r.data.len(), &r.partition_key));
+        match s.meters.fan_out(&self.consumer, &self.shard_id, sizes) {
+            Ok(n) => {
+                end = start + n;
+                self.paced_until = None;
+            }
+            Err(wait) => {
+                self.paced_until = Some(Instant::now() + wait);
+                return Step::Wait;
+            }
+        }
         let at_shard_end =
             self.report_shard_end && end == shard.records.len() && shard.info.is_closed();
         if end == start && !at_shard_end && Instant::now() < self.heartbeat_at {

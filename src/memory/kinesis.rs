@@ -18,6 +18,7 @@ use crate::kinesis::{
 use crate::sequence::SequenceNumber;
 
 use super::fan_out::MemSubscription;
+use super::limits::{metered_size, KinesisLimits, Meters, ReadRefusal};
 use super::lock;
 
 /// Faults the memory stream injects, drawn from a seeded generator.
@@ -82,6 +83,8 @@ pub(super) struct KinesisState {
     /// The creation time of the last stream of each name: a stream created again gets a
     /// later one, as on AWS.
     pub(super) created: HashMap<String, u64>,
+    /// Throughput limits in force and every shard's budget (see [`KinesisLimits`]).
+    pub(super) meters: Meters,
 }
 
 /// An in-process Kinesis: streams of shards holding records.
@@ -115,6 +118,7 @@ impl Default for MemoryKinesis {
                 stale_list_shards: HashMap::new(),
                 shard_not_found: HashMap::new(),
                 created: HashMap::new(),
+                meters: Meters::default(),
             })),
             changes: watch::channel(()).0,
         }
@@ -144,6 +148,12 @@ impl MemoryKinesis {
         let mut s = lock(&self.state);
         s.rng = SmallRng::seed_from_u64(faults.seed);
         s.faults = faults;
+    }
+
+    /// Puts Kinesis' per-shard throughput limits in force (or switches them off, with
+    /// `KinesisLimits::none()`); every shard's budget starts full. See [`KinesisLimits`].
+    pub fn set_limits(&self, limits: KinesisLimits) {
+        lock(&self.state).meters.set_limits(limits);
     }
 
     /// How long an iterator stays valid (Kinesis: 5 minutes).
@@ -235,7 +245,10 @@ impl MemoryKinesis {
     /// Deletes a stream with its shards and records. Created again, the stream has a
     /// later creation time: another identity, so multi-stream consumers start it afresh.
     pub fn delete_stream(&self, stream: &str) {
-        lock(&self.state).streams.remove(stream);
+        let mut s = lock(&self.state);
+        s.streams.remove(stream);
+        s.meters.forget_stream(stream);
+        drop(s);
         self.changes.send_replace(());
     }
 
@@ -455,6 +468,21 @@ impl KinesisApi for MemoryKinesis {
         if Self::draw(&mut s, |f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
         }
+        if let Err(refusal) = s.meters.admit_read(stream, shard_id) {
+            return Err(KinesisError::Throttled(
+                match refusal {
+                    ReadRefusal::Calls => format!(
+                        "ProvisionedThroughputExceededException: rate exceeded for shard \
+                         {shard_id} in stream {stream}: too many GetRecords calls per second"
+                    ),
+                    ReadRefusal::Bytes => format!(
+                        "ProvisionedThroughputExceededException: rate exceeded for shard \
+                         {shard_id} in stream {stream}: the bytes read per second are used up"
+                    ),
+                }
+                .into(),
+            ));
+        }
         let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
         let cut_short = Self::draw_cut_short(&mut s);
         let st = s
@@ -469,7 +497,19 @@ impl KinesisApi for MemoryKinesis {
         let start = index
             .max(Self::first_retained(&s, &shard.records))
             .min(shard.records.len());
-        let end = (start + limit.max(1) as usize).min(shard.records.len());
+        let mut end = (start + limit.max(1) as usize).min(shard.records.len());
+        let mut bytes: u64 = 0;
+        if let Some(max) = s.meters.answer_bytes() {
+            // At least one record, then as many as fit in one answer.
+            for (i, r) in shard.records[start..end].iter().enumerate() {
+                let size = metered_size(r.data.len(), &r.partition_key);
+                if i > 0 && bytes.saturating_add(size) > max {
+                    end = start + i;
+                    break;
+                }
+                bytes += size;
+            }
+        }
         let records = shard.records[start..end].to_vec();
         let at_end = end == shard.records.len();
         let cut_short = cut_short && !at_end && shard.info.is_closed();
@@ -487,6 +527,7 @@ impl KinesisApi for MemoryKinesis {
             (Some(Self::iterator(&s, stream, shard_id, end)), Vec::new())
         };
         let millis_behind_latest = behind_latest(&shard.records, end);
+        s.meters.charge_read(stream, shard_id, bytes);
         Ok(RecordsPage {
             records,
             next_iterator,
@@ -525,6 +566,7 @@ impl KinesisApi for MemoryKinesis {
                 None => partition_hash(&r.partition_key),
             };
             let sequence_number = Self::sequence(&mut s);
+            let s = &mut *s;
             let st = s
                 .streams
                 .get_mut(stream)
@@ -538,6 +580,19 @@ impl KinesisApi for MemoryKinesis {
                         && hash <= sh.info.ending_hash_key
                 })
                 .ok_or_else(|| KinesisError::Other("no open shard owns the hash key".into()))?;
+            let size = metered_size(r.data.len(), &r.partition_key);
+            if !s.meters.admit_write(stream, &shard.info.shard_id, size) {
+                // As AWS answers an entry over the shard's budget; the others are stored.
+                outcomes.push(PutOutcome::Failed {
+                    code: "ProvisionedThroughputExceededException".into(),
+                    message: format!(
+                        "Rate exceeded for shard {} in stream {stream} under account \
+                         {MEMORY_ACCOUNT}.",
+                        shard.info.shard_id
+                    ),
+                });
+                continue;
+            }
             shard.records.push(Record {
                 sequence_number: sequence_number.clone(),
                 partition_key: r.partition_key.clone(),
@@ -607,6 +662,7 @@ impl KinesisApi for MemoryKinesis {
             state: self.state.clone(),
             changes: self.changes.subscribe(),
             stream,
+            consumer: consumer_arn.to_owned(),
             shard_id: shard_id.to_owned(),
             next,
             ends_at: now + s.subscription_lifetime,
@@ -617,6 +673,7 @@ impl KinesisApi for MemoryKinesis {
             heartbeat_interval: s.heartbeat_interval,
             report_shard_end: s.report_shard_end,
             interruptions: s.interruptions,
+            paced_until: None,
         };
         Ok(Box::pin(futures_util::stream::unfold(
             Some(subscription),

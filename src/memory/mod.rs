@@ -14,17 +14,26 @@
 //! clock, so paused-time tests renew quickly), and ends with `continuation: None` and the
 //! child shards once a closed shard is delivered to its end.
 //!
+//! Kinesis' per-shard throughput limits (1,000 records and 1 MiB written, 5 GetRecords
+//! calls and 2 MiB read per second, 2 MiB per second per fan-out consumer) are off by
+//! default and switched on with [`Memory::builder`]`().limits(`[`KinesisLimits::aws()`]`)`
+//! or [`MemoryKinesis::set_limits`], so that throughput measured here is what a real
+//! shard would allow.
+//!
 //! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
-//! subscriptions, `leases.rs` the lease store; this file the backend that bundles them.
+//! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store; this
+//! file the backend that bundles them.
 
 mod fan_out;
 mod kinesis;
 mod leader;
 mod leases;
+mod limits;
 
 pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
 pub use leader::MemoryCoordinatorState;
 pub use leases::{LeaseFaults, MemoryLeaseStore, RowsRead};
+pub use limits::KinesisLimits;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,9 +52,14 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// An empty backend: no streams, no tables.
+    /// An empty backend: no streams, no tables, no throughput limits.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backend with settings: `Memory::builder().limits(KinesisLimits::aws()).build()`.
+    pub fn builder() -> MemoryBuilder {
+        MemoryBuilder::default()
     }
 
     /// The stream service, to create streams, write records, reshard or inject faults.
@@ -59,6 +73,28 @@ impl Memory {
             .entry(table.to_owned())
             .or_default()
             .clone()
+    }
+}
+
+/// Settings of a new [`Memory`] backend (see [`Memory::builder`]).
+#[derive(Clone, Debug, Default)]
+pub struct MemoryBuilder {
+    limits: KinesisLimits,
+}
+
+impl MemoryBuilder {
+    /// Kinesis' per-shard throughput limits to enforce (default: none). See
+    /// [`KinesisLimits`]; they can be changed later with [`MemoryKinesis::set_limits`].
+    pub fn limits(mut self, limits: KinesisLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The backend: no streams, no tables yet.
+    pub fn build(self) -> Memory {
+        let memory = Memory::new();
+        memory.kinesis.set_limits(self.limits);
+        memory
     }
 }
 
