@@ -1,7 +1,8 @@
 //! The producer with KPL aggregation on the memory backend (paused clock): records packed
 //! per shard, every answer naming the shard, sequence and sub-sequence number a reader
 //! finds the record at, refused aggregates resent as their user records, each key's
-//! order kept, a split while aggregating, and records too large to share an aggregate.
+//! order kept, a split while aggregating, and records too large to share an aggregate;
+//! and the per-shard rate limit against Kinesis' limits.
 
 mod common;
 
@@ -16,9 +17,11 @@ use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamAdmin,
 };
-use shardflow::memory::KinesisFaults;
+use shardflow::memory::{KinesisFaults, KinesisLimits};
 use shardflow::producer::{Aggregation, MAX_RECORD_BYTES};
-use shardflow::{Memory, ProduceError, Producer, ProducerRecord, SequenceNumber, Stored};
+use shardflow::{
+    Memory, ProduceError, Producer, ProducerBuilder, ProducerRecord, SequenceNumber, Stored,
+};
 use tower::{Service, ServiceExt};
 
 const STREAM: &str = "out";
@@ -473,4 +476,56 @@ async fn records_too_large_to_share_an_aggregate_go_alone() {
             .unwrap();
         assert!(!alone.data.starts_with(&MAGIC), "sent as a plain record");
     }
+}
+
+/// Writes `n` 100-byte records as fast as the producer takes them into a 4-shard
+/// stream with Kinesis' limits on; returns the entries Kinesis refused.
+async fn refused_at_the_limit(
+    configure: fn(ProducerBuilder) -> ProducerBuilder,
+    n: usize,
+) -> usize {
+    let memory = Memory::builder().limits(KinesisLimits::aws()).build();
+    memory.streams().create_stream(STREAM, 4).await.unwrap();
+    let api = recording(&memory);
+    let producer = configure(
+        Producer::builder()
+            .stream(STREAM)
+            .kinesis(api.clone())
+            .max_attempts(1_000)
+            .seed(5),
+    )
+    .build()
+    .unwrap();
+    let answers = futures_util::stream::iter(0..n)
+        .map(|i| {
+            let p = producer.clone();
+            async move { (i, p.oneshot(record(i, format!("key-{}", i % 1_000))).await) }
+        })
+        .buffer_unordered(n)
+        .collect::<Vec<_>>()
+        .limited()
+        .await;
+    producer.close().limited().await;
+    let back = read_back(memory.streams().as_ref()).await;
+    assert_stored_once(n, &answers, &back);
+    let entries = api.entries.lock().unwrap();
+    entries.iter().filter(|(_, shard)| shard.is_none()).count()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_producer_waits_instead_of_collecting_refusals() {
+    // Two seconds of the four shards' record quota.
+    let n = 8_000;
+    let unlimited = refused_at_the_limit(|b| b, n).await;
+    let at_quota = refused_at_the_limit(|b| b.rate_limit(100), n).await;
+    let kpl_default = refused_at_the_limit(|b| b.rate_limit(150), n).await;
+    assert!(unlimited > 1_000, "without a limit: {unlimited} refused");
+    assert!(
+        at_quota * 20 < unlimited,
+        "at the quota: {at_quota} refused, without a limit {unlimited}"
+    );
+    assert!(
+        kpl_default < unlimited,
+        "at 150 %: {kpl_default} refused, without a limit {unlimited}"
+    );
 }

@@ -188,7 +188,8 @@ impl ProducerBuilder {
 
     /// How many records may wait in the channel to the background task (default
     /// 10,000). The task itself holds at most `max_batch_records × (max_in_flight + 1)`
-    /// records (in flight, filling a batch, or waiting to be resent); when both are full
+    /// records (100 times that when aggregating: an entry then carries many) (in
+    /// flight, filling a batch, or waiting to be resent); when both are full
     /// `poll_ready` is pending: that is the backpressure.
     pub fn buffer(mut self, capacity: usize) -> Self {
         self.buffer = capacity;

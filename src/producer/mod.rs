@@ -116,6 +116,18 @@
 //! aggregates (every KCL, the KPL's de-aggregation libraries and shardflow do). If
 //! ListShards fails before a first map exists, records go unaggregated until it works.
 //!
+//! # Riding the shard's limit
+//!
+//! A producer faster than a shard collects refusals
+//! (`ProvisionedThroughputExceededException`) and resends them after a backoff. With
+//! [`rate_limit(percent)`](ProducerBuilder::rate_limit) it keeps, per shard, a budget of
+//! that share of the shard's 1,000 records/s and 1 MiB/s (a token bucket of one second
+//! on tokio's clock; an aggregate counts as one record): the records of a shard over
+//! budget wait in the producer, in their place, while other shards' records go on. An
+//! entry refused for throughput anyway (other producers write to the shard too) empties
+//! that shard's budget only. The KPL's default is 150 %, above the quota, to absorb the
+//! imprecision of Kinesis' meter; 100 leaves it almost never refusing.
+//!
 //! # Shutting down
 //!
 //! [`Producer::flush`] waits until every record handed over before it was answered.

@@ -209,8 +209,12 @@ mod budget_tests {
         assert!(budget.take(&limit, 1.0, 10.0, later).is_err());
         // Bytes count as well; a cost above a full bucket needs a full bucket.
         let mut budget = ShardBudget::new(&RateLimit::percent(50), start);
-        assert!(budget.take(&RateLimit::percent(50), 0.0, 1e9, start).is_ok());
-        assert!(budget.take(&RateLimit::percent(50), 0.0, 1.0, start).is_err());
+        assert!(budget
+            .take(&RateLimit::percent(50), 0.0, 1e9, start)
+            .is_ok());
+        assert!(budget
+            .take(&RateLimit::percent(50), 0.0, 1.0, start)
+            .is_err());
         budget.drain(&RateLimit::percent(50), start);
     }
 }

@@ -46,6 +46,14 @@ const SHARD_MAP_MAX_AGE: Duration = Duration::from_secs(60);
 /// per account).
 const SHARD_MAP_MIN_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The least wait for a shard's budget to refill, so that a call carries more than a
+/// record or two.
+const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
+
+/// How many records over their shard's budget one call looks past for records of other
+/// shards.
+const MAX_DEFERRED_SCAN: usize = 2_000;
+
 /// What a user record may add to an aggregate beyond its own bytes (its protobuf
 /// field tags and lengths), to keep a call under its byte limit.
 const AGGREGATE_OVERHEAD: usize = 16;
@@ -532,8 +540,7 @@ impl Worker {
                 let starts = open.get(&index).is_none_or(|slot| {
                     slot.aggregator.is_empty()
                         || slot.aggregator.len() as u64 >= max_count
-                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD
-                            > max_size
+                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD > max_size
                 });
                 let cost_records = if starts { 1.0 } else { 0.0 };
                 let cost_bytes = front.meta.size as f64;
@@ -543,10 +550,17 @@ impl Worker {
                         .entry(shard.clone())
                         .or_insert_with(|| ShardBudget::new(limit, now));
                     if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
+                        // Not sooner than a few milliseconds: a budget refills a record
+                        // per millisecond, and a call should carry more than one.
+                        let ready_at = ready_at.max(now + RATE_WAIT_MIN);
                         wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
                         if let Some(entry) = self.ready.pop_front() {
                             self.ready_bytes -= entry.meta.size;
                             deferred.push(entry);
+                        }
+                        if deferred.len() >= MAX_DEFERRED_SCAN {
+                            // Enough looking past waiting records for one call.
+                            break;
                         }
                         continue;
                     }
@@ -744,7 +758,8 @@ impl Worker {
                 },
                 PutOutcome::Failed { code, message } => {
                     let transient = entry_error_is_transient(&code);
-                    if let (Some(limit), Part::Aggregate { shard, .. }) = (&self.rate_limit, &part) {
+                    if let (Some(limit), Part::Aggregate { shard, .. }) = (&self.rate_limit, &part)
+                    {
                         if code == "ProvisionedThroughputExceededException" {
                             // The shard is busier than its budget said: it waits, the
                             // others go on.
