@@ -15,6 +15,7 @@
 //!
 //! * `producer`: default settings (500-record batches, 4 calls in flight).
 //! * `ordered`: the same with `ordered_per_key(true)`.
+//! * `aggregate`: the same with `aggregate(true)` (KPL aggregation, the KPL's defaults).
 //! * `raw`: the floor: PutRecords of 500 records straight on the `KinesisApi`,
 //!   4 calls at once, records prepared in advance; no producer.
 //!
@@ -70,6 +71,7 @@ fn keys() -> Vec<String> {
 enum Mode {
     Producer,
     Ordered,
+    Aggregate,
     Raw,
 }
 
@@ -78,6 +80,7 @@ impl Mode {
         match self {
             Mode::Producer => "producer",
             Mode::Ordered => "ordered",
+            Mode::Aggregate => "aggregate",
             Mode::Raw => "raw",
         }
     }
@@ -118,6 +121,7 @@ async fn run(kinesis: Arc<dyn KinesisApi>, stream: &str, records: usize, mode: M
         .stream(stream)
         .kinesis(kinesis)
         .ordered_per_key(mode == Mode::Ordered)
+        .aggregate(mode == Mode::Aggregate)
         .build()
         .expect("config");
     let start = Instant::now();
@@ -154,11 +158,33 @@ struct LimitedMode {
 
 /// The producer configurations measured with limits on: one line per mode.
 fn limited_modes() -> Vec<LimitedMode> {
-    vec![LimitedMode {
-        name: "producer",
-        records: |_| 20_000,
-        configure: |b| b,
-    }]
+    vec![
+        LimitedMode {
+            name: "producer",
+            records: |_| 20_000,
+            configure: |b| b,
+        },
+        LimitedMode {
+            name: "rate_limit(150)",
+            records: |_| 20_000,
+            configure: |b| b.rate_limit(150),
+        },
+        LimitedMode {
+            name: "rate_limit(100)",
+            records: |_| 20_000,
+            configure: |b| b.rate_limit(100),
+        },
+        LimitedMode {
+            name: "aggregate",
+            records: |bytes| if bytes <= 100 { 200_000 } else { 30_000 },
+            configure: |b| b.aggregate(true),
+        },
+        LimitedMode {
+            name: "aggregate+rate150",
+            records: |bytes| if bytes <= 100 { 200_000 } else { 30_000 },
+            configure: |b| b.aggregate(true).rate_limit(150),
+        },
+    ]
 }
 
 /// Record sizes of the limits-on runs.
@@ -417,7 +443,7 @@ fn main() {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let modes = [Mode::Raw, Mode::Producer, Mode::Ordered];
+    let modes = [Mode::Raw, Mode::Producer, Mode::Ordered, Mode::Aggregate];
 
     runtime.block_on(async {
         println!(

@@ -455,3 +455,76 @@ async fn many_outputs_keep_each_keys_order(ordered_producer: bool) {
     assert_eq!(per_key.values().map(Vec::len).sum::<usize>(), 1800);
     shipments.close().await;
 }
+
+/// Regression: when an output finally failed, the outputs of its key queued behind it
+/// were still stored, ahead of the failed one's later write (`b, a, b` after the input
+/// came again).
+#[tokio::test(start_paused = true)]
+async fn an_output_that_finally_fails_lets_no_later_output_of_its_key_ahead() {
+    let memory = setup(600, 2).await;
+    memory.streams().set_faults(KinesisFaults {
+        put_entry_failure: 0.2,
+        seed: 11,
+        ..KinesisFaults::default()
+    });
+    let kinesis = Arc::new(OutputKinesis::new(&memory));
+    // Two attempts: about one output in 25 runs out of them, failing its input, which
+    // the consumer delivers again.
+    let shipments = producer(kinesis.clone())
+        .ordered_per_key(true)
+        .max_attempts(2)
+        .build()
+        .unwrap();
+    let processor = ServiceBuilder::new()
+        .produce_to(shipments.clone())
+        .service_fn(|msg: Message| async move {
+            let v = value(&msg);
+            let key = &msg.metadata.partition_key;
+            Ok::<_, Infallible>(vec![
+                Output::new(format!("{v}.0")),
+                Output::new(format!("{v}.1")),
+                Output::new(format!("{v}.2")).partition_key(format!("all-{key}")),
+            ])
+        });
+    let consumer = test_consumer(memory.clone(), ORDERS, GROUP, "w1")
+        .concurrency(Concurrency::PerKey(16))
+        .build()
+        .unwrap();
+    let running = start_service(consumer, processor);
+    let all: Vec<String> = (0..600)
+        .flat_map(|v| (0..3).map(move |i| format!("{v}.{i}")))
+        .collect();
+    until_stored(&memory, &kinesis, &all).limited().await;
+    running.stop().await;
+
+    // Writing an input's outputs again repeats records already stored (at least once),
+    // but the first copy of each output of a key must come in the inputs' order: an
+    // output stored before an earlier one of its key was ever stored is a violation.
+    let mut firsts: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
+    let mut seen = HashSet::new();
+    let mut copies = 0;
+    for (key, payload) in records(&memory, SHIPMENTS).await {
+        copies += 1;
+        let (v, i) = payload.split_once('.').unwrap();
+        let output: (usize, usize) = (v.parse().unwrap(), i.parse().unwrap());
+        if seen.insert(output) {
+            firsts.entry(key).or_default().push(output);
+        }
+    }
+    let violations: Vec<_> = firsts
+        .iter()
+        .flat_map(|(key, outputs)| {
+            outputs
+                .windows(2)
+                .filter(|w| w[0] > w[1])
+                .map(move |w| (key.clone(), w[0], w[1]))
+        })
+        .collect();
+    assert!(violations.is_empty(), "{violations:?}");
+    assert_eq!(seen.len(), 1800, "every output stored");
+    assert!(
+        copies > 1800,
+        "some inputs came again (the test exercises failures)"
+    );
+    shipments.close().await;
+}

@@ -883,3 +883,88 @@ async fn full_size_records_and_explicit_hash_keys_on_the_emulator() {
     ));
     producer.close().limited().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_records_into_the_emulator_read_back_at_their_sub_sequence() {
+    use shardflow::aggregation::{deaggregate, Deaggregated};
+    if !emulators() {
+        return;
+    }
+    let aws = shardflow::Aws::from_env().await;
+    let api = aws.admin().unwrap();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let stream = format!("producer-agg-{}-{nanos}", std::process::id());
+    api.create_stream(&stream, 4).await.unwrap();
+    let producer = Producer::builder()
+        .stream(&stream)
+        .backend(aws.clone())
+        .aggregate(true)
+        .ordered_per_key(true)
+        .build()
+        .unwrap();
+    let n = 5_000;
+    let answers = produce_in_order(
+        &producer,
+        (0..n).map(|i| (i, record(i, format!("key-{}", i % 50)))),
+    )
+    .await;
+    producer.close().limited().await;
+
+    // (shard, sequence, sub-sequence) -> value, each key's values in order per shard.
+    let mut at = HashMap::new();
+    let mut kinesis_records = 0;
+    for shard in api.list_shards(&stream).await.unwrap() {
+        let mut iterator = api
+            .shard_iterator(&stream, &shard.shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        let mut last: HashMap<String, usize> = HashMap::new();
+        loop {
+            let page = api.get_records(&iterator, 10_000).await.unwrap();
+            if page.records.is_empty() {
+                break;
+            }
+            for r in page.records {
+                kinesis_records += 1;
+                let sequence = r.sequence_number.clone();
+                let users: Vec<(u64, String, bytes::Bytes)> = match deaggregate(r) {
+                    Deaggregated::Plain(r) => vec![(0, r.partition_key, r.data)],
+                    Deaggregated::Aggregated { user_records, .. } => user_records
+                        .into_iter()
+                        .map(|u| (u.sub_sequence, u.partition_key, u.data))
+                        .collect(),
+                    Deaggregated::Corrupt { reason, .. } => panic!("corrupt: {reason}"),
+                };
+                for (sub, key, data) in users {
+                    let value: usize = std::str::from_utf8(&data).unwrap().parse().unwrap();
+                    if let Some(previous) = last.insert(key.clone(), value) {
+                        assert!(previous < value, "{key}: {value} after {previous}");
+                    }
+                    let twice = at.insert((shard.shard_id.clone(), sequence.clone(), sub), value);
+                    assert!(twice.is_none());
+                }
+            }
+            match page.next_iterator {
+                Some(next) => iterator = next,
+                None => break,
+            }
+        }
+    }
+    assert_eq!(at.len(), n, "user records in the stream");
+    assert!(
+        kinesis_records < n / 10,
+        "{kinesis_records} Kinesis records"
+    );
+    for (value, answer) in &answers {
+        let stored = answer.as_ref().unwrap();
+        let key = (
+            stored.shard_id.clone(),
+            stored.sequence_number.clone(),
+            stored.sub_sequence_number,
+        );
+        assert_eq!(at.get(&key), Some(value), "the answer of {value}");
+    }
+}

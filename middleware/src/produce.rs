@@ -52,9 +52,9 @@
 //! input of the key is called only after every output of the previous one is stored.
 //! The outputs of *one* input are handed over in the order the function returned them;
 //! with a producer built with `ordered_per_key(true)` they are handed over all at once
-//! (the producer keeps each key's order, retries included); with an unordered producer
-//! they go one after the other, each after the previous one was stored, so a retry
-//! cannot swap two of them.
+//! ([`Producer::send_all`]: the producer keeps each key's order, retries included); with
+//! an unordered producer they go one after the other, each after the previous one was
+//! stored, so a retry cannot swap two of them.
 //!
 //! # Errors and backpressure
 //!
@@ -188,6 +188,16 @@ impl From<ProducerRecord> for Output {
 }
 
 /// An output the producer did not store; the input is not handled.
+///
+/// What [`NotStored`](Self::NotStored) leaves behind in the output stream: outputs
+/// before `index` may be stored (they are written again when the input comes again),
+/// output `index` is not. Outputs after it: with an unordered producer, none was handed
+/// over; with `ordered_per_key(true)`, none of output `index`'s partition key was sent
+/// (each failed with [`ProduceError::AfterFailure`]), and outputs of *other* keys may be
+/// stored (they were independent of the failure, and are written again with the input).
+/// When output `index` was refused before sending (too large, invalid), nothing after
+/// it was sent, whatever its key. So no key ever has an output stored ahead of an
+/// earlier output of that key that failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProduceToError {
@@ -331,18 +341,21 @@ async fn store_all(
         }
     };
     let mut stored = Vec::with_capacity(outputs);
-    if outputs <= 1 || producer.is_ordered_per_key() {
-        // The producer keeps each key's order: hand everything over (each `ready` waits
-        // for room in its buffer: the backpressure), then collect the answers.
-        let mut answers = Vec::with_capacity(outputs);
+    if outputs <= 1 {
+        // One output: through `ready` (which waits for room in the buffer: the
+        // backpressure) and `call`.
         for (index, record) in records.into_iter().enumerate() {
             let ready = ServiceExt::<ProducerRecord>::ready(&mut producer)
                 .await
                 .map_err(failed(index))?;
-            answers.push(ready.call(record));
+            stored.push(ready.call(record).await.map_err(failed(index))?);
         }
-        for (index, answer) in answers.into_iter().enumerate() {
-            stored.push(answer.await.map_err(failed(index))?);
+    } else if producer.is_ordered_per_key() {
+        // The producer keeps each key's order: hand everything over in one step (so that
+        // when one output finally fails, the outputs of its key after it are not sent,
+        // nor stored ahead of it when the input comes again), then collect the answers.
+        for (index, answer) in producer.send_all(records).await.into_iter().enumerate() {
+            stored.push(answer.map_err(failed(index))?);
         }
     } else {
         // An unordered producer may swap two records of a key on a retry: one at a time.

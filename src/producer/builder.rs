@@ -30,7 +30,65 @@ pub(crate) struct Settings {
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) ordered_per_key: bool,
+    pub(crate) aggregation: Option<Aggregation>,
+    /// Percent of a shard's write quota the producer allows itself per shard.
+    pub(crate) rate_limit: Option<u32>,
     pub(crate) seed: u64,
+}
+
+/// How the producer packs user records into KPL aggregated records
+/// ([`ProducerBuilder::aggregation`]). The defaults are the KPL's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Aggregation {
+    max_size: usize,
+    max_count: u64,
+}
+
+impl Default for Aggregation {
+    fn default() -> Self {
+        Aggregation {
+            max_size: DEFAULT_AGGREGATE_BYTES,
+            max_count: DEFAULT_AGGREGATE_RECORDS,
+        }
+    }
+}
+
+/// The KPL's `AggregationMaxSize`: aggregates of at most 51,200 bytes.
+pub const DEFAULT_AGGREGATE_BYTES: usize = 51_200;
+
+/// The KPL's `AggregationMaxCount`: in effect no limit but the size.
+pub const DEFAULT_AGGREGATE_RECORDS: u64 = 4_294_967_295;
+
+impl Aggregation {
+    /// The KPL's defaults: aggregates of at most 51,200 bytes, no count limit in effect.
+    pub fn new() -> Self {
+        Aggregation::default()
+    }
+
+    /// At most this many bytes (data with its framing, plus the partition key) per
+    /// aggregated record, `1..=1 MiB` (default 51,200). Smaller aggregates spread
+    /// better over the shards and cost less to deliver again; a user record that does
+    /// not fit in one of its own goes alone, as a plain record.
+    pub fn max_size(mut self, bytes: usize) -> Self {
+        self.max_size = bytes;
+        self
+    }
+
+    /// At most this many user records per aggregated record (default 4,294,967,295).
+    pub fn max_count(mut self, records: u64) -> Self {
+        self.max_count = records;
+        self
+    }
+
+    /// The size limit.
+    pub fn size_limit(&self) -> usize {
+        self.max_size
+    }
+
+    /// The count limit.
+    pub fn count_limit(&self) -> u64 {
+        self.max_count
+    }
 }
 
 /// Builds a [`Producer`]. `stream` and a backend (`backend` or `kinesis`) are required;
@@ -46,6 +104,8 @@ pub(crate) struct Settings {
 /// | [`max_attempts`](Self::max_attempts) | 10 | sends of one record before it fails |
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
+/// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
+/// | [`rate_limit`](Self::rate_limit) | off | percent of a shard's write quota to use |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -58,6 +118,8 @@ pub struct ProducerBuilder {
     retry_min: Duration,
     retry_max: Duration,
     ordered_per_key: bool,
+    aggregation: Option<Aggregation>,
+    rate_limit: Option<u32>,
     seed: Option<u64>,
 }
 
@@ -75,6 +137,8 @@ impl Default for ProducerBuilder {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(5),
             ordered_per_key: false,
+            aggregation: None,
+            rate_limit: None,
             seed: None,
         }
     }
@@ -124,7 +188,8 @@ impl ProducerBuilder {
 
     /// How many records may wait in the channel to the background task (default
     /// 10,000). The task itself holds at most `max_batch_records × (max_in_flight + 1)`
-    /// records (in flight, filling a batch, or waiting to be resent); when both are full
+    /// records (100 times that when aggregating: an entry then carries many) (in
+    /// flight, filling a batch, or waiting to be resent); when both are full
     /// `poll_ready` is pending: that is the backpressure.
     pub fn buffer(mut self, capacity: usize) -> Self {
         self.buffer = capacity;
@@ -157,6 +222,38 @@ impl ProducerBuilder {
     /// at a time, so a single hot key gets one record per round trip.
     pub fn ordered_per_key(mut self, ordered: bool) -> Self {
         self.ordered_per_key = ordered;
+        self
+    }
+
+    /// Packs many user records into each Kinesis record with the KPL's aggregation
+    /// format and defaults ([`Aggregation::new`]), grouped by the shard each record
+    /// lands in (default off). See the [module docs](super#aggregation).
+    pub fn aggregate(mut self, on: bool) -> Self {
+        self.aggregation = on.then(Aggregation::new);
+        self
+    }
+
+    /// Aggregation with these limits (see [`aggregate`](Self::aggregate)).
+    pub fn aggregation(mut self, aggregation: Aggregation) -> Self {
+        self.aggregation = Some(aggregation);
+        self
+    }
+
+    /// Writes at most `percent` of a shard's quota (1,000 records and 1 MiB per second)
+    /// to each shard, 1..=1000 (default: no limit). The KPL's default is 150: more
+    /// than the quota, to absorb the imprecision of Kinesis' meter. Records of a shard
+    /// over its budget wait in the producer (records of other shards go on) instead of
+    /// being sent and refused; an entry refused for throughput empties its shard's
+    /// budget, so that shard waits while the others go on. The producer lists the
+    /// stream's shards to know where each record goes, as for aggregation.
+    pub fn rate_limit(mut self, percent: u32) -> Self {
+        self.rate_limit = Some(percent);
+        self
+    }
+
+    /// No per-shard rate limit (the default): every record goes when its batch does.
+    pub fn no_rate_limit(mut self) -> Self {
+        self.rate_limit = None;
         self
     }
 
@@ -234,6 +331,27 @@ impl ProducerBuilder {
             retry_min: self.retry_min,
             retry_max: self.retry_max,
             ordered_per_key: self.ordered_per_key,
+            aggregation: match self.aggregation {
+                Some(aggregation) => {
+                    at_least_one(
+                        "aggregation.max_size",
+                        aggregation.max_size,
+                        crate::kinesis::MAX_RECORD_BYTES,
+                    )?;
+                    if aggregation.max_count == 0 {
+                        return Err(ConfigError::Invalid {
+                            field: "aggregation.max_count",
+                            reason: "0 is not at least 1".into(),
+                        });
+                    }
+                    Some(aggregation)
+                }
+                None => None,
+            },
+            rate_limit: match self.rate_limit {
+                Some(percent) => Some(at_least_one("rate_limit", percent as usize, 1000)? as u32),
+                None => None,
+            },
             seed: self.seed.unwrap_or_else(rand::random),
         })
     }
@@ -297,6 +415,20 @@ mod tests {
         let ms = Duration::from_millis;
         assert_eq!(field(base().retry_backoff(ms(0), ms(1))), "retry_backoff");
         assert_eq!(field(base().retry_backoff(ms(10), ms(1))), "retry_backoff");
+        assert_eq!(field(base().aggregate(true)), "ok");
+        let aggregation = |a: Aggregation| field(base().aggregation(a));
+        assert_eq!(
+            aggregation(Aggregation::new().max_size(0)),
+            "aggregation.max_size"
+        );
+        assert_eq!(
+            aggregation(Aggregation::new().max_size(crate::kinesis::MAX_RECORD_BYTES + 1)),
+            "aggregation.max_size"
+        );
+        assert_eq!(
+            aggregation(Aggregation::new().max_count(0)),
+            "aggregation.max_count"
+        );
     }
 
     #[test]

@@ -75,8 +75,58 @@
 //! at most one record per key is in flight (or waiting for a resend) at a time, and the
 //! next record of that key goes only after the previous one was answered. Different
 //! keys still share batches, so many keys lose nothing; one hot key gets one record per
-//! round trip. If a record finally fails, later records of its key do go on (the failed
-//! one is reported to its caller, never stored out of order).
+//! round trip. If a record finally fails, the records of its key already waiting
+//! behind it fail too, unsent, with [`ProduceError::AfterFailure`]: a key never has a
+//! record stored ahead of one before it that was not stored, so writing the failed
+//! records again (a redelivered input) keeps the key's order. Records of the key that
+//! arrive after the failure was answered go on as usual. [`Producer::send_all`] hands
+//! over several records at once, so that all of them wait behind each other before
+//! any can fail.
+//!
+//! # Aggregation
+//!
+//! A shard takes 1,000 records/s or 1 MiB/s, whichever comes first: with records of a
+//! few hundred bytes the record count is the wall. With
+//! [`aggregate(true)`](ProducerBuilder::aggregate) the producer packs many user records
+//! into each Kinesis record in the KPL's format (magic, protobuf, MD5; see
+//! [`aggregation`](crate::aggregation)), so a shard takes up to its byte limit, and
+//! PutRecords is billed per 25 KB payload unit instead of per record. The defaults are
+//! the KPL's ([`Aggregation`]): aggregates of at most 51,200 bytes.
+//!
+//! Records are packed only with records that land in the same shard: the producer lists
+//! the stream's shards (ListShards) and predicts each record's shard from its hash key
+//! (the MD5 of its partition key, or its own explicit hash key). Each aggregate goes
+//! with an explicit hash key inside its shard's range (its first user record's), and
+//! keeps every user record's partition key and explicit hash key, so a consumer sees
+//! each user record as it was sent. The map is listed again every minute, and at once
+//! when a record falls in no known range or an aggregate lands in another shard than
+//! predicted (the stream was resharded); a record that cannot be placed goes alone.
+//! A record too large to share an aggregate goes alone as a plain record; nothing
+//! larger than Kinesis' 1 MiB record limit is ever sent (the framing counts).
+//!
+//! Every call still resolves with where its record is: the shard, the sequence number
+//! of the Kinesis record holding it and its [`sub_sequence_number`](Stored) in it (0
+//! for a record sent alone), the position a consumer reads it at. An aggregate that is
+//! refused is resent as the user records it held (each counts an attempt, and may be
+//! packed with others on the resend); each caller gets its own record's outcome.
+//! `ordered_per_key` holds as without aggregation.
+//!
+//! What it costs: a record waits up to the linger for others to share its aggregate
+//! (without aggregation too), a little CPU to encode, and a consumer that reads
+//! aggregates (every KCL, the KPL's de-aggregation libraries and shardflow do). If
+//! ListShards fails before a first map exists, records go unaggregated until it works.
+//!
+//! # Riding the shard's limit
+//!
+//! A producer faster than a shard collects refusals
+//! (`ProvisionedThroughputExceededException`) and resends them after a backoff. With
+//! [`rate_limit(percent)`](ProducerBuilder::rate_limit) it keeps, per shard, a budget of
+//! that share of the shard's 1,000 records/s and 1 MiB/s (a token bucket of one second
+//! on tokio's clock; an aggregate counts as one record): the records of a shard over
+//! budget wait in the producer, in their place, while other shards' records go on. An
+//! entry refused for throughput anyway (other producers write to the shard too) empties
+//! that shard's budget only. The KPL's default is 150 %, above the quota, to absorb the
+//! imprecision of Kinesis' meter; 100 leaves it almost never refusing.
 //!
 //! # Shutting down
 //!
@@ -99,6 +149,7 @@
 mod builder;
 mod future;
 mod record;
+mod shards;
 mod worker;
 
 use std::fmt;
@@ -110,7 +161,10 @@ use tokio_util::sync::PollSender;
 
 use crate::error::ConfigError;
 
-pub use builder::{ProducerBuilder, MAX_BATCH_BYTES, MAX_BATCH_RECORDS};
+pub use builder::{
+    Aggregation, ProducerBuilder, DEFAULT_AGGREGATE_BYTES, DEFAULT_AGGREGATE_RECORDS,
+    MAX_BATCH_BYTES, MAX_BATCH_RECORDS,
+};
 pub use future::ResponseFuture;
 pub use record::{
     InvalidRecord, ProduceError, ProducerRecord, Stored, MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES,
@@ -187,6 +241,53 @@ impl Producer {
             .await
             .map_err(|_| ProduceError::Closed)?;
         answer.await.unwrap_or(Err(ProduceError::Closed))
+    }
+
+    /// Writes several records handed over together (a processor's outputs) and returns
+    /// each one's answer, in order. They take one place in the buffer and enter the
+    /// producer in one step. A record refused before sending (too large, invalid) is
+    /// answered with its error and every record after it with
+    /// [`ProduceError::AfterFailure`], none of those sent. With
+    /// [`ordered_per_key(true)`](ProducerBuilder::ordered_per_key) each key's records are
+    /// stored in the order given, and when one finally fails the records of its key
+    /// after it are not sent either ([`ProduceError::AfterFailure`]): nothing of a key is
+    /// stored ahead of a record that failed, so writing the same records again later
+    /// keeps the key's order. Records of other keys are independent of the failure.
+    pub async fn send_all(
+        &self,
+        records: impl IntoIterator<Item = ProducerRecord>,
+    ) -> Vec<Result<Stored, ProduceError>> {
+        let mut commands = Vec::new();
+        let mut answers = Vec::new();
+        let mut refused: Option<ProduceError> = None;
+        for record in records {
+            if let Some(cause) = &refused {
+                answers.push(Err(ProduceError::AfterFailure(Box::new(cause.clone()))));
+                continue;
+            }
+            match record.validate() {
+                Ok(size) => {
+                    let (reply, answer) = oneshot::channel();
+                    commands.push((record.into_put_record(), size, reply));
+                    answers.push(Ok(answer));
+                }
+                Err(error) => {
+                    refused = Some(error.clone());
+                    answers.push(Err(error));
+                }
+            }
+        }
+        let sent =
+            commands.is_empty() || self.sender.send(Command::Records(commands)).await.is_ok();
+        let mut results = Vec::with_capacity(answers.len());
+        for answer in answers {
+            results.push(match answer {
+                Ok(answer) if sent => answer.await.unwrap_or(Err(ProduceError::Closed)),
+                Ok(_) => Err(ProduceError::Closed),
+                Err(error) => Err(error),
+            });
+        }
+        results
     }
 
     /// Sends everything buffered now (without waiting for the linger) and returns once

@@ -109,8 +109,11 @@ fn is_hash_key(s: &str) -> bool {
 pub struct Stored {
     /// The shard that took the record.
     pub shard_id: String,
-    /// The record's sequence number in that shard.
+    /// The sequence number of the Kinesis record that holds it in that shard.
     pub sequence_number: SequenceNumber,
+    /// Its place inside that Kinesis record when the producer aggregated it (from 0,
+    /// as a consumer's [`Position`](crate::Position) names it); 0 for a plain record.
+    pub sub_sequence_number: u64,
 }
 
 /// Why a record was refused before it was buffered.
@@ -166,6 +169,13 @@ pub enum ProduceError {
     /// accepted or answered.
     #[error("the producer is closed")]
     Closed,
+    /// Not sent, so that it is not stored ahead of a record before it that was not
+    /// stored (the cause): with `ordered_per_key(true)`, a record of the same partition
+    /// key that finally failed while this one waited behind it; or, in
+    /// [`Producer::send_all`](super::Producer::send_all), an earlier record of the same
+    /// call that was refused before sending.
+    #[error("not sent: a record before it was not stored ({0})")]
+    AfterFailure(Box<ProduceError>),
 }
 
 impl ProduceError {
@@ -181,6 +191,8 @@ impl ProduceError {
                     "NotFound" | "Invalid" | "Unsupported" | "ExpiredIterator"
                 ) && super::worker::entry_error_is_transient(code)
             }
+            // As transient as what it waited for.
+            ProduceError::AfterFailure(cause) => cause.is_transient(),
             _ => false,
         }
     }

@@ -22,6 +22,7 @@ use std::cmp::Reverse;
 use std::collections::hash_map::{DefaultHasher, Entry as MapEntry};
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -30,11 +31,32 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use crate::aggregation::Aggregator;
 use crate::backoff::Backoff;
-use crate::kinesis::{KinesisError, PutOutcome, PutRecord};
+use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 
 use super::builder::Settings;
 use super::record::{ProduceError, Stored};
+use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
+
+/// How often the shard map is listed again even when nothing showed a reshard.
+const SHARD_MAP_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// The least time between two listings of the shard map (ListShards allows 100 calls/s
+/// per account).
+const SHARD_MAP_MIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The least wait for a shard's budget to refill, so that a call carries more than a
+/// record or two.
+const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
+
+/// How many records over their shard's budget one call looks past for records of other
+/// shards.
+const MAX_DEFERRED_SCAN: usize = 2_000;
+
+/// What a user record may add to an aggregate beyond its own bytes (its protobuf
+/// field tags and lengths), to keep a call under its byte limit.
+const AGGREGATE_OVERHEAD: usize = 16;
 
 /// Where a caller waits for its record's fate.
 pub(crate) type Reply = oneshot::Sender<Result<Stored, ProduceError>>;
@@ -47,6 +69,12 @@ pub(crate) enum Command {
         size: usize,
         reply: Reply,
     },
+    /// Validated records handed over together ([`Producer::send_all`]): taken in one
+    /// step, so that in ordered mode each is queued behind the one before it of its key
+    /// before any of them can fail.
+    ///
+    /// [`Producer::send_all`]: super::Producer::send_all
+    Records(Vec<(PutRecord, usize, Reply)>),
     /// Answer when every record sent before this command has been answered.
     Flush(oneshot::Sender<()>),
     /// Accept nothing more, write everything held, then stop.
@@ -71,11 +99,43 @@ struct Entry {
     meta: Meta,
 }
 
+/// What one entry of a PutRecords call carries for its callers.
+enum Part {
+    /// A record sent as it is: the entry is the record.
+    Plain(Meta),
+    /// User records packed into the entry (one of them alone: sent as it is), in
+    /// order, with the shard the entry was predicted to land in.
+    Aggregate { shard: Arc<str>, users: Vec<Entry> },
+}
+
+impl Part {
+    /// The user records of an entry that was not stored, to resend or fail one by one.
+    fn into_entries(self, record: PutRecord) -> Vec<Entry> {
+        match self {
+            Part::Plain(meta) => vec![Entry { record, meta }],
+            Part::Aggregate { users, .. } => users,
+        }
+    }
+}
+
+/// Records resent and failed after one call.
+#[derive(Default)]
+struct Tally {
+    resent: usize,
+    failed: usize,
+}
+
 /// A finished PutRecords call, with the records it carried (moved, not copied).
 struct Completed {
     records: Vec<PutRecord>,
-    metas: Vec<Meta>,
+    parts: Vec<Part>,
     result: Result<Vec<PutOutcome>, KinesisError>,
+}
+
+/// An aggregate being filled for one shard while a call is put together.
+struct Open {
+    aggregator: Aggregator,
+    users: Vec<Entry>,
 }
 
 /// Counts unanswered records per flush epoch, so that a flush waits only for the
@@ -154,14 +214,36 @@ pub(crate) struct Worker {
     paused_until: Option<Instant>,
     /// The resend delays, and the generator of their jitter.
     backoff: Backoff,
+    /// Aggregation: the stream's shards as last listed, a listing under way, and
+    /// whether a new one is wanted (a record outside every known range, an aggregate
+    /// that landed in another shard than predicted).
+    shard_map: Option<Arc<ShardMap>>,
+    listing: Option<BoxFuture<'static, Result<Vec<ShardInfo>, KinesisError>>>,
+    listing_wanted: bool,
+    listed_at: Option<Instant>,
+    /// The last listing failed and there is no map: records go unaggregated meanwhile.
+    map_unavailable: bool,
+    /// The per-shard rate limit, each shard's budget, and when one refills enough for a
+    /// record that waits (set when none could go).
+    rate_limit: Option<RateLimit>,
+    budgets: HashMap<Arc<str>, ShardBudget>,
+    rate_wait: Option<Instant>,
 }
 
 impl Worker {
     pub(crate) fn new(settings: Settings, rx: mpsc::Receiver<Command>) -> Self {
+        // Aggregated, a call carries up to 500 aggregates of many records each.
+        let per_entry = if settings.aggregation.is_some() {
+            100
+        } else {
+            1
+        };
         let max_held = settings
             .max_batch_records
+            .saturating_mul(per_entry)
             .saturating_mul(settings.max_in_flight.saturating_add(1));
         let backoff = Backoff::new(settings.retry_min, settings.retry_max, settings.seed);
+        let rate_limit = settings.rate_limit;
         Worker {
             settings,
             rx,
@@ -180,6 +262,14 @@ impl Worker {
             call_failures: 0,
             paused_until: None,
             backoff,
+            shard_map: None,
+            listing: None,
+            listing_wanted: false,
+            listed_at: None,
+            map_unavailable: false,
+            rate_limit: rate_limit.map(RateLimit::percent),
+            budgets: HashMap::new(),
+            rate_wait: None,
         }
     }
 
@@ -190,6 +280,7 @@ impl Worker {
             let drained = self.drain_channel();
             let now = Instant::now();
             self.promote_retries(now);
+            self.list_shards_if_due(now);
             self.dispatch(now);
             self.answer_flushes();
             if self.held == 0 && (self.rx_done || (self.closing && drained)) {
@@ -199,6 +290,11 @@ impl Worker {
             let can_receive = !self.rx_done && self.held < self.max_held;
             tokio::select! {
                 biased;
+                // First: a busy producer would never come to it otherwise.
+                listed = poll_listing(&mut self.listing), if self.listing.is_some() => {
+                    self.listing = None;
+                    self.listed(listed, Instant::now());
+                }
                 Some(completed) = self.in_flight.next(), if !self.in_flight.is_empty() => {
                     self.complete(completed, Instant::now());
                 }
@@ -244,38 +340,10 @@ impl Worker {
                 record,
                 size,
                 reply,
-            } => {
-                let key = if self.settings.ordered_per_key {
-                    let mut hasher = DefaultHasher::new();
-                    record.partition_key.hash(&mut hasher);
-                    hasher.finish()
-                } else {
-                    0
-                };
-                let entry = Entry {
-                    record,
-                    meta: Meta {
-                        id: self.next_id,
-                        size,
-                        key,
-                        attempts: 0,
-                        enqueued: now,
-                        epoch: self.epochs.add(),
-                        reply,
-                    },
-                };
-                self.next_id += 1;
-                self.held += 1;
-                if self.settings.ordered_per_key {
-                    match self.blocked.entry(key) {
-                        MapEntry::Occupied(mut waiting) => waiting.get_mut().push_back(entry),
-                        MapEntry::Vacant(free) => {
-                            free.insert(VecDeque::new());
-                            self.push_ready(entry);
-                        }
-                    }
-                } else {
-                    self.push_ready(entry);
+            } => self.take(record, size, reply, now),
+            Command::Records(records) => {
+                for (record, size, reply) in records {
+                    self.take(record, size, reply, now);
                 }
             }
             Command::Flush(waiter) => {
@@ -288,6 +356,42 @@ impl Worker {
                 // still taken and written.
                 self.rx.close();
             }
+        }
+    }
+
+    /// Holds a new record: ready to go, or (ordered mode) behind its key's owner.
+    fn take(&mut self, record: PutRecord, size: usize, reply: Reply, now: Instant) {
+        let key = if self.settings.ordered_per_key {
+            let mut hasher = DefaultHasher::new();
+            record.partition_key.hash(&mut hasher);
+            hasher.finish()
+        } else {
+            0
+        };
+        let entry = Entry {
+            record,
+            meta: Meta {
+                id: self.next_id,
+                size,
+                key,
+                attempts: 0,
+                enqueued: now,
+                epoch: self.epochs.add(),
+                reply,
+            },
+        };
+        self.next_id += 1;
+        self.held += 1;
+        if self.settings.ordered_per_key {
+            match self.blocked.entry(key) {
+                MapEntry::Occupied(mut waiting) => waiting.get_mut().push_back(entry),
+                MapEntry::Vacant(free) => {
+                    free.insert(VecDeque::new());
+                    self.push_ready(entry);
+                }
+            }
+        } else {
+            self.push_ready(entry);
         }
     }
 
@@ -326,24 +430,56 @@ impl Worker {
         if self.paused_until.is_some_and(|until| until > now) {
             return;
         }
+        if self.uses_shard_map() && self.shard_map.is_none() && !self.map_unavailable {
+            // The first listing is under way: its answer wakes the loop.
+            return;
+        }
         let urgent = self.urgent();
+        let per_entry = if self.settings.aggregation.is_some() {
+            100
+        } else {
+            1
+        };
         while self.in_flight.len() < self.settings.max_in_flight {
             let Some(front) = self.ready.front() else {
                 break;
             };
-            let full = self.ready.len() >= self.settings.max_batch_records
+            let full = self.ready.len() >= self.settings.max_batch_records * per_entry
                 || self.ready_bytes >= self.settings.max_batch_bytes;
             let due = urgent || front.meta.enqueued + self.settings.linger <= now;
             if !(full || due) {
                 break;
             }
-            self.launch();
+            if self.rate_wait.is_some_and(|at| at > now) {
+                // Every shard with records waiting is over its budget.
+                break;
+            }
+            let calls = self.in_flight.len();
+            self.launch(now);
+            if self.in_flight.len() == calls {
+                break;
+            }
         }
     }
 
     /// Sends the next batch from the front of `ready`: at most `max_batch_records`
     /// records and `max_batch_bytes` bytes (a single larger record goes alone).
-    fn launch(&mut self) {
+    fn launch(&mut self, now: Instant) {
+        match (self.uses_shard_map(), &self.shard_map) {
+            (true, Some(map)) => {
+                let map = map.clone();
+                self.launch_aggregated(&map, now);
+            }
+            _ => self.launch_plain(),
+        }
+    }
+
+    /// Aggregation and the per-shard rate limit both need to know each record's shard.
+    fn uses_shard_map(&self) -> bool {
+        self.settings.aggregation.is_some() || self.rate_limit.is_some()
+    }
+
+    fn launch_plain(&mut self) {
         let limit = self.ready.len().min(self.settings.max_batch_records);
         let mut records = Vec::with_capacity(limit);
         let mut metas = Vec::with_capacity(limit);
@@ -362,8 +498,152 @@ impl Worker {
             self.ready_bytes -= meta.size;
             meta.attempts += 1;
             records.push(record);
-            metas.push(meta);
+            metas.push(Part::Plain(meta));
         }
+        self.put(records, metas);
+    }
+
+    /// Sends the next batch from the front of `ready`, each record packed into an
+    /// aggregate of the shard it is predicted to land in: at most `max_batch_records`
+    /// entries and about `max_batch_bytes` bytes.
+    ///
+    /// With a rate limit, a record whose shard has no budget left stays in `ready` (in
+    /// its place) and the others go on; `rate_wait` is when a budget refills.
+    fn launch_aggregated(&mut self, map: &ShardMap, now: Instant) {
+        // Without aggregation (rate limit only), "aggregates" of one record: plain.
+        let (max_size, max_count) = match &self.settings.aggregation {
+            Some(a) => (a.size_limit(), a.count_limit()),
+            None => (crate::kinesis::MAX_RECORD_BYTES, 1),
+        };
+        let mut deferred: Vec<Entry> = Vec::new();
+        let mut wake: Option<Instant> = None;
+        let mut records = Vec::new();
+        let mut parts = Vec::new();
+        let mut open: HashMap<usize, Open> = HashMap::new();
+        // Bytes of the finished entries, and of the open aggregates.
+        let mut bytes = 0usize;
+        let mut pending = 0usize;
+        while let Some(front) = self.ready.front() {
+            let entries = records.len() + open.len();
+            let taken = entries > 0;
+            if entries >= self.settings.max_batch_records
+                || (taken
+                    && bytes + pending + front.meta.size + AGGREGATE_OVERHEAD
+                        > self.settings.max_batch_bytes)
+            {
+                break;
+            }
+            let predicted = hash_key(&front.record).and_then(|h| map.shard_of(h));
+            if let (Some(limit), Some(index)) = (&self.rate_limit, predicted) {
+                // A new Kinesis record costs one record of the budget; every user
+                // record its bytes (with a little framing when aggregated).
+                let starts = open.get(&index).is_none_or(|slot| {
+                    slot.aggregator.is_empty()
+                        || slot.aggregator.len() as u64 >= max_count
+                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD > max_size
+                });
+                let cost_records = if starts { 1.0 } else { 0.0 };
+                let cost_bytes = front.meta.size as f64;
+                if let Some(shard) = map.id(index) {
+                    let budget = self
+                        .budgets
+                        .entry(shard.clone())
+                        .or_insert_with(|| ShardBudget::new(limit, now));
+                    if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
+                        // Not sooner than a few milliseconds: a budget refills a record
+                        // per millisecond, and a call should carry more than one.
+                        let ready_at = ready_at.max(now + RATE_WAIT_MIN);
+                        wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                        if let Some(entry) = self.ready.pop_front() {
+                            self.ready_bytes -= entry.meta.size;
+                            deferred.push(entry);
+                        }
+                        if deferred.len() >= MAX_DEFERRED_SCAN {
+                            // Enough looking past waiting records for one call.
+                            break;
+                        }
+                        continue;
+                    }
+                }
+            }
+            let Some(Entry { record, mut meta }) = self.ready.pop_front() else {
+                break;
+            };
+            self.ready_bytes -= meta.size;
+            meta.attempts += 1;
+            let Some(index) = predicted else {
+                // Outside every known range: the map is stale. Sent alone, where
+                // Kinesis routes it.
+                self.listing_wanted = true;
+                bytes += meta.size;
+                records.push(record);
+                parts.push(Part::Plain(meta));
+                continue;
+            };
+            let Some(shard) = map.id(index).cloned() else {
+                continue;
+            };
+            let slot = open.entry(index).or_insert_with(|| Open {
+                aggregator: Aggregator::with_max_size(max_size),
+                users: Vec::new(),
+            });
+            let before = slot.aggregator.size();
+            if slot.aggregator.len() as u64 >= max_count {
+                if let Some(full) = slot.aggregator.flush() {
+                    bytes += full.data.len() + full.partition_key.len();
+                    records.push(full);
+                    parts.push(Part::Aggregate {
+                        shard: shard.clone(),
+                        users: std::mem::take(&mut slot.users),
+                    });
+                }
+            }
+            let size = meta.size;
+            match slot.aggregator.add(record.clone()) {
+                Ok(finished) => {
+                    if let Some(full) = finished {
+                        bytes += full.data.len() + full.partition_key.len();
+                        records.push(full);
+                        parts.push(Part::Aggregate {
+                            shard,
+                            users: std::mem::take(&mut slot.users),
+                        });
+                    }
+                    slot.users.push(Entry { record, meta });
+                }
+                Err(refused) => {
+                    // Too large to share an aggregate (its own would pass the limit
+                    // with the framing): alone, as it is (at most 1 MiB: validated).
+                    bytes += size;
+                    records.push(refused.into_record());
+                    parts.push(Part::Plain(meta));
+                }
+            }
+            pending = pending.saturating_sub(before) + slot.aggregator.size();
+        }
+        // Records over their shard's budget keep their place, ahead of newer ones.
+        for entry in deferred.into_iter().rev() {
+            self.ready_bytes += entry.meta.size;
+            self.ready.push_front(entry);
+        }
+        self.rate_wait = wake.filter(|_| records.is_empty() && open.is_empty());
+        for (index, slot) in open {
+            let Open {
+                mut aggregator,
+                users,
+            } = slot;
+            if let (Some(full), Some(shard)) = (aggregator.flush(), map.id(index)) {
+                records.push(full);
+                parts.push(Part::Aggregate {
+                    shard: shard.clone(),
+                    users,
+                });
+            }
+        }
+        self.put(records, parts);
+    }
+
+    fn put(&mut self, records: Vec<PutRecord>, parts: Vec<Part>) {
         if records.is_empty() {
             return;
         }
@@ -373,16 +653,56 @@ impl Worker {
             let result = api.put_records(&stream, &records).await;
             Completed {
                 records,
-                metas,
+                parts,
                 result,
             }
         }));
     }
 
+    /// Starts listing the shards when aggregating and the map is missing, stale, or
+    /// shown wrong (at most once per [`SHARD_MAP_MIN_INTERVAL`]).
+    fn list_shards_if_due(&mut self, now: Instant) {
+        if !self.uses_shard_map() || self.listing.is_some() {
+            return;
+        }
+        let due = match &self.shard_map {
+            None => true,
+            Some(map) => self.listing_wanted || map.fetched + SHARD_MAP_MAX_AGE <= now,
+        };
+        let too_soon = self
+            .listed_at
+            .is_some_and(|at| now < at + SHARD_MAP_MIN_INTERVAL);
+        if !due || too_soon {
+            return;
+        }
+        self.listed_at = Some(now);
+        self.listing_wanted = false;
+        let api = self.settings.kinesis.clone();
+        let stream = self.settings.stream.clone();
+        self.listing = Some(Box::pin(async move { api.list_shards(&stream).await }));
+    }
+
+    fn listed(&mut self, listed: Result<Vec<ShardInfo>, KinesisError>, now: Instant) {
+        match listed {
+            Ok(shards) => {
+                let map = ShardMap::new(&shards, now);
+                tracing::debug!(stream = %self.settings.stream, shards = map.len(), "shard map listed");
+                self.shard_map = Some(Arc::new(map));
+                self.map_unavailable = false;
+            }
+            Err(error) => {
+                // Records go unaggregated until a listing works (never wait on it).
+                tracing::warn!(stream = %self.settings.stream, %error, "ListShards failed; sending records unaggregated until it works");
+                self.map_unavailable = self.shard_map.is_none();
+                self.listing_wanted = true;
+            }
+        }
+    }
+
     fn complete(&mut self, completed: Completed, now: Instant) {
         let Completed {
             records,
-            metas,
+            parts,
             result,
         } = completed;
         // One jitter draw per call keeps the records that failed together together.
@@ -398,51 +718,98 @@ impl Worker {
                     )
                     .into(),
                 );
-                return self.call_failed(records, metas, error, jitter, now);
+                return self.call_failed(records, parts, error, jitter, now);
             }
-            Err(error) => return self.call_failed(records, metas, error, jitter, now),
+            Err(error) => return self.call_failed(records, parts, error, jitter, now),
         };
         self.call_failures = 0;
-        let mut resent = 0usize;
-        let mut failed = 0usize;
-        for ((record, meta), outcome) in records.into_iter().zip(metas).zip(outcomes) {
+        let mut tally = Tally::default();
+        for ((record, part), outcome) in records.into_iter().zip(parts).zip(outcomes) {
             match outcome {
                 PutOutcome::Stored {
                     shard_id,
                     sequence_number,
-                } => self.answer(
-                    meta,
-                    Ok(Stored {
-                        shard_id,
-                        sequence_number,
-                    }),
-                ),
+                } => match part {
+                    Part::Plain(meta) => self.answer(
+                        meta,
+                        Ok(Stored {
+                            shard_id,
+                            sequence_number,
+                            sub_sequence_number: 0,
+                        }),
+                    ),
+                    Part::Aggregate { shard, users } => {
+                        if *shard != *shard_id {
+                            // Landed elsewhere than predicted: the stream was resharded.
+                            self.listing_wanted = true;
+                        }
+                        // A lone user record was sent as it is: sub-sequence 0 too.
+                        for (sub, entry) in (0u64..).zip(users) {
+                            self.answer(
+                                entry.meta,
+                                Ok(Stored {
+                                    shard_id: shard_id.clone(),
+                                    sequence_number: sequence_number.clone(),
+                                    sub_sequence_number: sub,
+                                }),
+                            );
+                        }
+                    }
+                },
                 PutOutcome::Failed { code, message } => {
-                    if entry_error_is_transient(&code) && meta.attempts < self.settings.max_attempts
+                    let transient = entry_error_is_transient(&code);
+                    if let (Some(limit), Part::Aggregate { shard, .. }) = (&self.rate_limit, &part)
                     {
-                        resent += 1;
-                        let delay = self.backoff(meta.attempts, jitter);
-                        self.retries.push((now + delay, Entry { record, meta }));
-                    } else {
-                        failed += 1;
-                        let attempts = meta.attempts;
-                        self.answer(
-                            meta,
-                            Err(ProduceError::Failed {
-                                code,
-                                message,
-                                attempts,
-                            }),
-                        );
+                        if code == "ProvisionedThroughputExceededException" {
+                            // The shard is busier than its budget said: it waits, the
+                            // others go on.
+                            if let Some(budget) = self.budgets.get_mut(shard) {
+                                budget.drain(limit, now);
+                            }
+                        }
+                    }
+                    for entry in part.into_entries(record) {
+                        self.not_stored(entry, transient, &code, &message, jitter, now, &mut tally);
                     }
                 }
             }
         }
-        if resent > 0 {
-            tracing::debug!(stream = %self.settings.stream, resent, "PutRecords partial failure; resending the failed entries");
+        if tally.resent > 0 {
+            tracing::debug!(stream = %self.settings.stream, resent = tally.resent, "PutRecords partial failure; resending the failed entries");
         }
-        if failed > 0 {
-            tracing::warn!(stream = %self.settings.stream, failed, "records not stored: out of attempts or a permanent entry error");
+        if tally.failed > 0 {
+            tracing::warn!(stream = %self.settings.stream, failed = tally.failed, "records not stored: out of attempts or a permanent entry error");
+        }
+    }
+
+    /// A record that was not stored: back for a resend after its backoff if the error
+    /// passes with time and it has attempts left, else answered with the error.
+    #[allow(clippy::too_many_arguments)]
+    fn not_stored(
+        &mut self,
+        entry: Entry,
+        transient: bool,
+        code: &str,
+        message: &str,
+        jitter: f64,
+        now: Instant,
+        tally: &mut Tally,
+    ) {
+        if transient && entry.meta.attempts < self.settings.max_attempts {
+            tally.resent += 1;
+            let delay = self.backoff(entry.meta.attempts, jitter);
+            self.retries.push((now + delay, entry));
+        } else {
+            tally.failed += 1;
+            let attempts = entry.meta.attempts;
+            self.answer(
+                entry.meta,
+                Err(ProduceError::Failed {
+                    code: code.to_owned(),
+                    message: message.to_owned(),
+                    attempts,
+                }),
+            );
         }
     }
 
@@ -451,7 +818,7 @@ impl Worker {
     fn call_failed(
         &mut self,
         records: Vec<PutRecord>,
-        metas: Vec<Meta>,
+        parts: Vec<Part>,
         error: KinesisError,
         jitter: f64,
         now: Instant,
@@ -467,37 +834,53 @@ impl Worker {
         }
         let code = call_error_code(&error);
         let message = error.to_string();
-        for (record, meta) in records.into_iter().zip(metas) {
-            if retryable && meta.attempts < self.settings.max_attempts {
-                let delay = self.backoff(meta.attempts, jitter);
-                self.retries.push((now + delay, Entry { record, meta }));
-            } else {
-                let attempts = meta.attempts;
-                self.answer(
-                    meta,
-                    Err(ProduceError::Failed {
-                        code: code.to_owned(),
-                        message: message.clone(),
-                        attempts,
-                    }),
-                );
+        let mut tally = Tally::default();
+        for (record, part) in records.into_iter().zip(parts) {
+            for entry in part.into_entries(record) {
+                self.not_stored(entry, retryable, code, &message, jitter, now, &mut tally);
             }
         }
     }
 
-    /// Tells the caller, and lets the next record of the key go (ordered mode).
+    /// Tells the caller, and lets the next record of the key go (ordered mode). When
+    /// the record finally failed, the records of its key waiting behind it fail too,
+    /// unsent ([`ProduceError::AfterFailure`]): sent now, they would be stored ahead of
+    /// the failed one if it is written again (a redelivered input), and a key's order
+    /// would break.
     fn answer(&mut self, meta: Meta, result: Result<Stored, ProduceError>) {
+        let failure = match (&result, self.settings.ordered_per_key) {
+            (Err(error), true) => Some(error.clone()),
+            _ => None,
+        };
         // A caller that stopped waiting is not an error.
         let _ = meta.reply.send(result);
         self.held = self.held.saturating_sub(1);
         self.epochs.answered(meta.epoch);
-        if self.settings.ordered_per_key {
-            if let MapEntry::Occupied(mut waiting) = self.blocked.entry(meta.key) {
-                match waiting.get_mut().pop_front() {
-                    Some(next) => self.push_ready(next),
-                    None => {
-                        waiting.remove();
-                    }
+        if !self.settings.ordered_per_key {
+            return;
+        }
+        if let Some(cause) = failure {
+            if let Some(waiting) = self.blocked.remove(&meta.key) {
+                if !waiting.is_empty() {
+                    tracing::warn!(stream = %self.settings.stream, unsent = waiting.len(), "a record finally failed: failing the records of its key behind it");
+                }
+                let cause = Box::new(cause);
+                for entry in waiting {
+                    let _ = entry
+                        .meta
+                        .reply
+                        .send(Err(ProduceError::AfterFailure(cause.clone())));
+                    self.held = self.held.saturating_sub(1);
+                    self.epochs.answered(entry.meta.epoch);
+                }
+            }
+            return;
+        }
+        if let MapEntry::Occupied(mut waiting) = self.blocked.entry(meta.key) {
+            match waiting.get_mut().pop_front() {
+                Some(next) => self.push_ready(next),
+                None => {
+                    waiting.remove();
                 }
             }
         }
@@ -540,7 +923,27 @@ impl Worker {
         for (at, _) in &self.retries {
             consider(*at);
         }
+        if let Some(at) = self.rate_wait {
+            consider(at);
+        }
+        if self.uses_shard_map() && self.listing.is_none() {
+            // A listing wanted but too soon after the last one.
+            if let (true, Some(at)) = (self.listing_wanted || self.map_unavailable, self.listed_at)
+            {
+                consider(at + SHARD_MAP_MIN_INTERVAL);
+            }
+        }
         next
+    }
+}
+
+/// The listing under way's answer (never ready without one).
+async fn poll_listing(
+    listing: &mut Option<BoxFuture<'static, Result<Vec<ShardInfo>, KinesisError>>>,
+) -> Result<Vec<ShardInfo>, KinesisError> {
+    match listing {
+        Some(listing) => listing.await,
+        None => std::future::pending().await,
     }
 }
 

@@ -170,3 +170,46 @@ async fn a_refused_output_goes_to_the_dead_letter_layer_above() {
     );
     assert!(stored(&memory).is_empty());
 }
+
+/// Regression: an output refused before sending failed the call, but the outputs after
+/// it were stored anyway.
+#[tokio::test(start_paused = true)]
+async fn nothing_after_a_refused_output_is_stored() {
+    for ordered in [true, false] {
+        let memory = Memory::new();
+        memory.streams().create_stream("out", 1).await.unwrap();
+        let producer = Producer::builder()
+            .stream("out")
+            .backend(memory.clone())
+            .ordered_per_key(ordered)
+            .build()
+            .unwrap();
+        let svc = ProduceToLayer::new(producer).layer(service_fn(|_m: Message<Bytes>| async {
+            Ok::<_, Infallible>(vec![
+                Output::new("x0"),
+                Output::new(vec![0u8; shardflow::producer::MAX_RECORD_BYTES + 1]),
+                Output::new("x2"),
+            ])
+        }));
+        let error = svc.oneshot(message(1, b"in")).await.unwrap_err();
+        let error = error.downcast_ref::<ProduceToError>().unwrap();
+        assert!(
+            matches!(
+                error,
+                ProduceToError::NotStored {
+                    index: 1,
+                    outputs: 3,
+                    source: ProduceError::TooLarge { .. },
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(!error.is_transient());
+        assert_eq!(
+            stored(&memory),
+            [("pk-1".to_owned(), "x0".to_owned())],
+            "ordered: {ordered}"
+        );
+    }
+}
