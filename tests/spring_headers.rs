@@ -30,7 +30,10 @@ const UUID: &str = "0b3a94d6-33b4-4bd6-a8e7-4c0d2d8c4c41";
 const TIMESTAMP: i64 = 1_764_633_600_000;
 
 fn fixture(name: &str) -> Bytes {
-    let path = format!("{}/tests/fixtures/spring/{name}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/tests/fixtures/spring/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
     Bytes::from(std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}")))
 }
 
@@ -63,7 +66,11 @@ fn spring_json_headers_are_read_and_the_framing_stripped() {
     assert_eq!(payload.as_ref(), PAYLOAD);
     assert_eq!(headers.get_str("contentType"), Some("application/json"));
     assert_eq!(headers.get_str("traceparent"), Some(TRACEPARENT));
-    assert_eq!(names(&headers), ["traceparent", "contentType"], "wire order kept");
+    assert_eq!(
+        names(&headers),
+        ["traceparent", "contentType"],
+        "wire order kept"
+    );
 }
 
 #[test]
@@ -94,8 +101,7 @@ fn spring_message_document_is_read_as_headers_and_payload() {
 
 #[test]
 fn spring_legacy_headers_are_read_and_the_framing_stripped() {
-    let (headers, payload) =
-        read_legacy(&fixture("legacy_content_type_traceparent.bin")).unwrap();
+    let (headers, payload) = read_legacy(&fixture("legacy_content_type_traceparent.bin")).unwrap();
     assert_eq!(payload.as_ref(), PAYLOAD);
     assert_eq!(names(&headers), ["contentType", "traceparent"]);
     assert_eq!(headers.get_str("contentType"), Some("application/json"));
@@ -112,7 +118,9 @@ fn auto_reads_every_fixture_and_none_reads_none() {
         "legacy_content_type_traceparent.bin",
     ] {
         let data = fixture(name);
-        let (_, payload) = HeaderFormat::Auto.read(&data).unwrap_or_else(|| panic!("{name}"));
+        let (_, payload) = HeaderFormat::Auto
+            .read(&data)
+            .unwrap_or_else(|| panic!("{name}"));
         assert_eq!(payload.as_ref(), PAYLOAD, "{name}");
         assert!(HeaderFormat::None.read(&data).is_none(), "{name}");
     }
@@ -238,9 +246,8 @@ fn what_we_write_we_read_back() {
 /// Payloads that are not envelopes: random bytes, JSON documents, and bytes starting
 /// with `0xff` that do not follow the legacy layout.
 fn plain_payload() -> impl Strategy<Value = Vec<u8>> {
-    let json = proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..6).prop_map(|m| {
-        serde_json::to_vec(&m).unwrap()
-    });
+    let json = proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..6)
+        .prop_map(|m| serde_json::to_vec(&m).unwrap());
     let ff_random = proptest::collection::vec(any::<u8>(), 0..120).prop_map(|tail| {
         let mut v = vec![0xff];
         v.extend(tail);
@@ -248,15 +255,19 @@ fn plain_payload() -> impl Strategy<Value = Vec<u8>> {
     });
     // 0xff, a count, a plausible first header whose value is not JSON or whose value
     // length runs past the end.
-    let ff_broken = (1u8..5, "[a-zA-Z]{1,12}", 0u32..64, "[^\"0-9\\[{tfn -]{1,20}").prop_map(
-        |(count, name, extra, value)| {
+    let ff_broken = (
+        1u8..5,
+        "[a-zA-Z]{1,12}",
+        0u32..64,
+        "[^\"0-9\\[{tfn -]{1,20}",
+    )
+        .prop_map(|(count, name, extra, value)| {
             let mut v = vec![0xff, count, name.len() as u8];
             v.extend_from_slice(name.as_bytes());
             v.extend_from_slice(&(value.len() as u32 + extra).to_be_bytes());
             v.extend_from_slice(value.as_bytes());
             v
-        },
-    );
+        });
     prop_oneof![
         3 => proptest::collection::vec(any::<u8>(), 0..300),
         2 => json,
@@ -270,7 +281,11 @@ fn records_that_are_not_envelopes_arrive_unchanged() {
     runner(2, 2048)
         .run(&plain_payload(), |payload| {
             let data = Bytes::from(payload);
-            prop_assert!(HeaderFormat::Auto.read(&data).is_none(), "{:02x?}", &data[..]);
+            prop_assert!(
+                HeaderFormat::Auto.read(&data).is_none(),
+                "{:02x?}",
+                &data[..]
+            );
             Ok(())
         })
         .unwrap();
@@ -346,9 +361,16 @@ async fn headers_go_from_producer_to_consumer_and_spring_records_are_read() {
         .limited()
         .await
         .unwrap();
-    producer.send(ProducerRecord::new("plain", "k")).limited().await.unwrap();
+    producer
+        .send(ProducerRecord::new("plain", "k"))
+        .limited()
+        .await
+        .unwrap();
     // What a Spring producer wrote, as raw bytes.
-    for name in ["json_typed_id_timestamp.bin", "legacy_content_type_traceparent.bin"] {
+    for name in [
+        "json_typed_id_timestamp.bin",
+        "legacy_content_type_traceparent.bin",
+    ] {
         producer
             .send(ProducerRecord::new(fixture(name), "k"))
             .limited()
@@ -365,11 +387,17 @@ async fn headers_go_from_producer_to_consumer_and_spring_records_are_read() {
     assert!(messages[1].headers.is_empty());
     assert_eq!(messages[2].headers, typed_headers());
     assert_eq!(messages[2].payload.as_ref(), PAYLOAD);
-    assert_eq!(messages[3].headers.get_str("traceparent"), Some(TRACEPARENT));
+    assert_eq!(
+        messages[3].headers.get_str("traceparent"),
+        Some(TRACEPARENT)
+    );
     assert_eq!(messages[3].payload.as_ref(), PAYLOAD);
     // Debug shows the headers' names, never the payload.
     let shown = format!("{:?}", messages[0]);
-    assert!(shown.contains("traceparent") && !shown.contains("\"id\":1"), "{shown}");
+    assert!(
+        shown.contains("traceparent") && !shown.contains("\"id\":1"),
+        "{shown}"
+    );
 
     // Raw mode: the framing is the payload.
     let raw = first_batch(&memory, "s", HeaderFormat::None).await;
@@ -430,17 +458,24 @@ async fn headers_travel_through_a_processor() {
         .build()
         .unwrap();
     // The processor copies the correlation id and says what the output is.
-    let processor = ServiceBuilder::new()
-        .produce_to(output)
-        .service_fn(|msg: Message| async move {
-            let correlation = msg.headers.get_str("correlationId").unwrap_or("").to_owned();
-            Ok::<_, Infallible>(
-                Output::new(msg.payload)
-                    .with_header("correlationId", correlation)
-                    .with_header("contentType", "text/plain"),
-            )
-        });
-    let consumer = test_consumer(memory.clone(), "in", "proc", "w1").build().unwrap();
+    let processor =
+        ServiceBuilder::new()
+            .produce_to(output)
+            .service_fn(|msg: Message| async move {
+                let correlation = msg
+                    .headers
+                    .get_str("correlationId")
+                    .unwrap_or("")
+                    .to_owned();
+                Ok::<_, Infallible>(
+                    Output::new(msg.payload)
+                        .with_header("correlationId", correlation)
+                        .with_header("contentType", "text/plain"),
+                )
+            });
+    let consumer = test_consumer(memory.clone(), "in", "proc", "w1")
+        .build()
+        .unwrap();
     let running = start_service(consumer, processor);
     let stored = async {
         while memory

@@ -502,9 +502,10 @@ mod tests {
             "application/vnd.orders.v1+json",
             "application/cloudevents+json; charset=UTF-8",
         ] {
-            let svc = DecodeLayer::<Order>::json().layer(service_fn(|m: Message<Order>| async move {
-                Ok::<_, std::convert::Infallible>(m.payload.id)
-            }));
+            let svc =
+                DecodeLayer::<Order>::json().layer(service_fn(|m: Message<Order>| async move {
+                    Ok::<_, std::convert::Infallible>(m.payload.id)
+                }));
             let msg = message(1, br#"{"id":7}"#).with_header(CONTENT_TYPE, content_type);
             assert_eq!(svc.oneshot(msg).await.unwrap(), 7, "{content_type}");
         }

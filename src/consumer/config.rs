@@ -9,8 +9,8 @@ use tokio::sync::{watch, OnceCell};
 use super::events::{EventHook, ShardEvent};
 use super::read_ahead::ReadAhead;
 use crate::backend::Backend;
-use crate::headers::HeaderFormat;
 pub use crate::error::ConfigError;
+use crate::headers::HeaderFormat;
 use crate::kinesis::{KinesisApi, KinesisError};
 
 /// The longest duration any setting accepts (one week).

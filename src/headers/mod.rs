@@ -152,10 +152,7 @@ impl Headers {
 
     /// The value of `name` (exact case).
     pub fn get(&self, name: &str) -> Option<&HeaderValue> {
-        self.entries
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v)
+        self.entries.iter().find(|(n, _)| n == name).map(|(_, v)| v)
     }
 
     /// The value of `name` when it is a string.
@@ -267,7 +264,10 @@ mod tests {
         h.insert("contentType", "application/json");
         h.insert("token", "x".repeat(200));
         let shown = format!("{h:?}");
-        assert!(shown.contains("\"contentType\": \"application/json\""), "{shown}");
+        assert!(
+            shown.contains("\"contentType\": \"application/json\""),
+            "{shown}"
+        );
         assert!(shown.contains("\"token\": <202 bytes>"), "{shown}");
     }
 }

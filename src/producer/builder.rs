@@ -164,9 +164,10 @@ impl ProducerBuilder {
         self
     }
 
-    /// Whether a record's [`headers`](crate::ProducerRecord::headers) are written into
-    /// the record (default on), in Spring Integration's JSON-headers framing: a 4-byte
-    /// length, the headers as JSON, a 4-byte length, the payload (see
+    /// Whether a record's headers (set with
+    /// [`ProducerRecord::with_header`](crate::ProducerRecord::with_header)) are written
+    /// into the record (default on), in Spring Integration's JSON-headers framing: a
+    /// 4-byte length, the headers as JSON, a 4-byte length, the payload (see
     /// [`headers::spring`](crate::headers::spring)). A shardflow consumer with the
     /// default [`HeaderFormat::Auto`](crate::HeaderFormat) and a Spring Cloud Stream
     /// Kinesis consumer with its defaults read them back; the framing counts against

@@ -104,11 +104,12 @@ impl ProducerRecord {
         }
         let headers = std::mem::take(&mut self.headers);
         if embed {
-            self.payload = crate::headers::spring::write_json(&headers, &self.payload)
-                .ok_or(ProduceError::TooLarge {
+            self.payload = crate::headers::spring::write_json(&headers, &self.payload).ok_or(
+                ProduceError::TooLarge {
                     size: self.size(),
                     limit: MAX_RECORD_BYTES,
-                })?;
+                },
+            )?;
         }
         Ok(self)
     }
