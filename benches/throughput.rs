@@ -20,8 +20,15 @@
 //! The medians are printed, with the per-record framework overhead
 //! `(t_framework - t_loop) / records` and the ratio `t_framework / t_loop`.
 //!
+//! * `run_raw`: `run` with header recognition off (`HeaderFormat::None`); `run` has it
+//!   on (the default, `HeaderFormat::Auto`), and none of the records is an envelope.
+//! * `detect`: the recognition alone, per record, without a consumer: `Auto.read` and
+//!   `None.read` over a mix of payloads that are not envelopes (the bench's 100-byte
+//!   records, JSON documents, binary data starting with `0xff`), 20 passes.
+//!
 //! Environment knobs: `BENCH_ITERS` (default 7), `BENCH_RECORDS` (default 400000),
-//! `BENCH_MODE` (`all`, `run`, `batches`, `loop`: run one mode only, e.g. under `perf`).
+//! `BENCH_MODE` (`all`, `run`, `run_raw`, `batches`, `loop`, `detect`: one mode only,
+//! e.g. under `perf`).
 //!
 //! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
 //! --all-targets` runs this binary without), it makes a smoke run instead: every mode
@@ -38,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, StartingPosition};
-use shardflow::{Backend, Batch, Consumer, Memory, Message};
+use shardflow::{Backend, Batch, Consumer, HeaderFormat, Memory, Message};
 use tokio::sync::Notify;
 
 const STREAM: &str = "bench";
@@ -90,7 +97,12 @@ struct Timing {
 }
 
 /// `Consumer::run` with a per-record service.
-async fn framework_records(memory: &Memory, group: &str, records: u64) -> Timing {
+async fn framework_records(
+    memory: &Memory,
+    group: &str,
+    records: u64,
+    headers: HeaderFormat,
+) -> Timing {
     let done = Done::new(records);
     let start = Instant::now();
     let consumer = Consumer::builder()
@@ -98,6 +110,7 @@ async fn framework_records(memory: &Memory, group: &str, records: u64) -> Timing
         .group(group)
         .backend(memory.clone())
         .idle_read_interval(Duration::from_millis(1))
+        .header_format(headers)
         .build()
         .expect("config");
     let d = done.clone();
@@ -151,6 +164,43 @@ async fn framework_batches(memory: &Memory, group: &str, records: u64) -> Timing
         handled: handled_at - start,
         shutdown: end - handled_at,
     }
+}
+
+/// Payloads that are not envelopes, as a consumer meets them: 100-byte records, JSON
+/// documents, and binary data starting with `0xff` (which the legacy check looks at).
+fn plain_payloads() -> Vec<Bytes> {
+    let mut payloads = Vec::new();
+    for i in 0..1_000u32 {
+        payloads.push(match i % 4 {
+            0 | 1 => Bytes::from(vec![b'x'; RECORD_BYTES]),
+            2 => Bytes::from(format!(
+                r#"{{"id":{i},"customer":"c-{}","total":12.5}}"#,
+                i % 97
+            )),
+            _ => {
+                let mut v = vec![0xffu8, (i % 7) as u8 + 1];
+                v.extend(i.to_be_bytes().iter().cycle().take(60));
+                Bytes::from(v)
+            }
+        });
+    }
+    payloads
+}
+
+/// Per-record time of `format.read` over `payloads`, `passes` times (the best of 5).
+fn detection_ns(format: HeaderFormat, payloads: &[Bytes], passes: usize) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..passes {
+            for p in payloads {
+                std::hint::black_box(format.read(std::hint::black_box(p)));
+            }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / (passes * payloads.len()) as f64;
+        best = best.min(ns);
+    }
+    best
 }
 
 /// The baseline: read every shard directly, one task per shard.
@@ -243,22 +293,31 @@ fn main() {
             hand_loop(kinesis.clone(), records).await;
         }
         if measure && want("run") {
-            framework_records(&memory, "warmup-run", records).await;
+            framework_records(&memory, "warmup-run", records, HeaderFormat::Auto).await;
+        }
+        if measure && want("run_raw") {
+            framework_records(&memory, "warmup-raw", records, HeaderFormat::None).await;
         }
         if measure && want("batches") {
             framework_batches(&memory, "warmup-batches", records).await;
         }
 
         let (mut lp, mut run, mut run_sd, mut bat, mut bat_sd) = (vec![], vec![], vec![], vec![], vec![]);
+        let (mut raw, mut raw_sd) = (vec![], vec![]);
         for i in 0..iters {
             // Interleaved so that drift on the shared machine hits every mode alike.
             if want("loop") {
                 lp.push(hand_loop(kinesis.clone(), records).await);
             }
             if want("run") {
-                let t = framework_records(&memory, &format!("run-{i}"), records).await;
+                let t = framework_records(&memory, &format!("run-{i}"), records, HeaderFormat::Auto).await;
                 run.push(t.handled);
                 run_sd.push(t.shutdown);
+            }
+            if want("run_raw") {
+                let t = framework_records(&memory, &format!("raw-{i}"), records, HeaderFormat::None).await;
+                raw.push(t.handled);
+                raw_sd.push(t.shutdown);
             }
             if want("batches") {
                 let t = framework_batches(&memory, &format!("batches-{i}"), records).await;
@@ -278,7 +337,11 @@ fn main() {
             m
         };
         let base = (!lp.is_empty()).then(|| show("loop", &mut lp));
-        for (name, times, shutdowns) in [("run", &mut run, &mut run_sd), ("run_batches", &mut bat, &mut bat_sd)] {
+        for (name, times, shutdowns) in [
+            ("run", &mut run, &mut run_sd),
+            ("run_raw", &mut raw, &mut raw_sd),
+            ("run_batches", &mut bat, &mut bat_sd),
+        ] {
             if times.is_empty() {
                 continue;
             }
@@ -294,5 +357,23 @@ fn main() {
                 None => println!(),
             }
         }
+        if !run.is_empty() && !raw.is_empty() {
+            println!(
+                "  header recognition in `run` (Auto vs None, no envelopes): {:+.0} ns/record",
+                overhead_ns(records, median(&mut run), median(&mut raw))
+            );
+        }
     });
+    if want("detect") {
+        let payloads = plain_payloads();
+        let passes = if measure { 20 } else { 1 };
+        let auto = detection_ns(HeaderFormat::Auto, &payloads, passes);
+        let none = detection_ns(HeaderFormat::None, &payloads, passes);
+        println!(
+            "  detect       Auto {auto:.1} ns/record, None {none:.1} ns/record: {:+.1} ns/record \
+             over {} payloads that are not envelopes x {passes} passes, best of 5  (target: < 50 ns/record)",
+            auto - none,
+            payloads.len()
+        );
+    }
 }

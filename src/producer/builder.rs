@@ -33,6 +33,7 @@ pub(crate) struct Settings {
     pub(crate) aggregation: Option<Aggregation>,
     /// Percent of a shard's write quota the producer allows itself per shard.
     pub(crate) rate_limit: Option<u32>,
+    pub(crate) embed_headers: bool,
     pub(crate) seed: u64,
 }
 
@@ -106,6 +107,7 @@ impl Aggregation {
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
 /// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
 /// | [`rate_limit`](Self::rate_limit) | off | percent of a shard's write quota to use |
+/// | [`embed_headers`](Self::embed_headers) | on | write a record's headers in Spring's JSON framing |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -120,6 +122,7 @@ pub struct ProducerBuilder {
     ordered_per_key: bool,
     aggregation: Option<Aggregation>,
     rate_limit: Option<u32>,
+    embed_headers: bool,
     seed: Option<u64>,
 }
 
@@ -139,6 +142,7 @@ impl Default for ProducerBuilder {
             ordered_per_key: false,
             aggregation: None,
             rate_limit: None,
+            embed_headers: true,
             seed: None,
         }
     }
@@ -257,6 +261,26 @@ impl ProducerBuilder {
         self
     }
 
+    /// Whether a record's headers (set with
+    /// [`ProducerRecord::with_header`](crate::ProducerRecord::with_header)) are written
+    /// into the record (default on), in Spring Integration's JSON-headers framing: a
+    /// 4-byte length, the headers as JSON, a 4-byte length, the payload (see
+    /// [`headers::spring`](crate::headers::spring)). A shardflow consumer with the
+    /// default [`HeaderFormat::Auto`](crate::HeaderFormat) and a Spring Cloud Stream
+    /// Kinesis consumer with its defaults read them back; the framing counts against
+    /// the 1 MiB record limit.
+    ///
+    /// A record without headers is written as its bare payload either way, so the
+    /// default costs nothing to applications that set none. It is on because Spring's
+    /// Kinesis binders embed headers by default too, and because headers an application
+    /// set should not vanish silently. Turn it off when the stream's readers are not
+    /// Spring or shardflow (a Lambda function, Firehose, Flink) and must see the
+    /// payload alone: the headers are then not written at all.
+    pub fn embed_headers(mut self, embed: bool) -> Self {
+        self.embed_headers = embed;
+        self
+    }
+
     /// Seeds the retry jitter (default: random), for reproducible tests.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -352,6 +376,7 @@ impl ProducerBuilder {
                 Some(percent) => Some(at_least_one("rate_limit", percent as usize, 1000)? as u32),
                 None => None,
             },
+            embed_headers: self.embed_headers,
             seed: self.seed.unwrap_or_else(rand::random),
         })
     }
