@@ -445,7 +445,7 @@ pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
         })?;
     // The group's coordinator-state table (its leader item) goes with it; a group that
     // never ran a worker of this version has none.
-    let coordinator = shardflow::lease::dynamo_state::coordinator_table(table_name);
+    let coordinator = shardflow::lease::dynamo::coordinator_table(table_name);
     if let Err(e) = cx
         .aws
         .dynamodb_client()

@@ -1,6 +1,9 @@
 //! The balancing decision of a lease round, as a pure function: from one listing of the
 //! lease table, every worker derives the same plan of who should hold how many leases
-//! and which leases move to whom, and carries out only its own part of it (no leader).
+//! and which leases move to whom, and carries out its own part of it. The group's
+//! leader also carries out the part of the workers that do not list the table every
+//! round: it hands its own surplus to them (`give`) and asks other owners on their
+//! behalf (`arrange`).
 //!
 //! Workers that start together all list the table at about the same moment. If each
 //! asked for "what it lacks" from whoever looks most loaded, many would ask the same

@@ -19,6 +19,19 @@ use crate::ack::{AckHandle, RecordMarks};
 use crate::message::{Batch, Message};
 use crate::sequence::Position;
 
+/// Starts the task that hands one shard's batches to the user's service.
+pub(crate) type SpawnDispatch =
+    Arc<dyn Fn(mpsc::Receiver<Batch>) -> tokio::task::JoinHandle<()> + Send + Sync>;
+
+/// Where shard tasks deliver batches (shared by the streams of a multi-stream consumer).
+#[derive(Clone)]
+pub(crate) enum Sink {
+    /// `run` mode: a channel and a dispatch task per shard.
+    PerShard(SpawnDispatch),
+    /// `stream` mode: one channel the user's stream reads.
+    Shared(mpsc::Sender<Batch>),
+}
+
 /// Calls `service` for every message of every batch, in order. A batch is acknowledged
 /// when all its messages succeeded; on the first error the handled prefix is
 /// acknowledged, the rest given up, and the shard restarts from its checkpoint.

@@ -74,7 +74,7 @@ pub use config::{
     DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
     DEFAULT_STUCK_AFTER, MAX_STUCK_AFTER,
 };
-use coordinator::{Sink, SpawnDispatch};
+use dispatch::{Sink, SpawnDispatch};
 pub use events::ShardEvent;
 use health::HealthState;
 pub use health::{Health, ShardHealth, FAILING_AFTER};

@@ -14,7 +14,8 @@ use crate::lease::{LeaseStore, SharedListing};
 use crate::metrics::Labels;
 
 use super::config::{stream_name, Config, StreamList};
-use super::coordinator::{Coordinator, Sink};
+use super::coordinator::Coordinator;
+use super::dispatch::Sink;
 use super::health::HealthState;
 use super::ConsumerError;
 

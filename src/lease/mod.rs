@@ -9,7 +9,6 @@
 //! request alone.)
 
 pub mod dynamo;
-pub mod dynamo_state;
 mod held;
 pub mod leader;
 mod scoped;

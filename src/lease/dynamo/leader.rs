@@ -1,5 +1,5 @@
-//! The coordinator-state table in DynamoDB: where [`DynamoLeaseStore`](super::dynamo::DynamoLeaseStore)
-//! keeps the leader items of its lease table (see [`super::leader`]), in a table of its
+//! The coordinator-state table in DynamoDB: where [`DynamoLeaseStore`](super::DynamoLeaseStore)
+//! keeps the leader items of its lease table (see [`crate::lease::leader`]), in a table of its
 //! own named `<lease table>-coordinator` (as the KCL 3 keeps its leader election in a
 //! `-CoordinatorState` table), so that no KCL worker sharing the lease table lists a
 //! leader item as a shard. Created on demand (on-demand capacity, hash key `key`) like
@@ -17,16 +17,15 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata};
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
-    ScalarAttributeType, TableStatus,
+    AttributeDefinition, AttributeValue, ScalarAttributeType, TableDescription,
 };
 
-use super::dynamo::{classify, ACTIVE_WAIT};
-use super::leader::{CoordinatorState, LeaderItem};
-use super::LeaseError;
-use crate::backoff::DeadlinePoll;
+use super::classify;
+use super::table::{build_error, create_table, ensure_table};
+use crate::lease::leader::{CoordinatorState, LeaderItem};
+use crate::lease::LeaseError;
 
 /// The hash key of the coordinator-state table.
 const KEY: &str = "key";
@@ -55,8 +54,8 @@ impl DynamoCoordinatorState {
         }
     }
 
-    /// The table's status, or `None` when it does not exist.
-    async fn status(&self) -> Result<Option<TableStatus>, LeaseError> {
+    /// The table, or `None` when it does not exist (or has no status yet).
+    async fn describe(&self) -> Result<Option<TableDescription>, LeaseError> {
         match self
             .client
             .describe_table()
@@ -64,7 +63,7 @@ impl DynamoCoordinatorState {
             .send()
             .await
         {
-            Ok(out) => Ok(out.table.and_then(|t| t.table_status)),
+            Ok(out) => Ok(out.table.filter(|t| t.table_status().is_some())),
             Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
             Err(e) => Err(classify(&self.table, "DescribeTable", None, e)),
         }
@@ -72,38 +71,20 @@ impl DynamoCoordinatorState {
 
     /// Creates the table (on-demand capacity); a concurrent creation is not an error.
     async fn create_table(&self) -> Result<(), LeaseError> {
-        let build_error = |e: aws_sdk_dynamodb::error::BuildError| {
-            LeaseError::Other(format!("CreateTable: {}", DisplayErrorContext(&e)).into())
-        };
-        let result = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .attribute_definitions(
-                AttributeDefinition::builder()
-                    .attribute_name(KEY)
-                    .attribute_type(ScalarAttributeType::S)
-                    .build()
-                    .map_err(build_error)?,
-            )
-            .key_schema(
-                KeySchemaElement::builder()
-                    .attribute_name(KEY)
-                    .key_type(KeyType::Hash)
-                    .build()
-                    .map_err(build_error)?,
-            )
-            .billing_mode(BillingMode::PayPerRequest)
-            .send()
-            .await;
-        match result {
-            Ok(_) => {
-                tracing::info!(table = %self.table, "created the coordinator-state table");
-                Ok(())
-            }
-            Err(e) if e.code() == Some("ResourceInUseException") => Ok(()),
-            Err(e) => Err(classify(&self.table, "CreateTable", None, e)),
-        }
+        let key = AttributeDefinition::builder()
+            .attribute_name(KEY)
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .map_err(build_error)?;
+        create_table(
+            &self.client,
+            &self.table,
+            "coordinator-state table",
+            KEY,
+            vec![key],
+            None,
+        )
+        .await
     }
 
     /// A conditional UpdateItem of the item `key`, returning the item as written.
@@ -195,35 +176,14 @@ fn item_of(key: &str, item: &HashMap<String, AttributeValue>) -> Result<LeaderIt
 #[async_trait]
 impl CoordinatorState for DynamoCoordinatorState {
     async fn ensure_table(&self) -> Result<(), LeaseError> {
-        let mut poll = DeadlinePoll::new(
-            ACTIVE_WAIT,
-            std::time::Duration::from_millis(25),
-            std::time::Duration::from_millis(250),
-        );
-        let mut created = false;
-        loop {
-            match self.status().await {
-                Ok(Some(TableStatus::Active | TableStatus::Updating)) => return Ok(()),
-                Ok(None) if !created => {
-                    self.create_table().await?;
-                    created = true;
-                    continue;
-                }
-                // Being created (by us or a peer), or not visible yet right after creation.
-                Ok(_) | Err(LeaseError::Throttled(_)) => {}
-                Err(e) => return Err(e),
-            }
-            if !poll.pause().await {
-                return Err(LeaseError::Other(
-                    format!(
-                        "coordinator-state table {} not ACTIVE after {} s",
-                        self.table,
-                        ACTIVE_WAIT.as_secs()
-                    )
-                    .into(),
-                ));
-            }
-        }
+        ensure_table(
+            "coordinator-state table",
+            &self.table,
+            || self.describe(),
+            || self.create_table(),
+        )
+        .await?;
+        Ok(())
     }
 
     async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {

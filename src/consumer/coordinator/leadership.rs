@@ -1,0 +1,233 @@
+//! Leadership (the KCL's `LeaderDecider`): which worker holds the group's leader item,
+//! watched and taken over by the others when it stands still, renewed on its own timer
+//! and given up when its holder cannot list; the leader lists every round and covers for
+//! the workers that do not.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use crate::consumer::config::Config;
+use crate::lease::{CoordinatorState, LeaderItem, LeaseError, LEADER_KEY};
+
+use super::Coordinator;
+
+/// Fleets of up to this many live workers: every worker lists the whole table every
+/// round, as it always did (every worker's plan deals out what is free or expired).
+const SMALL_FLEET: usize = 3;
+
+/// The leader item while this worker holds it, and when its last renewal (or the take)
+/// that landed was sent; shared by the coordinator and the leadership renewal task.
+pub(super) type Leading = Arc<Mutex<Option<(LeaderItem, Instant)>>>;
+
+fn lock_leading(leading: &Leading) -> MutexGuard<'_, Option<(LeaderItem, Instant)>> {
+    // Poisoning means a panic elsewhere while holding the lock; the value is still whole.
+    leading.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Coordinator {
+    /// Whether this worker lists the whole table every round: in a fleet of up to
+    /// [`SMALL_FLEET`] live workers (or before its first listing), or without a
+    /// coordinator-state table, every worker does; in a larger one the leader (the
+    /// holder of the leader item), which covers for the workers that do not (it takes
+    /// expired leases at once and hands its surplus to the workers below their share).
+    pub(super) fn lists_every_round(&self) -> bool {
+        self.coordination.is_none() || self.live.len() <= SMALL_FLEET || self.is_leading()
+    }
+
+    /// Whether this worker holds the leader item.
+    fn is_leading(&self) -> bool {
+        lock_leading(&self.leading).is_some()
+    }
+
+    /// Whether this worker leads: covers for the others (see `balance`). Whatever the
+    /// fleet's size in its own view: the others' views of how many workers live are as
+    /// old as their last listing, so after workers crash or stop the fleet may look
+    /// small to the leader and large to the rest, which then do not list.
+    pub(super) fn leads(&self) -> bool {
+        self.is_leading()
+    }
+
+    /// The key of this group's leader item: one per stream (in a multi-stream table,
+    /// the stream's identity), since each stream's coordinator lists and covers only
+    /// its own rows.
+    fn leader_key(&self) -> String {
+        match (&self.identity, self.multi_stream) {
+            (Some(identity), true) => identity.to_string(),
+            _ => LEADER_KEY.to_owned(),
+        }
+    }
+
+    /// Reads the leader item (one small read a round; none while this worker leads) and
+    /// takes it over when it is absent, released (no owner), or its counter stood still
+    /// for a lease duration since this worker first saw it so (its holder stopped
+    /// renewing it: crashed, or its writes fail). The take is conditional on the item
+    /// as read, so of the workers that decide together one wins. A worker that finds
+    /// itself the holder (a take whose answer was lost) leads.
+    pub(super) async fn watch_leader(&mut self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        if self.is_leading() {
+            return;
+        }
+        if self
+            .no_claim_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return;
+        }
+        let key = self.leader_key();
+        let item = match state.get(&key).await {
+            Ok(item) => item,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not read the leader item");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let me = self.config.owner.as_str();
+        let standing_still = match (&self.leader_seen, &item) {
+            (Some((Some(seen), since)), Some(current))
+                if seen.owner == current.owner && seen.counter == current.counter =>
+            {
+                now.duration_since(*since) >= self.config.lease_duration
+            }
+            _ => false,
+        };
+        let claim = match &item {
+            None => true,
+            Some(current) if current.owner.as_deref() == Some(me) => {
+                tracing::info!(leader_counter = current.counter, "leading the group");
+                *lock_leading(&self.leading) = Some((current.clone(), now));
+                self.took_lead = true;
+                return;
+            }
+            Some(current) => current.owner.is_none() || standing_still,
+        };
+        if !claim {
+            let moved = !matches!(&self.leader_seen, Some((seen, _)) if *seen == item);
+            if moved {
+                self.leader_seen = Some((item, now));
+            }
+            return;
+        }
+        let sent = Instant::now();
+        match state.claim(&key, item.as_ref(), me).await {
+            Ok(taken) => {
+                match item.as_ref().and_then(|i| i.owner.as_deref()) {
+                    Some(old) => {
+                        tracing::info!(from = %old, leader_counter = taken.counter, "took over the leadership of a leader that stopped renewing it")
+                    }
+                    None => tracing::info!(leader_counter = taken.counter, "leading the group"),
+                }
+                *lock_leading(&self.leading) = Some((taken, sent));
+                self.took_lead = true;
+                self.leader_seen = None;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "did not take the leadership (another worker did, or the write failed)");
+                // Read again next round: the winner's item differs from what we saw.
+                self.leader_seen = None;
+            }
+        }
+    }
+
+    /// A leader whose listings or takes fail while its leader-item renewals land would
+    /// keep the item and cover for nobody (the others do not list while they hold their
+    /// share): after a lease duration of failed rounds (`ok`: this round listed and
+    /// took what it meant to) it releases the item and leaves it to the others for a
+    /// lease duration.
+    pub(super) async fn give_up_leading_if_blind(&mut self, ok: bool) {
+        if ok || !self.is_leading() {
+            self.leader_listing_failed_since = None;
+            return;
+        }
+        let since = *self
+            .leader_listing_failed_since
+            .get_or_insert_with(Instant::now);
+        if since.elapsed() < self.config.lease_duration {
+            return;
+        }
+        tracing::warn!(
+            "listing or taking leases failed for a lease duration; giving the leadership up"
+        );
+        self.leader_listing_failed_since = None;
+        self.no_claim_until = Some(Instant::now() + self.config.lease_duration);
+        self.resign().await;
+    }
+
+    /// Releases the leader item at a graceful stop, once every lease is released, so
+    /// that the next worker to read it leads at once (within a round) instead of a
+    /// lease duration later. A renewal that landed just before is looked up and the
+    /// release sent again.
+    pub(super) async fn resign(&self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        let Some((held, _)) = lock_leading(&self.leading).take() else {
+            return;
+        };
+        let mut item = held;
+        for _ in 0..2 {
+            match state.release(&item).await {
+                Ok(_) => {
+                    tracing::info!("released the leadership");
+                    return;
+                }
+                Err(LeaseError::Conflict(_)) => match state.get(&item.key).await {
+                    Ok(Some(current)) if current.owner == item.owner => item = current,
+                    _ => return,
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not release the leadership; another worker takes it over once it stops moving");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Renews the leader item every renew interval while this worker holds it (see
+/// [`crate::lease::leader`]), on its own timer like the leases. A renewal that finds
+/// the item changed (another worker took it over) ends the leadership; so does a lease
+/// duration without a renewal landing (the writes fail): by then the others may have
+/// taken it over, and a worker that is not sure it leads stops covering for others.
+pub(super) async fn renew_leadership(
+    config: Arc<Config>,
+    state: Arc<dyn CoordinatorState>,
+    leading: Leading,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(config.renew_interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Some((held, renewed_at)) = lock_leading(&leading).clone() else {
+            continue;
+        };
+        let sent = Instant::now();
+        let renewed = state.renew(&held).await;
+        let mut slot = lock_leading(&leading);
+        // Resigned or lost meanwhile: nothing to record.
+        if slot.as_ref().map(|(item, _)| item) != Some(&held) {
+            continue;
+        }
+        match renewed {
+            Ok(item) => *slot = Some((item, sent)),
+            Err(LeaseError::Conflict(_)) => {
+                tracing::info!("leadership lost: another worker took the leader item over");
+                *slot = None;
+            }
+            Err(e) if sent.duration_since(renewed_at) >= config.lease_duration => {
+                tracing::warn!(error = %e, "no renewal of the leader item landed for a lease duration; no longer leading");
+                *slot = None;
+            }
+            Err(e) => tracing::warn!(error = %e, "renewing the leader item failed; will retry"),
+        }
+    }
+}
