@@ -1,5 +1,12 @@
-//! What handlers receive: [`Message`] (metadata + payload) and [`Batch`] (the messages of
-//! one read of one shard, with the handle that acknowledges them).
+//! What handlers receive: [`Message`] (metadata, headers and payload) and [`Batch`] (the
+//! messages of one read of one shard, with the handle that acknowledges them).
+//!
+//! A message carries two kinds of facts about its record, kept apart on purpose:
+//! [`Metadata`] is what *Kinesis* says (stream, shard, sequence number, partition key,
+//! arrival time), filled in by the consumer and read-only in spirit; [`Headers`] is what
+//! the *application* says (`contentType`, `correlationId`, a `traceparent`, its own
+//! names), written by a producer into the record and read back by the consumer — what
+//! Spring calls message headers and Kafka calls record headers.
 
 use std::fmt;
 use std::sync::Arc;
@@ -9,12 +16,13 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
 use crate::ack::AckHandle;
+use crate::headers::{HeaderValue, Headers};
 use crate::sequence::{Position, SequenceNumber};
 
 /// Where a record came from and what Kinesis said about it.
 ///
-/// This is what Kinesis knows of the record (filled in by the consumer), apart from the
-/// application's own key-values. The struct is `#[non_exhaustive]` so that fields can be
+/// This is what Kinesis knows of the record (filled in by the consumer); the
+/// application's own key-values are the message's [`Headers`]. The struct is `#[non_exhaustive]` so that fields can be
 /// added later; build one for a test with [`Metadata::builder`]
 /// (or [`Message::for_test`]).
 #[derive(Clone)]
@@ -153,19 +161,39 @@ impl fmt::Debug for Metadata {
     }
 }
 
-/// One record: metadata and a payload (raw [`Bytes`] until a decode layer types it).
+/// One record: metadata, headers and a payload (raw [`Bytes`] until a decode layer types
+/// it).
 #[derive(Clone)]
 pub struct Message<T = Bytes> {
-    /// Where the record came from.
+    /// Where the record came from: what Kinesis says about it.
     pub metadata: Metadata,
-    /// The record's data.
+    /// The application's headers that came with the record (empty when it had none): what
+    /// the producer said about it.
+    pub headers: Headers,
+    /// The record's data (without the headers' framing, when it had some).
     pub payload: T,
 }
 
 impl<T> Message<T> {
-    /// Builds a message from its parts.
+    /// Builds a message from its parts, without headers.
     pub fn new(metadata: Metadata, payload: T) -> Self {
-        Message { metadata, payload }
+        Message {
+            metadata,
+            headers: Headers::new(),
+            payload,
+        }
+    }
+
+    /// Replaces the headers.
+    pub fn with_headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Sets one header (see [`Headers::insert`]).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
+        self.headers.insert(name, value);
+        self
     }
 
     /// A message with `payload` and the default test metadata of [`Metadata::builder`]:
@@ -174,29 +202,31 @@ impl<T> Message<T> {
         Metadata::builder().message(payload)
     }
 
-    /// Replaces the payload, keeping the metadata (what a decode layer does).
+    /// Replaces the payload, keeping metadata and headers (what a decode layer does).
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Message<U> {
         Message {
             metadata: self.metadata,
+            headers: self.headers,
             payload: f(self.payload),
         }
     }
 
-    /// Like [`Message::map`] with a fallible function; on error the metadata comes back
-    /// with the error so nothing about the record is lost.
-    // The error carries the metadata by value on purpose: it is the rare path, and the
-    // caller (a decode layer) moves them straight into its own error.
-    #[allow(clippy::result_large_err)]
+    /// Like [`Message::map`] with a fallible function; on error the metadata and headers
+    /// come back with the error so nothing about the record is lost.
+    // The error carries metadata and headers by value on purpose: it is the rare path,
+    // and the caller (a decode layer) moves them straight into its own error.
+    #[allow(clippy::result_large_err, clippy::type_complexity)]
     pub fn try_map<U, E>(
         self,
         f: impl FnOnce(T) -> Result<U, E>,
-    ) -> Result<Message<U>, (Metadata, E)> {
+    ) -> Result<Message<U>, (Metadata, Headers, E)> {
         match f(self.payload) {
             Ok(payload) => Ok(Message {
                 metadata: self.metadata,
+                headers: self.headers,
                 payload,
             }),
-            Err(e) => Err((self.metadata, e)),
+            Err(e) => Err((self.metadata, self.headers, e)),
         }
     }
 
@@ -211,6 +241,7 @@ impl<T> fmt::Debug for Message<T> {
         // Never the payload: messages end up in logs through `?msg`.
         f.debug_struct("Message")
             .field("metadata", &self.metadata)
+            .field("headers", &self.headers)
             .finish_non_exhaustive()
     }
 }
@@ -286,7 +317,7 @@ impl<T> Batch<T> {
         self.ack.take()
     }
 
-    /// Replaces every payload, keeping metadata and the acknowledgement handle.
+    /// Replaces every payload, keeping metadata, headers and the acknowledgement handle.
     pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> Batch<U> {
         Batch {
             stream: self.stream,

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use pin_project_lite::pin_project;
 use serde::de::DeserializeOwned;
-use shardflow::{Message, Metadata};
+use shardflow::{Headers, Message, Metadata};
 use tower::{Layer, Service};
 
 use crate::observe::message_span;
@@ -103,6 +103,7 @@ impl std::error::Error for JsonError {}
 )]
 pub struct DecodeError {
     metadata: Metadata,
+    headers: Headers,
     raw: Bytes,
     format: &'static str,
     #[source]
@@ -115,6 +116,11 @@ impl DecodeError {
         &self.metadata
     }
 
+    /// The record's headers (see [`Message::headers`]).
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
     /// The payload exactly as it was read.
     pub fn raw(&self) -> &Bytes {
         &self.raw
@@ -125,9 +131,14 @@ impl DecodeError {
         self.format
     }
 
-    /// Metadata and raw payload, to rebuild the `Message<Bytes>`.
+    /// Metadata and raw payload (see [`DecodeError::into_message`] to keep the headers).
     pub fn into_parts(self) -> (Metadata, Bytes) {
         (self.metadata, self.raw)
+    }
+
+    /// The record as it reached the decode layer: metadata, headers and raw payload.
+    pub fn into_message(self) -> Message<Bytes> {
+        Message::new(self.metadata, self.raw).with_headers(self.headers)
     }
 }
 
@@ -136,6 +147,7 @@ impl fmt::Debug for DecodeError {
         // Never the bytes.
         f.debug_struct("DecodeError")
             .field("metadata", &self.metadata)
+            .field("headers", &self.headers)
             .field("raw_len", &self.raw.len())
             .field("format", &self.format)
             .field("source", &self.source)
@@ -214,7 +226,7 @@ where
         });
         match decoded {
             Ok(message) => ResponseFuture::called(self.inner.call(message)),
-            Err((metadata, (raw, error))) => {
+            Err((metadata, headers, (raw, error))) => {
                 // Decoding is synchronous: the span exists only around this event, so
                 // the counter carries the same context as every other layer's.
                 message_span("decode", &metadata).in_scope(|| {
@@ -227,6 +239,7 @@ where
                 });
                 ResponseFuture::failed(DecodeError {
                     metadata,
+                    headers,
                     raw,
                     format: format.name(),
                     source: Box::new(error),

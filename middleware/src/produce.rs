@@ -83,14 +83,16 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use shardflow::producer::{ProduceError, Producer, ProducerRecord, Stored};
-use shardflow::Message;
+use shardflow::{HeaderValue, Headers, Message};
 use tower::{Layer, Service, ServiceExt};
 use tracing::Instrument;
 
 use crate::BoxError;
 
-/// One output record of a processor: a payload, and the partition key (or explicit hash
-/// key) that routes it when it should not be the input's partition key.
+/// One output record of a processor: a payload, the partition key (or explicit hash
+/// key) that routes it when it should not be the input's partition key, and its
+/// [`Headers`] (none unless the function sets them: the input's headers are not copied,
+/// as a Spring processor's output message starts from its own headers).
 ///
 /// An `Output` is itself an iterator of one output, so a function with exactly one
 /// output can return it as it is; `Option<Output>`, `Vec<Output>` and arrays work too.
@@ -99,6 +101,7 @@ pub struct Output {
     payload: Bytes,
     partition_key: Option<String>,
     explicit_hash_key: Option<String>,
+    headers: Headers,
 }
 
 impl Output {
@@ -108,7 +111,25 @@ impl Output {
             payload: payload.into(),
             partition_key: None,
             explicit_hash_key: None,
+            headers: Headers::new(),
         }
+    }
+
+    /// Sets one header of the output (see [`Headers::insert`]).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    /// Replaces the output's headers.
+    pub fn headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// The output's headers.
+    pub fn header_map(&self) -> &Headers {
+        &self.headers
     }
 
     /// Routes the output by this partition key instead of the input's.
@@ -130,7 +151,7 @@ impl Output {
 
     fn into_record(self, input_key: &str) -> ProducerRecord {
         let key = self.partition_key.unwrap_or_else(|| input_key.to_owned());
-        let record = ProducerRecord::new(self.payload, key);
+        let record = ProducerRecord::new(self.payload, key).headers(self.headers);
         match self.explicit_hash_key {
             Some(hash_key) => record.with_explicit_hash_key(hash_key),
             None => record,
@@ -145,6 +166,7 @@ impl fmt::Debug for Output {
             .field("payload_len", &self.payload.len())
             .field("partition_key", &self.partition_key)
             .field("explicit_hash_key", &self.explicit_hash_key)
+            .field("headers", &self.headers)
             .finish()
     }
 }
@@ -183,6 +205,7 @@ impl From<ProducerRecord> for Output {
             payload: record.payload,
             partition_key: Some(record.partition_key),
             explicit_hash_key: record.explicit_hash_key,
+            headers: record.headers,
         }
     }
 }

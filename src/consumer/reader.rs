@@ -451,6 +451,7 @@ impl ShardReader {
                 millis_behind_latest: None,
                 lease_lost: self.lease_lost.clone(),
             },
+            headers: crate::Headers::new(),
             payload,
         }
     }

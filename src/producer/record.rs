@@ -6,13 +6,16 @@ use std::fmt;
 
 use bytes::Bytes;
 
+use crate::headers::{HeaderValue, Headers};
 use crate::kinesis::PutRecord;
 use crate::sequence::SequenceNumber;
 
 pub use crate::kinesis::{MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES};
 
-/// A record to write: a payload, the partition key that picks its shard, and optionally
-/// an explicit hash key that picks the shard instead.
+/// A record to write: a payload, the partition key that picks its shard, optionally an
+/// explicit hash key that picks the shard instead, and the application's [`Headers`]
+/// (written into the record when the producer embeds headers, see
+/// [`ProducerBuilder::embed_headers`](crate::ProducerBuilder::embed_headers)).
 #[derive(Clone)]
 pub struct ProducerRecord {
     /// The payload (never logged, never part of an error): `Data` on the wire, named as
@@ -23,6 +26,8 @@ pub struct ProducerRecord {
     /// A decimal number in `0..2^128` that decides the shard instead of the MD5 of the
     /// partition key.
     pub explicit_hash_key: Option<String>,
+    /// The application's headers (none by default).
+    pub headers: Headers,
 }
 
 impl ProducerRecord {
@@ -32,7 +37,20 @@ impl ProducerRecord {
             payload: payload.into(),
             partition_key: partition_key.into(),
             explicit_hash_key: None,
+            headers: Headers::new(),
         }
+    }
+
+    /// Sets one header (see [`Headers::insert`]).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    /// Replaces the headers.
+    pub fn headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
     }
 
     /// Routes the record by this hash key (decimal, `0..2^128`) instead.
@@ -93,6 +111,7 @@ impl fmt::Debug for ProducerRecord {
             .field("data_len", &self.payload.len())
             .field("partition_key", &self.partition_key)
             .field("explicit_hash_key", &self.explicit_hash_key)
+            .field("headers", &self.headers)
             .finish()
     }
 }
