@@ -2,7 +2,9 @@
 //! re-publishes each [`DeadLetterEnvelope`]'s payload to a stream with its original
 //! partition key, through the library's producer. Dead letters written in parts are
 //! put back together first; one whose parts are not all in the stream is not replayed
-//! (counted as incomplete).
+//! (counted as incomplete). A dead letter that kept its record's headers is written
+//! back with them, framed as Spring's JSON header mapper frames them (what a consumer
+//! reads by default); one without headers is written back as its bare payload.
 //!
 //! Order: the dead letters of one partition key are written one after the other, in the
 //! order they are in the dead-letter stream, each only once the one before it was
@@ -28,6 +30,7 @@ use std::time::Duration;
 use clap::Args;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
+use shardflow::headers::spring;
 use shardflow::kinesis::StartingPosition;
 use shardflow::producer::{ProduceError, Producer, ProducerRecord};
 use shardflow::{Backend, Position, SequenceNumber};
@@ -228,8 +231,24 @@ async fn publish(
 ) -> Result<(u64, Option<ProduceError>), crate::CliError> {
     let send = |index: usize| {
         let letter = &letters[index].envelope;
-        let record = ProducerRecord::new(letter.payload.clone(), letter.partition_key.clone());
-        async move { (index, producer.send(record).await) }
+        let data = if letter.headers.is_empty() {
+            Some(letter.payload.clone())
+        } else {
+            spring::write_json(&letter.headers, &letter.payload)
+        };
+        let key = letter.partition_key.clone();
+        async move {
+            let result = match data {
+                Some(data) => producer.send(ProducerRecord::new(data, key)).await,
+                // Headers or payload beyond the framing's 4 GiB length fields: far more
+                // than any record Kinesis takes.
+                None => Err(ProduceError::TooLarge {
+                    size: usize::MAX,
+                    limit: shardflow::producer::MAX_RECORD_BYTES,
+                }),
+            };
+            (index, result)
+        }
     };
     let mut done = vec![false; letters.len()];
     // The oldest dead letter not yet stored, and the next one to admit.

@@ -12,10 +12,11 @@ use bytes::Bytes;
 use common::*;
 use serde_json::Value;
 use shardflow::aggregation::Aggregator;
+use shardflow::headers::HeaderFormat;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
-use shardflow::{Aws, Backend, Metadata};
+use shardflow::{Aws, Backend, Headers, Metadata};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
 use tower::ServiceExt;
 
@@ -497,6 +498,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
             payload: Bytes::from(format!("order-{v}")),
             error: "charge refused".into(),
             attempts: Some(3),
+            headers: Headers::new(),
         };
         producer.clone().oneshot(record).await.unwrap();
     }
@@ -512,6 +514,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         payload: Bytes::from(big.clone()),
         error: "too big to charge".into(),
         attempts: Some(3),
+        headers: Headers::new(),
     };
     producer.clone().oneshot(record).await.unwrap();
     producer.close().await;
@@ -1144,6 +1147,7 @@ async fn write_dead_letters(aws: &Aws, dlq: &str, origin: &str, letters: &[(Stri
             payload: Bytes::from(payload.clone()),
             error: "refused".into(),
             attempts: Some(1),
+            headers: Headers::new(),
         };
         // One at a time: the dead-letter stream keeps this order.
         producer.clone().oneshot(record).await.unwrap();
@@ -1263,4 +1267,103 @@ async fn dlq_replay_with_a_limit_twice_publishes_no_duplicate() {
     let out = run(&again).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(out.json()["published"], 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let headers: Headers = [
+        ("contentType", "application/json"),
+        (
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let producer = Producer::builder()
+        .stream(&dlq)
+        .backend(aws.clone())
+        .build()
+        .unwrap();
+    let record = DeadLetterRecord {
+        metadata: Metadata::builder()
+            .stream(orders.as_str())
+            .partition_key("customer-1")
+            .sequence_number(7u64)
+            .build(),
+        payload: Bytes::from_static(b"{\"id\":1}"),
+        error: "refused".into(),
+        attempts: None,
+        headers: headers.clone(),
+    };
+    producer.clone().oneshot(record).await.unwrap();
+    producer.close().await;
+
+    let out = run(&[
+        "stream",
+        "tail",
+        &dlq,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "1",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains(r#"headers={"contentType":"application/json","traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}: {"id":1}"#),
+        "{}",
+        out.stdout
+    );
+
+    let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut it = kinesis
+        .shard_iterator(
+            &orders,
+            &kinesis.list_shards(&orders).await.unwrap()[0].shard_id,
+            &StartingPosition::TrimHorizon,
+        )
+        .await
+        .unwrap();
+    let records = loop {
+        let page = kinesis.get_records(&it, 100).await.unwrap();
+        if !page.records.is_empty() {
+            break page.records;
+        }
+        it = page.next_iterator.unwrap();
+    };
+    assert_eq!(records.len(), 1);
+    let (read_headers, payload) = HeaderFormat::Auto
+        .read(&records[0].data)
+        .expect("the replayed record carries its headers");
+    assert_eq!(read_headers, headers);
+    assert_eq!(&payload[..], b"{\"id\":1}");
+
+    // Tail shows the headers of the Spring-framed record too.
+    let out = run(&[
+        "stream",
+        "tail",
+        &orders,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "1",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains(r#"headers={"contentType":"application/json","#),
+        "{}",
+        out.stdout
+    );
 }
