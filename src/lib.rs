@@ -13,7 +13,7 @@
 //! | [`Health`] (`Running::health()`) | liveness and readiness: is the worker renewing, are its shards advancing or failing |
 //! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
 //! | [`Message`], [`Metadata`], [`MetadataBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode; [`Metadata`] is what Kinesis says about a record |
-//! | [`Headers`], [`HeaderValue`], [`headers`] | what the application says about a record (`contentType`, `correlationId`, its own names), carried inside the record in Spring Cloud Stream's formats |
+//! | [`Headers`], [`HeaderValue`], [`HeaderFormat`], [`headers`] | what the application says about a record (`contentType`, `correlationId`, its own names), carried inside the record in Spring Cloud Stream's formats |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`] | where streams and lease tables live: AWS, or the embedded in-process backend |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
@@ -83,7 +83,7 @@ pub use consumer::{
 };
 pub use error::{AwsError, ErrorDetail};
 pub use memory::Memory;
-pub use headers::{HeaderValue, Headers};
+pub use headers::{HeaderFormat, HeaderValue, Headers};
 pub use message::{Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -2,8 +2,20 @@
 //! pluggable [`Format`] (JSON via `serde_json` by default).
 //!
 //! A payload that does not decode never reaches the inner service and never panics: the
-//! call fails with a [`DecodeError`] that carries the record's metadata and its raw bytes,
-//! so a [`dead_letter`](crate::dead_letter) layer above can send the record on as it was.
+//! call fails with a [`DecodeError`] that carries the record's metadata, headers and raw
+//! bytes, so a [`dead_letter`](crate::dead_letter) layer above can send the record on as
+//! it was.
+//!
+//! # The record's `contentType`
+//!
+//! When the record carries a `contentType` header (Spring Cloud Stream writes one on
+//! every message, see [`shardflow::headers`]), the layer first asks the format whether it
+//! reads that type ([`Format::accepts`]), as Spring's content-type negotiation picks a
+//! converter by it. [`Json`] reads `application/json` and every `application/*+json`,
+//! parameters such as `;charset=UTF-8` aside; any other type fails the call with a
+//! [`DecodeError`] whose [`kind`](DecodeError::kind) is
+//! [`DecodeErrorKind::UnsupportedContentType`], naming the type, without trying to
+//! parse. A record without the header is decoded with the layer's format, as before.
 
 use std::fmt;
 use std::future::Future;
@@ -34,6 +46,31 @@ pub trait Format<T> {
 
     /// Decodes one payload.
     fn decode(&self, payload: &Bytes) -> Result<T, Self::Error>;
+
+    /// Whether this format reads payloads of the record's `contentType` (a MIME type,
+    /// perhaps with parameters, as the producer wrote it). The default reads every type.
+    fn accepts(&self, content_type: &str) -> bool {
+        let _ = content_type;
+        true
+    }
+}
+
+/// The `contentType` header's name, as Spring's `MessageHeaders.CONTENT_TYPE`.
+pub const CONTENT_TYPE: &str = "contentType";
+
+/// Whether `content_type` is JSON: `application/json` or `application/<anything>+json`,
+/// case-insensitively, parameters (`;charset=UTF-8`) aside.
+pub fn is_json_content_type(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    match essence.split_once('/') {
+        Some(("application", sub)) => sub == "json" || (sub.len() > 5 && sub.ends_with("+json")),
+        _ => false,
+    }
 }
 
 /// JSON through `serde_json`.
@@ -49,6 +86,10 @@ impl<T: DeserializeOwned> Format<T> for Json {
 
     fn decode(&self, payload: &Bytes) -> Result<T, JsonError> {
         serde_json::from_slice(payload).map_err(JsonError)
+    }
+
+    fn accepts(&self, content_type: &str) -> bool {
+        is_json_content_type(content_type)
     }
 }
 
@@ -94,20 +135,54 @@ impl fmt::Debug for JsonError {
 
 impl std::error::Error for JsonError {}
 
-/// A payload that did not decode: the record's metadata, its raw bytes and the reason.
-#[derive(thiserror::Error)]
-#[error(
-    "payload of record {} in shard {} is not valid {format}",
-    .metadata.position(),
-    .metadata.shard_id
-)]
+/// Why a payload did not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeErrorKind {
+    /// The payload is not valid in the format (the error's `source` says where).
+    InvalidPayload,
+    /// The record's `contentType` header names a type the format does not read.
+    UnsupportedContentType {
+        /// The header's value, as the producer wrote it.
+        content_type: String,
+    },
+}
+
+/// A payload that did not decode: the record's metadata, headers, raw bytes and the
+/// reason.
 pub struct DecodeError {
     metadata: Metadata,
     headers: Headers,
     raw: Bytes,
     format: &'static str,
-    #[source]
-    source: BoxError,
+    kind: DecodeErrorKind,
+    source: Option<BoxError>,
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (position, shard) = (self.metadata.position(), &self.metadata.shard_id);
+        match &self.kind {
+            DecodeErrorKind::UnsupportedContentType { content_type } => write!(
+                f,
+                "record {position} in shard {shard} has contentType {content_type:?}, which the {} format does not decode",
+                self.format
+            ),
+            _ => write!(
+                f,
+                "payload of record {position} in shard {shard} is not valid {}",
+                self.format
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl DecodeError {
@@ -131,6 +206,11 @@ impl DecodeError {
         self.format
     }
 
+    /// Why the payload did not decode.
+    pub fn kind(&self) -> &DecodeErrorKind {
+        &self.kind
+    }
+
     /// Metadata and raw payload (see [`DecodeError::into_message`] to keep the headers).
     pub fn into_parts(self) -> (Metadata, Bytes) {
         (self.metadata, self.raw)
@@ -150,6 +230,7 @@ impl fmt::Debug for DecodeError {
             .field("headers", &self.headers)
             .field("raw_len", &self.raw.len())
             .field("format", &self.format)
+            .field("kind", &self.kind)
             .field("source", &self.source)
             .finish()
     }
@@ -220,6 +301,27 @@ where
 
     fn call(&mut self, message: Message<Bytes>) -> Self::Future {
         let format = &self.format;
+        if let Some(content_type) = message.headers.get_str(CONTENT_TYPE) {
+            if !format.accepts(content_type) {
+                let content_type = content_type.to_owned();
+                message_span("decode", &message.metadata).in_scope(|| {
+                    tracing::debug!(
+                        monotonic_counter.shardflow.decode_failed = 1u64,
+                        format = format.name(),
+                        content_type = %content_type,
+                        "content type not decoded by this format",
+                    );
+                });
+                return ResponseFuture::failed(DecodeError {
+                    metadata: message.metadata,
+                    headers: message.headers,
+                    raw: message.payload,
+                    format: format.name(),
+                    kind: DecodeErrorKind::UnsupportedContentType { content_type },
+                    source: None,
+                });
+            }
+        }
         let decoded = message.try_map(|raw| match format.decode(&raw) {
             Ok(payload) => Ok(payload),
             Err(error) => Err((raw, error)),
@@ -242,7 +344,8 @@ where
                     headers,
                     raw,
                     format: format.name(),
-                    source: Box::new(error),
+                    kind: DecodeErrorKind::InvalidPayload,
+                    source: Some(Box::new(error)),
                 })
             }
         }
@@ -388,6 +491,48 @@ mod tests {
         let shown = format!("{} / {:?}", crate::observe::error_chain(err), err);
         assert!(!shown.contains("secret-value"), "{shown}");
         assert!(shown.contains("line 1 column"), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn json_content_types_are_decoded_whatever_their_parameters() {
+        for content_type in [
+            "application/json",
+            "application/json;charset=UTF-8",
+            "Application/JSON ; charset=utf-8",
+            "application/vnd.orders.v1+json",
+            "application/cloudevents+json; charset=UTF-8",
+        ] {
+            let svc = DecodeLayer::<Order>::json().layer(service_fn(|m: Message<Order>| async move {
+                Ok::<_, std::convert::Infallible>(m.payload.id)
+            }));
+            let msg = message(1, br#"{"id":7}"#).with_header(CONTENT_TYPE, content_type);
+            assert_eq!(svc.oneshot(msg).await.unwrap(), 7, "{content_type}");
+        }
+    }
+
+    #[tokio::test]
+    async fn another_content_type_is_an_error_naming_it() {
+        for content_type in ["text/plain", "application/xml", "application/+json", "json"] {
+            let calls = Arc::new(AtomicUsize::new(0));
+            let seen = calls.clone();
+            let svc = DecodeLayer::<Order>::json().layer(service_fn(move |_m: Message<Order>| {
+                seen.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, std::convert::Infallible>(()) }
+            }));
+            // Valid JSON: the content type alone decides.
+            let msg = message(3, br#"{"id":7}"#).with_header(CONTENT_TYPE, content_type);
+            let err = svc.oneshot(msg).await.unwrap_err();
+            let err = err.downcast_ref::<DecodeError>().expect("a DecodeError");
+            assert_eq!(
+                err.kind(),
+                &DecodeErrorKind::UnsupportedContentType {
+                    content_type: content_type.to_owned()
+                }
+            );
+            assert_eq!(err.headers().get_str(CONTENT_TYPE), Some(content_type));
+            assert!(err.to_string().contains(content_type), "{err}");
+            assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never sees it");
+        }
     }
 
     #[tokio::test]

@@ -117,7 +117,7 @@ pub use builder::ServiceBuilderExt;
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
 };
-pub use decode::{Decode, DecodeError, DecodeLayer, Format, Json};
+pub use decode::{Decode, DecodeError, DecodeErrorKind, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
 pub use produce::{Output, ProduceTo, ProduceToError, ProduceToLayer};
 pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};

@@ -9,6 +9,7 @@ use tokio::sync::{watch, OnceCell};
 use super::events::{EventHook, ShardEvent};
 use super::read_ahead::ReadAhead;
 use crate::backend::Backend;
+use crate::headers::HeaderFormat;
 pub use crate::error::ConfigError;
 use crate::kinesis::{KinesisApi, KinesisError};
 
@@ -226,6 +227,7 @@ pub struct Config {
     pub(crate) events: EventHook,
     pub(crate) concurrency: Concurrency,
     pub(crate) max_concurrent_calls: usize,
+    pub(crate) header_format: HeaderFormat,
 }
 
 impl Config {
@@ -332,6 +334,7 @@ pub struct ConsumerBuilder {
     events: EventHook,
     concurrency: Concurrency,
     max_concurrent_calls: usize,
+    header_format: HeaderFormat,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -367,6 +370,7 @@ impl Default for ConsumerBuilder {
             events: EventHook::none(),
             concurrency: Concurrency::Sequential,
             max_concurrent_calls: 1_024,
+            header_format: HeaderFormat::Auto,
             backend: None,
         }
     }
@@ -649,6 +653,23 @@ impl ConsumerBuilder {
     /// does not count against it.
     pub fn max_concurrent_calls(mut self, n: usize) -> Self {
         self.max_concurrent_calls = n;
+        self
+    }
+
+    /// Which header framings the consumer recognises in the records it reads (default
+    /// [`HeaderFormat::Auto`]: both of Spring Cloud Stream's; [`HeaderFormat::None`] for
+    /// raw records).
+    ///
+    /// Recognition happens where a record becomes a [`Message`](crate::Message), before
+    /// anything else sees it, so `stream()`, `run` and every layer (a decode layer
+    /// reading `contentType`, a dedup key, a dead-letter sink) see the same headers and
+    /// the bare payload. A record that is not an envelope (its framing does not add up
+    /// exactly, or its JSON does not parse) is delivered unchanged with no headers; a
+    /// truncated envelope is therefore delivered raw, framing included, as Spring
+    /// delivers it. The check costs a few comparisons for a record that is not an
+    /// envelope (see `BENCHMARKS.md`).
+    pub fn header_format(mut self, format: HeaderFormat) -> Self {
+        self.header_format = format;
         self
     }
 
@@ -941,6 +962,7 @@ impl ConsumerBuilder {
             events: self.events.clone(),
             concurrency: self.concurrency,
             max_concurrent_calls: self.max_concurrent_calls,
+            header_format: self.header_format,
         })
     }
 

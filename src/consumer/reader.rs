@@ -439,6 +439,10 @@ impl ShardReader {
         approximate_arrival: Option<std::time::SystemTime>,
         payload: bytes::Bytes,
     ) -> Message {
+        let (headers, payload) = match self.config.header_format.read(&payload) {
+            Some(envelope) => envelope,
+            None => (crate::Headers::new(), payload),
+        };
         Message {
             metadata: Metadata {
                 stream: self.stream.clone(),
@@ -451,7 +455,7 @@ impl ShardReader {
                 millis_behind_latest: None,
                 lease_lost: self.lease_lost.clone(),
             },
-            headers: crate::Headers::new(),
+            headers,
             payload,
         }
     }

@@ -103,25 +103,26 @@ fn read_document(data: &Bytes) -> Option<(Headers, Bytes)> {
     if !data.starts_with(DOCUMENT_PREFIX) {
         return None;
     }
-    let Value::Object(mut document) = serde_json::from_slice::<Value>(data).ok()? else {
-        return None;
-    };
-    let class = document.get("@class").and_then(Value::as_str)?;
-    if !MESSAGE_CLASSES.contains(&class) {
+    let document: Document = serde_json::from_slice(data).ok()?;
+    if !MESSAGE_CLASSES.contains(&document.class.as_str()) {
         return None;
     }
-    let headers = match document.remove("headers")? {
-        // Re-read in order: a `Value` object would sort the names.
-        raw @ Value::Object(_) => parse_header_map(&serde_json::to_vec(&raw).ok()?)?,
-        _ => return None,
-    };
-    let payload = match untyped(document.remove("payload")?) {
+    let payload = match untyped(document.payload) {
         // A `String` payload reaches Spring as the string: its UTF-8 bytes here. (A
         // `byte[]` written this way is base64 text, and Spring reads it as that text too.)
         Value::String(text) => Bytes::from(text.into_bytes()),
         other => Bytes::from(serde_json::to_vec(&other).ok()?),
     };
-    Some((headers, payload))
+    Some((header_map(document.headers), payload))
+}
+
+/// A whole `Message` as Jackson writes it: its class, payload and headers.
+#[derive(serde::Deserialize)]
+struct Document {
+    #[serde(rename = "@class")]
+    class: String,
+    payload: Value,
+    headers: Ordered,
 }
 
 /// Reads Spring Cloud Stream's legacy framing: `0xff`, a count of at least one header,
@@ -235,14 +236,17 @@ impl<'de> serde::Deserialize<'de> for Ordered {
 
 /// The header map of Spring's JSON: one object, its `@class` dropped, values untyped.
 fn parse_header_map(json: &[u8]) -> Option<Headers> {
-    let Ordered(members) = serde_json::from_slice(json).ok()?;
+    serde_json::from_slice(json).ok().map(header_map)
+}
+
+fn header_map(Ordered(members): Ordered) -> Headers {
     let mut headers = Headers::new();
     for (name, value) in members {
         if name != "@class" {
             headers.insert(name, from_spring(value));
         }
     }
-    Some(headers)
+    headers
 }
 
 /// A header value as Spring wrote it, typed or not, as ours. A typed value stays
@@ -252,13 +256,17 @@ fn from_spring(value: Value) -> HeaderValue {
     match value {
         Value::String(s) => HeaderValue::String(s),
         Value::Array(items) if is_type_wrapper(&items) => {
-            let plain = HeaderValue::from(untyped(Value::Array(items.clone())));
+            let original = Value::Array(items);
+            let plain = HeaderValue::from(untyped(original.clone()));
             let mut rewritten = Vec::new();
             write_header_value(&mut rewritten, &plain);
-            let original = serde_json::to_vec(&Value::Array(items.clone())).unwrap_or_default();
-            if rewritten == original {
+            // Compared as values: member order aside.
+            if serde_json::from_slice::<Value>(&rewritten).ok().as_ref() == Some(&original) {
                 return plain;
             }
+            let Value::Array(items) = original else {
+                return plain;
+            };
             let mut items = items.into_iter();
             match (items.next(), items.next()) {
                 (Some(Value::String(class)), Some(inner)) => HeaderValue::Typed {

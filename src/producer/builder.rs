@@ -30,6 +30,7 @@ pub(crate) struct Settings {
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) ordered_per_key: bool,
+    pub(crate) embed_headers: bool,
     pub(crate) seed: u64,
 }
 
@@ -46,6 +47,7 @@ pub(crate) struct Settings {
 /// | [`max_attempts`](Self::max_attempts) | 10 | sends of one record before it fails |
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
+/// | [`embed_headers`](Self::embed_headers) | on | write a record's headers in Spring's JSON framing |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -58,6 +60,7 @@ pub struct ProducerBuilder {
     retry_min: Duration,
     retry_max: Duration,
     ordered_per_key: bool,
+    embed_headers: bool,
     seed: Option<u64>,
 }
 
@@ -75,6 +78,7 @@ impl Default for ProducerBuilder {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(5),
             ordered_per_key: false,
+            embed_headers: true,
             seed: None,
         }
     }
@@ -160,6 +164,25 @@ impl ProducerBuilder {
         self
     }
 
+    /// Whether a record's [`headers`](crate::ProducerRecord::headers) are written into
+    /// the record (default on), in Spring Integration's JSON-headers framing: a 4-byte
+    /// length, the headers as JSON, a 4-byte length, the payload (see
+    /// [`headers::spring`](crate::headers::spring)). A shardflow consumer with the
+    /// default [`HeaderFormat::Auto`](crate::HeaderFormat) and a Spring Cloud Stream
+    /// Kinesis consumer with its defaults read them back; the framing counts against
+    /// the 1 MiB record limit.
+    ///
+    /// A record without headers is written as its bare payload either way, so the
+    /// default costs nothing to applications that set none. It is on because Spring's
+    /// Kinesis binders embed headers by default too, and because headers an application
+    /// set should not vanish silently. Turn it off when the stream's readers are not
+    /// Spring or shardflow (a Lambda function, Firehose, Flink) and must see the
+    /// payload alone: the headers are then not written at all.
+    pub fn embed_headers(mut self, embed: bool) -> Self {
+        self.embed_headers = embed;
+        self
+    }
+
     /// Seeds the retry jitter (default: random), for reproducible tests.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -234,6 +257,7 @@ impl ProducerBuilder {
             retry_min: self.retry_min,
             retry_max: self.retry_max,
             ordered_per_key: self.ordered_per_key,
+            embed_headers: self.embed_headers,
             seed: self.seed.unwrap_or_else(rand::random),
         })
     }

@@ -175,6 +175,7 @@ impl Producer {
     /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
     /// same as `ready().await?.call(record).await`, without needing `&mut self`.
     pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
+        let record = record.embedded(self.settings.embed_headers)?;
         let size = record.validate()?;
         let (reply, answer) = oneshot::channel();
         let command = Command::Record {
@@ -250,8 +251,11 @@ impl tower::Service<ProducerRecord> for Producer {
     }
 
     fn call(&mut self, record: ProducerRecord) -> ResponseFuture {
-        let size = match record.validate() {
-            Ok(size) => size,
+        let (record, size) = match record
+            .embedded(self.settings.embed_headers)
+            .and_then(|record| record.validate().map(|size| (record, size)))
+        {
+            Ok(ready) => ready,
             Err(refused) => {
                 // Give the reserved slot back: nothing will be sent.
                 self.slot.abort_send();

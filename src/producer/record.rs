@@ -60,7 +60,8 @@ impl ProducerRecord {
     }
 
     /// The size Kinesis counts against its limits: payload bytes plus the partition
-    /// key's UTF-8 bytes.
+    /// key's UTF-8 bytes (without the headers' framing, which a producer that embeds
+    /// headers adds before it checks the limit).
     pub fn size(&self) -> usize {
         self.payload.len().saturating_add(self.partition_key.len())
     }
@@ -93,6 +94,23 @@ impl ProducerRecord {
             });
         }
         Ok(size)
+    }
+
+    /// The record as it goes on the wire: with `embed` and headers, the payload framed
+    /// with them in Spring's JSON-headers format; otherwise the bare payload.
+    pub(crate) fn embedded(mut self, embed: bool) -> Result<ProducerRecord, ProduceError> {
+        if self.headers.is_empty() {
+            return Ok(self);
+        }
+        let headers = std::mem::take(&mut self.headers);
+        if embed {
+            self.payload = crate::headers::spring::write_json(&headers, &self.payload)
+                .ok_or(ProduceError::TooLarge {
+                    size: self.size(),
+                    limit: MAX_RECORD_BYTES,
+                })?;
+        }
+        Ok(self)
     }
 
     pub(crate) fn into_put_record(self) -> PutRecord {
