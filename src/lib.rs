@@ -74,6 +74,8 @@ pub mod message;
 pub mod metrics;
 pub mod producer;
 pub mod sequence;
+#[cfg(feature = "opentelemetry")]
+pub mod trace;
 
 pub use ack::AckHandle;
 pub use backend::{Aws, AwsTimeouts, Backend};

@@ -247,6 +247,9 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
+        // Each call in a span that continues the record's (or links the batch's) traces.
+        #[cfg(feature = "opentelemetry")]
+        let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
         let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
@@ -301,6 +304,9 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
+        // Each call in a span that continues the record's (or links the batch's) traces.
+        #[cfg(feature = "opentelemetry")]
+        let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
         let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {
