@@ -14,8 +14,8 @@
 //!   default) injects [`Context::current`] into every record that does not already
 //!   carry one of the propagator's fields (a record read elsewhere and written again —
 //!   a dead-letter replay — keeps its own). An application that uses `tracing` with
-//!   `tracing-opentelemetry` makes a span's context current with
-//!   `span.context().attach()` around the send.
+//!   `tracing-opentelemetry` hands a span's context over the same way:
+//!   `.with_context(span.context())` on the send.
 //! - **[`Consumer::run`](crate::Consumer::run)**: each handler call runs in a
 //!   `process` span of kind `Consumer` whose **parent** is the record's context (a
 //!   record without one starts a new trace). The span is the current context while the
@@ -29,6 +29,24 @@
 //! - **[`Consumer::stream`](crate::Consumer::stream)**: the application's code, so no
 //!   span is made for it; [`message_context`] and [`batch_context`] make the same
 //!   spans for it to attach.
+//!
+//! ```no_run
+//! # async fn demo(producer: shardflow::Producer) -> Result<(), shardflow::ProduceError> {
+//! use opentelemetry::context::FutureExt as _;
+//! use opentelemetry::trace::{TraceContextExt as _, Tracer as _};
+//! use opentelemetry::{global, Context};
+//! use shardflow::ProducerRecord;
+//!
+//! // A span of the application's: its context goes into the record's headers.
+//! let span = global::tracer("orders").start("place order");
+//! let cx = Context::current_with_span(span);
+//! producer
+//!     .send(ProducerRecord::new("{}", "customer-7"))
+//!     .with_context(cx)
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
 
 use std::fmt::Display;
 use std::future::Future;
