@@ -22,7 +22,7 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use shardflow::kinesis::StreamAdmin;
 use shardflow::producer::{Producer, ProducerRecord};
-use shardflow::{Batch, HeaderFormat, Memory, Message};
+use shardflow::{Aws, Backend, Batch, HeaderFormat, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
 use tokio::sync::mpsc;
@@ -198,27 +198,52 @@ async fn a_record_sent_outside_a_span_carries_no_trace_and_an_own_one_is_kept() 
 
 #[tokio::test(start_paused = true)]
 async fn the_trace_goes_on_through_a_processor() {
+    the_trace_goes_on_through_a_processor_on(Memory::new()).await;
+}
+
+/// The same over real HTTP, on the emulators `scripts/test.sh` starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trace_goes_on_through_a_processor_on_the_emulators() {
+    if !emulators_enabled() {
+        return;
+    }
+    the_trace_goes_on_through_a_processor_on(Aws::from_env().await).await;
+}
+
+/// consumer -> processor -> producer -> consumer on `backend`: the last handler runs in
+/// the first producer's trace, each span the child of the one before.
+async fn the_trace_goes_on_through_a_processor_on<B: Backend + Clone>(backend: B) {
     exporter();
-    let memory = Memory::new();
-    memory.streams().create_stream("in", 1).await.unwrap();
-    memory.streams().create_stream("out", 1).await.unwrap();
-    let input = producer(&memory, "in");
+    let admin = backend.admin().unwrap();
+    let (input_stream, output_stream) = (unique("traced-in"), unique("traced-out"));
+    admin.create_stream(&input_stream, 1).await.unwrap();
+    admin.create_stream(&output_stream, 1).await.unwrap();
+    wait_until_active(admin.as_ref(), &input_stream).await;
+    wait_until_active(admin.as_ref(), &output_stream).await;
+    let producer = |stream: &str| {
+        Producer::builder()
+            .stream(stream)
+            .backend(backend.clone())
+            .linger(Duration::ZERO)
+            .build()
+            .unwrap()
+    };
+    let input = producer(&input_stream);
     let sent = application_span("send input");
     let trace = sent.span().span_context().trace_id();
     send_in(&input, ProducerRecord::new("i-1", "k"), sent.clone()).await;
     sent.span().end();
     input.close().limited().await;
 
-    // consumer -> processor -> producer -> consumer
     let processor = ServiceBuilder::new()
-        .produce_to(producer(&memory, "out"))
+        .produce_to(producer(&output_stream))
         .service_fn(|msg: Message| async move { Ok::<_, Infallible>(Output::new(msg.payload)) });
-    let upstream = test_consumer(memory.clone(), "in", "proc", "w1")
+    let upstream = test_consumer(backend.clone(), &input_stream, &unique("proc"), "w1")
         .build()
         .unwrap();
     let processing = start_service(upstream, processor);
     let (tx, mut seen) = mpsc::unbounded_channel();
-    let downstream = test_consumer(memory.clone(), "out", "sink", "w1")
+    let downstream = test_consumer(backend.clone(), &output_stream, &unique("sink"), "w1")
         .build()
         .unwrap();
     let sinking = start_service(downstream, reporting_handler(tx));
@@ -231,14 +256,14 @@ async fn the_trace_goes_on_through_a_processor() {
         trace,
         "the last handler is in the first producer's trace"
     );
-    let in_trace = |name: &str| -> Vec<SpanData> {
-        finished(name)
+    let in_trace = |name: String| -> Vec<SpanData> {
+        finished(&name)
             .into_iter()
             .filter(|span| span.span_context.trace_id() == trace)
             .collect()
     };
-    let processed = in_trace("process in");
-    let delivered = in_trace("process out");
+    let processed = in_trace(format!("process {input_stream}"));
+    let delivered = in_trace(format!("process {output_stream}"));
     assert_eq!((processed.len(), delivered.len()), (1, 1));
     // Producer span <- processor's span <- downstream handler's span.
     assert_eq!(
