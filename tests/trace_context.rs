@@ -1,8 +1,8 @@
 //! Trace context from producer to consumer (the `opentelemetry` feature), with the
 //! OpenTelemetry SDK's in-memory exporter and the W3C propagator installed globally: a
 //! producer's span and the consumer's handler span share one trace (across a processor
-//! too), a batch's span links to every record's context, and records sent outside any
-//! span carry no trace headers.
+//! too, and on the emulators), a batch's span links to every record's context, a failed
+//! call's span is marked failed, and records sent outside any span carry no trace headers.
 //!
 //! The SDK is global, so the tests share one exporter; each looks only at the spans of
 //! its own traces and streams.
@@ -10,13 +10,14 @@
 mod common;
 
 use std::convert::Infallible;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use common::*;
 use futures_util::StreamExt;
 use opentelemetry::context::FutureExt as _;
-use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt, TraceId, Tracer};
+use opentelemetry::trace::{SpanContext, SpanKind, Status, TraceContextExt, TraceId, Tracer};
 use opentelemetry::{global, Context};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
@@ -330,4 +331,56 @@ async fn a_batch_span_links_to_every_records_context() {
         .collect();
     let expected: Vec<(TraceId, _)> = sent.iter().map(|s| (s.trace_id(), s.span_id())).collect();
     assert_eq!(linked, expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_call_marks_its_span_failed_and_the_redelivery_is_in_the_same_trace() {
+    exporter();
+    let memory = Memory::new();
+    memory.streams().create_stream("flaky", 1).await.unwrap();
+    let flaky = producer(&memory, "flaky");
+    let sent = application_span("send flaky");
+    let trace = sent.span().span_context().trace_id();
+    send_in(&flaky, ProducerRecord::new("f-1", "k"), sent.clone()).await;
+    sent.span().end();
+    flaky.close().limited().await;
+
+    // The first call fails (the shard restarts from its checkpoint), the second succeeds.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (tx, mut seen) = mpsc::unbounded_channel();
+    let handler = tower::service_fn(move |_msg: Message| {
+        let call = calls.fetch_add(1, Ordering::SeqCst);
+        let _ = tx.send(Context::current().span().span_context().clone());
+        async move {
+            if call == 0 {
+                Err("declined by the handler")
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let consumer = test_consumer(memory.clone(), "flaky", "flaky-group", "w1")
+        .build()
+        .unwrap();
+    let running = start_service(consumer, handler);
+    let handled = receive(&mut seen, 2).await;
+    running.stop().await;
+
+    assert!(handled.iter().all(|context| context.trace_id() == trace));
+    let spans: Vec<SpanData> = finished("process flaky")
+        .into_iter()
+        .filter(|span| span.span_context.trace_id() == trace)
+        .collect();
+    let status_of = |context: &SpanContext| {
+        spans
+            .iter()
+            .find(|span| span.span_context.span_id() == context.span_id())
+            .map(|span| span.status.clone())
+            .expect("a finished span per call")
+    };
+    assert_eq!(
+        status_of(&handled[0]),
+        Status::error("declined by the handler")
+    );
+    assert_eq!(status_of(&handled[1]), Status::Unset);
 }
