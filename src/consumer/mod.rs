@@ -240,6 +240,9 @@ impl Consumer {
     /// in flight are given up and delivered again. Await the returned [`Run`]
     /// (add [`Run::until`] to stop on a signal) or [`Run::spawn`] it and later call
     /// [`Running::shutdown`].
+    ///
+    /// With the `opentelemetry` feature, each call runs in a span whose parent is the
+    /// trace context the record carries (module `trace`).
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
@@ -297,6 +300,9 @@ impl Consumer {
     /// read for a bulk handler) is a `Service<Batch>`; `decode`, `dedup`, `retry` and
     /// `dead_letter` wrap a `Service<Message>` and so work in [`Consumer::run`] mode (or
     /// below `Batching`'s bulk handler, which receives `Vec<Message>`, not at all).
+    ///
+    /// With the `opentelemetry` feature, each call runs in a span that links to the trace
+    /// context of every record of the batch (a batch has many parents; module `trace`).
     pub fn run_batches<S>(self, service: S) -> Run
     where
         S: Service<Batch> + Clone + Send + 'static,
