@@ -221,9 +221,11 @@ for arg in "$@"; do
     esac
 done
 
+# --all-features: the optional features' code and tests (trace context) are built and run
+# too, in the same single build (each feature only adds to what the default build has).
 if (( targeted )); then
-    cargo test --workspace --no-fail-fast "$@" 9>&-
+    cargo test --workspace --all-features --no-fail-fast "$@" 9>&-
 else
-    cargo test --workspace --all-targets --no-fail-fast "$@" 9>&-
-    cargo test --workspace --doc 9>&-
+    cargo test --workspace --all-features --all-targets --no-fail-fast "$@" 9>&-
+    cargo test --workspace --all-features --doc 9>&-
 fi

@@ -14,6 +14,7 @@
 //! | [`metrics`] | the names, types and labels of the metrics recorded through the `metrics` facade |
 //! | [`Message`], [`Metadata`], [`MetadataBuilder`], [`Batch`], [`AckHandle`] | what handlers receive, and acknowledging a batch in stream mode; [`Metadata`] is what Kinesis says about a record |
 //! | [`Headers`], [`HeaderValue`], [`HeaderFormat`], [`headers`] | what the application says about a record (`contentType`, `correlationId`, its own names), carried inside the record in Spring Cloud Stream's formats |
+//! | `trace` (feature `opentelemetry`) | W3C trace context from producer to consumer through the headers: the handler's span continues the record's trace |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
 //! | [`Backend`], [`Aws`], [`Memory`], [`MemoryBuilder`], [`KinesisLimits`] | where streams and lease tables live: AWS, or the embedded in-process backend (optionally with Kinesis' per-shard throughput limits) |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
@@ -74,6 +75,8 @@ pub mod message;
 pub mod metrics;
 pub mod producer;
 pub mod sequence;
+#[cfg(feature = "opentelemetry")]
+pub mod trace;
 
 pub use ack::AckHandle;
 pub use backend::{Aws, AwsTimeouts, Backend};

@@ -12,6 +12,7 @@ mod describe;
 mod dlq;
 mod position;
 mod read;
+mod replayed;
 mod reset;
 mod tail;
 

@@ -1,5 +1,6 @@
 //! `stream tail`: prints a stream's records (KPL aggregates split, dead-letter envelopes
-//! decoded), following the children of shards that end, until `--limit` or ctrl-c.
+//! decoded, the headers of dead letters and of Spring-framed records shown), following
+//! the children of shards that end, until `--limit` or ctrl-c.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
@@ -7,8 +8,9 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde_json::json;
+use shardflow::headers::HeaderFormat;
 use shardflow::kinesis::{KinesisApi, ShardInfo, StartingPosition};
-use shardflow::Backend;
+use shardflow::{Backend, Headers};
 use shardflow_middleware::DeadLetterEnvelope;
 
 use crate::position::{parse, rfc3339, Spot};
@@ -79,7 +81,11 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
                     "parts": envelope.parts,
                     "payload_len": envelope.payload_len,
                     "payload": String::from_utf8_lossy(payload),
+                    "headers": headers_json(&envelope.headers),
                 });
+            } else if let Some((headers, payload)) = HeaderFormat::Auto.read(&r.data) {
+                v["headers"] = headers_json(&headers);
+                v["payload"] = json!(String::from_utf8_lossy(&payload));
             }
             v.to_string()
         }
@@ -94,7 +100,7 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
             };
             match DeadLetterEnvelope::from_bytes(&r.data) {
                 Ok(e) => format!(
-                    "{head} dead-letter{} from {} {} {}/{} key={} error={:?}: {}",
+                    "{head} dead-letter{} from {} {} {}/{} key={} error={:?}{}: {}",
                     if e.parts > 1 {
                         format!(" part {}/{}", e.part + 1, e.parts)
                     } else {
@@ -106,11 +112,36 @@ fn line(format: TailFormat, r: &UserRecord) -> String {
                     e.sub_sequence,
                     e.partition_key,
                     e.error,
+                    headers_text(&e.headers),
                     body(&e.payload)
                 ),
-                Err(_) => format!("{head} {}", body(&r.data)),
+                Err(_) => match HeaderFormat::Auto.read(&r.data) {
+                    Some((headers, payload)) => {
+                        format!("{head}{}: {}", headers_text(&headers), body(&payload))
+                    }
+                    None => format!("{head} {}", body(&r.data)),
+                },
             }
         }
+    }
+}
+
+/// Headers as a JSON object (name → value, in order).
+fn headers_json(headers: &Headers) -> serde_json::Value {
+    headers
+        .iter()
+        .map(|(name, value)| (name.to_owned(), value.to_json()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// Headers for a text line: ` headers={"name":value,...}`, or nothing when there are
+/// none.
+fn headers_text(headers: &Headers) -> String {
+    if headers.is_empty() {
+        String::new()
+    } else {
+        format!(" headers={}", headers_json(headers))
     }
 }
 

@@ -12,10 +12,11 @@ use bytes::Bytes;
 use common::*;
 use serde_json::Value;
 use shardflow::aggregation::Aggregator;
+use shardflow::headers::HeaderFormat;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
-use shardflow::{Aws, Backend, Metadata};
+use shardflow::{Aws, Backend, Headers, Metadata};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
 use tower::ServiceExt;
 
@@ -40,9 +41,15 @@ impl Out {
 
 /// Runs `shardflow ARGS` (the AWS settings come from the environment), bounded.
 async fn run(args: &[&str]) -> Out {
+    run_with(args, &[]).await
+}
+
+/// Runs `shardflow ARGS` with `env` set on top of the test's environment, bounded.
+async fn run_with(args: &[&str], env: &[(&str, &str)]) -> Out {
     let mut child = tokio::process::Command::from({
         let mut c = Command::new(env!("CARGO_BIN_EXE_shardflow"));
         c.args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .stdin(Stdio::null());
@@ -491,6 +498,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
             payload: Bytes::from(format!("order-{v}")),
             error: "charge refused".into(),
             attempts: Some(3),
+            headers: Headers::new(),
         };
         producer.clone().oneshot(record).await.unwrap();
     }
@@ -506,6 +514,7 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         payload: Bytes::from(big.clone()),
         error: "too big to charge".into(),
         attempts: Some(3),
+        headers: Headers::new(),
     };
     producer.clone().oneshot(record).await.unwrap();
     producer.close().await;
@@ -1031,4 +1040,330 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(out.stdout.contains("unreadable"), "{}", out.stdout);
+}
+
+/// A Kinesis endpoint in front of the emulator that refuses (HTTP 400,
+/// `ValidationException`) every PutRecords call whose body holds `refused` and forwards
+/// everything else, one request at a time per connection.
+mod refusing {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    /// Starts the proxy; returns its URL.
+    pub fn start(upstream: &str, refused: String) -> String {
+        let upstream = upstream
+            .strip_prefix("http://")
+            .expect("a plain HTTP endpoint")
+            .trim_end_matches('/')
+            .to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        // A plain thread with blocking I/O: it lives until the test process ends.
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let (upstream, refused) = (upstream.clone(), refused.clone());
+                std::thread::spawn(move || {
+                    if let Ok(server) = TcpStream::connect(&upstream) {
+                        serve(client, server, refused.as_bytes());
+                    }
+                });
+            }
+        });
+        url
+    }
+
+    /// One HTTP/1.1 message (head and Content-Length body) from `from`, or `None` when
+    /// the connection ended.
+    fn message(from: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<Vec<u8>> {
+        let mut chunk = [0u8; 64 * 1024];
+        let head_end = loop {
+            if let Some(at) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            match from.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buffer[..head_end]).to_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while buffer.len() < head_end + length {
+            match from.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
+            }
+        }
+        Some(buffer.drain(..head_end + length).collect())
+    }
+
+    fn serve(mut client: TcpStream, mut server: TcpStream, refused: &[u8]) {
+        let (mut from_client, mut from_server) = (Vec::new(), Vec::new());
+        while let Some(request) = message(&mut client, &mut from_client) {
+            let put_records = String::from_utf8_lossy(&request)
+                .to_lowercase()
+                .contains("kinesis_20131202.putrecords");
+            let response = if put_records && request.windows(refused.len()).any(|w| w == refused) {
+                let body = r#"{"__type":"ValidationException","message":"refused by the test"}"#;
+                format!(
+                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/x-amz-json-1.1\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .into_bytes()
+            } else {
+                if server.write_all(&request).is_err() {
+                    return;
+                }
+                match message(&mut server, &mut from_server) {
+                    Some(response) => response,
+                    None => return,
+                }
+            };
+            if client.write_all(&response).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Writes dead letters of `(partition key, payload)` to `dlq`, in this order, as the
+/// dead-letter layer's default sink does.
+async fn write_dead_letters(aws: &Aws, dlq: &str, origin: &str, letters: &[(String, String)]) {
+    let producer = Producer::builder()
+        .stream(dlq)
+        .backend(aws.clone())
+        .build()
+        .unwrap();
+    for (n, (key, payload)) in letters.iter().enumerate() {
+        let record = DeadLetterRecord {
+            metadata: Metadata::builder()
+                .stream(origin)
+                .partition_key(key.as_str())
+                .sequence_number(1000u64 + n as u64)
+                .build(),
+            payload: Bytes::from(payload.clone()),
+            error: "refused".into(),
+            attempts: Some(1),
+            headers: Headers::new(),
+        };
+        // One at a time: the dead-letter stream keeps this order.
+        producer.clone().oneshot(record).await.unwrap();
+    }
+    producer.close().await;
+}
+
+/// Per partition key, the payloads of `stream` in stream order.
+async fn payloads_by_key(kinesis: &dyn KinesisApi, stream: &str) -> BTreeMap<String, Vec<String>> {
+    let mut by_key: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (data, key, _) in read_all(kinesis, stream).await {
+        by_key.entry(key).or_default().push(data);
+    }
+    by_key
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_stopped_by_a_refused_write_continues_on_rerun_in_key_order() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    // Three keys, four dead letters each, interleaved; payloads of 9 bytes, so each is
+    // exactly 12 characters of base64 in a PutRecords body.
+    let mut letters = Vec::new();
+    for i in 0..4 {
+        for k in ["a", "b", "c"] {
+            letters.push((format!("customer-{k}"), format!("order-{k}-{i}")));
+        }
+    }
+    write_dead_letters(&aws, &dlq, &orders, &letters).await;
+    let expected: BTreeMap<String, Vec<String>> = ["a", "b", "c"]
+        .iter()
+        .map(|k| {
+            let payloads = (0..4).map(|i| format!("order-{k}-{i}")).collect();
+            (format!("customer-{k}"), payloads)
+        })
+        .collect();
+
+    // Kinesis refuses every write of b's second dead letter.
+    let upstream = std::env::var("AWS_ENDPOINT_URL_KINESIS").unwrap();
+    let proxy = refusing::start(&upstream, "b3JkZXItYi0x".into()); // base64("order-b-1")
+    let replay = [
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json",
+    ];
+    let out = run_with(&replay, &[("AWS_ENDPOINT_URL_KINESIS", proxy.as_str())]).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("a write failed"), "{}", out.stderr);
+    let first = payloads_by_key(kinesis.as_ref(), &orders).await;
+    let b = first.get("customer-b").cloned().unwrap_or_default();
+    assert!(
+        !b.iter().any(|p| p == "order-b-2" || p == "order-b-3"),
+        "nothing after the refused dead letter of its key: {b:?}"
+    );
+    for (key, payloads) in &first {
+        assert!(
+            expected[key].starts_with(payloads),
+            "{key}: in order, no duplicate: {payloads:?}"
+        );
+    }
+    let written_first: usize = first.values().map(Vec::len).sum();
+
+    // The same command again, Kinesis accepting everything: it continues.
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let summary = out.json();
+    assert_eq!(summary["replayed_before"], written_first, "{summary}");
+    assert_eq!(summary["published"], 12 - written_first, "{summary}");
+    assert_eq!(
+        payloads_by_key(kinesis.as_ref(), &orders).await,
+        expected,
+        "every dead letter once, in per-key order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_with_a_limit_twice_publishes_no_duplicate() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 2).await.unwrap();
+    let letters: Vec<(String, String)> = (0..5)
+        .map(|i| (format!("customer-{}", i % 2), format!("order-{i}")))
+        .collect();
+    write_dead_letters(&aws, &dlq, &orders, &letters).await;
+    let limited = [
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--limit", "3", "--yes", "--json",
+    ];
+    let mut published = Vec::new();
+    for _ in 0..3 {
+        let out = run(&limited).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        published.push(out.json()["published"].as_u64().unwrap());
+    }
+    assert_eq!(published, [3, 2, 0]);
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (key, payload) in letters {
+        expected.entry(key).or_default().push(payload);
+    }
+    assert_eq!(
+        payloads_by_key(kinesis.as_ref(), &orders).await,
+        expected,
+        "each dead letter once, in per-key order"
+    );
+    // --restart forgets the progress: everything again.
+    let mut again = limited.to_vec();
+    again.retain(|a| *a != "--limit" && *a != "3");
+    again.push("--restart");
+    let out = run(&again).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["published"], 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let headers: Headers = [
+        ("contentType", "application/json"),
+        (
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let producer = Producer::builder()
+        .stream(&dlq)
+        .backend(aws.clone())
+        .build()
+        .unwrap();
+    let record = DeadLetterRecord {
+        metadata: Metadata::builder()
+            .stream(orders.as_str())
+            .partition_key("customer-1")
+            .sequence_number(7u64)
+            .build(),
+        payload: Bytes::from_static(b"{\"id\":1}"),
+        error: "refused".into(),
+        attempts: None,
+        headers: headers.clone(),
+    };
+    producer.clone().oneshot(record).await.unwrap();
+    producer.close().await;
+
+    let out = run(&[
+        "stream",
+        "tail",
+        &dlq,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "1",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains(r#"headers={"contentType":"application/json","traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}: {"id":1}"#),
+        "{}",
+        out.stdout
+    );
+
+    let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut it = kinesis
+        .shard_iterator(
+            &orders,
+            &kinesis.list_shards(&orders).await.unwrap()[0].shard_id,
+            &StartingPosition::TrimHorizon,
+        )
+        .await
+        .unwrap();
+    let records = loop {
+        let page = kinesis.get_records(&it, 100).await.unwrap();
+        if !page.records.is_empty() {
+            break page.records;
+        }
+        it = page.next_iterator.unwrap();
+    };
+    assert_eq!(records.len(), 1);
+    let (read_headers, payload) = HeaderFormat::Auto
+        .read(&records[0].data)
+        .expect("the replayed record carries its headers");
+    assert_eq!(read_headers, headers);
+    assert_eq!(&payload[..], b"{\"id\":1}");
+
+    // Tail shows the headers of the Spring-framed record too.
+    let out = run(&[
+        "stream",
+        "tail",
+        &orders,
+        "--from",
+        "trim-horizon",
+        "--limit",
+        "1",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains(r#"headers={"contentType":"application/json","#),
+        "{}",
+        out.stdout
+    );
 }

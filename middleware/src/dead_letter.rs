@@ -64,7 +64,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pin_project_lite::pin_project;
-use shardflow::{Message, Metadata};
+use shardflow::{Headers, Message, Metadata};
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceExt};
 
@@ -91,6 +91,8 @@ pub struct DeadLetterRecord {
     /// How many calls of the handler failed, when a [`retry`](crate::retry) layer below
     /// reported it (it does when it gives up); `None` otherwise.
     pub attempts: Option<u32>,
+    /// The record's own headers (empty when it had none); the envelope keeps them.
+    pub headers: Headers,
 }
 
 thread_local! {
@@ -139,6 +141,7 @@ impl fmt::Debug for DeadLetterRecord {
             .field("payload_len", &self.payload.len())
             .field("error", &self.error)
             .field("attempts", &self.attempts)
+            .field("headers", &self.headers)
             .finish()
     }
 }
@@ -382,7 +385,11 @@ where
 
     fn call(&mut self, message: Message<Bytes>) -> Self::Future {
         let span = message_span("dead_letter", &message.metadata);
-        let copy = Some((message.metadata.clone(), message.payload.clone()));
+        let copy = Some((
+            message.metadata.clone(),
+            message.headers.clone(),
+            message.payload.clone(),
+        ));
         let called = {
             let _entered = span.enter();
             catch_unwind(AssertUnwindSafe(|| self.inner.call(message)))
@@ -477,7 +484,7 @@ pin_project! {
     {
         #[pin]
         state: State<F, K>,
-        copy: Option<(Metadata, Bytes)>,
+        copy: Option<(Metadata, Headers, Bytes)>,
         // What a retry layer below reported (0: nothing).
         attempts: u32,
         sink: K,
@@ -544,7 +551,7 @@ where
                         // Not reachable: the outer arm matched one of the two above.
                         _ => return Poll::Pending,
                     };
-                    let Some((metadata, payload)) = this.copy.take() else {
+                    let Some((metadata, headers, payload)) = this.copy.take() else {
                         // Only reachable if polled after completion.
                         return Poll::Ready(Err(error));
                     };
@@ -558,6 +565,7 @@ where
                         payload,
                         error: text.clone(),
                         attempts: (*this.attempts > 0).then_some(*this.attempts),
+                        headers,
                     };
                     this.state.set(State::Sinking {
                         future: Box::pin(tokio::time::timeout(
@@ -832,6 +840,28 @@ mod tests {
             Some(3),
             "the envelope keeps them"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_dead_letter_keeps_the_records_headers() {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "refused".into()));
+        let failing = message(9, b"x")
+            .with_header("contentType", "application/json")
+            .with_header("correlationId", "c-9");
+        assert!(svc.oneshot(failing).await.unwrap().is_dead_lettered());
+        let sunk = sunk.lock().unwrap();
+        let expected: Headers = [
+            ("contentType", "application/json"),
+            ("correlationId", "c-9"),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(sunk[0].headers, expected);
+        let envelope = DeadLetterEnvelope::from_record(&sunk[0]);
+        let records = envelope.to_records().unwrap();
+        let back = DeadLetterEnvelope::from_bytes(&records[0]).unwrap();
+        assert_eq!(back.headers, expected, "the envelope keeps them");
     }
 
     /// Reads every record of the one-shard stream `stream` from its start.

@@ -240,6 +240,9 @@ impl Consumer {
     /// in flight are given up and delivered again. Await the returned [`Run`]
     /// (add [`Run::until`] to stop on a signal) or [`Run::spawn`] it and later call
     /// [`Running::shutdown`].
+    ///
+    /// With the `opentelemetry` feature, each call runs in a span whose parent is the
+    /// trace context the record carries (module `trace`).
     pub fn run<S>(self, service: S) -> Run
     where
         S: Service<Message> + Clone + Send + 'static,
@@ -247,6 +250,9 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
+        // Each call in a span that continues the record's (or links the batch's) traces.
+        #[cfg(feature = "opentelemetry")]
+        let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
         let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         let (per_shard, per_key) = match self.config.concurrency {
@@ -296,6 +302,9 @@ impl Consumer {
     /// hold the shard) are `Service<Batch>`s; `decode`, `dedup`, `retry` and
     /// `dead_letter` wrap a `Service<Message>` and so work in [`Consumer::run`] mode (or
     /// below `Batching`'s bulk handler, which receives `Vec<Message>`, not at all).
+    ///
+    /// With the `opentelemetry` feature, each call runs in a span that links to the trace
+    /// context of every record of the batch (a batch has many parents; module `trace`).
     pub fn run_batches<S>(self, service: S) -> Run
     where
         S: Service<Batch> + Clone + Send + 'static,
@@ -303,6 +312,9 @@ impl Consumer {
         S::Error: Display + Send,
     {
         let events = self.handler_events();
+        // Each call in a span that continues the record's (or links the batch's) traces.
+        #[cfg(feature = "opentelemetry")]
+        let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
         let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
         self.run_with(spawn_with(service, move |rx, service| {

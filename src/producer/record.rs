@@ -97,8 +97,13 @@ impl ProducerRecord {
     }
 
     /// The record as it goes on the wire: with `embed` and headers, the payload framed
-    /// with them in Spring's JSON-headers format; otherwise the bare payload.
+    /// with them in Spring's JSON-headers format (with the `opentelemetry` feature, the
+    /// current trace context added first, see [`crate::trace`]); otherwise the bare payload.
     pub(crate) fn embedded(mut self, embed: bool) -> Result<ProducerRecord, ProduceError> {
+        #[cfg(feature = "opentelemetry")]
+        if embed {
+            crate::trace::inject_current(&mut self.headers);
+        }
         if self.headers.is_empty() {
             return Ok(self);
         }

@@ -42,6 +42,19 @@
 //! dead letter share a partition key, so they land in the same shard of the
 //! dead-letter stream.
 //!
+//! # Headers (version 3)
+//!
+//! A dead letter of a record that had [`Headers`] is written as version `3`: the same
+//! layout, with the byte `3` and a header field `headers_len`. The bytes after the
+//! header (the *body*, which parts split as above) are then `headers_len` bytes of the
+//! headers as JSON — a list of `{"name":...,"value":...}`, with `"class":...` for a value
+//! that carries a Java type — followed by the payload's bytes; `payload_len` and
+//! `offset` count in the body. Headers travel in the body rather than in the header so
+//! that a record whose headers are large still fits: they are split into parts like the
+//! payload. A dead letter without headers is written as version 2, byte for byte as
+//! before; a reader that knows only version 2 skips version 3 records as not envelopes
+//! instead of taking the headers for payload.
+//!
 //! # Version 1
 //!
 //! Version 1, written before, is one JSON object with the payload in base64
@@ -52,7 +65,9 @@ use std::collections::HashMap;
 use std::fmt;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use shardflow::headers::HeaderValue;
 use shardflow::producer::MAX_RECORD_BYTES;
+use shardflow::Headers;
 
 use super::DeadLetterRecord;
 
@@ -73,7 +88,7 @@ pub const MAX_PARTS: u32 = 16;
 
 /// A dead letter as written to a stream (see the [module docs](self)): where the record
 /// came from, why it failed, and its payload — whole, or one part of it.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq)]
 #[non_exhaustive]
 pub struct DeadLetterEnvelope {
     /// The stream the record was read from.
@@ -104,7 +119,17 @@ pub struct DeadLetterEnvelope {
     /// The payload exactly as read: the whole of it in a complete envelope, this part's
     /// slice otherwise.
     pub payload: Bytes,
+    /// The record's own headers (empty when it had none, and in a part of a dead letter
+    /// with headers until [`Reassembly`] puts it together).
+    pub headers: Headers,
+    /// In a part read back: how many bytes at the start of the body are the headers
+    /// (0 once they are parsed out).
+    headers_len: u64,
 }
+
+// Every field's equality is total: the headers' values are strings and JSON values
+// (whose numbers are never NaN).
+impl Eq for DeadLetterEnvelope {}
 
 /// A record that is not a [`DeadLetterEnvelope`].
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +171,46 @@ struct Header {
     part: u32,
     parts: u32,
     offset: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    headers_len: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The headers as the JSON of a version 3 body.
+fn headers_to_json(headers: &Headers) -> Vec<u8> {
+    let list: Vec<serde_json::Value> = headers
+        .iter()
+        .map(|(name, value)| match value {
+            HeaderValue::Typed { class, value } => {
+                serde_json::json!({"name": name, "value": value, "class": class})
+            }
+            other => serde_json::json!({"name": name, "value": other.to_json()}),
+        })
+        .collect();
+    // A list of JSON values serializes without fail.
+    serde_json::to_vec(&list).unwrap_or_default()
+}
+
+/// The headers of a version 3 body; `None` when they do not parse.
+fn headers_from_json(json: &[u8]) -> Option<Headers> {
+    let list: Vec<serde_json::Value> = serde_json::from_slice(json).ok()?;
+    let mut headers = Headers::new();
+    for entry in list {
+        let name = entry.get("name")?.as_str()?;
+        let value = entry.get("value")?.clone();
+        let value = match entry.get("class").and_then(|c| c.as_str()) {
+            Some(class) => HeaderValue::Typed {
+                class: class.to_owned(),
+                value,
+            },
+            None => HeaderValue::from(value),
+        };
+        headers.insert(name, value);
+    }
+    Some(headers)
 }
 
 /// Version 1: one JSON object, the payload in base64.
@@ -177,8 +242,11 @@ fn bounded(text: &str, max: usize) -> String {
 }
 
 impl DeadLetterEnvelope {
-    /// The version this crate writes.
+    /// The version this crate writes for a dead letter without headers.
     pub const VERSION: u8 = 2;
+
+    /// The version this crate writes for a dead letter with headers (module docs).
+    pub const VERSION_WITH_HEADERS: u8 = 3;
 
     /// The complete envelope of a dead letter, failed now.
     pub fn from_record(record: &DeadLetterRecord) -> Self {
@@ -199,6 +267,8 @@ impl DeadLetterEnvelope {
             parts: 1,
             offset: 0,
             payload: record.payload.clone(),
+            headers: record.headers.clone(),
+            headers_len: 0,
         }
     }
 
@@ -207,7 +277,49 @@ impl DeadLetterEnvelope {
         self.parts == 1 && self.payload.len() as u64 == self.payload_len
     }
 
-    fn header(&self, part: u32, parts: u32, offset: u64) -> Header {
+    /// The body: the headers' JSON (when there are headers) and the payload, and how
+    /// long the headers' part is.
+    fn body(&self) -> (Bytes, u64) {
+        if self.headers.is_empty() {
+            return (self.payload.clone(), 0);
+        }
+        let json = headers_to_json(&self.headers);
+        let mut body = BytesMut::with_capacity(json.len() + self.payload.len());
+        body.put_slice(&json);
+        body.put_slice(&self.payload);
+        (body.freeze(), json.len() as u64)
+    }
+
+    /// Splits a complete body into headers and payload; `false` when the headers do not
+    /// parse.
+    fn split_headers(&mut self) -> bool {
+        if self.headers_len == 0 {
+            return true;
+        }
+        let Ok(at) = usize::try_from(self.headers_len) else {
+            return false;
+        };
+        if at > self.payload.len() {
+            return false;
+        }
+        let Some(headers) = headers_from_json(&self.payload[..at]) else {
+            return false;
+        };
+        self.headers = headers;
+        self.payload = self.payload.slice(at..);
+        self.payload_len = self.payload.len() as u64;
+        self.headers_len = 0;
+        true
+    }
+
+    fn header(
+        &self,
+        body_len: u64,
+        headers_len: u64,
+        part: u32,
+        parts: u32,
+        offset: u64,
+    ) -> Header {
         Header {
             stream: self.stream.clone(),
             shard: self.shard.clone(),
@@ -217,10 +329,11 @@ impl DeadLetterEnvelope {
             error: bounded(&self.error, MAX_ERROR_BYTES),
             attempts: self.attempts,
             failed_at_ms: self.failed_at_ms,
-            payload_len: self.payload.len() as u64,
+            payload_len: body_len,
             part,
             parts,
             offset,
+            headers_len,
         }
     }
 
@@ -229,7 +342,11 @@ impl DeadLetterEnvelope {
         let json = serde_json::to_vec(header).unwrap_or_default();
         let mut out = BytesMut::with_capacity(PREFIX_LEN + json.len() + payload.len());
         out.put_slice(MAGIC);
-        out.put_u8(Self::VERSION);
+        out.put_u8(if header.headers_len > 0 {
+            Self::VERSION_WITH_HEADERS
+        } else {
+            Self::VERSION
+        });
         // A header is far below 4 GiB: its fields are bounded (module docs).
         out.put_u32(u32::try_from(json.len()).unwrap_or(u32::MAX));
         out.put_slice(&json);
@@ -243,13 +360,15 @@ impl DeadLetterEnvelope {
     /// version, with the payload of this envelope taken as the whole payload.
     pub fn to_records(&self) -> Result<Vec<Bytes>, EnvelopeError> {
         let key = self.partition_key.len();
-        let whole = self.header(0, 1, 0);
+        let (body, headers_len) = self.body();
+        let body_len = body.len() as u64;
+        let whole = self.header(body_len, headers_len, 0, 1, 0);
         let json_len = serde_json::to_vec(&whole).map_or(0, |j| j.len());
-        if PREFIX_LEN + json_len + self.payload.len() + key <= MAX_RECORD_BYTES {
-            return Ok(vec![Self::encode(&whole, &self.payload)]);
+        if PREFIX_LEN + json_len + body.len() + key <= MAX_RECORD_BYTES {
+            return Ok(vec![Self::encode(&whole, &body)]);
         }
         // The largest header any part can have: the widest part numbers and offset.
-        let widest = self.header(u32::MAX, u32::MAX, self.payload.len() as u64);
+        let widest = self.header(body_len, headers_len, u32::MAX, u32::MAX, body_len);
         let widest_len = PREFIX_LEN + serde_json::to_vec(&widest).map_or(0, |j| j.len());
         let room = MAX_RECORD_BYTES.saturating_sub(widest_len + key);
         let too_large = EnvelopeError::HeaderTooLarge {
@@ -260,12 +379,15 @@ impl DeadLetterEnvelope {
         if room == 0 {
             return Err(too_large);
         }
-        let chunks: Vec<&[u8]> = self.payload.chunks(room).collect();
+        let chunks: Vec<&[u8]> = body.chunks(room).collect();
         let parts = u32::try_from(chunks.len()).map_err(|_| too_large)?;
         let mut offset = 0u64;
         let mut records = Vec::with_capacity(chunks.len());
         for (part, chunk) in (0u32..).zip(chunks) {
-            records.push(Self::encode(&self.header(part, parts, offset), chunk));
+            records.push(Self::encode(
+                &self.header(body_len, headers_len, part, parts, offset),
+                chunk,
+            ));
             offset += chunk.len() as u64;
         }
         Ok(records)
@@ -283,7 +405,7 @@ impl DeadLetterEnvelope {
     fn from_v2(rest: &[u8]) -> Result<Self, NotAnEnvelope> {
         let bad = |what: &str| NotAnEnvelope(what.to_owned());
         let (&version, rest) = rest.split_first().ok_or_else(|| bad("truncated"))?;
-        if version != Self::VERSION {
+        if version != Self::VERSION && version != Self::VERSION_WITH_HEADERS {
             return Err(NotAnEnvelope(format!("version {version}")));
         }
         let (len, rest) = rest
@@ -300,10 +422,12 @@ impl DeadLetterEnvelope {
             && h.offset
                 .checked_add(payload.len() as u64)
                 .is_some_and(|end| end <= h.payload_len);
-        if !fits {
+        let headers_fit = (version == Self::VERSION_WITH_HEADERS) == (h.headers_len > 0)
+            && h.headers_len <= h.payload_len;
+        if !fits || !headers_fit {
             return Err(bad("part numbers or lengths do not fit"));
         }
-        Ok(DeadLetterEnvelope {
+        let mut envelope = DeadLetterEnvelope {
             stream: h.stream,
             shard: h.shard,
             sequence_number: h.sequence_number,
@@ -317,7 +441,15 @@ impl DeadLetterEnvelope {
             parts: h.parts,
             offset: h.offset,
             payload: Bytes::copy_from_slice(payload),
-        })
+            headers: Headers::new(),
+            headers_len: h.headers_len,
+        };
+        // A whole dead letter has its headers parsed out now; a part keeps its slice of
+        // the body until reassembly.
+        if envelope.parts == 1 && !envelope.split_headers() {
+            return Err(bad("headers"));
+        }
+        Ok(envelope)
     }
 
     fn from_v1(data: &[u8]) -> Result<Self, NotAnEnvelope> {
@@ -345,6 +477,8 @@ impl DeadLetterEnvelope {
             parts: 1,
             offset: 0,
             payload,
+            headers: Headers::new(),
+            headers_len: 0,
         })
     }
 }
@@ -363,6 +497,7 @@ impl fmt::Debug for DeadLetterEnvelope {
             .field("payload_len", &self.payload_len)
             .field("part", &self.part)
             .field("parts", &self.parts)
+            .field("headers", &self.headers)
             .finish()
     }
 }
@@ -444,6 +579,10 @@ impl Reassembly {
         letter.part = 0;
         letter.parts = 1;
         letter.offset = 0;
+        if !letter.split_headers() {
+            self.broken += 1;
+            return None;
+        }
         Some(letter)
     }
 
@@ -484,6 +623,8 @@ mod tests {
             parts: 1,
             offset: 0,
             payload,
+            headers: Headers::new(),
+            headers_len: 0,
         }
     }
 
@@ -576,7 +717,7 @@ mod tests {
     fn a_letter_whose_parts_do_not_add_up_is_counted_as_incomplete() {
         let envelope = letter(Bytes::from_static(b"payload"), "k", "e");
         // One record that claims more payload than it carries.
-        let mut header = envelope.header(0, 1, 0);
+        let mut header = envelope.header(envelope.payload.len() as u64, 0, 0, 1, 0);
         header.payload_len = 100;
         let short =
             DeadLetterEnvelope::from_bytes(&DeadLetterEnvelope::encode(&header, b"payload"))
@@ -591,7 +732,7 @@ mod tests {
         // Two parts, both there, that add up to less than the length they claim.
         let mut reassembly = Reassembly::new();
         for (part, offset) in [(0, 0), (1, 3)] {
-            let mut header = envelope.header(part, 2, offset);
+            let mut header = envelope.header(envelope.payload.len() as u64, 0, part, 2, offset);
             header.payload_len = 10;
             let data = DeadLetterEnvelope::encode(&header, b"abc");
             let read = DeadLetterEnvelope::from_bytes(&data).expect("an envelope");
@@ -628,7 +769,10 @@ mod tests {
     impl DeadLetterEnvelope {
         /// A record whose header claims `parts` parts.
         fn header_claiming(&self, parts: u32) -> Bytes {
-            Self::encode(&self.header(0, parts, 0), &self.payload)
+            Self::encode(
+                &self.header(self.payload.len() as u64, 0, 0, parts, 0),
+                &self.payload,
+            )
         }
     }
 
@@ -682,5 +826,77 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    fn with_headers(mut envelope: DeadLetterEnvelope, headers: Headers) -> DeadLetterEnvelope {
+        envelope.headers = headers;
+        envelope
+    }
+
+    #[test]
+    fn headers_come_back_with_their_order_and_java_types() {
+        let mut headers = Headers::new();
+        headers.insert("contentType", "application/json");
+        headers.insert("attempt", 2);
+        headers.insert(
+            "id",
+            HeaderValue::Typed {
+                class: "java.util.UUID".into(),
+                value: "5f1c0c4e-2b8e-4a57-9d0e-6a1f3c2b9e10".into(),
+            },
+        );
+        let envelope = with_headers(
+            letter(Bytes::from_static(b"{\"id\":1}"), "k", "boom"),
+            headers,
+        );
+        let records = envelope.to_records().unwrap();
+        assert_eq!(records.len(), 1);
+        assert!(
+            records[0].starts_with(b"SFDL\x03"),
+            "version 3 with headers"
+        );
+        let back = DeadLetterEnvelope::from_bytes(&records[0]).unwrap();
+        assert_eq!(back, envelope, "headers, payload and metadata as written");
+        assert!(back.is_complete());
+    }
+
+    #[test]
+    fn a_dead_letter_without_headers_is_written_as_before() {
+        let envelope = letter(Bytes::from_static(b"raw"), "k", "boom");
+        let records = envelope.to_records().unwrap();
+        assert!(records[0].starts_with(b"SFDL\x02"));
+        assert!(!String::from_utf8_lossy(&records[0]).contains("headers_len"));
+    }
+
+    #[test]
+    fn huge_headers_split_into_parts_that_each_fit() {
+        // A record Kinesis accepted: headers and payload together near the 1 MiB limit,
+        // with values that JSON must escape (each control byte takes six).
+        let mut headers = Headers::new();
+        headers.insert("big", "\u{1}".repeat(300_000));
+        headers.insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        );
+        let payload = Bytes::from(vec![b'p'; 600_000]);
+        let envelope = with_headers(letter(payload, "customer-7", "boom"), headers);
+        for reverse in [false, true] {
+            let (parts, back) = round_trip(&envelope, reverse);
+            assert!(parts >= 3, "{parts} parts");
+            assert_eq!(back, envelope);
+        }
+    }
+
+    #[test]
+    fn a_part_with_headers_that_do_not_parse_is_not_a_dead_letter() {
+        let envelope = with_headers(
+            letter(Bytes::from_static(b"raw"), "k", "boom"),
+            [("a", "b")].into_iter().collect(),
+        );
+        let mut data = envelope.to_records().unwrap().remove(0).to_vec();
+        // The headers' JSON starts right after the header: break its first byte.
+        let len = u32::from_be_bytes([data[5], data[6], data[7], data[8]]) as usize;
+        data[PREFIX_LEN + len] = b'}';
+        assert!(DeadLetterEnvelope::from_bytes(&data).is_err());
     }
 }
