@@ -85,8 +85,8 @@ pub use consumer::{
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use error::{AwsError, ErrorDetail};
-pub use memory::{KinesisLimits, Memory, MemoryBuilder};
 pub use headers::{HeaderFormat, HeaderValue, Headers};
+pub use memory::{KinesisLimits, Memory, MemoryBuilder};
 pub use message::{Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

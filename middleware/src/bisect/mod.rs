@@ -605,6 +605,7 @@ where
                 payload: message.payload.clone(),
                 error: text.clone(),
                 attempts: Some(attempts),
+                headers: message.headers.clone(),
             };
             let timeout = self.config.sink_timeout;
             let answer =
