@@ -124,6 +124,32 @@ impl SimBackend {
         true
     }
 
+    /// [`enter_kinesis`](Self::enter_kinesis) for a read of `shard` (same draws): when
+    /// the call hangs, logs when it ends, however it ends (the worker drops it at its
+    /// read call timeout).
+    async fn enter_read(&self, shard: &str) -> Result<(), KinesisError> {
+        /// Logs, when dropped, the end of a hung read of its shard.
+        struct HungRead(Arc<Log>, String);
+        impl Drop for HungRead {
+            fn drop(&mut self) {
+                if let Ok(mut ended) = self.0.hung_reads_ended.lock() {
+                    ended.insert(std::mem::take(&mut self.1), tokio::time::Instant::now());
+                }
+            }
+        }
+        self.control.gate().await;
+        if self.chance(Feature::HungCalls, 0.004) {
+            self.log.hung.fetch_add(1, Ordering::SeqCst);
+            let _ended = HungRead(self.log.clone(), shard.to_owned());
+            tokio::time::sleep(HUNG_CAP).await;
+            self.control.gate().await;
+            return Err(KinesisError::Other(
+                "hung call cut by the simulation".into(),
+            ));
+        }
+        Ok(())
+    }
+
     async fn enter_kinesis(&self) -> Result<(), KinesisError> {
         if self.enter().await {
             Ok(())
@@ -214,7 +240,7 @@ impl KinesisApi for SimBackend {
         shard_id: &str,
         from: &StartingPosition,
     ) -> Result<String, KinesisError> {
-        self.enter_kinesis().await?;
+        self.enter_read(shard_id).await?;
         self.memory
             .streams()
             .shard_iterator(stream, shard_id, from)

@@ -71,6 +71,9 @@ pub struct Log {
     pub refused: Mutex<Vec<(u64, String)>>,
     /// When a record of each shard was last handled.
     pub last_handled: Mutex<HashMap<String, Instant>>,
+    /// When a hung `GetShardIterator` call on each shard last ended (cut by the worker's
+    /// read call timeout, or by the simulation).
+    pub hung_reads_ended: Mutex<HashMap<String, Instant>>,
     /// (incarnation, shard) pairs reported stuck and not yet unstuck.
     pub stuck: Mutex<HashSet<(String, String)>>,
     /// Stuck events sent, over the history.

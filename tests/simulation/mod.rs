@@ -1060,8 +1060,9 @@ fn stuck_hook(log: Arc<Log>, incarnation: String) -> impl Fn(&ShardEvent) + Send
 /// moving within [`STALL_BOUND`], or a live worker holding it is not ready, shows it
 /// stuck in its health and sent a `Stuck` event naming it. The bound's clock for a
 /// shard starts when it has records waiting and restarts whenever a record of it or of
-/// an ancestor is handled (a child is read only after its parents end), whenever the
-/// shard or an ancestor is reported stuck as above, while a live worker, not ready,
+/// an ancestor is handled (a child is read only after its parents end), whenever a
+/// `GetShardIterator` call on it or an ancestor that the backend left hanging ends,
+/// whenever the shard or an ancestor is reported stuck as above, while a live worker, not ready,
 /// names the lease row of the shard or an ancestor unreadable (no worker can take a
 /// lease whose row does not parse; once it parses again, a taker must see it stand still
 /// a lease duration, within the bound), and while no worker runs unfrozen and live
@@ -1093,6 +1094,7 @@ async fn watch_progress(
         }
         since.retain(|shard, _| waiting.contains_key(shard));
         let last_handled = log.last_handled.lock().unwrap().clone();
+        let hung_reads_ended = log.hung_reads_ended.lock().unwrap().clone();
         let parents: HashMap<String, Vec<String>> = shards
             .iter()
             .map(|s| (s.shard_id.clone(), s.parents()))
@@ -1146,6 +1148,13 @@ async fn watch_progress(
                 i += 1;
             }
             if let Some(t) = family.iter().filter_map(|s| last_handled.get(s)).max() {
+                *clock = (*clock).max(*t);
+            }
+            // A `GetShardIterator` call the backend leaves hanging holds the shard until
+            // the worker drops it at its read call timeout, and the next call may hang
+            // again: the time spent in such a call is the backend's, not a stall of the
+            // worker (which cuts it, reports it in its health and retries).
+            if let Some(t) = family.iter().filter_map(|s| hung_reads_ended.get(s)).max() {
                 *clock = (*clock).max(*t);
             }
             if !someone_acts || family.iter().any(|s| said(s) || unreadable(s)) {
