@@ -27,7 +27,7 @@ use shardflow::{Aws, Backend, Batch, HeaderFormat, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
 use tokio::sync::mpsc;
-use tower::ServiceBuilder;
+use tower::{ServiceBuilder, ServiceExt as _};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -212,7 +212,8 @@ async fn the_trace_goes_on_through_a_processor_on_the_emulators() {
 }
 
 /// consumer -> processor -> producer -> consumer on `backend`: the last handler runs in
-/// the first producer's trace, each span the child of the one before.
+/// the first producer's trace, each span the child of the one before; the application's
+/// headers the processor passes on arrive with the bare payload.
 async fn the_trace_goes_on_through_a_processor_on<B: Backend + Clone>(backend: B) {
     exporter();
     let admin = backend.admin().unwrap();
@@ -232,13 +233,25 @@ async fn the_trace_goes_on_through_a_processor_on<B: Backend + Clone>(backend: B
     let input = producer(&input_stream);
     let sent = application_span("send input");
     let trace = sent.span().span_context().trace_id();
-    send_in(&input, ProducerRecord::new("i-1", "k"), sent.clone()).await;
+    let record = ProducerRecord::new(r#"{"id":1}"#, "k")
+        .with_header("contentType", "application/json")
+        .with_header("correlationId", "order-1");
+    send_in(&input, record, sent.clone()).await;
     sent.span().end();
     input.close().limited().await;
 
+    // The processor passes the application's headers on, as a Spring processor does.
     let processor = ServiceBuilder::new()
         .produce_to(producer(&output_stream))
-        .service_fn(|msg: Message| async move { Ok::<_, Infallible>(Output::new(msg.payload)) });
+        .service_fn(|msg: Message| async move {
+            let mut output = Output::new(msg.payload);
+            for name in ["contentType", "correlationId"] {
+                if let Some(value) = msg.headers.get_str(name) {
+                    output = output.with_header(name, value.to_owned());
+                }
+            }
+            Ok::<_, Infallible>(output)
+        });
     let upstream = test_consumer(backend.clone(), &input_stream, &unique("proc"), "w1")
         .build()
         .unwrap();
@@ -247,10 +260,24 @@ async fn the_trace_goes_on_through_a_processor_on<B: Backend + Clone>(backend: B
     let downstream = test_consumer(backend.clone(), &output_stream, &unique("sink"), "w1")
         .build()
         .unwrap();
-    let sinking = start_service(downstream, reporting_handler(tx));
+    let (headers_tx, mut headers_seen) = mpsc::unbounded_channel();
+    let report = reporting_handler(tx);
+    let sink = tower::service_fn(move |msg: Message| {
+        let _ = headers_tx.send((msg.headers.clone(), msg.payload.clone()));
+        report.clone().oneshot(msg)
+    });
+    let sinking = start_service(downstream, sink);
     let handled = receive(&mut seen, 1).await;
     processing.stop().await;
     sinking.stop().await;
+
+    // The application's headers and the bare payload arrive at the end of the chain,
+    // beside the trace context the producers added.
+    let (headers, payload) = headers_seen.try_recv().expect("the downstream handler ran");
+    assert_eq!(&payload[..], br#"{"id":1}"#, "the framing is stripped");
+    assert_eq!(headers.get_str("contentType"), Some("application/json"));
+    assert_eq!(headers.get_str("correlationId"), Some("order-1"));
+    assert!(headers.get_str("traceparent").is_some(), "{headers:?}");
 
     assert_eq!(
         handled[0].trace_id(),
