@@ -510,3 +510,86 @@ async fn headers_travel_through_a_processor() {
         ]
     );
 }
+
+/// Regression: a processor whose ordered producer received several outputs at once wrote
+/// them without their headers.
+#[tokio::test(start_paused = true)]
+async fn several_outputs_of_an_ordered_processor_keep_their_headers() {
+    let memory = Memory::new();
+    memory.streams().create_stream("in", 1).await.unwrap();
+    memory.streams().create_stream("out", 1).await.unwrap();
+    let input = Producer::builder()
+        .stream("in")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    input
+        .send(ProducerRecord::new("order", "k").with_header("correlationId", "order-1"))
+        .limited()
+        .await
+        .unwrap();
+    input.close().limited().await;
+
+    let output = Producer::builder()
+        .stream("out")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .ordered_per_key(true)
+        .build()
+        .unwrap();
+    let processor =
+        ServiceBuilder::new()
+            .produce_to(output)
+            .service_fn(|msg: Message| async move {
+                let correlation = msg
+                    .headers
+                    .get_str("correlationId")
+                    .unwrap_or("")
+                    .to_owned();
+                let outputs: Vec<Output> = ["charged", "shipped"]
+                    .into_iter()
+                    .map(|step| {
+                        Output::new(step)
+                            .with_header("correlationId", correlation.clone())
+                            .with_header("step", step)
+                    })
+                    .collect();
+                Ok::<_, Infallible>(outputs)
+            });
+    let consumer = test_consumer(memory.clone(), "in", "proc", "w1")
+        .build()
+        .unwrap();
+    let running = start_service(consumer, processor);
+    let stored = async {
+        while memory
+            .streams()
+            .records("out", "shardId-000000000000")
+            .len()
+            < 2
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    within(LIMIT, "two outputs stored", stored).await;
+    running.stop().await;
+
+    let messages = first_batch(&memory, "out", HeaderFormat::Auto).await;
+    let seen: Vec<(String, Option<&str>, Option<&str>)> = messages
+        .iter()
+        .map(|m| {
+            (
+                String::from_utf8_lossy(&m.payload).into_owned(),
+                m.headers.get_str("correlationId"),
+                m.headers.get_str("step"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("charged".to_owned(), Some("order-1"), Some("charged")),
+            ("shipped".to_owned(), Some("order-1"), Some("shipped")),
+        ]
+    );
+}

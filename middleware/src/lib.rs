@@ -118,7 +118,7 @@ mod builder;
 mod observe;
 
 pub use batch::{BatchConfig, BatchLayer, Batching};
-pub use bisect::{Bisect, BisectConfig, BisectLayer, Splits};
+pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Splits};
 pub use builder::ServiceBuilderExt;
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,

@@ -266,8 +266,9 @@ impl Producer {
                 answers.push(Err(ProduceError::AfterFailure(Box::new(cause.clone()))));
                 continue;
             }
-            match record.validate() {
-                Ok(size) => {
+            let record = record.embedded(self.settings.embed_headers);
+            match record.and_then(|record| record.validate().map(|size| (record, size))) {
+                Ok((record, size)) => {
                     let (reply, answer) = oneshot::channel();
                     commands.push((record.into_put_record(), size, reply));
                     answers.push(Ok(answer));

@@ -400,6 +400,21 @@ where
     }
 }
 
+/// The shard's lease was lost while a failed batch was being split: the pieces not yet
+/// handled are left to the shard's new owner, which reads them again from the checkpoint
+/// (calling the handler on them here would handle them twice).
+#[derive(Clone, Copy, Debug, thiserror::Error)]
+#[error("the shard's lease was lost while its batch was being split; the new owner reads the rest")]
+#[non_exhaustive]
+pub struct LeaseLostWhileSplitting;
+
+/// Whether the lease of the shard `piece`'s records came from was lost.
+fn piece_lease_lost(messages: &[Message<Bytes>], piece: &Piece) -> bool {
+    messages
+        .get(piece.start)
+        .is_some_and(|m| m.metadata.lease_lost.is_cancelled())
+}
+
 /// A piece of the batch still to be handled: `messages[start..end]`.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
@@ -459,6 +474,9 @@ where
             if piece.known_failed && piece.len() > 1 && self.config.splits.allows(piece.depth) {
                 self.split(piece, &mut pieces);
                 continue;
+            }
+            if self.outcome.calls > 0 && piece_lease_lost(&messages, &piece) {
+                return Err(Box::new(LeaseLostWhileSplitting));
             }
             if self.outcome.calls > 0 {
                 // A readiness error is the service's state, not the records': it fails
@@ -525,6 +543,11 @@ where
         pieces: &mut Vec<Piece>,
     ) -> Result<(), BoxError> {
         piece.failures += 1;
+        if piece_lease_lost(messages, &piece) {
+            // The new owner delivers these records again: dead-lettering them here (too
+            // old, out of attempts) would send them to the sink twice.
+            return Err(error);
+        }
         let text = error_chain(&*error);
         if let Some(limit) = self.config.max_record_age {
             let now = self.clock.now();

@@ -296,3 +296,34 @@ fn limits_that_cannot_work_are_refused_naming_the_field() {
         }
     }
 }
+
+/// Regression: a batch whose lease was lost while it was being split went on calling the
+/// handler on its pieces, which the shard's new owner handles again.
+#[tokio::test(start_paused = true)]
+async fn a_lost_lease_stops_the_split_before_the_next_piece() {
+    let (sunk, sink) = sink(false);
+    let lease_lost = tokio_util::sync::CancellationToken::new();
+    let mut input = batch(0..8);
+    for m in &mut input.messages {
+        m.metadata.lease_lost = lease_lost.clone();
+    }
+    let (calls, failing) = handler(|s| s == 5, bad);
+    // The whole batch fails; the lease is lost while its first half (0..4) is handled.
+    let inner = tower::ServiceBuilder::new()
+        .map_request(move |batch: Batch<Bytes>| {
+            if batch.len() == 4 {
+                lease_lost.cancel();
+            }
+            batch
+        })
+        .service(failing);
+    let svc = BisectLayer::new(sink).layer(inner);
+    let error = svc.oneshot(input).await.unwrap_err();
+    assert!(error.is::<LeaseLostWhileSplitting>(), "{error}");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        [vec![0, 1, 2, 3, 4, 5, 6, 7], vec![0, 1, 2, 3]],
+        "no piece called after the loss"
+    );
+    assert!(sunk.lock().unwrap().is_empty(), "nothing dead-lettered");
+}
