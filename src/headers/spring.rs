@@ -271,7 +271,7 @@ fn from_spring(value: Value) -> HeaderValue {
             match (items.next(), items.next()) {
                 (Some(Value::String(class)), Some(inner)) => HeaderValue::Typed {
                     class,
-                    value: untyped(inner),
+                    value: wrapped_content(inner),
                 },
                 // `is_type_wrapper` checked the shape: not reached.
                 _ => plain,
@@ -305,10 +305,20 @@ fn untyped(value: Value) -> Value {
                 .collect(),
         ),
         Value::Array(items) if is_type_wrapper(&items) => {
-            untyped(items.into_iter().nth(1).unwrap_or(Value::Null))
+            wrapped_content(items.into_iter().nth(1).unwrap_or(Value::Null))
         }
         Value::Array(items) => Value::Array(items.into_iter().map(untyped).collect()),
         scalar => scalar,
+    }
+}
+
+/// What a type wrapper holds, without type information: a typed collection's elements
+/// are an array that is never itself a wrapper (`["java.util.ArrayList", ["a.b", 1]]`
+/// holds the list `["a.b", 1]`), each element untyped in turn.
+fn wrapped_content(value: Value) -> Value {
+    match value {
+        Value::Array(items) => Value::Array(items.into_iter().map(untyped).collect()),
+        other => untyped(other),
     }
 }
 
@@ -393,6 +403,27 @@ fn write_json_text(out: &mut Vec<u8>, value: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: the elements of a typed list were taken for a type wrapper when the
+    /// first looked like a class name, so `["example.com", 443]` came back as `443`.
+    #[test]
+    fn a_typed_list_keeps_its_elements() {
+        let spring = serde_json::json!(["java.util.ArrayList", ["example.com", 443]]);
+        assert_eq!(
+            untyped(spring.clone()),
+            serde_json::json!(["example.com", 443])
+        );
+        match from_spring(spring) {
+            HeaderValue::Typed { class, value } => {
+                assert_eq!(class, "java.util.ArrayList");
+                assert_eq!(value, serde_json::json!(["example.com", 443]));
+            }
+            HeaderValue::Json(value) => {
+                assert_eq!(value, serde_json::json!(["example.com", 443]))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn headers() -> Headers {
         let mut h = Headers::new();
