@@ -160,6 +160,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::PollSender;
 
 use crate::error::ConfigError;
+use crate::kinesis::PutRecord;
 
 pub use builder::{
     Aggregation, ProducerBuilder, DEFAULT_AGGREGATE_BYTES, DEFAULT_AGGREGATE_RECORDS,
@@ -226,14 +227,23 @@ impl Producer {
         Ok(Producer::spawn(settings, &runtime))
     }
 
+    /// What every way in does to a record before it enters the producer: its headers
+    /// framed into the payload (and, with the `opentelemetry` feature, the current trace
+    /// context added), then its size checked against Kinesis' limits. Returns the record
+    /// as sent and its size.
+    fn prepare(&self, record: ProducerRecord) -> Result<(PutRecord, usize), ProduceError> {
+        let record = record.embedded(self.settings.embed_headers)?;
+        let size = record.validate()?;
+        Ok((record.into_put_record(), size))
+    }
+
     /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
     /// same as `ready().await?.call(record).await`, without needing `&mut self`.
     pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
-        let record = record.embedded(self.settings.embed_headers)?;
-        let size = record.validate()?;
+        let (record, size) = self.prepare(record)?;
         let (reply, answer) = oneshot::channel();
         let command = Command::Record {
-            record: record.into_put_record(),
+            record,
             size,
             reply,
         };
@@ -266,11 +276,10 @@ impl Producer {
                 answers.push(Err(ProduceError::AfterFailure(Box::new(cause.clone()))));
                 continue;
             }
-            let record = record.embedded(self.settings.embed_headers);
-            match record.and_then(|record| record.validate().map(|size| (record, size))) {
+            match self.prepare(record) {
                 Ok((record, size)) => {
                     let (reply, answer) = oneshot::channel();
-                    commands.push((record.into_put_record(), size, reply));
+                    commands.push((record, size, reply));
                     answers.push(Ok(answer));
                 }
                 Err(error) => {
@@ -353,10 +362,7 @@ impl tower::Service<ProducerRecord> for Producer {
     }
 
     fn call(&mut self, record: ProducerRecord) -> ResponseFuture {
-        let (record, size) = match record
-            .embedded(self.settings.embed_headers)
-            .and_then(|record| record.validate().map(|size| (record, size)))
-        {
+        let (record, size) = match self.prepare(record) {
             Ok(ready) => ready,
             Err(refused) => {
                 // Give the reserved slot back: nothing will be sent.
@@ -366,7 +372,7 @@ impl tower::Service<ProducerRecord> for Producer {
         };
         let (reply, answer) = oneshot::channel();
         let command = Command::Record {
-            record: record.into_put_record(),
+            record,
             size,
             reply,
         };
