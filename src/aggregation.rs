@@ -453,6 +453,32 @@ pub fn belongs_to_shard(user: &UserRecord, start: u128, end: u128) -> bool {
     }
 }
 
+/// What a consumer does with the KPL user records it reads from a shard whose hash-key
+/// range does not hold theirs (an aggregate packed from a stale shard map, around a
+/// reshard). Which choice delivers every record exactly once depends on what the
+/// producers do with such an aggregate; only [`Deliver`](Self::Deliver) loses nothing
+/// whatever they do. Set with `ConsumerBuilder::misplaced_user_records`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MisplacedUserRecords {
+    /// Deliver them like any other (the default). Nothing is lost with any producer;
+    /// with a producer that sends misplaced records again (the KPL, shardflow's
+    /// producer) those records arrive twice.
+    #[default]
+    Deliver,
+    /// Skip the misplaced user records, deliver the rest of their aggregate. Loses
+    /// nothing with producers that send at least the misplaced records again: every
+    /// KPL version, and shardflow's producer (which sends the whole aggregate again,
+    /// so its other records arrive twice).
+    SkipRecords,
+    /// Skip the whole aggregate that holds a misplaced user record, as the KCL does.
+    /// Exactly once with producers that send the whole aggregate again (shardflow's
+    /// producer, KPL versions before 0.15.11); loses the aggregate's other records with
+    /// producers that do not (KPL 0.15.11 and later send only the misplaced ones again;
+    /// the awslabs aggregation libraries send nothing again).
+    SkipAggregate,
+}
+
 /// Why [`Aggregator::add`] refused a user record. The record comes back unchanged
 /// ([`AggregatorError::into_record`]) so the caller can send it on its own.
 #[derive(thiserror::Error)]
