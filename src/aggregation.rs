@@ -91,13 +91,16 @@
 //!
 //! **What shardflow does:** [`deaggregate`] never drops a user record; it returns all of
 //! them with their sub-sequence numbers, and [`belongs_to_shard`] tells the consumer
-//! which ones are outside the shard's range. shardflow's rule is to deliver those too,
-//! and count them: with the KPL that can deliver a user record twice (here, and again
-//! from the right shard after the KPL's retry), which at-least-once delivery and the
-//! dedup layer already cover, whereas discarding loses data with every other producer
-//! and with current KPL versions. A deployment whose producers are all the KPL may
-//! choose to skip the misplaced user records, and only those (never the whole
-//! aggregate): every KPL version sends exactly those again, so nothing is lost.
+//! which ones are outside the shard's range. The consumer delivers those too by default
+//! and counts them ([`MisplacedUserRecords`]): discarding loses data with every producer
+//! that does not send them again. With the KPL that can deliver a user record twice
+//! (here, and again from the right shard after the KPL's retry), which at-least-once
+//! delivery and the dedup layer cover. A deployment that knows its producers chooses
+//! to skip the misplaced user records only, or the whole aggregate as the KCL does.
+//! shardflow's producer, when an aggregate lands in a shard that does not own all its
+//! user records, sends all of them again, each packed for its own shard: a KCL
+//! consumer (which discards the aggregate) then has each exactly once, and so does a
+//! shardflow consumer set to [`MisplacedUserRecords::SkipAggregate`].
 //!
 //! # Aggregating
 //!
