@@ -558,10 +558,13 @@ where
             Err(error) => error,
         };
         let (unready, error) = error;
+        // About the records if the policy would dead-letter any of them: a piece can
+        // mix shards, one of them with its lease lost (not dead-lettered, the new owner
+        // handles it), and the others must still be narrowed down, not failed whole.
         let about_records = !unready
-            && messages
-                .get(start)
-                .is_some_and(|m| PermanentFailures.should_dead_letter(&*error, &m.metadata));
+            && messages[start..end]
+                .iter()
+                .any(|m| PermanentFailures.should_dead_letter(&*error, &m.metadata));
         if about_records && can_split {
             split(&mut pieces, start, end, depth, size);
             continue;

@@ -423,3 +423,38 @@ async fn record_mode_does_not_split_on_a_transient_error() {
     }
     assert_eq!(sequences(&calls).len(), 1, "not split");
 }
+
+/// Regression: in record mode a failed piece was narrowed down only when its first
+/// message's lease was held, so a piece that began with a record of a shard whose
+/// lease was lost failed whole, and its records of other shards were dead-lettered
+/// with the poison record.
+#[tokio::test]
+async fn a_piece_led_by_a_lost_lease_is_still_narrowed_down_for_the_other_shards() {
+    let (calls, handler) = bulk_poisoned("7");
+    let svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(4)
+            .linger(Duration::from_secs(1)),
+    );
+    // Record 5 of another shard, whose lease is lost, leads the batch.
+    let lost = {
+        let mut m = message(5, b"x");
+        m.metadata.shard_id = Arc::from("shardId-000000000001");
+        m.metadata.lease_lost.cancel();
+        m
+    };
+    let mut outcomes = vec![tokio::spawn(ServiceExt::<Message<Bytes>>::oneshot(
+        svc.clone(),
+        lost,
+    ))];
+    tokio::task::yield_now().await;
+    outcomes.extend(send_all(&svc, 6..=8, b"x"));
+    let mut failed = Vec::new();
+    for (n, outcome) in (5..=8).zip(outcomes) {
+        if outcome.await.unwrap().is_err() {
+            failed.push(n);
+        }
+    }
+    assert_eq!(failed, [7], "calls: {:?}", sequences(&calls));
+}
