@@ -37,7 +37,7 @@ use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 use crate::sequence::SequenceNumber;
 
 use super::builder::Settings;
-use super::record::{ProduceError, Stored};
+use super::record::{entry_error_is_transient, ProduceError, Stored};
 use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
 
 /// How often the shard map is listed again even when nothing showed a reshard.
@@ -1027,12 +1027,6 @@ async fn sleep_until(deadline: Option<Instant>) {
     if let Some(deadline) = deadline {
         tokio::time::sleep_until(deadline).await;
     }
-}
-
-/// PutRecords entry errors: throughput and internal failures pass with time; KMS
-/// errors other than throttling (key disabled, not found, access denied) do not.
-pub(super) fn entry_error_is_transient(code: &str) -> bool {
-    !code.starts_with("KMS") || code == "KMSThrottlingException"
 }
 
 /// The `code` of [`ProduceError::Failed`] when the whole call failed.
