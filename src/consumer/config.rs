@@ -682,8 +682,10 @@ impl ConsumerBuilder {
     /// reshard (default [`MisplacedUserRecords::Deliver`]: deliver them, lose nothing
     /// whatever the producer does). [`MisplacedUserRecords::SkipAggregate`] is what the
     /// KCL does, exactly once with shardflow's producer, which sends such an aggregate's
-    /// records again packed for their own shards. Needs the shard's hash-key range, which
-    /// the consumer lists at start: a shard it does not know is read unfiltered.
+    /// records again packed for their own shards. The shard's hash-key range comes from
+    /// the consumer's shard listing or from the lease row; a shard whose range is known
+    /// from neither (a KCL row without one, on a worker that has not listed it) is read
+    /// unfiltered.
     pub fn misplaced_user_records(mut self, choice: MisplacedUserRecords) -> Self {
         self.misplaced_user_records = choice;
         self

@@ -2,6 +2,7 @@
 //! shard a record will land in, so that aggregation packs only records of one shard
 //! together.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -12,6 +13,8 @@ use crate::kinesis::{partition_hash, PutRecord, ShardInfo};
 pub(crate) struct ShardMap {
     /// `(starting hash key, ending hash key, shard id)`, both ends inclusive.
     ranges: Vec<(u128, u128, Arc<str>)>,
+    /// Every listed shard's range, closed ones too, by id.
+    known: HashMap<String, (u128, u128)>,
     /// When ListShards answered.
     pub(crate) fetched: Instant,
 }
@@ -31,7 +34,15 @@ impl ShardMap {
             })
             .collect();
         ranges.sort_unstable_by_key(|r| r.0);
-        ShardMap { ranges, fetched }
+        let known = shards
+            .iter()
+            .map(|s| (s.shard_id.clone(), (s.starting_hash_key, s.ending_hash_key)))
+            .collect();
+        ShardMap {
+            ranges,
+            known,
+            fetched,
+        }
     }
 
     /// How many open shards the map knows.
@@ -53,13 +64,15 @@ impl ShardMap {
         self.ranges.get(index).map(|r| &r.2)
     }
 
-    /// The hash-key range of the open shard `id`, both ends inclusive; `None` when the
-    /// map does not know it (listed before the shard existed, or the shard is closed).
+    /// The hash-key range of shard `id` (open or closed); `None` when the listing did
+    /// not show it (the shard is newer than the map).
     pub(crate) fn range_of(&self, id: &str) -> Option<(u128, u128)> {
-        self.ranges
-            .iter()
-            .find(|r| &*r.2 == id)
-            .map(|&(start, end, _)| (start, end))
+        self.known.get(id).copied()
+    }
+
+    /// Whether the listing showed shard `id`.
+    pub(crate) fn knows(&self, id: &str) -> bool {
+        self.known.contains_key(id)
     }
 }
 

@@ -55,6 +55,13 @@ const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
 /// shards.
 const MAX_DEFERRED_SCAN: usize = 2_000;
 
+/// Listings that do not know the shard an aggregate landed in, after which its records
+/// are sent again without knowing whether they had to be.
+const MAX_LISTINGS_WAITED: u32 = 3;
+
+/// Times a record may land in a shard that does not own it before it fails.
+const MAX_MISPLACED: u32 = 5;
+
 /// What a user record may add to an aggregate beyond its own bytes (its protobuf
 /// field tags and lengths), to keep a call under its byte limit.
 const AGGREGATE_OVERHEAD: usize = 16;
@@ -90,6 +97,9 @@ struct Meta {
     /// for each other: order is still kept.
     key: u64,
     attempts: u32,
+    /// Times the record was sent again because its aggregate landed in a shard that
+    /// does not own it (not counted as attempts: nothing refused it).
+    misplaced: u32,
     enqueued: Instant,
     epoch: u64,
     reply: Reply,
@@ -133,6 +143,16 @@ struct Completed {
     records: Vec<PutRecord>,
     parts: Vec<Part>,
     result: Result<Vec<PutOutcome>, KinesisError>,
+}
+
+/// An aggregate stored in another shard than predicted, whose user records are not yet
+/// known to belong there: it waits for a listing that knows the shard it landed in.
+struct Landed {
+    shard: String,
+    sequence_number: SequenceNumber,
+    users: Vec<Entry>,
+    /// Listings answered since, none of them knowing `shard`.
+    listings: u32,
 }
 
 /// An aggregate being filled for one shard while a call is put together.
@@ -226,9 +246,9 @@ pub(crate) struct Worker {
     listed_at: Option<Instant>,
     /// The last listing failed and there is no map: records go unaggregated meanwhile.
     map_unavailable: bool,
-    /// User records of misplaced aggregates, sent again once the next listing answers
-    /// (with the stale map they would be packed and misplaced again).
-    awaiting_map: Vec<Entry>,
+    /// Aggregates that landed in a shard the map does not know, waiting for a listing
+    /// that tells whether that shard owns all their user records.
+    awaiting_map: Vec<Landed>,
     /// The per-shard rate limit, each shard's budget, and when one refills enough for a
     /// record that waits (set when none could go).
     rate_limit: Option<RateLimit>,
@@ -382,6 +402,7 @@ impl Worker {
                 size,
                 key,
                 attempts: 0,
+                misplaced: 0,
                 enqueued: now,
                 epoch: self.epochs.add(),
                 reply,
@@ -690,12 +711,7 @@ impl Worker {
     }
 
     fn listed(&mut self, listed: Result<Vec<ShardInfo>, KinesisError>, now: Instant) {
-        // Misplaced records go again whatever the answer: with a new map they are packed
-        // for their own shard; without one they may land wrong again (their attempts
-        // bound that).
-        let waiting = std::mem::take(&mut self.awaiting_map);
-        self.retries
-            .extend(waiting.into_iter().map(|entry| (now, entry)));
+        let listed_ok = listed.is_ok();
         match listed {
             Ok(shards) => {
                 let map = ShardMap::new(&shards, now);
@@ -708,6 +724,33 @@ impl Worker {
                 tracing::warn!(stream = %self.settings.stream, %error, "ListShards failed; sending records unaggregated until it works");
                 self.map_unavailable = self.shard_map.is_none();
                 self.listing_wanted = true;
+            }
+        }
+        self.place_landed(listed_ok, now);
+    }
+
+    /// Decides, for each aggregate waiting for a map that knows where it landed, whether
+    /// its records are stored for good (every one owned by that shard) or go again.
+    /// After [`MAX_LISTINGS_WAITED`] listings that still do not know the shard, they go
+    /// again (duplicates at worst, never a record only a lenient reader has).
+    fn place_landed(&mut self, listed_ok: bool, now: Instant) {
+        for mut landed in std::mem::take(&mut self.awaiting_map) {
+            match self.placement(&landed.users, &landed.shard) {
+                Some(true) => {
+                    self.answer_stored(landed.users, &landed.shard, &landed.sequence_number)
+                }
+                Some(false) => {
+                    self.send_again(landed.users, &landed.shard, &landed.sequence_number, now)
+                }
+                None => {
+                    landed.listings += u32::from(listed_ok);
+                    if landed.listings >= MAX_LISTINGS_WAITED {
+                        self.send_again(landed.users, &landed.shard, &landed.sequence_number, now);
+                    } else {
+                        self.listing_wanted = true;
+                        self.awaiting_map.push(landed);
+                    }
+                }
             }
         }
     }
@@ -752,25 +795,35 @@ impl Worker {
                         }),
                     ),
                     Part::Aggregate { shard, users } => {
-                        if *shard != *shard_id && !self.all_belong_to(&users, &shard_id) {
-                            // Landed elsewhere than predicted (the stream was resharded)
-                            // with user records of another shard: a KCL reader discards
-                            // the whole aggregate, so every user record of it goes again.
-                            tally.misplaced += users.len();
-                            self.send_again_after_listing(users, &shard_id, &sequence_number, now);
-                            continue;
+                        if *shard != *shard_id {
+                            // Landed elsewhere than predicted: the stream was resharded.
+                            if self.shard_map.as_ref().is_none_or(|m| !m.knows(&shard_id)) {
+                                self.listing_wanted = true;
+                            }
+                            // A lone user record is sent as it is: Kinesis routed it by
+                            // its own key. Several may include some of another shard,
+                            // and a KCL reader discards such an aggregate whole.
+                            if users.len() > 1 {
+                                match self.placement(&users, &shard_id) {
+                                    Some(true) => {}
+                                    Some(false) => {
+                                        tally.misplaced += users.len();
+                                        self.send_again(users, &shard_id, &sequence_number, now);
+                                        continue;
+                                    }
+                                    None => {
+                                        self.awaiting_map.push(Landed {
+                                            shard: shard_id,
+                                            sequence_number,
+                                            users,
+                                            listings: 0,
+                                        });
+                                        continue;
+                                    }
+                                }
+                            }
                         }
-                        // A lone user record was sent as it is: sub-sequence 0 too.
-                        for (sub, entry) in (0u64..).zip(users) {
-                            self.answer(
-                                entry.meta,
-                                Ok(Stored {
-                                    shard_id: shard_id.clone(),
-                                    sequence_number: sequence_number.clone(),
-                                    sub_sequence_number: sub,
-                                }),
-                            );
-                        }
+                        self.answer_stored(users, &shard_id, &sequence_number);
                     }
                 },
                 PutOutcome::Failed { code, message } => {
@@ -802,58 +855,62 @@ impl Worker {
         }
     }
 
-    /// Whether every user record of an aggregate that landed in `landed` belongs to
-    /// that shard's hash-key range, by the map as it is now. A map that does not know
-    /// `landed` is stale: no.
-    fn all_belong_to(&self, users: &[Entry], landed: &str) -> bool {
-        if users.len() <= 1 {
-            // A lone user record is sent as it is: Kinesis routed it by its own key.
-            return true;
+    /// Answers the user records of an aggregate stored at `sequence_number` in `shard`
+    /// (a lone one was sent as it is: sub-sequence 0 too).
+    fn answer_stored(&mut self, users: Vec<Entry>, shard: &str, sequence_number: &SequenceNumber) {
+        for (sub, entry) in (0u64..).zip(users) {
+            self.answer(
+                entry.meta,
+                Ok(Stored {
+                    shard_id: shard.to_owned(),
+                    sequence_number: sequence_number.clone(),
+                    sub_sequence_number: sub,
+                }),
+            );
         }
-        let Some((start, end)) = self.shard_map.as_ref().and_then(|map| map.range_of(landed))
-        else {
-            return false;
-        };
-        users
-            .iter()
-            .all(|u| hash_key(&u.record).is_some_and(|h| start <= h && h <= end))
+    }
+
+    /// Whether every user record of an aggregate that landed in `landed` belongs to that
+    /// shard's hash-key range; `None` while the map does not know `landed`.
+    fn placement(&self, users: &[Entry], landed: &str) -> Option<bool> {
+        let (start, end) = self.shard_map.as_ref()?.range_of(landed)?;
+        Some(
+            users
+                .iter()
+                .all(|u| hash_key(&u.record).is_some_and(|h| start <= h && h <= end)),
+        )
     }
 
     /// The user records of an aggregate that landed in a shard not owning all of them
-    /// go again, each packed for its own shard, after the shards are listed again (or
-    /// straight away when the map already knows the shard the aggregate landed in).
-    /// Their key stays owned meanwhile (ordered mode). A record out of attempts is
-    /// answered with where it is stored: readers that keep misplaced user records
-    /// (shardflow's default) have it; a KCL reader does not.
-    fn send_again_after_listing(
+    /// (which a KCL reader discards whole) go again, each packed for its own shard by
+    /// the current map; their key stays owned meanwhile (ordered mode). This is not an
+    /// attempt (nothing refused them), but a record misplaced [`MAX_MISPLACED`] times
+    /// fails: it is stored only where a KCL reader discards it.
+    fn send_again(
         &mut self,
         users: Vec<Entry>,
         landed: &str,
         sequence_number: &SequenceNumber,
         now: Instant,
     ) {
-        let map_is_fresh = self
-            .shard_map
-            .as_ref()
-            .is_some_and(|map| map.range_of(landed).is_some());
-        if !map_is_fresh {
-            self.listing_wanted = true;
-        }
-        for (sub, entry) in (0u64..).zip(users) {
-            if entry.meta.attempts >= self.settings.max_attempts {
-                tracing::warn!(stream = %self.settings.stream, shard = %landed, "a record of a misplaced aggregate is out of attempts; answered as stored where it landed");
+        tracing::debug!(stream = %self.settings.stream, shard = %landed, sequence = %sequence_number, records = users.len(), "an aggregate landed in a shard that does not own all its records (a reshard); sending them again");
+        for mut entry in users {
+            entry.meta.attempts = entry.meta.attempts.saturating_sub(1);
+            entry.meta.misplaced += 1;
+            if entry.meta.misplaced >= MAX_MISPLACED {
+                let attempts = entry.meta.attempts;
                 self.answer(
                     entry.meta,
-                    Ok(Stored {
-                        shard_id: landed.to_owned(),
-                        sequence_number: sequence_number.clone(),
-                        sub_sequence_number: sub,
+                    Err(ProduceError::Failed {
+                        code: "MisplacedAggregate".to_owned(),
+                        message: format!(
+                            "stored in {landed} at {sequence_number} inside an aggregate with records of another shard, which a KCL consumer discards; sent {MAX_MISPLACED} times"
+                        ),
+                        attempts,
                     }),
                 );
-            } else if map_is_fresh {
-                self.retries.push((now, entry));
             } else {
-                self.awaiting_map.push(entry);
+                self.retries.push((now, entry));
             }
         }
     }

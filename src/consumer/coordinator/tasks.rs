@@ -51,6 +51,7 @@ impl Coordinator {
     /// Starts the shard task of a lease whose take was sent at `sent`.
     pub(super) fn start(&mut self, row: Lease, sent: Instant) {
         let key = row.key.clone();
+        let row_range = row.hash_range;
         // A reset requested before this take is applied at once (after the stop).
         let (reset_pending, key_for_reset) = (row.reset_to.is_some(), key.clone());
         let lease = Arc::new(HeldLease::taken_at(
@@ -72,7 +73,10 @@ impl Coordinator {
             .shards
             .iter()
             .find(|s| s.shard_id == key)
-            .map(|s| (s.starting_hash_key, s.ending_hash_key));
+            .map(|s| (s.starting_hash_key, s.ending_hash_key))
+            // A worker that has not listed the shard (not the leader, or started while the
+            // stream was updating) has its range from the lease row.
+            .or(row_range);
         self.health.shard_started(&key);
         let task = ShardTask {
             labels: self.labels.clone(),
