@@ -29,11 +29,13 @@ mod kinesis;
 mod leader;
 mod leases;
 mod limits;
+mod state;
 
-pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
+pub use kinesis::{MemoryKinesis, MEMORY_ACCOUNT};
 pub use leader::MemoryCoordinatorState;
 pub use leases::{LeaseFaults, MemoryLeaseStore, RowsRead};
 pub use limits::KinesisLimits;
+pub use state::KinesisFaults;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
