@@ -59,7 +59,6 @@
 //! # }
 //! ```
 
-mod ack;
 pub mod admin;
 pub mod aggregation;
 pub mod backend;
@@ -78,10 +77,9 @@ pub mod sequence;
 #[cfg(feature = "opentelemetry")]
 pub mod trace;
 
-pub use ack::AckHandle;
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
-    BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
+    AckHandle, BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use error::{AwsError, ErrorDetail};

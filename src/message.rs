@@ -15,7 +15,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use crate::ack::AckHandle;
+use crate::consumer::AckHandle;
 use crate::headers::{HeaderValue, Headers};
 use crate::sequence::{Position, SequenceNumber};
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::ack::ShardProgress;
+use super::shard::ack::ShardProgress;
 
 /// How many failures in a row (reads or handler calls, nothing succeeding in between)
 /// make a shard count as failing.
