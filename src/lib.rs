@@ -79,12 +79,12 @@ pub mod trace;
 
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
-    AckHandle, BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
+    BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use error::{AwsError, ErrorDetail};
 pub use headers::{HeaderFormat, HeaderValue, Headers};
 pub use memory::{KinesisLimits, Memory, MemoryBuilder};
-pub use message::{Batch, Message, Metadata, MetadataBuilder};
+pub use message::{AckHandle, Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -77,7 +77,6 @@ use context::WorkerContext;
 pub use events::ShardEvent;
 use health::HealthState;
 pub use health::{Health, ShardHealth, FAILING_AFTER};
-pub use shard::ack::AckHandle;
 use shard::dispatch::{self, Sink, SpawnDispatch};
 use streams::Group;
 

@@ -14,9 +14,9 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{Service, ServiceExt};
 
-use super::ack::{AckHandle, RecordMarks};
+use super::ack::RecordMarks;
 use crate::consumer::events::{EventHook, ShardEvent};
-use crate::message::{Batch, Message};
+use crate::message::{AckHandle, Batch, Message};
 use crate::sequence::Position;
 
 /// Starts the task that hands one shard's batches to the user's service.

@@ -421,7 +421,8 @@ impl ShardReader {
             .progress
             .register(Mark::At(last.clone()))
             .tracking(in_flight)
-            .holding(share);
+            .holding(share)
+            .into_handle();
         *handled = Checkpoint::At(last);
         permit.send(Batch {
             stream: self.stream.clone(),
