@@ -35,9 +35,9 @@
 //! # }
 //! ```
 //!
-//! Inside, a `coordinator` per worker manages leases and starts a `shard` task per
-//! held lease; each shard task runs a `reader` and commits the watermark of
-//! acknowledged records.
+//! Inside, a `coordinator` per worker manages leases and starts a task per held lease
+//! from `shard`, the per-shard path: the task runs a reader, dispatch hands batches to
+//! the service, and the task commits the watermark of acknowledged records.
 
 mod balance;
 mod config;
