@@ -40,7 +40,8 @@ pub(super) struct MemShard {
 pub(super) struct MemStream {
     pub(super) shards: Vec<MemShard>,
     pub(super) updating: bool,
-    /// Creation time, epoch seconds (see [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).
+    /// Creation time, epoch seconds (see
+    /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).
     pub(super) created: u64,
 }
 
@@ -51,7 +52,8 @@ pub(super) struct KinesisState {
     pub(super) rng: SmallRng,
     pub(super) iterator_ttl: Duration,
     pub(super) retention: Option<Duration>,
-    /// Added to every read call (see [`MemoryKinesis::set_latency`](super::MemoryKinesis::set_latency)).
+    /// Added to every read call (see
+    /// [`MemoryKinesis::set_latency`](super::MemoryKinesis::set_latency)).
     pub(super) latency: Duration,
     pub(super) epoch: Instant,
     /// Registered enhanced fan-out consumers: ARN to stream name.
@@ -60,8 +62,9 @@ pub(super) struct KinesisState {
     pub(super) max_records_per_event: usize,
     pub(super) heartbeat_interval: Duration,
     pub(super) report_shard_end: bool,
-    /// Bumped by [`MemoryKinesis::interrupt_subscriptions`](super::MemoryKinesis::interrupt_subscriptions): subscriptions opened before
-    /// fail.
+    /// Bumped by
+    /// [`MemoryKinesis::interrupt_subscriptions`](super::MemoryKinesis::interrupt_subscriptions):
+    /// subscriptions opened before fail.
     pub(super) interruptions: u64,
     /// See [`MemoryKinesis::set_cut_short_reads`](super::MemoryKinesis::set_cut_short_reads).
     pub(super) cut_short: f64,

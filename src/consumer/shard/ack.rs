@@ -1,7 +1,8 @@
 //! Acknowledgements, in memory (the durable checkpoint is [`crate::lease::Checkpoint`],
 //! written by the shard task): per-shard progress, the [`Watermark`] of acknowledged
-//! records, the [`ShardAck`] behind the [`AckHandle`] a batch carries to move it, and [`RecordMarks`] for
-//! records of a batch that finish out of order (per-key concurrency).
+//! records, the [`ShardAck`] behind the [`AckHandle`] a batch carries to move it, and
+//! [`RecordMarks`] for records of a batch that finish out of order (per-key
+//! concurrency).
 //!
 //! Batches of a shard are registered in delivery order; handlers may acknowledge them in
 //! any order. The watermark is the last position of the longest prefix of acknowledged
