@@ -71,7 +71,7 @@ def strip_comments_and_strings(text):
 
 def expand_use(tree):
     """Expand a use tree ("a::{b, c::d as e}") into (path list, alias)."""
-    tree = re.sub(r"\s+", "", tree)
+    tree = re.sub(r"\s*(::|[{},])\s*", r"\1", re.sub(r"\s+", " ", tree.strip()))
     results = []
 
     def split_top(s):
@@ -99,11 +99,10 @@ def expand_use(tree):
                 walk(prefix + head_parts, part)
             return
         alias = None
-        if "as" in s and re.search(r"[A-Za-z0-9_]as[A-Za-z_]", s):
-            m = re.match(r"(.*?)as([A-Za-z_]\w*)$", s)
-            if m and "::" in m.group(1) or m and prefix:
-                s, alias = m.group(1), m.group(2)
-        segs = [p for p in s.split("::") if p]
+        m = re.match(r"(.*?)\s+as\s+(\w+)$", s.strip())
+        if m:
+            s, alias = m.group(1), m.group(2)
+        segs = [p.strip() for p in s.split("::") if p.strip()]
         if segs == ["self"]:
             segs = []
         results.append((prefix + segs, alias))

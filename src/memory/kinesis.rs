@@ -18,9 +18,10 @@ use crate::kinesis::{
 use crate::sequence::SequenceNumber;
 
 use super::fan_out::MemSubscription;
+use super::faults::KinesisFaults;
 use super::limits::{metered_size, KinesisLimits, Meters, ReadRefusal};
 use super::lock;
-use super::state::{behind_latest, KinesisFaults, KinesisState, MemShard, MemStream};
+use super::state::{behind_latest, KinesisState, MemShard, MemStream};
 
 /// The account every embedded stream belongs to (in its ARN and multi-stream lease keys).
 pub const MEMORY_ACCOUNT: &str = "000000000000";

@@ -11,26 +11,8 @@ use tokio::time::Instant;
 
 use crate::kinesis::{Record, ShardInfo};
 
+use super::faults::KinesisFaults;
 use super::limits::Meters;
-
-/// Faults the memory stream injects, drawn from a seeded generator.
-#[derive(Clone, Debug, Default)]
-pub struct KinesisFaults {
-    /// Probability that a GetRecords, PutRecords or SubscribeToShard call is throttled.
-    pub throttle: f64,
-    /// Probability that a GetRecords call finds its iterator expired.
-    pub expire_iterator: f64,
-    /// Probability that a call fails with a transient service error; for a subscription,
-    /// that one of its events is an error instead (which ends the subscription).
-    pub error: f64,
-    /// Probability that one entry of a PutRecords call fails (a partial failure).
-    pub put_entry_failure: f64,
-    /// Probability that GetRecords on an open shard answers without a next iterator
-    /// (an emulator bug; a reader must not take it for the end of the shard).
-    pub missing_next_iterator: f64,
-    /// Seed of the generator.
-    pub seed: u64,
-}
 
 pub(super) struct MemShard {
     pub(super) info: ShardInfo,
