@@ -91,13 +91,16 @@
 //!
 //! **What shardflow does:** [`deaggregate`] never drops a user record; it returns all of
 //! them with their sub-sequence numbers, and [`belongs_to_shard`] tells the consumer
-//! which ones are outside the shard's range. shardflow's rule is to deliver those too,
-//! and count them: with the KPL that can deliver a user record twice (here, and again
-//! from the right shard after the KPL's retry), which at-least-once delivery and the
-//! dedup layer already cover, whereas discarding loses data with every other producer
-//! and with current KPL versions. A deployment whose producers are all the KPL may
-//! choose to skip the misplaced user records, and only those (never the whole
-//! aggregate): every KPL version sends exactly those again, so nothing is lost.
+//! which ones are outside the shard's range. The consumer delivers those too by default
+//! and counts them ([`MisplacedUserRecords`]): discarding loses data with every producer
+//! that does not send them again. With the KPL that can deliver a user record twice
+//! (here, and again from the right shard after the KPL's retry), which at-least-once
+//! delivery and the dedup layer cover. A deployment that knows its producers chooses
+//! to skip the misplaced user records only, or the whole aggregate as the KCL does.
+//! shardflow's producer, when an aggregate lands in a shard that does not own all its
+//! user records, sends all of them again, each packed for its own shard: a KCL
+//! consumer (which discards the aggregate) then has each exactly once, and so does a
+//! shardflow consumer set to [`MisplacedUserRecords::SkipAggregate`].
 //!
 //! # Aggregating
 //!
@@ -451,6 +454,32 @@ pub fn belongs_to_shard(user: &UserRecord, start: u128, end: u128) -> bool {
         Some(h) => start <= h && h <= end,
         None => true,
     }
+}
+
+/// What a consumer does with the KPL user records it reads from a shard whose hash-key
+/// range does not hold theirs (an aggregate packed from a stale shard map, around a
+/// reshard). Which choice delivers every record exactly once depends on what the
+/// producers do with such an aggregate; only [`Deliver`](Self::Deliver) loses nothing
+/// whatever they do. Set with `ConsumerBuilder::misplaced_user_records`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MisplacedUserRecords {
+    /// Deliver them like any other (the default). Nothing is lost with any producer;
+    /// with a producer that sends misplaced records again (the KPL, shardflow's
+    /// producer) those records arrive twice.
+    #[default]
+    Deliver,
+    /// Skip the misplaced user records, deliver the rest of their aggregate. Loses
+    /// nothing with producers that send at least the misplaced records again: every
+    /// KPL version, and shardflow's producer (which sends the whole aggregate again,
+    /// so its other records arrive twice).
+    SkipRecords,
+    /// Skip the whole aggregate that holds a misplaced user record, as the KCL does.
+    /// Exactly once with producers that send the whole aggregate again (shardflow's
+    /// producer, KPL versions before 0.15.11); loses the aggregate's other records with
+    /// producers that do not (KPL 0.15.11 and later send only the misplaced ones again;
+    /// the awslabs aggregation libraries send nothing again).
+    SkipAggregate,
 }
 
 /// Why [`Aggregator::add`] refused a user record. The record comes back unchanged

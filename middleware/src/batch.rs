@@ -40,9 +40,12 @@
 //!
 //! The worker is started on the first call (it needs a tokio runtime) and is shared by
 //! the clones of the service. When the last clone is dropped, messages still queued are
-//! flushed before the worker ends, so no call is left without an answer. If the worker
-//! dies (the bulk handler panicked), its pending calls fail with
-//! [`BatchError::Closed`] and the next call starts a new worker.
+//! flushed before the worker ends, so no call is left without an answer. A bulk handler
+//! that panics (in `call` or its future) fails its batch with [`Panicked`], an error
+//! about the records: narrowed down like any other, so a record that panics the handler
+//! alone is dead-lettered and its neighbours are handled. If the worker dies anyway (the
+//! handler's readiness panicked), its pending calls fail with [`BatchError::Closed`]
+//! (transient) and the next call starts a new worker.
 //!
 //! Payload sizes come from the [`Weigh`] trait, implemented for `Bytes`, `Vec<u8>` and
 //! `String`; implement it for decoded payload types (returning an estimate, or 0 to
@@ -52,6 +55,7 @@ use std::error::Error;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
@@ -67,6 +71,7 @@ use tracing::Instrument;
 
 use crate::bisect::Splits;
 use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
+use crate::panic::Panicked;
 use crate::BoxError;
 
 /// The size of a payload, for [`BatchConfig::max_bytes`].
@@ -194,8 +199,8 @@ pub enum BatchError {
         #[source]
         source: Arc<dyn Error + Send + Sync>,
     },
-    /// The worker stopped before answering (the bulk handler panicked, or the runtime is
-    /// shutting down). Transient: deliver the record again.
+    /// The worker stopped before answering (the bulk handler's readiness panicked, or
+    /// the runtime is shutting down). Transient: deliver the record again.
     #[error("the batching worker stopped before answering")]
     Closed,
     /// Record mode was used outside a tokio runtime.
@@ -372,7 +377,7 @@ where
                     inner.ready().await.map_err(Into::into)?;
                 }
                 first = false;
-                call_bulk(&mut inner, chunk).await.map_err(Into::into)?;
+                call_bulk(&mut inner, chunk).await?;
             }
             Ok(())
         })
@@ -410,9 +415,14 @@ impl<T: Weigh, I: Iterator<Item = Message<T>>> Iterator for Chunks<'_, I> {
 }
 
 /// One bulk call, inside a span naming the shard and the sequence range.
-async fn call_bulk<S, T>(inner: &mut S, messages: Vec<Message<T>>) -> Result<S::Response, S::Error>
+/// Calls the bulk handler on `messages`. A panic in its `call` or its future is an
+/// error about these records ([`Panicked`]), narrowed down and dead-lettered like any
+/// other, instead of ending the worker (which would fail the records transiently and
+/// deliver the same batch to the same panic for ever).
+async fn call_bulk<S, T>(inner: &mut S, messages: Vec<Message<T>>) -> Result<S::Response, BoxError>
 where
     S: Service<Vec<Message<T>>>,
+    S::Error: Into<BoxError>,
 {
     let size = messages.len();
     let span = match (messages.first(), messages.last()) {
@@ -432,7 +442,22 @@ where
             size,
             "calling the bulk handler"
         );
-        inner.call(messages).await
+        let panicked = |payload: Box<dyn std::any::Any + Send>| -> BoxError {
+            Box::new(Panicked::from_payload(&*payload))
+        };
+        let call = match catch_unwind(AssertUnwindSafe(|| inner.call(messages))) {
+            Ok(call) => call,
+            Err(payload) => return Err(panicked(payload)),
+        };
+        let mut call = std::pin::pin!(call);
+        std::future::poll_fn(
+            |cx| match catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx))) {
+                Ok(Poll::Ready(result)) => Poll::Ready(result.map_err(Into::into)),
+                Ok(Poll::Pending) => Poll::Pending,
+                Err(payload) => Poll::Ready(Err(panicked(payload))),
+            },
+        )
+        .await
     }
     .instrument(span)
     .await
@@ -513,7 +538,7 @@ where
             Ok(ready) => call_bulk(ready, messages[start..end].to_vec())
                 .await
                 .map(drop)
-                .map_err(|e| (false, e.into())),
+                .map_err(|e| (false, e)),
             Err(e) => Err((true, e)),
         };
         let error = match result {
@@ -533,10 +558,13 @@ where
             Err(error) => error,
         };
         let (unready, error) = error;
+        // About the records if the policy would dead-letter any of them: a piece can
+        // mix shards, one of them with its lease lost (not dead-lettered, the new owner
+        // handles it), and the others must still be narrowed down, not failed whole.
         let about_records = !unready
-            && messages
-                .get(start)
-                .is_some_and(|m| PermanentFailures.should_dead_letter(&*error, &m.metadata));
+            && messages[start..end]
+                .iter()
+                .any(|m| PermanentFailures.should_dead_letter(&*error, &m.metadata));
         if about_records && can_split {
             split(&mut pieces, start, end, depth, size);
             continue;
@@ -585,7 +613,7 @@ where
         Ok(ready) => call_bulk(ready, messages)
             .await
             .map(drop)
-            .map_err(|e| (false, e.into())),
+            .map_err(|e| (false, e)),
         Err(e) => Err((true, e)),
     };
     match result {

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 
 use super::events::{OnEvent, ShardEvent};
+use crate::aggregation::MisplacedUserRecords;
 use crate::backend::Backend;
 pub use crate::error::ConfigError;
 use crate::headers::HeaderFormat;
@@ -196,6 +197,7 @@ pub struct Config {
     pub(crate) concurrency: Concurrency,
     pub(crate) max_concurrent_calls: usize,
     pub(crate) header_format: HeaderFormat,
+    pub(crate) misplaced_user_records: MisplacedUserRecords,
 }
 
 impl Config {
@@ -301,6 +303,7 @@ pub struct ConsumerBuilder {
     concurrency: Concurrency,
     max_concurrent_calls: usize,
     header_format: HeaderFormat,
+    misplaced_user_records: MisplacedUserRecords,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -337,6 +340,7 @@ impl Default for ConsumerBuilder {
             concurrency: Concurrency::Sequential,
             max_concurrent_calls: 1_024,
             header_format: HeaderFormat::Auto,
+            misplaced_user_records: MisplacedUserRecords::Deliver,
             backend: None,
         }
     }
@@ -639,6 +643,18 @@ impl ConsumerBuilder {
         self
     }
 
+    /// What the consumer does with KPL user records read from a shard that does not own
+    /// their hash key, found in aggregates packed from a stale shard map around a
+    /// reshard (default [`MisplacedUserRecords::Deliver`]: deliver them, lose nothing
+    /// whatever the producer does). [`MisplacedUserRecords::SkipAggregate`] is what the
+    /// KCL does, exactly once with shardflow's producer, which sends such an aggregate's
+    /// records again packed for their own shards. Needs the shard's hash-key range, which
+    /// the consumer lists at start: a shard it does not know is read unfiltered.
+    pub fn misplaced_user_records(mut self, choice: MisplacedUserRecords) -> Self {
+        self.misplaced_user_records = choice;
+        self
+    }
+
     /// Seeds the jitter of backoffs (default: random), for reproducible simulations. The
     /// nonce of this incarnation's owner name is never seeded (see [`Config::owner`]).
     pub fn seed(mut self, seed: u64) -> Self {
@@ -926,6 +942,7 @@ impl ConsumerBuilder {
             concurrency: self.concurrency,
             max_concurrent_calls: self.max_concurrent_calls,
             header_format: self.header_format,
+            misplaced_user_records: self.misplaced_user_records,
         })
     }
 

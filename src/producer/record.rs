@@ -221,6 +221,12 @@ pub enum ProduceError {
     AfterFailure(Box<ProduceError>),
 }
 
+/// PutRecords entry errors: throughput and internal failures pass with time; KMS
+/// errors other than throttling (key disabled, not found, access denied) do not.
+pub(super) fn entry_error_is_transient(code: &str) -> bool {
+    !code.starts_with("KMS") || code == "KMSThrottlingException"
+}
+
 impl ProduceError {
     /// Whether sending the same record again later may succeed: Kinesis did not store
     /// it for a reason that passes with time (throttling, an internal or network
@@ -232,7 +238,7 @@ impl ProduceError {
                 !matches!(
                     code.as_str(),
                     "NotFound" | "Invalid" | "Unsupported" | "ExpiredIterator"
-                ) && super::worker::entry_error_is_transient(code)
+                ) && entry_error_is_transient(code)
             }
             // As transient as what it waited for.
             ProduceError::AfterFailure(cause) => cause.is_transient(),

@@ -52,6 +52,15 @@ impl ShardMap {
     pub(crate) fn id(&self, index: usize) -> Option<&Arc<str>> {
         self.ranges.get(index).map(|r| &r.2)
     }
+
+    /// The hash-key range of the open shard `id`, both ends inclusive; `None` when the
+    /// map does not know it (listed before the shard existed, or the shard is closed).
+    pub(crate) fn range_of(&self, id: &str) -> Option<(u128, u128)> {
+        self.ranges
+            .iter()
+            .find(|r| &*r.2 == id)
+            .map(|&(start, end, _)| (start, end))
+    }
 }
 
 /// The hash key Kinesis routes `record` by: its explicit hash key, or the MD5 of its

@@ -34,9 +34,10 @@ use tokio::time::Instant;
 use crate::aggregation::Aggregator;
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
+use crate::sequence::SequenceNumber;
 
 use super::builder::Settings;
-use super::record::{ProduceError, Stored};
+use super::record::{entry_error_is_transient, ProduceError, Stored};
 use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
 
 /// How often the shard map is listed again even when nothing showed a reshard.
@@ -123,6 +124,8 @@ impl Part {
 struct Tally {
     resent: usize,
     failed: usize,
+    /// User records of aggregates that landed in a shard not owning all of them.
+    misplaced: usize,
 }
 
 /// A finished PutRecords call, with the records it carried (moved, not copied).
@@ -223,6 +226,9 @@ pub(crate) struct Worker {
     listed_at: Option<Instant>,
     /// The last listing failed and there is no map: records go unaggregated meanwhile.
     map_unavailable: bool,
+    /// User records of misplaced aggregates, sent again once the next listing answers
+    /// (with the stale map they would be packed and misplaced again).
+    awaiting_map: Vec<Entry>,
     /// The per-shard rate limit, each shard's budget, and when one refills enough for a
     /// record that waits (set when none could go).
     rate_limit: Option<RateLimit>,
@@ -267,6 +273,7 @@ impl Worker {
             listing_wanted: false,
             listed_at: None,
             map_unavailable: false,
+            awaiting_map: Vec::new(),
             rate_limit: rate_limit.map(RateLimit::percent),
             budgets: HashMap::new(),
             rate_wait: None,
@@ -683,6 +690,12 @@ impl Worker {
     }
 
     fn listed(&mut self, listed: Result<Vec<ShardInfo>, KinesisError>, now: Instant) {
+        // Misplaced records go again whatever the answer: with a new map they are packed
+        // for their own shard; without one they may land wrong again (their attempts
+        // bound that).
+        let waiting = std::mem::take(&mut self.awaiting_map);
+        self.retries
+            .extend(waiting.into_iter().map(|entry| (now, entry)));
         match listed {
             Ok(shards) => {
                 let map = ShardMap::new(&shards, now);
@@ -739,9 +752,13 @@ impl Worker {
                         }),
                     ),
                     Part::Aggregate { shard, users } => {
-                        if *shard != *shard_id {
-                            // Landed elsewhere than predicted: the stream was resharded.
-                            self.listing_wanted = true;
+                        if *shard != *shard_id && !self.all_belong_to(&users, &shard_id) {
+                            // Landed elsewhere than predicted (the stream was resharded)
+                            // with user records of another shard: a KCL reader discards
+                            // the whole aggregate, so every user record of it goes again.
+                            tally.misplaced += users.len();
+                            self.send_again_after_listing(users, &shard_id, &sequence_number, now);
+                            continue;
                         }
                         // A lone user record was sent as it is: sub-sequence 0 too.
                         for (sub, entry) in (0u64..).zip(users) {
@@ -777,8 +794,67 @@ impl Worker {
         if tally.resent > 0 {
             tracing::debug!(stream = %self.settings.stream, resent = tally.resent, "PutRecords partial failure; resending the failed entries");
         }
+        if tally.misplaced > 0 {
+            tracing::debug!(stream = %self.settings.stream, records = tally.misplaced, "aggregates landed in a shard that does not own all their records (a reshard); sending those records again once the shards are listed");
+        }
         if tally.failed > 0 {
             tracing::warn!(stream = %self.settings.stream, failed = tally.failed, "records not stored: out of attempts or a permanent entry error");
+        }
+    }
+
+    /// Whether every user record of an aggregate that landed in `landed` belongs to
+    /// that shard's hash-key range, by the map as it is now. A map that does not know
+    /// `landed` is stale: no.
+    fn all_belong_to(&self, users: &[Entry], landed: &str) -> bool {
+        if users.len() <= 1 {
+            // A lone user record is sent as it is: Kinesis routed it by its own key.
+            return true;
+        }
+        let Some((start, end)) = self.shard_map.as_ref().and_then(|map| map.range_of(landed))
+        else {
+            return false;
+        };
+        users
+            .iter()
+            .all(|u| hash_key(&u.record).is_some_and(|h| start <= h && h <= end))
+    }
+
+    /// The user records of an aggregate that landed in a shard not owning all of them
+    /// go again, each packed for its own shard, after the shards are listed again (or
+    /// straight away when the map already knows the shard the aggregate landed in).
+    /// Their key stays owned meanwhile (ordered mode). A record out of attempts is
+    /// answered with where it is stored: readers that keep misplaced user records
+    /// (shardflow's default) have it; a KCL reader does not.
+    fn send_again_after_listing(
+        &mut self,
+        users: Vec<Entry>,
+        landed: &str,
+        sequence_number: &SequenceNumber,
+        now: Instant,
+    ) {
+        let map_is_fresh = self
+            .shard_map
+            .as_ref()
+            .is_some_and(|map| map.range_of(landed).is_some());
+        if !map_is_fresh {
+            self.listing_wanted = true;
+        }
+        for (sub, entry) in (0u64..).zip(users) {
+            if entry.meta.attempts >= self.settings.max_attempts {
+                tracing::warn!(stream = %self.settings.stream, shard = %landed, "a record of a misplaced aggregate is out of attempts; answered as stored where it landed");
+                self.answer(
+                    entry.meta,
+                    Ok(Stored {
+                        shard_id: landed.to_owned(),
+                        sequence_number: sequence_number.clone(),
+                        sub_sequence_number: sub,
+                    }),
+                );
+            } else if map_is_fresh {
+                self.retries.push((now, entry));
+            } else {
+                self.awaiting_map.push(entry);
+            }
         }
     }
 
@@ -951,12 +1027,6 @@ async fn sleep_until(deadline: Option<Instant>) {
     if let Some(deadline) = deadline {
         tokio::time::sleep_until(deadline).await;
     }
-}
-
-/// PutRecords entry errors: throughput and internal failures pass with time; KMS
-/// errors other than throttling (key disabled, not found, access denied) do not.
-pub(super) fn entry_error_is_transient(code: &str) -> bool {
-    !code.starts_with("KMS") || code == "KMSThrottlingException"
 }
 
 /// The `code` of [`ProduceError::Failed`] when the whole call failed.

@@ -1,5 +1,3 @@
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use tower::service_fn;
 
 use super::*;
@@ -165,26 +163,60 @@ async fn dropping_the_service_flushes_what_is_queued() {
     assert_eq!(sequences(&calls), strings(&[&[1, 2]]));
 }
 
+/// Regression: a bulk handler that panicked on a record ended the worker and failed
+/// its batch transiently, so the same batch met the same panic for ever.
 #[tokio::test(start_paused = true)]
-async fn a_panicking_bulk_handler_fails_its_calls_transiently_and_a_new_worker_starts() {
-    let panicked = Arc::new(AtomicBool::new(false));
-    let once = panicked.clone();
+async fn a_record_that_panics_the_bulk_handler_fails_alone_and_the_others_are_handled() {
+    let calls: Calls = Arc::default();
+    let seen = calls.clone();
     let handler = service_fn(move |messages: Vec<Message<Bytes>>| {
-        let first_time = !once.swap(true, Ordering::SeqCst);
+        let sequences: Vec<String> = messages
+            .iter()
+            .map(|m| m.metadata.sequence_number.to_string())
+            .collect();
+        let poisoned = sequences.iter().any(|s| s == "3");
+        seen.lock().unwrap().push(sequences);
+        if poisoned && messages.len() > 2 {
+            panic!("bulk handler bug in call");
+        }
         async move {
-            if first_time {
-                panic!("bulk handler bug");
+            if poisoned {
+                panic!("bulk handler bug in its future");
             }
             Ok::<_, BoxError>(messages.len())
         }
     });
-    let svc = Batching::new(handler, BatchConfig::new().max_count(1));
-    let err = ServiceExt::<Message<Bytes>>::oneshot(svc.clone(), message(1, b"x"))
-        .await
-        .unwrap_err();
-    let err = err.downcast_ref::<BatchError>().expect("a BatchError");
-    assert!(err.is_transient(), "{err:?}");
-    ServiceExt::<Message<Bytes>>::oneshot(svc, message(1, b"x"))
+    let svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(4)
+            .linger(Duration::from_secs(1)),
+    );
+    let outcomes = send_all(&svc, 1..=4, b"x");
+    let mut failed = Vec::new();
+    for (n, outcome) in (1..=4).zip(outcomes) {
+        if let Err(error) = outcome.await.unwrap() {
+            let error = error.downcast_ref::<BatchError>().expect("a BatchError");
+            assert!(!error.is_transient(), "{error:?}");
+            let source = std::error::Error::source(error).expect("the panic as source");
+            assert!(
+                source
+                    .to_string()
+                    .starts_with("the handler panicked: bulk handler bug"),
+                "{source}"
+            );
+            failed.push(n);
+        }
+    }
+    assert_eq!(failed, [3]);
+    let handled: Vec<String> = sequences(&calls)
+        .into_iter()
+        .filter(|c| !c.iter().any(|s| s == "3"))
+        .flatten()
+        .collect();
+    assert_eq!(handled, ["1", "2", "4"], "each of the others handled once");
+    // The worker lives on: the next record is handled by it.
+    ServiceExt::<Message<Bytes>>::oneshot(svc, message(5, b"x"))
         .await
         .unwrap();
 }
@@ -390,4 +422,39 @@ async fn record_mode_does_not_split_on_a_transient_error() {
         call.await.unwrap().unwrap_err();
     }
     assert_eq!(sequences(&calls).len(), 1, "not split");
+}
+
+/// Regression: in record mode a failed piece was narrowed down only when its first
+/// message's lease was held, so a piece that began with a record of a shard whose
+/// lease was lost failed whole, and its records of other shards were dead-lettered
+/// with the poison record.
+#[tokio::test]
+async fn a_piece_led_by_a_lost_lease_is_still_narrowed_down_for_the_other_shards() {
+    let (calls, handler) = bulk_poisoned("7");
+    let svc = Batching::new(
+        handler,
+        BatchConfig::new()
+            .max_count(4)
+            .linger(Duration::from_secs(1)),
+    );
+    // Record 5 of another shard, whose lease is lost, leads the batch.
+    let lost = {
+        let mut m = message(5, b"x");
+        m.metadata.shard_id = Arc::from("shardId-000000000001");
+        m.metadata.lease_lost.cancel();
+        m
+    };
+    let mut outcomes = vec![tokio::spawn(ServiceExt::<Message<Bytes>>::oneshot(
+        svc.clone(),
+        lost,
+    ))];
+    tokio::task::yield_now().await;
+    outcomes.extend(send_all(&svc, 6..=8, b"x"));
+    let mut failed = Vec::new();
+    for (n, outcome) in (5..=8).zip(outcomes) {
+        if outcome.await.unwrap().is_err() {
+            failed.push(n);
+        }
+    }
+    assert_eq!(failed, [7], "calls: {:?}", sequences(&calls));
 }

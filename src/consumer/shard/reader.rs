@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::ack::{Mark, ShardProgress};
-use crate::aggregation::{self, Deaggregated};
+use crate::aggregation::{self, Deaggregated, MisplacedUserRecords};
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease};
@@ -479,9 +479,8 @@ impl ShardReader {
     /// One message per KPL user record at (sequence, sub-sequence), dropping those
     /// already handled, so a restart inside an aggregate resumes right after the last
     /// handled user record. User records whose hash key belongs to another shard (a
-    /// producer's stale shard map around a reshard) are delivered too, and counted when
-    /// debug events are on: the KCL discards the whole aggregate then, which loses
-    /// records the producer considers stored.
+    /// producer's stale shard map around a reshard) are delivered or skipped as
+    /// [`MisplacedUserRecords`] says, and counted when debug events are on.
     fn push_user_records(
         &self,
         record: Record,
@@ -489,15 +488,20 @@ impl ShardReader {
         handled: &Checkpoint,
         messages: &mut Vec<Message>,
     ) {
-        let range = self
-            .hash_range
-            .filter(|_| tracing::enabled!(tracing::Level::DEBUG));
-        let mut elsewhere = 0u64;
+        let choice = self.config.misplaced_user_records;
+        let range = self.hash_range.filter(|_| {
+            choice != MisplacedUserRecords::Deliver || tracing::enabled!(tracing::Level::DEBUG)
+        });
+        let misplaced = |user: &aggregation::UserRecord| {
+            range.is_some_and(|(start, end)| !aggregation::belongs_to_shard(user, start, end))
+        };
+        let elsewhere = user_records.iter().filter(|u| misplaced(u)).count() as u64;
+        let skip_all = elsewhere > 0 && choice == MisplacedUserRecords::SkipAggregate;
+        let mut skipped = 0u64;
         for user in user_records {
-            if let Some((start, end)) = range {
-                if !aggregation::belongs_to_shard(&user, start, end) {
-                    elsewhere += 1;
-                }
+            if skip_all || (choice == MisplacedUserRecords::SkipRecords && misplaced(&user)) {
+                skipped += 1;
+                continue;
             }
             let position = Position::new(record.sequence_number.clone(), user.sub_sequence);
             if !handled.covers(&position) {
@@ -513,9 +517,10 @@ impl ShardReader {
         if elsewhere > 0 {
             tracing::debug!(
                 monotonic_counter.shardflow.kpl_outside_shard = elsewhere,
+                skipped,
                 shard = %self.shard_id,
                 sequence = %record.sequence_number,
-                "delivered KPL user records whose hash key belongs to another shard"
+                "KPL user records whose hash key belongs to another shard"
             );
         }
     }
