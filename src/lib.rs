@@ -59,7 +59,6 @@
 //! # }
 //! ```
 
-mod ack;
 pub mod admin;
 pub mod aggregation;
 pub mod backend;
@@ -78,7 +77,6 @@ pub mod sequence;
 #[cfg(feature = "opentelemetry")]
 pub mod trace;
 
-pub use ack::AckHandle;
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
     BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
@@ -87,6 +85,6 @@ pub use consumer::{
 pub use error::{AwsError, ErrorDetail};
 pub use headers::{HeaderFormat, HeaderValue, Headers};
 pub use memory::{KinesisLimits, Memory, MemoryBuilder};
-pub use message::{Batch, Message, Metadata, MetadataBuilder};
+pub use message::{AckHandle, Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::ack::AckHandle;
 use crate::headers::{HeaderValue, Headers};
 use crate::sequence::{Position, SequenceNumber};
 
@@ -326,6 +326,96 @@ impl<T> Batch<T> {
             millis_behind_latest: self.millis_behind_latest,
             ack: self.ack,
         }
+    }
+}
+
+/// Acknowledges one delivered batch. Cheap to clone; acknowledging twice is harmless.
+/// Dropping the last clone of a batch neither acknowledged nor given up counts as a
+/// [`AckHandle::nack`]: the batch is delivered again from the checkpoint.
+#[derive(Clone)]
+pub struct AckHandle(Arc<dyn Acknowledge>);
+
+/// What an [`AckHandle`] does, implemented by the consumer's per-shard
+/// acknowledgement: the handle lives here, with the batch that carries it, so neither
+/// depends on the consumer.
+pub(crate) trait Acknowledge: fmt::Debug + Send + Sync {
+    fn ack(&self);
+    fn ack_through(&self, position: Position);
+    fn nack(&self);
+    fn nack_because(&self, error: &str);
+    fn abandon(&self);
+    fn record_handled(&self);
+    fn should_start(&self) -> bool;
+    fn is_current(&self) -> bool;
+    fn wait_start(&self) -> BoxFuture<'_, bool>;
+}
+
+impl AckHandle {
+    pub(crate) fn new(inner: Arc<dyn Acknowledge>) -> Self {
+        AckHandle(inner)
+    }
+
+    /// Every record of the batch is handled.
+    pub fn ack(&self) {
+        self.0.ack();
+    }
+
+    /// The records up to and including `position` are handled (the rest are not).
+    pub fn ack_through(&self, position: Position) {
+        self.0.ack_through(position);
+    }
+
+    /// The batch failed: whatever of it was not acknowledged (see
+    /// [`AckHandle::ack_through`]) is given up for good (a later `ack` is ignored), and
+    /// the shard stops and reads again from its watermark.
+    /// A late `nack` of a batch delivered before the last restart changes nothing.
+    pub fn nack(&self) {
+        self.0.nack();
+    }
+
+    /// [`AckHandle::nack`] because the handler failed with `error`: kept as the reason
+    /// the shard makes no progress until its handled position moves again.
+    pub(crate) fn nack_because(&self, error: &str) {
+        self.0.nack_because(error);
+    }
+
+    /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
+    /// stays unhandled and is delivered again later.
+    pub(crate) fn abandon(&self) {
+        self.0.abandon();
+    }
+
+    /// One record of the batch is handled (the batch is acknowledged when all are): the
+    /// shard is making progress even while the watermark waits for the batch's end.
+    pub(crate) fn record_handled(&self) {
+        self.0.record_handled();
+    }
+
+    /// Whether the batch may still be started: false once the shard drains or restarted
+    /// after a failure. Work not started then must be given up with [`AckHandle::abandon`].
+    pub(crate) fn should_start(&self) -> bool {
+        self.0.should_start()
+    }
+
+    /// Whether the batch belongs to the shard's current generation (no restart after a
+    /// failure since it was delivered): work started on an older one would run beside
+    /// its redelivery.
+    pub(crate) fn is_current(&self) -> bool {
+        self.0.is_current()
+    }
+
+    /// Waits until the batch may start, then says whether it may: a batch queued before
+    /// a long pause starts only once a renewal proved the lease is still ours; false
+    /// (see [`AckHandle::should_start`]) when the shard drains, restarted or lost its
+    /// lease meanwhile.
+    pub(crate) async fn wait_start(&self) -> bool {
+        self.0.wait_start().await
+    }
+}
+
+impl fmt::Debug for AckHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AckHandle").field(&self.0).finish()
     }
 }
 

@@ -14,8 +14,6 @@ use std::time::Duration;
 
 use ::metrics::{Counter, Gauge, Histogram, Label};
 
-use crate::consumer::Config;
-
 /// Gauge, per shard: `MillisBehindLatest` of the shard's last read.
 pub const MILLIS_BEHIND_LATEST: &str = "shardflow_millis_behind_latest";
 /// Counter, per shard: records acknowledged (handled).
@@ -95,10 +93,11 @@ impl Labels {
         }
     }
 
-    pub(crate) fn of(config: &Config) -> Self {
+    /// The labels of a consumer's metrics: its stream and group.
+    pub(crate) fn new(stream: &str, group: &str) -> Self {
         Labels {
-            stream: config.stream().into(),
-            group: config.group().into(),
+            stream: stream.into(),
+            group: group.into(),
         }
     }
 

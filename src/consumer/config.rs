@@ -4,15 +4,14 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{watch, OnceCell};
+use tokio::sync::watch;
 
-use super::events::{EventHook, ShardEvent};
-use super::read_ahead::ReadAhead;
+use super::events::{OnEvent, ShardEvent};
 use crate::aggregation::MisplacedUserRecords;
 use crate::backend::Backend;
 pub use crate::error::ConfigError;
 use crate::headers::HeaderFormat;
-use crate::kinesis::{KinesisApi, KinesisError};
+use crate::metrics::Labels;
 
 /// The longest duration any setting accepts (one week).
 const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -129,36 +128,6 @@ const MAX_READ_AHEAD_BYTES: u64 = u32::MAX as u64 * 1024;
 /// The most calls in flight per worker [`ConsumerBuilder::max_concurrent_calls`] accepts.
 const MAX_WORKER_CALLS: usize = 1_000_000;
 
-/// Enhanced fan-out (see [`ConsumerBuilder::fan_out`]): the stream consumer's name and,
-/// once registered, its ARN, shared by every shard reader of the worker.
-#[derive(Clone, Debug)]
-pub(crate) struct FanOut {
-    pub(crate) consumer_name: String,
-    consumer_arn: Arc<OnceCell<String>>,
-}
-
-impl FanOut {
-    /// The consumer's ARN: registered (or found) on first use, then cached. The worker
-    /// calls this at start-up, so a backend without fan-out refuses to start; readers
-    /// then only read the cache.
-    pub(crate) async fn consumer_arn(
-        &self,
-        kinesis: &dyn KinesisApi,
-        stream: &str,
-    ) -> Result<&str, KinesisError> {
-        self.consumer_arn
-            .get_or_try_init(|| async {
-                let arn = kinesis
-                    .register_consumer(stream, &self.consumer_name)
-                    .await?;
-                tracing::info!(consumer = %self.consumer_name, %arn, "enhanced fan-out consumer is ACTIVE");
-                Ok(arn)
-            })
-            .await
-            .map(String::as_str)
-    }
-}
-
 /// The streams of a multi-stream consumer.
 #[derive(Clone, Debug)]
 pub(crate) enum StreamList {
@@ -204,12 +173,11 @@ pub struct Config {
     pub(crate) initial_position: InitialPosition,
     pub(crate) max_records_per_read: u32,
     pub(crate) idle_read_interval: Duration,
-    /// `Some`: read through enhanced fan-out instead of polling.
-    pub(crate) fan_out: Option<FanOut>,
+    /// `Some`: read through enhanced fan-out instead of polling, as this stream
+    /// consumer.
+    pub(crate) fan_out: Option<String>,
     pub(crate) prefetch_batches: usize,
-    /// The worker's read-ahead budget, shared by its shard readers (cloning the config
-    /// shares it too: one budget per built consumer).
-    pub(crate) read_ahead: ReadAhead,
+    pub(crate) read_ahead_bytes: u64,
     pub(crate) checkpoint: CheckpointPolicy,
     pub(crate) lease_duration: Duration,
     pub(crate) renew_interval: Duration,
@@ -225,7 +193,7 @@ pub struct Config {
     pub(crate) lease_call_timeout: Duration,
     pub(crate) read_call_timeout: Duration,
     pub(crate) seed: u64,
-    pub(crate) events: EventHook,
+    pub(crate) on_event: Option<OnEvent>,
     pub(crate) concurrency: Concurrency,
     pub(crate) max_concurrent_calls: usize,
     pub(crate) header_format: HeaderFormat,
@@ -237,6 +205,10 @@ impl Config {
     /// batch starts: past it, the lease may already be someone else's.
     pub(crate) fn lease_fresh_for(&self) -> Duration {
         self.lease_duration.saturating_sub(self.renew_interval)
+    }
+    /// The labels of this consumer's metrics.
+    pub(crate) fn labels(&self) -> Labels {
+        Labels::new(&self.stream, &self.group)
     }
     /// The stream's name (empty for a multi-stream consumer: see [`Config::streams`]).
     pub fn stream(&self) -> &str {
@@ -255,12 +227,6 @@ impl Config {
         let mut config = self.clone();
         config.stream = stream.to_owned();
         config.streams = None;
-        // The fan-out consumer is registered per stream: each gets its own ARN.
-        config.fan_out = self.fan_out.as_ref().map(|f| FanOut {
-            consumer_name: f.consumer_name.clone(),
-            consumer_arn: Arc::default(),
-        });
-        config.events = self.events.for_stream(stream);
         config
     }
     /// The consumer group's name.
@@ -299,7 +265,7 @@ impl Config {
     }
     /// The enhanced fan-out consumer's name, when shards are read through fan-out.
     pub fn fan_out_consumer(&self) -> Option<&str> {
-        self.fan_out.as_ref().map(|f| f.consumer_name.as_str())
+        self.fan_out.as_deref()
     }
 }
 
@@ -333,7 +299,7 @@ pub struct ConsumerBuilder {
     lease_call_timeout: Option<Duration>,
     read_call_timeout: Duration,
     seed: Option<u64>,
-    events: EventHook,
+    on_event: Option<OnEvent>,
     concurrency: Concurrency,
     max_concurrent_calls: usize,
     header_format: HeaderFormat,
@@ -370,7 +336,7 @@ impl Default for ConsumerBuilder {
             lease_call_timeout: None,
             read_call_timeout: Duration::from_secs(10),
             seed: None,
-            events: EventHook::none(),
+            on_event: None,
             concurrency: Concurrency::Sequential,
             max_concurrent_calls: 1_024,
             header_format: HeaderFormat::Auto,
@@ -717,7 +683,7 @@ impl ConsumerBuilder {
     /// assert!(consumer.is_ok());
     /// ```
     pub fn on_event(mut self, hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
-        self.events = EventHook::new(hook);
+        self.on_event = Some(OnEvent::new(hook));
         self
     }
 
@@ -827,10 +793,7 @@ impl ConsumerBuilder {
                         ),
                     });
                 }
-                Some(FanOut {
-                    consumer_name,
-                    consumer_arn: Arc::default(),
-                })
+                Some(consumer_name)
             }
             None => None,
         };
@@ -962,7 +925,7 @@ impl ConsumerBuilder {
             idle_read_interval: positive("idle_read_interval", self.idle_read_interval)?,
             fan_out,
             prefetch_batches: self.prefetch_batches,
-            read_ahead: ReadAhead::new(self.read_ahead_bytes),
+            read_ahead_bytes: self.read_ahead_bytes,
             checkpoint: self.checkpoint.clone(),
             lease_duration,
             renew_interval,
@@ -977,7 +940,7 @@ impl ConsumerBuilder {
             lease_call_timeout,
             read_call_timeout: positive("read_call_timeout", self.read_call_timeout)?,
             seed,
-            events: self.events.clone(),
+            on_event: self.on_event.clone(),
             concurrency: self.concurrency,
             max_concurrent_calls: self.max_concurrent_calls,
             header_format: self.header_format,

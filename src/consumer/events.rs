@@ -104,6 +104,23 @@ pub enum ShardEvent {
 
 type Hook = Arc<dyn Fn(&ShardEvent) + Send + Sync>;
 
+/// The hook the user gave [`ConsumerBuilder::on_event`](super::ConsumerBuilder::on_event),
+/// as it was given; the worker calls it through an [`EventHook`].
+#[derive(Clone)]
+pub(crate) struct OnEvent(Hook);
+
+impl OnEvent {
+    pub(crate) fn new(hook: impl Fn(&ShardEvent) + Send + Sync + 'static) -> Self {
+        OnEvent(Arc::new(hook))
+    }
+}
+
+impl fmt::Debug for OnEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<hook>")
+    }
+}
+
 /// The user's hook, shared by the worker's tasks, and whether events built from a batch
 /// name the shard `stream/shardId` (multi-stream mode).
 #[derive(Clone)]
@@ -132,6 +149,17 @@ impl EventHook {
             })),
             false,
         )
+    }
+
+    /// The user's hook, if any, supervised as [`Self::new`] says.
+    pub(crate) fn supervised(hook: Option<&OnEvent>) -> Self {
+        match hook {
+            Some(OnEvent(hook)) => {
+                let hook = hook.clone();
+                EventHook::new(move |event: &ShardEvent| hook(event))
+            }
+            None => EventHook::none(),
+        }
     }
 
     /// The hook for the handlers of a multi-stream consumer: [`Self::shard_name`] names

@@ -10,11 +10,16 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::ack::ShardProgress;
-
 /// How many failures in a row (reads or handler calls, nothing succeeding in between)
 /// make a shard count as failing.
 pub const FAILING_AFTER: u32 = 3;
+
+/// A reading shard's progress as health measures it: implemented by the shard's
+/// watermark, so health does not depend on the shard's path.
+pub(crate) trait Progress: std::fmt::Debug + Send + Sync {
+    /// Since when records have waited with none handled; `None` while nothing waits.
+    fn waiting_since(&self) -> Option<Instant>;
+}
 
 /// A snapshot of a worker's health.
 ///
@@ -105,7 +110,7 @@ impl Health {
 struct ShardState {
     progress_at: Instant,
     /// The shard's watermark once it reads (see [`HealthState::watch`]).
-    watermark: Option<Arc<ShardProgress>>,
+    watermark: Option<Arc<dyn Progress>>,
     failures: u32,
     last_error: Option<String>,
 }
@@ -188,7 +193,7 @@ impl HealthState {
     }
 
     /// `shard` reads: its progress is measured on `watermark` from now on.
-    pub(crate) fn watch(&self, shard: &str, watermark: Arc<ShardProgress>) {
+    pub(crate) fn watch(&self, shard: &str, watermark: Arc<dyn Progress>) {
         if let Some(s) = self.lock().shards.get_mut(&self.name(shard)) {
             s.watermark = Some(watermark);
         }

@@ -35,20 +35,19 @@
 //! # }
 //! ```
 //!
-//! Inside, a `coordinator` per worker manages leases and starts a `shard` task per
-//! held lease; each shard task runs a `reader` and commits the watermark of
-//! acknowledged records.
+//! Inside, a `coordinator` per worker manages leases and starts a task per held lease
+//! from `shard`, the per-shard path: the task runs a reader, dispatch hands batches to
+//! the service, and the task commits the watermark of acknowledged records.
 
 mod balance;
 mod config;
+mod context;
 mod coordinator;
 mod deadline;
-mod dispatch;
 mod events;
 mod health;
 mod panics;
-pub(crate) mod read_ahead;
-mod reader;
+mod read_ahead;
 mod shard;
 mod streams;
 
@@ -74,13 +73,14 @@ pub use config::{
     DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
     DEFAULT_STUCK_AFTER, MAX_STUCK_AFTER,
 };
-use dispatch::{Sink, SpawnDispatch};
+use context::WorkerContext;
 pub use events::ShardEvent;
 use health::HealthState;
 pub use health::{Health, ShardHealth, FAILING_AFTER};
+use shard::dispatch::{self, Sink, SpawnDispatch};
 use streams::Group;
 
-use crate::metrics::{Labels, Measured};
+use crate::metrics::Measured;
 
 /// Why a consumer stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +170,7 @@ impl ConsumerError {
 /// A consumer of one stream as one worker of a consumer group.
 pub struct Consumer {
     config: Arc<Config>,
+    worker: WorkerContext,
     kinesis: Arc<dyn KinesisApi>,
     store: Arc<dyn LeaseStore>,
     shutdown: CancellationToken,
@@ -182,6 +183,7 @@ impl ConsumerBuilder {
         let config = self.validate()?;
         let backend = self.take_backend()?;
         Ok(Consumer {
+            worker: WorkerContext::new(&config),
             kinesis: backend.kinesis(),
             store: backend.lease_store(&config.lease_table),
             config: Arc::new(config),
@@ -206,7 +208,7 @@ impl Consumer {
     /// The event hook of the handlers' tasks: in multi-stream mode their events name
     /// the shard `stream/shardId`, as the coordinators' do.
     fn handler_events(&self) -> events::EventHook {
-        let events = self.config.events.clone();
+        let events = self.worker.events.clone();
         if self.config.streams.is_some() {
             events.naming_streams()
         } else {
@@ -254,7 +256,7 @@ impl Consumer {
         #[cfg(feature = "opentelemetry")]
         let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
-        let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
+        let service = Measured::new(panics::CatchPanic::new(service), &self.config.labels());
         let (per_shard, per_key) = match self.config.concurrency {
             Concurrency::PerKey(n) => (n, true),
             Concurrency::Unordered(n) => (n, false),
@@ -316,7 +318,7 @@ impl Consumer {
         #[cfg(feature = "opentelemetry")]
         let service = crate::trace::Traced::new(service);
         // Inside the metrics, so a panic is timed and counted like any failed call.
-        let service = Measured::new(panics::CatchPanic::new(service), &Labels::of(&self.config));
+        let service = Measured::new(panics::CatchPanic::new(service), &self.config.labels());
         self.run_with(spawn_with(service, move |rx, service| {
             tokio::spawn(dispatch::batches(rx, service, events.clone()))
         }))
@@ -338,6 +340,7 @@ impl Consumer {
         let (tx, rx) = mpsc::channel(self.config.prefetch_batches.max(1) * 4);
         let group = Group::new(
             self.config.clone(),
+            self.worker.clone(),
             self.kinesis.clone(),
             self.store.clone(),
             Sink::Shared(tx),
@@ -420,6 +423,7 @@ impl Run {
         let shutdown = consumer.shutdown.clone();
         let group = Group::new(
             consumer.config,
+            consumer.worker,
             consumer.kinesis,
             consumer.store,
             Sink::PerShard(spawn),

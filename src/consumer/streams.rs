@@ -11,17 +11,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::kinesis::KinesisApi;
 use crate::lease::{LeaseStore, SharedListing};
-use crate::metrics::Labels;
 
 use super::config::{stream_name, Config, StreamList};
+use super::context::WorkerContext;
 use super::coordinator::Coordinator;
-use super::dispatch::Sink;
 use super::health::HealthState;
+use super::shard::dispatch::Sink;
 use super::ConsumerError;
 
 /// A consumer's worker: its coordinators and their shared health.
 pub(crate) struct Group {
     config: Arc<Config>,
+    worker: WorkerContext,
     kinesis: Arc<dyn KinesisApi>,
     store: Arc<dyn LeaseStore>,
     sink: Sink,
@@ -31,6 +32,7 @@ pub(crate) struct Group {
 impl Group {
     pub(crate) fn new(
         config: Arc<Config>,
+        worker: WorkerContext,
         kinesis: Arc<dyn KinesisApi>,
         store: Arc<dyn LeaseStore>,
         sink: Sink,
@@ -38,6 +40,7 @@ impl Group {
         Group {
             health: HealthState::new(config.lease_duration, config.stuck_after),
             config,
+            worker,
             kinesis,
             store,
             sink,
@@ -55,6 +58,7 @@ impl Group {
         let Some(list) = self.config.streams.clone() else {
             let coordinator = Coordinator::new(
                 self.config.clone(),
+                self.worker.clone(),
                 self.kinesis.clone(),
                 self.store.clone(),
                 self.sink.clone(),
@@ -70,7 +74,7 @@ impl Group {
         let store: Arc<dyn LeaseStore> = Arc::new(SharedListing::new(
             self.store.clone(),
             self.config.renew_interval / 8,
-            Labels::of(&self.config),
+            self.config.labels(),
         ));
         let (mut watched, tolerant) = match list {
             StreamList::Fixed(names) => (watch::channel(names).1, false),
@@ -101,6 +105,7 @@ impl Group {
                     running.insert(stream.clone(), stop.clone());
                     let coordinator = Coordinator::new(
                         Arc::new(self.config.for_stream(stream)),
+                        self.worker.for_stream(stream),
                         self.kinesis.clone(),
                         store.clone(),
                         self.sink.clone(),

@@ -9,9 +9,9 @@ use tokio::time::Instant;
 
 use crate::kinesis::{KinesisError, SubscriptionEvent};
 
-use super::kinesis::{behind_latest, KinesisState, MemoryKinesis};
 use super::limits::metered_size;
 use super::lock;
+use super::state::{behind_latest, KinesisState};
 
 /// One open subscription of the memory backend.
 pub(super) struct MemSubscription {
@@ -97,9 +97,7 @@ impl MemSubscription {
                 format!("shard {} of {}", self.shard_id, self.stream).into(),
             )));
         };
-        let start = self
-            .next
-            .max(MemoryKinesis::first_retained(s, &shard.records));
+        let start = self.next.max(s.first_retained(&shard.records));
         let mut end = (start + self.max_records).min(shard.records.len());
         let sizes = shard.records[start..end]
             .iter()
@@ -148,12 +146,12 @@ impl MemSubscription {
             Vec::new()
         };
         let millis_behind_latest = behind_latest(&shard.records, end);
-        if MemoryKinesis::draw(s, |f| f.error) {
+        if s.draw(|f| f.error) {
             return Step::Event(Err(KinesisError::Other(
                 "injected service error in the subscription".into(),
             )));
         }
-        let cut_short = may_cut_short && MemoryKinesis::draw_cut_short(s);
+        let cut_short = may_cut_short && s.draw_cut_short();
         self.next = end;
         Step::Event(Ok(SubscriptionEvent {
             records,

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -18,74 +18,13 @@ use crate::kinesis::{
 use crate::sequence::SequenceNumber;
 
 use super::fan_out::MemSubscription;
+use super::faults::KinesisFaults;
 use super::limits::{metered_size, KinesisLimits, Meters, ReadRefusal};
 use super::lock;
-
-/// Faults the memory stream injects, drawn from a seeded generator.
-#[derive(Clone, Debug, Default)]
-pub struct KinesisFaults {
-    /// Probability that a GetRecords, PutRecords or SubscribeToShard call is throttled.
-    pub throttle: f64,
-    /// Probability that a GetRecords call finds its iterator expired.
-    pub expire_iterator: f64,
-    /// Probability that a call fails with a transient service error; for a subscription,
-    /// that one of its events is an error instead (which ends the subscription).
-    pub error: f64,
-    /// Probability that one entry of a PutRecords call fails (a partial failure).
-    pub put_entry_failure: f64,
-    /// Probability that GetRecords on an open shard answers without a next iterator
-    /// (an emulator bug; a reader must not take it for the end of the shard).
-    pub missing_next_iterator: f64,
-    /// Seed of the generator.
-    pub seed: u64,
-}
-
-pub(super) struct MemShard {
-    pub(super) info: ShardInfo,
-    pub(super) records: Vec<Record>,
-}
-
-pub(super) struct MemStream {
-    pub(super) shards: Vec<MemShard>,
-    pub(super) updating: bool,
-    /// Creation time, epoch seconds (see [`MemoryKinesis::delete_stream`]).
-    pub(super) created: u64,
-}
+use super::state::{behind_latest, KinesisState, MemShard, MemStream};
 
 /// The account every embedded stream belongs to (in its ARN and multi-stream lease keys).
 pub const MEMORY_ACCOUNT: &str = "000000000000";
-
-pub(super) struct KinesisState {
-    pub(super) streams: HashMap<String, MemStream>,
-    pub(super) next_sequence: u128,
-    pub(super) faults: KinesisFaults,
-    pub(super) rng: SmallRng,
-    pub(super) iterator_ttl: Duration,
-    pub(super) retention: Option<Duration>,
-    /// Added to every read call (see [`MemoryKinesis::set_latency`]).
-    pub(super) latency: Duration,
-    pub(super) epoch: Instant,
-    /// Registered enhanced fan-out consumers: ARN to stream name.
-    pub(super) consumers: HashMap<String, String>,
-    pub(super) subscription_lifetime: Duration,
-    pub(super) max_records_per_event: usize,
-    pub(super) heartbeat_interval: Duration,
-    pub(super) report_shard_end: bool,
-    /// Bumped by [`MemoryKinesis::interrupt_subscriptions`]: subscriptions opened before
-    /// fail.
-    pub(super) interruptions: u64,
-    /// See [`MemoryKinesis::set_cut_short_reads`].
-    pub(super) cut_short: f64,
-    /// Shards the next ListShards answers leave out, and how many answers still do.
-    pub(super) stale_list_shards: HashMap<String, u32>,
-    /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
-    pub(super) shard_not_found: HashMap<String, u32>,
-    /// The creation time of the last stream of each name: a stream created again gets a
-    /// later one, as on AWS.
-    pub(super) created: HashMap<String, u64>,
-    /// Throughput limits in force and every shard's budget (see [`KinesisLimits`]).
-    pub(super) meters: Meters,
-}
 
 /// An in-process Kinesis: streams of shards holding records.
 pub struct MemoryKinesis {
@@ -269,15 +208,6 @@ impl MemoryKinesis {
             .unwrap_or_default()
     }
 
-    pub(super) fn draw(s: &mut KinesisState, fault: fn(&KinesisFaults) -> f64) -> bool {
-        let probability = fault(&s.faults);
-        probability > 0.0 && s.rng.gen_bool(probability.min(1.0))
-    }
-
-    pub(super) fn draw_cut_short(s: &mut KinesisState) -> bool {
-        s.cut_short > 0.0 && s.rng.gen_bool(s.cut_short.min(1.0))
-    }
-
     fn sequence(s: &mut KinesisState) -> SequenceNumber {
         s.next_sequence += 1;
         // 56 digits like real sequence numbers; only digits, so `new` cannot fail.
@@ -355,29 +285,17 @@ impl MemoryKinesis {
     /// The index of the first record at or after `from`.
     fn start_index(s: &KinesisState, records: &[Record], from: &StartingPosition) -> usize {
         match from {
-            StartingPosition::TrimHorizon => Self::first_retained(s, records),
+            StartingPosition::TrimHorizon => s.first_retained(records),
             StartingPosition::Latest => records.len(),
             StartingPosition::AtTimestamp(t) => records
                 .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
-                .max(Self::first_retained(s, records)),
+                .max(s.first_retained(records)),
             StartingPosition::AtSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number < *seq)
             }
             StartingPosition::AfterSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number <= *seq)
             }
-        }
-    }
-
-    pub(super) fn first_retained(s: &KinesisState, records: &[Record]) -> usize {
-        match (
-            s.retention,
-            SystemTime::now().checked_sub(s.retention.unwrap_or_default()),
-        ) {
-            (Some(_), Some(cutoff)) => {
-                records.partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff))
-            }
-            _ => 0,
         }
     }
 }
@@ -430,7 +348,7 @@ impl KinesisApi for MemoryKinesis {
     ) -> Result<String, KinesisError> {
         self.delay().await;
         let mut s = lock(&self.state);
-        if Self::draw(&mut s, |f| f.error) {
+        if s.draw(|f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
         }
         if Self::use_fault(&mut s.shard_not_found, shard_id) {
@@ -457,15 +375,15 @@ impl KinesisApi for MemoryKinesis {
             .duration_since(s.epoch)
             .as_millis()
             .saturating_sub(issued);
-        if age > s.iterator_ttl.as_millis() || Self::draw(&mut s, |f| f.expire_iterator) {
+        if age > s.iterator_ttl.as_millis() || s.draw(|f| f.expire_iterator) {
             return Err(KinesisError::ExpiredIterator(
                 format!("iterator for {shard_id} is {age} ms old").into(),
             ));
         }
-        if Self::draw(&mut s, |f| f.throttle) {
+        if s.draw(|f| f.throttle) {
             return Err(KinesisError::Throttled("injected throttle".into()));
         }
-        if Self::draw(&mut s, |f| f.error) {
+        if s.draw(|f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
         }
         if let Err(refusal) = s.meters.admit_read(stream, shard_id) {
@@ -483,8 +401,8 @@ impl KinesisApi for MemoryKinesis {
                 .into(),
             ));
         }
-        let missing_next = Self::draw(&mut s, |f| f.missing_next_iterator);
-        let cut_short = Self::draw_cut_short(&mut s);
+        let missing_next = s.draw(|f| f.missing_next_iterator);
+        let cut_short = s.draw_cut_short();
         let st = s
             .streams
             .get(stream)
@@ -495,7 +413,7 @@ impl KinesisApi for MemoryKinesis {
             .find(|sh| sh.info.shard_id == shard_id)
             .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}").into()))?;
         let start = index
-            .max(Self::first_retained(&s, &shard.records))
+            .max(s.first_retained(&shard.records))
             .min(shard.records.len());
         let mut end = (start + limit.max(1) as usize).min(shard.records.len());
         let mut bytes: u64 = 0;
@@ -542,7 +460,7 @@ impl KinesisApi for MemoryKinesis {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         let mut s = lock(&self.state);
-        if Self::draw(&mut s, |f| f.throttle) {
+        if s.draw(|f| f.throttle) {
             return Err(KinesisError::Throttled("injected throttle".into()));
         }
         if !s.streams.contains_key(stream) {
@@ -550,7 +468,7 @@ impl KinesisApi for MemoryKinesis {
         }
         let mut outcomes = Vec::with_capacity(records.len());
         for r in records {
-            if Self::draw(&mut s, |f| f.put_entry_failure) {
+            if s.draw(|f| f.put_entry_failure) {
                 outcomes.push(PutOutcome::Failed {
                     code: "ProvisionedThroughputExceededException".into(),
                     message: "injected partial failure".into(),
@@ -631,12 +549,12 @@ impl KinesisApi for MemoryKinesis {
         from: &StartingPosition,
     ) -> Result<Subscription, KinesisError> {
         let mut s = lock(&self.state);
-        if Self::draw(&mut s, |f| f.throttle) {
+        if s.draw(|f| f.throttle) {
             return Err(KinesisError::Throttled(
                 "injected throttle (LimitExceededException)".into(),
             ));
         }
-        if Self::draw(&mut s, |f| f.error) {
+        if s.draw(|f| f.error) {
             return Err(KinesisError::Other("injected service error".into()));
         }
         let stream = s
@@ -789,17 +707,5 @@ impl StreamAdmin for MemoryKinesis {
         drop(s);
         self.changes.send_replace(());
         Ok(())
-    }
-}
-
-/// How far a read that ended before `records[end]` is behind the newest record.
-pub(super) fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
-    match records.last() {
-        Some(last) if end < records.len() && end > 0 => last
-            .approximate_arrival
-            .zip(records[end - 1].approximate_arrival)
-            .and_then(|(l, r)| l.duration_since(r).ok())
-            .map(|d| d.as_millis() as i64),
-        _ => Some(0),
     }
 }

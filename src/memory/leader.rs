@@ -11,8 +11,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::lease::{CoordinatorState, LeaderItem, LeaseError};
 
+use super::faults::LeaseFaults;
 use super::lock;
-use super::LeaseFaults;
 
 struct State {
     items: BTreeMap<String, LeaderItem>,

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::rngs::SmallRng;
@@ -13,23 +12,8 @@ use crate::lease::{Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore};
 
 use super::MemoryCoordinatorState;
 
+use super::faults::LeaseFaults;
 use super::lock;
-
-/// Faults the memory lease store injects, drawn from a seeded generator.
-#[derive(Clone, Debug, Default)]
-pub struct LeaseFaults {
-    /// Probability that a write fails before it is applied.
-    pub fail_before_write: f64,
-    /// Probability that a write is applied but the caller sees an error (a timeout
-    /// after the write landed: the ambiguous case).
-    pub fail_after_write: f64,
-    /// Probability that a call is throttled.
-    pub throttle: f64,
-    /// Delay added to every call (simulated round trip; honours tokio's paused clock).
-    pub latency: Duration,
-    /// Seed of the generator.
-    pub seed: u64,
-}
 
 struct LeaseState {
     rows: BTreeMap<String, Lease>,

@@ -25,14 +25,17 @@
 //! file the backend that bundles them.
 
 mod fan_out;
+mod faults;
 mod kinesis;
 mod leader;
 mod leases;
 mod limits;
+mod state;
 
-pub use kinesis::{KinesisFaults, MemoryKinesis, MEMORY_ACCOUNT};
+pub use faults::{KinesisFaults, LeaseFaults};
+pub use kinesis::{MemoryKinesis, MEMORY_ACCOUNT};
 pub use leader::MemoryCoordinatorState;
-pub use leases::{LeaseFaults, MemoryLeaseStore, RowsRead};
+pub use leases::{MemoryLeaseStore, RowsRead};
 pub use limits::KinesisLimits;
 
 use std::collections::HashMap;

@@ -116,7 +116,7 @@ impl Coordinator {
         for key in self.health.unreadable_rows(unreadable.clone()) {
             let reason = unreadable.get(key.as_str()).copied().unwrap_or_default();
             tracing::warn!(lease = %key, %reason, "a lease row does not parse: its shard and its children are not read until it is repaired");
-            self.config.events.emit(|| ShardEvent::RowUnreadable {
+            self.worker.events.emit(|| ShardEvent::RowUnreadable {
                 shard: key.clone(),
                 reason: reason.to_owned(),
             });

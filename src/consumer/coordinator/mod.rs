@@ -33,11 +33,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::consumer::config::Config;
+use crate::consumer::context::WorkerContext;
 use crate::consumer::deadline::{BoundedKinesis, BoundedLeaseStore};
-use crate::consumer::dispatch::Sink;
 use crate::consumer::events::ShardEvent;
 use crate::consumer::health::HealthState;
 use crate::consumer::panics::panic_message;
+use crate::consumer::shard::dispatch::Sink;
 use crate::consumer::shard::ShardExit;
 use crate::consumer::ConsumerError;
 use crate::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
@@ -87,6 +88,8 @@ fn lock(held: &HeldSet) -> MutexGuard<'_, BTreeMap<String, Arc<HeldLease>>> {
 /// A worker's lease manager for one stream (see the module docs).
 pub(crate) struct Coordinator {
     config: Arc<Config>,
+    /// The worker's runtime parts (events, read-ahead budget, fan-out consumer).
+    worker: WorkerContext,
     kinesis: Arc<dyn KinesisApi>,
     store: Arc<dyn LeaseStore>,
     stream: Arc<str>,
@@ -188,6 +191,7 @@ pub(crate) struct Coordinator {
 impl Coordinator {
     pub(crate) fn new(
         config: Arc<Config>,
+        worker: WorkerContext,
         kinesis: Arc<dyn KinesisApi>,
         store: Arc<dyn LeaseStore>,
         sink: Sink,
@@ -199,9 +203,9 @@ impl Coordinator {
         let kinesis: Arc<dyn KinesisApi> = Arc::new(BoundedKinesis::new(
             kinesis,
             config.read_call_timeout,
-            Labels::of(&config),
+            config.labels(),
         ));
-        let store = BoundedLeaseStore::new(store, config.lease_call_timeout, Labels::of(&config));
+        let store = BoundedLeaseStore::new(store, config.lease_call_timeout, config.labels());
         let coordination = store.coordinator_state();
         // Multi-stream: the worker's shared listing counts the Scans (streams.rs).
         let store: Arc<dyn LeaseStore> = Arc::new(if multi_stream {
@@ -210,7 +214,7 @@ impl Coordinator {
             store
         });
         Coordinator {
-            labels: Labels::of(&config),
+            labels: config.labels(),
             health,
             multi_stream,
             identity: None,
@@ -219,6 +223,7 @@ impl Coordinator {
             stream: config.stream.as_str().into(),
             rng: SmallRng::seed_from_u64(config.seed),
             config,
+            worker,
             kinesis,
             store,
             sink,
@@ -429,7 +434,7 @@ impl Coordinator {
             self.scope_to_stream().await?;
         }
         self.sync_shards().await?;
-        if let Some(fan_out) = &self.config.fan_out {
+        if let Some(fan_out) = &self.worker.fan_out {
             fan_out
                 .consumer_arn(self.kinesis.as_ref(), &self.stream)
                 .await?;
@@ -476,7 +481,7 @@ impl Coordinator {
                 // A round runs at once after a shard ended (its children may be ready)
                 // and after a failed hand-over (the lease may still be ours to run).
                 let mut round_now = matches!(exit, ShardExit::Ended);
-                let events = &self.config.events;
+                let events = &self.worker.events;
                 let shard = || key.clone();
                 match exit {
                     ShardExit::Lost => {

@@ -11,8 +11,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::consumer::dispatch::Sink;
 use crate::consumer::events::ShardEvent;
+use crate::consumer::shard::dispatch::Sink;
 use crate::consumer::shard::ShardTask;
 use crate::lease::{with_retries, HeldLease, Lease, LeaseStore};
 
@@ -83,6 +83,7 @@ impl Coordinator {
             health: self.health.clone(),
             shard_id: key.as_str().into(),
             config: self.config.clone(),
+            worker: self.worker.clone(),
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
             hash_range,
@@ -101,7 +102,7 @@ impl Coordinator {
             .instrument(span),
         );
         tracing::info!(lease = %key, "reading shard");
-        self.config
+        self.worker
             .events
             .emit(|| ShardEvent::LeaseTaken { shard: key.clone() });
         lock(&self.held).insert(key.clone(), lease.clone());
@@ -141,7 +142,7 @@ impl Coordinator {
             slot.task.abort();
             let _ = slot.task.await;
             release(&slot.lease, &key).await;
-            self.config
+            self.worker
                 .events
                 .emit(|| ShardEvent::Released { shard: key.clone() });
         }

@@ -1,6 +1,6 @@
 //! Hands a shard's batches to the user's service in `run` mode: record by record (in
 //! sequence order, each awaited), records concurrently (per partition key or unordered,
-//! see [`Concurrency`](super::Concurrency)), or batch by batch, turning the outcome into
+//! see [`Concurrency`](crate::consumer::Concurrency)), or batch by batch, turning the outcome into
 //! acknowledgements.
 
 use std::collections::{HashMap, VecDeque};
@@ -14,9 +14,9 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
 use tower::{Service, ServiceExt};
 
-use super::events::{EventHook, ShardEvent};
-use crate::ack::{AckHandle, RecordMarks};
-use crate::message::{Batch, Message};
+use super::ack::RecordMarks;
+use crate::consumer::events::{EventHook, ShardEvent};
+use crate::message::{AckHandle, Batch, Message};
 use crate::sequence::Position;
 
 /// Starts the task that hands one shard's batches to the user's service.
@@ -138,7 +138,7 @@ pub(crate) async fn batches<S>(
     }
 }
 
-/// The limits of concurrent dispatch (see [`Concurrency`](super::Concurrency)).
+/// The limits of concurrent dispatch (see [`Concurrency`](crate::consumer::Concurrency)).
 #[derive(Clone, Debug)]
 pub(crate) struct Limits {
     /// Calls in flight per shard.
@@ -449,7 +449,7 @@ impl Window {
 }
 
 /// Calls `service` concurrently for the records of a shard (see
-/// [`Concurrency`](super::Concurrency)): per partition key in sequence order when
+/// [`Concurrency`](crate::consumer::Concurrency)): per partition key in sequence order when
 /// `limits.per_key`, at most `limits.per_shard` calls in flight, each holding a place of
 /// the worker-wide `limits.worker`. Each batch's handled prefix is acknowledged as it
 /// grows; on the first failure nothing new starts, the calls in flight finish, and the

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::ack::{Mark, ShardProgress};
+use super::ack::{Mark, ShardProgress};
 use crate::aggregation::{self, Deaggregated, MisplacedUserRecords};
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisApi, KinesisError, Record, StartingPosition};
@@ -21,9 +21,10 @@ use crate::message::{Batch, Message, Metadata};
 use crate::metrics::ShardMetrics;
 use crate::sequence::{Position, SequenceNumber};
 
-use super::config::{Config, FanOut, InitialPosition};
-use super::health::HealthState;
-use super::read_ahead::MESSAGE_OVERHEAD;
+use crate::consumer::config::{Config, InitialPosition};
+use crate::consumer::context::{FanOut, WorkerContext};
+use crate::consumer::health::HealthState;
+use crate::consumer::read_ahead::MESSAGE_OVERHEAD;
 
 /// What a reader waiting for the worker's read-ahead budget waits on (a health reason).
 const READ_AHEAD: &str =
@@ -32,6 +33,7 @@ const READ_AHEAD: &str =
 /// Everything a shard's reader needs.
 pub(crate) struct ShardReader {
     pub(crate) config: Arc<Config>,
+    pub(crate) worker: WorkerContext,
     pub(crate) kinesis: Arc<dyn KinesisApi>,
     pub(crate) stream: Arc<str>,
     pub(crate) shard_id: Arc<str>,
@@ -67,13 +69,13 @@ impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with
     /// the watermark and returns `Ok`) or a fatal error. Runs until dropped otherwise.
     /// Polls, or subscribes when the consumer was built with
-    /// [`fan_out`](super::ConsumerBuilder::fan_out).
+    /// [`fan_out`](crate::consumer::ConsumerBuilder::fan_out).
     pub(crate) async fn read(
         &self,
         start: Checkpoint,
         backoff: &mut Backoff,
     ) -> Result<(), KinesisError> {
-        match &self.config.fan_out {
+        match &self.worker.fan_out {
             Some(fan_out) => self.subscribe(fan_out, start, backoff).await,
             None => self.poll(start, backoff).await,
         }
@@ -117,7 +119,7 @@ impl ShardReader {
             };
             let reserved = {
                 let _blocked = self.progress.blocked_on(READ_AHEAD);
-                self.config.read_ahead.reserve(estimate).await
+                self.worker.read_ahead.reserve(estimate).await
             };
             let page = match self.kinesis.get_records(&it, limit).await {
                 Ok(page) => page,
@@ -400,7 +402,7 @@ impl ShardReader {
             .sum();
         let share = {
             let _blocked = self.progress.blocked_on(READ_AHEAD);
-            self.config.read_ahead.take(reserved, accounted).await
+            self.worker.read_ahead.take(reserved, accounted).await
         };
         // Room first, then register: a batch registered but never sent (the reader
         // dropped while waiting for room) would hold every drain until its timeout.
@@ -419,7 +421,8 @@ impl ShardReader {
             .progress
             .register(Mark::At(last.clone()))
             .tracking(in_flight)
-            .holding(share);
+            .holding(share)
+            .into_handle();
         *handled = Checkpoint::At(last);
         permit.send(Batch {
             stream: self.stream.clone(),

@@ -9,17 +9,18 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use crate::ack::ShardProgress;
+use super::ack::ShardProgress;
 use crate::backoff::Backoff;
 use crate::kinesis::KinesisApi;
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
 use crate::metrics::{Labels, ShardMetrics};
 
-use super::config::{CheckpointPolicy, Config, InitialPosition};
-use super::events::ShardEvent;
-use super::health::HealthState;
 use super::reader::ShardReader;
+use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
+use crate::consumer::context::WorkerContext;
+use crate::consumer::events::ShardEvent;
+use crate::consumer::health::HealthState;
 
 /// How a shard task ended.
 #[derive(Debug)]
@@ -37,6 +38,7 @@ pub(crate) enum ShardExit {
 
 pub(crate) struct ShardTask {
     pub(crate) config: Arc<Config>,
+    pub(crate) worker: WorkerContext,
     pub(crate) kinesis: Arc<dyn KinesisApi>,
     pub(crate) stream: Arc<str>,
     /// The shard's hash-key range, when discovery saw the shard.
@@ -103,6 +105,7 @@ impl ShardTask {
             metrics: metrics.clone(),
             health: self.health.clone(),
             config: self.config.clone(),
+            worker: self.worker.clone(),
             kinesis: self.kinesis.clone(),
             stream: self.stream.clone(),
             shard_id: shard_id.clone(),
@@ -364,7 +367,7 @@ impl StuckWatch {
                 tracing::warn!(shard = %self.shard_id, ?waited, reason = reason.as_deref().unwrap_or("a handler call has not returned"), "shard stuck: records wait and none was handled");
                 self.since = Some(Instant::now());
                 self.metrics.stuck.increment(1.0);
-                task.config.events.emit(|| ShardEvent::Stuck {
+                task.worker.events.emit(|| ShardEvent::Stuck {
                     shard: self.shard_id.to_string(),
                     waited,
                     reason,
@@ -375,7 +378,7 @@ impl StuckWatch {
                 tracing::info!(shard = %self.shard_id, ?stuck_for, "shard makes progress again");
                 self.since = None;
                 self.metrics.stuck.decrement(1.0);
-                task.config.events.emit(|| ShardEvent::Unstuck {
+                task.worker.events.emit(|| ShardEvent::Unstuck {
                     shard: self.shard_id.to_string(),
                     stuck_for,
                 });

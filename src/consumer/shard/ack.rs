@@ -1,7 +1,8 @@
 //! Acknowledgements, in memory (the durable checkpoint is [`crate::lease::Checkpoint`],
 //! written by the shard task): per-shard progress, the [`Watermark`] of acknowledged
-//! records, the [`AckHandle`] a batch carries to move it, and [`RecordMarks`] for
-//! records of a batch that finish out of order (per-key concurrency).
+//! records, the [`ShardAck`] behind the [`AckHandle`] a batch carries to move it, and
+//! [`RecordMarks`] for records of a batch that finish out of order (per-key
+//! concurrency).
 //!
 //! Batches of a shard are registered in delivery order; handlers may acknowledge them in
 //! any order. The watermark is the last position of the longest prefix of acknowledged
@@ -14,11 +15,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::consumer::health::Progress;
 use crate::consumer::read_ahead::ReadAheadShare;
 use crate::lease::{Checkpoint, HeldLease};
+use crate::message::{AckHandle, Acknowledge};
 use crate::metrics::InFlight;
 use crate::sequence::Position;
 
@@ -316,7 +320,7 @@ impl std::fmt::Debug for ShardProgress {
 
 impl ShardProgress {
     /// Progress starting at `start`; batches start only while `lease` was renewed within
-    /// `fresh_for` (see [`AckHandle::wait_start`]).
+    /// `fresh_for` (see [`ShardAck::wait_start`]).
     pub(crate) fn new(start: Checkpoint, lease: Arc<HeldLease>, fresh_for: Duration) -> Arc<Self> {
         Arc::new(ShardProgress {
             watermark: Mutex::new(Watermark::new(start)),
@@ -408,11 +412,11 @@ impl ShardProgress {
     }
 
     /// Registers a unit and returns the handle that acknowledges it.
-    pub(crate) fn register(self: &Arc<Self>, last: Mark) -> AckHandle {
+    pub(crate) fn register(self: &Arc<Self>, last: Mark) -> ShardAck {
         let mut w = self.lock();
         let generation = w.generation();
         let id = w.register(last, false);
-        AckHandle {
+        ShardAck {
             progress: self.clone(),
             id,
             generation,
@@ -427,7 +431,7 @@ impl ShardProgress {
     }
 
     /// Gives unit `id` up for good and makes the shard read again from its watermark
-    /// (see [`AckHandle::nack`]); with `only_open`, only while the unit is still being
+    /// (see [`ShardAck::nack`]); with `only_open`, only while the unit is still being
     /// worked on. Returns whether it did.
     fn fail(&self, id: u64, generation: u64, only_open: bool) -> bool {
         {
@@ -475,6 +479,12 @@ impl ShardProgress {
     }
 }
 
+impl Progress for ShardProgress {
+    fn waiting_since(&self) -> Option<Instant> {
+        ShardProgress::waiting_since(self)
+    }
+}
+
 /// While alive, the shard's reader waits for room outside the shard (see
 /// [`ShardProgress::blocked_on`]).
 pub(crate) struct Blocked<'a>(&'a ShardProgress);
@@ -485,11 +495,11 @@ impl Drop for Blocked<'_> {
     }
 }
 
-/// Acknowledges one delivered batch. Cheap to clone; acknowledging twice is harmless.
-/// Dropping the last clone of a batch neither acknowledged nor given up counts as a
-/// [`AckHandle::nack`]: the batch is delivered again from the checkpoint.
-#[derive(Clone, Debug)]
-pub struct AckHandle {
+/// Acknowledges one delivered batch of a shard: what an [`AckHandle`] does. Dropping
+/// the last [`AckHandle`] of a batch neither acknowledged nor given up counts as a
+/// [`ShardAck::nack`]: the batch is delivered again from the checkpoint.
+#[derive(Debug)]
+pub(crate) struct ShardAck {
     progress: Arc<ShardProgress>,
     id: u64,
     generation: u64,
@@ -502,7 +512,7 @@ pub struct AckHandle {
     _unsettled: Arc<GiveUpOnDrop>,
 }
 
-/// Dropped with the last clone of an [`AckHandle`]: a batch neither acknowledged nor
+/// Dropped with the last [`AckHandle`] of a batch: a batch neither acknowledged nor
 /// given up then (its holder was dropped: a task that panicked, a `stream()` user that
 /// let it go) is failed like a `nack`, so the shard reads it again from its watermark
 /// after the backoff instead of waiting for it until a drain times out.
@@ -523,7 +533,12 @@ impl Drop for GiveUpOnDrop {
     }
 }
 
-impl AckHandle {
+impl ShardAck {
+    /// The handle a batch carries (shared by its clones).
+    pub(crate) fn into_handle(self) -> AckHandle {
+        AckHandle::new(Arc::new(self))
+    }
+
     /// Keeps the batch's metrics guard (see [`InFlight`]).
     pub(crate) fn tracking(mut self, in_flight: Arc<InFlight>) -> Self {
         self.in_flight = Some(in_flight);
@@ -565,7 +580,7 @@ impl AckHandle {
     }
 
     /// Whether the batch may still be started: false once the shard drains or restarted
-    /// after a failure. Work not started then must be given up with [`AckHandle::abandon`].
+    /// after a failure. Work not started then must be given up with [`ShardAck::abandon`].
     pub(crate) fn should_start(&self) -> bool {
         self.progress.accepting.load(Ordering::SeqCst)
             && self.progress.generation.load(Ordering::SeqCst) == self.generation
@@ -580,7 +595,7 @@ impl AckHandle {
 
     /// Waits until the batch may start, then says whether it may: a batch queued before
     /// a long pause (a stalled process, a GC-like stop) starts only once a renewal proved
-    /// the lease is still ours, like a fresh read; false (see [`AckHandle::should_start`])
+    /// the lease is still ours, like a fresh read; false (see [`ShardAck::should_start`])
     /// when the shard drains, restarted or lost its lease meanwhile.
     pub(crate) async fn wait_start(&self) -> bool {
         if !self.progress.lease.is_fresh(self.progress.fresh_for) {
@@ -593,7 +608,7 @@ impl AckHandle {
         self.should_start() && !self.progress.lease.lost().is_cancelled()
     }
 
-    /// Gives the batch up: whatever was not acknowledged (see [`AckHandle::ack_through`])
+    /// Gives the batch up: whatever was not acknowledged (see [`ShardAck::ack_through`])
     /// stays unhandled and is delivered again later.
     pub(crate) fn abandon(&self) {
         self.release_read_ahead();
@@ -607,7 +622,7 @@ impl AckHandle {
         self.progress.handled.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// [`AckHandle::nack`] because the handler failed with `error`: kept as the reason
+    /// [`ShardAck::nack`] because the handler failed with `error`: kept as the reason
     /// the shard makes no progress until its handled position moves again.
     pub(crate) fn nack_because(&self, error: &str) {
         self.progress.lock().reason = Some(error.to_owned());
@@ -615,12 +630,42 @@ impl AckHandle {
     }
 
     /// The batch failed: whatever of it was not acknowledged (see
-    /// [`AckHandle::ack_through`]) is given up for good (a later `ack` is ignored), and
+    /// [`ShardAck::ack_through`]) is given up for good (a later `ack` is ignored), and
     /// the shard stops and reads again from its watermark.
     /// A late `nack` of a batch delivered before the last restart changes nothing.
     pub fn nack(&self) {
         self.release_read_ahead();
         self.progress.fail(self.id, self.generation, false);
+    }
+}
+
+impl Acknowledge for ShardAck {
+    fn ack(&self) {
+        ShardAck::ack(self)
+    }
+    fn ack_through(&self, position: Position) {
+        ShardAck::ack_through(self, position)
+    }
+    fn nack(&self) {
+        ShardAck::nack(self)
+    }
+    fn nack_because(&self, error: &str) {
+        ShardAck::nack_because(self, error)
+    }
+    fn abandon(&self) {
+        ShardAck::abandon(self)
+    }
+    fn record_handled(&self) {
+        ShardAck::record_handled(self)
+    }
+    fn should_start(&self) -> bool {
+        ShardAck::should_start(self)
+    }
+    fn is_current(&self) -> bool {
+        ShardAck::is_current(self)
+    }
+    fn wait_start(&self) -> BoxFuture<'_, bool> {
+        Box::pin(ShardAck::wait_start(self))
     }
 }
 

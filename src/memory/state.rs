@@ -1,0 +1,99 @@
+//! The embedded stream service's state: streams, shards and records, the settings and
+//! faults in force; shared by the API calls (`kinesis`) and open enhanced fan-out
+//! subscriptions (`fan_out`).
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use rand::rngs::SmallRng;
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::kinesis::{Record, ShardInfo};
+
+use super::faults::KinesisFaults;
+use super::limits::Meters;
+
+pub(super) struct MemShard {
+    pub(super) info: ShardInfo,
+    pub(super) records: Vec<Record>,
+}
+
+pub(super) struct MemStream {
+    pub(super) shards: Vec<MemShard>,
+    pub(super) updating: bool,
+    /// Creation time, epoch seconds (see
+    /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).
+    pub(super) created: u64,
+}
+
+pub(super) struct KinesisState {
+    pub(super) streams: HashMap<String, MemStream>,
+    pub(super) next_sequence: u128,
+    pub(super) faults: KinesisFaults,
+    pub(super) rng: SmallRng,
+    pub(super) iterator_ttl: Duration,
+    pub(super) retention: Option<Duration>,
+    /// Added to every read call (see
+    /// [`MemoryKinesis::set_latency`](super::MemoryKinesis::set_latency)).
+    pub(super) latency: Duration,
+    pub(super) epoch: Instant,
+    /// Registered enhanced fan-out consumers: ARN to stream name.
+    pub(super) consumers: HashMap<String, String>,
+    pub(super) subscription_lifetime: Duration,
+    pub(super) max_records_per_event: usize,
+    pub(super) heartbeat_interval: Duration,
+    pub(super) report_shard_end: bool,
+    /// Bumped by
+    /// [`MemoryKinesis::interrupt_subscriptions`](super::MemoryKinesis::interrupt_subscriptions):
+    /// subscriptions opened before fail.
+    pub(super) interruptions: u64,
+    /// See [`MemoryKinesis::set_cut_short_reads`](super::MemoryKinesis::set_cut_short_reads).
+    pub(super) cut_short: f64,
+    /// Shards the next ListShards answers leave out, and how many answers still do.
+    pub(super) stale_list_shards: HashMap<String, u32>,
+    /// Shards GetShardIterator answers NotFound for, and how many calls still get it.
+    pub(super) shard_not_found: HashMap<String, u32>,
+    /// The creation time of the last stream of each name: a stream created again gets a
+    /// later one, as on AWS.
+    pub(super) created: HashMap<String, u64>,
+    /// Throughput limits in force and every shard's budget (see [`KinesisLimits`]).
+    pub(super) meters: Meters,
+}
+
+impl KinesisState {
+    /// Whether the fault `fault` picks strikes this call.
+    pub(super) fn draw(&mut self, fault: fn(&KinesisFaults) -> f64) -> bool {
+        let probability = fault(&self.faults);
+        probability > 0.0 && self.rng.gen_bool(probability.min(1.0))
+    }
+
+    pub(super) fn draw_cut_short(&mut self) -> bool {
+        self.cut_short > 0.0 && self.rng.gen_bool(self.cut_short.min(1.0))
+    }
+
+    /// The index of the first record of `records` still within the retention period.
+    pub(super) fn first_retained(&self, records: &[Record]) -> usize {
+        match (
+            self.retention,
+            SystemTime::now().checked_sub(self.retention.unwrap_or_default()),
+        ) {
+            (Some(_), Some(cutoff)) => {
+                records.partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff))
+            }
+            _ => 0,
+        }
+    }
+}
+
+/// How far a read that ended before `records[end]` is behind the newest record.
+pub(super) fn behind_latest(records: &[Record], end: usize) -> Option<i64> {
+    match records.last() {
+        Some(last) if end < records.len() && end > 0 => last
+            .approximate_arrival
+            .zip(records[end - 1].approximate_arrival)
+            .and_then(|(l, r)| l.duration_since(r).ok())
+            .map(|d| d.as_millis() as i64),
+        _ => Some(0),
+    }
+}
