@@ -122,6 +122,7 @@ pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Spl
 pub use builder::ServiceBuilderExt;
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
+    ProducerSink,
 };
 pub use decode::{Decode, DecodeError, DecodeErrorKind, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};

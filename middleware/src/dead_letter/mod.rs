@@ -38,8 +38,8 @@
 //!
 //! # Dead letters in a stream: the envelope
 //!
-//! A [`Producer`] is a sink as it is (`.dead_letter(producer.for_stream("orders-dlq"))`):
-//! each dead letter is written as a [`DeadLetterEnvelope`] under the original partition
+//! A [`Producer`] becomes a sink through [`ProducerSink`]
+//! (`.dead_letter(ProducerSink::new(producer.for_stream("orders-dlq")?))`): each dead letter is written as a [`DeadLetterEnvelope`] under the original partition
 //! key — a short binary prefix, a JSON header that keeps where the record came from and
 //! why it failed, then the payload's raw bytes (see [`envelope`] for the format). Any
 //! record Kinesis accepted can be dead-lettered this way: a payload too close to the
@@ -146,17 +146,56 @@ impl fmt::Debug for DeadLetterRecord {
     }
 }
 
-/// A producer is a dead-letter sink as it is: each dead letter is written as a
+/// A [`Producer`] as a dead-letter sink: each dead letter is written as a
 /// [`DeadLetterEnvelope`] under the record's own partition key, in one record or, for a
 /// payload close to the 1 MiB limit, in two parts (see [`envelope`]). The response is
 /// where the first part was stored.
-impl Service<DeadLetterRecord> for Producer {
+///
+/// A named adapter rather than a second `Service` implementation on [`Producer`] itself:
+/// with two, `producer.ready()` would not know which request type is meant.
+///
+/// ```no_run
+/// # async fn demo(producer: shardflow::producer::Producer) -> Result<(), Box<dyn std::error::Error>> {
+/// use shardflow_middleware::{ProducerSink, ServiceBuilderExt};
+///
+/// let dlq = ProducerSink::new(producer.for_stream("orders-dlq")?);
+/// let handler = tower::ServiceBuilder::new()
+///     .dead_letter(dlq)
+///     .service_fn(|_msg: shardflow::Message| async { Ok::<_, std::io::Error>(()) });
+/// # let _ = handler;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ProducerSink {
+    producer: Producer,
+}
+
+impl ProducerSink {
+    /// Writes dead letters through `producer`, to the stream it writes to.
+    pub fn new(producer: Producer) -> Self {
+        Self { producer }
+    }
+
+    /// The producer the dead letters are written through (to flush or close it).
+    pub fn producer(&self) -> &Producer {
+        &self.producer
+    }
+}
+
+impl From<Producer> for ProducerSink {
+    fn from(producer: Producer) -> Self {
+        Self::new(producer)
+    }
+}
+
+impl Service<DeadLetterRecord> for ProducerSink {
     type Response = shardflow::Stored;
     type Error = ProduceError;
     type Future = ProducerSinkFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
-        Service::<ProducerRecord>::poll_ready(self, cx)
+        Service::<ProducerRecord>::poll_ready(&mut self.producer, cx)
     }
 
     fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
@@ -185,9 +224,9 @@ impl Service<DeadLetterRecord> for Producer {
         // returned); the first uses the slot this handle reserved in `poll_ready`, the
         // others (if any) wait for their own.
         let first = parts.next().map(|data| {
-            Service::<ProducerRecord>::call(self, ProducerRecord::new(data, key.clone()))
+            Service::<ProducerRecord>::call(&mut self.producer, ProducerRecord::new(data, key.clone()))
         });
-        let producer = self.clone();
+        let producer = self.producer.clone();
         ProducerSinkFuture {
             inner: Box::pin(async move {
                 let Some(first) = first else {
@@ -205,7 +244,7 @@ impl Service<DeadLetterRecord> for Producer {
     }
 }
 
-/// The response future of a [`Producer`] used as a dead-letter sink.
+/// The response future of a [`ProducerSink`].
 pub struct ProducerSinkFuture {
     inner: Pin<Box<dyn Future<Output = Result<shardflow::Stored, ProduceError>> + Send>>,
 }
@@ -752,6 +791,46 @@ mod tests {
         assert!(sunk[0].error.contains("line 1 column"), "{}", sunk[0].error);
     }
 
+    /// Regression: `producer.ready()` did not compile (E0283) in a crate linking the
+    /// middleware, because a `Producer` was a `Service` of two request types.
+    #[tokio::test(start_paused = true)]
+    async fn a_producer_stays_a_service_of_one_request_type() {
+        use shardflow::kinesis::StreamAdmin;
+        use shardflow::Memory;
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 1).await.unwrap();
+        let mut producer = Producer::builder()
+            .stream("orders")
+            .backend(memory.clone())
+            .build()
+            .unwrap();
+        // No request type named: the producer's only one is `ProducerRecord`.
+        let stored = producer
+            .ready()
+            .await
+            .unwrap()
+            .call(ProducerRecord::new("order", "customer-1"))
+            .await
+            .unwrap();
+        assert_eq!(stored.sub_sequence_number, 0);
+        let mut sink = ProducerSink::from(producer.clone());
+        let stored = sink
+            .ready()
+            .await
+            .unwrap()
+            .call(DeadLetterRecord {
+                metadata: metadata(7),
+                payload: Bytes::from_static(b"order"),
+                error: "refused".into(),
+                attempts: None,
+                headers: Headers::new(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(stored.shard_id, "shardId-000000000000");
+        producer.close().await;
+    }
+
     /// A producer sink writes each dead letter as an envelope that keeps the record's
     /// origin, error and exact payload, under the original partition key.
     #[tokio::test(start_paused = true)]
@@ -767,7 +846,7 @@ mod tests {
             .build()
             .unwrap();
         let svc =
-            DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
+            DeadLetterLayer::new(ProducerSink::new(producer.clone())).layer(failing_with(|| "charge refused".into()));
         let msg = message(42, b"\x00binary\xff");
         let (stream, shard, pk) = (
             msg.metadata.stream.to_string(),
@@ -896,7 +975,7 @@ mod tests {
             .build()
             .unwrap();
         let svc =
-            DeadLetterLayer::new(producer.clone()).layer(failing_with(|| "charge refused".into()));
+            DeadLetterLayer::new(ProducerSink::new(producer.clone())).layer(failing_with(|| "charge refused".into()));
         // A 256-character key (the most Kinesis takes) of 384 bytes.
         let key = "ключ".repeat(32) + &"k".repeat(128);
         let payload = |len: usize| -> Bytes { (0..len).map(|i| (i * 7 % 256) as u8).collect() };
