@@ -90,3 +90,9 @@ pub use memory::{KinesisLimits, Memory, MemoryBuilder};
 pub use message::{Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};
+
+/// The README's Rust blocks, compiled (and the self-contained ones run) as doc tests, so
+/// the code a newcomer copies from the front page keeps compiling.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -23,6 +23,8 @@ fn layout_paths(readme: &str) -> Vec<PathBuf> {
         .split("```")
         .nth(1)
         .expect("the Layout section has a fenced block");
+    // After the opening fence, its info string (`text`) up to the end of the line.
+    let block = block.split_once('\n').map_or(block, |(_, rest)| rest);
     let mut paths = Vec::new();
     let mut parent = PathBuf::new();
     for line in block.lines().filter(|l| !l.trim().is_empty()) {
