@@ -20,7 +20,9 @@ use std::time::Duration;
 use common::{unique, AnyBackend};
 use shardflow::{Consumer, Message, Producer};
 use shardflow_middleware::dead_letter::DeadLetterOutcome;
-use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ProducerSink, ServiceBuilderExt};
+use shardflow_middleware::{
+    ErrorClass, MemoryDedupStore, ProducerSink, RetryPolicy, ServiceBuilderExt,
+};
 use tokio::sync::watch;
 use tower::ServiceBuilder;
 
@@ -70,7 +72,7 @@ async fn main() -> Result<(), common::Error> {
         .dedup(MemoryDedupStore::new(100_000)) // a redelivered order is not charged twice
         // A flaky provider is retried with backoff; a declined card goes to the DLQ at once.
         .retry(
-            Backoff::exponential()
+            RetryPolicy::exponential()
                 .max_attempts(4)
                 .initial_delay(Duration::from_millis(5))
                 .classify(|e: &PaymentError| match e {

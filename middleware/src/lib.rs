@@ -18,7 +18,7 @@
 //! ```no_run
 //! # use std::convert::Infallible;
 //! use shardflow::Message;
-//! use shardflow_middleware::{Backoff, MemoryDedupStore, ServiceBuilderExt};
+//! use shardflow_middleware::{RetryPolicy, MemoryDedupStore, ServiceBuilderExt};
 //! use shardflow_middleware::dead_letter::DeadLetterRecord;
 //! use tower::ServiceBuilder;
 //!
@@ -35,7 +35,7 @@
 //!     .dead_letter(dlq) // what still fails below lands here, with its error
 //!     .decode::<Order>() // Message<Bytes> -> Message<Order>; bad JSON is an error
 //!     .dedup(MemoryDedupStore::new(100_000))
-//!     .retry(Backoff::exponential().max_attempts(5))
+//!     .retry(RetryPolicy::exponential().max_attempts(5))
 //!     .service_fn(|msg: Message<Order>| async move { charge(&msg.payload).await });
 //! # let _ = handler;
 //! # }
@@ -127,7 +127,7 @@ pub use dead_letter::{
 pub use decode::{Decode, DecodeError, DecodeErrorKind, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
 pub use produce::{Output, ProduceTo, ProduceToError, ProduceToLayer};
-pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};
+pub use retry::{Classify, ErrorClass, Retry, RetryLayer, RetryPolicy};
 
 /// The boxed error that layers adding failures of their own return (as tower does).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

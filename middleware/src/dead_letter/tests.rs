@@ -237,10 +237,10 @@ async fn a_producer_sink_writes_the_envelope() {
 /// The retry layer below reports how many calls failed; without one it is unknown.
 #[tokio::test(start_paused = true)]
 async fn the_dead_letter_carries_the_retry_layers_attempts() {
-    use crate::retry::{Backoff, RetryLayer};
+    use crate::retry::{RetryLayer, RetryPolicy};
     let (sunk, sink) = recording_sink(false);
     let retried = RetryLayer::new(
-        Backoff::exponential()
+        RetryPolicy::exponential()
             .max_attempts(3)
             .initial_delay(Duration::from_millis(5)),
     )
@@ -433,7 +433,7 @@ async fn a_sink_that_is_never_ready_fails_the_call_after_the_sink_timeout() {
 /// panic's message; under a retry layer after its attempts, which it reports.
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_is_dead_lettered_with_the_panic_message() {
-    use crate::retry::{Backoff, RetryLayer};
+    use crate::retry::{RetryLayer, RetryPolicy};
     #[derive(Clone)]
     struct PanicsInCall;
     impl Service<Message<Bytes>> for PanicsInCall {
@@ -459,7 +459,7 @@ async fn a_panicking_handler_is_dead_lettered_with_the_panic_message() {
             Ok::<_, BoxError>(())
         }
     });
-    let policy = Backoff::exponential()
+    let policy = RetryPolicy::exponential()
         .max_attempts(3)
         .initial_delay(Duration::from_millis(5));
     let retried =
