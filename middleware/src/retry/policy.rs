@@ -45,8 +45,9 @@ where
     }
 }
 
-/// The retry layer's policy: exponential backoff with jitter, bounded by a number of attempts and by the time
-/// spent retrying, plus the [`Classify`] that picks which errors are retried.
+/// The retry layer's policy: exponential backoff with jitter, bounded by a number of
+/// attempts and by the time spent retrying, plus the [`Classify`] that picks which
+/// errors are retried.
 ///
 /// The `n`-th retry waits `d = min(initial_delay * factor^(n-1), max_delay)`; with
 /// jitter on (the default) the wait is drawn uniformly from `[d, 2d]` so that consumers
