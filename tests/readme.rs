@@ -142,11 +142,16 @@ fn the_reference_pages_link_within_the_repository_and_the_readme_links_each() {
     let readme = readme();
     let linked = relative_links(&readme);
     for page in &pages {
-        let name = page.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let name = page
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         let text = std::fs::read_to_string(page).expect("a page is readable");
         check_links(name, &repo().join("docs"), &text);
         assert!(
-            linked.iter().any(|t| t.split('#').next() == Some(&format!("docs/{name}"))),
+            linked
+                .iter()
+                .any(|t| t.split('#').next() == Some(&format!("docs/{name}"))),
             "the README does not link docs/{name}: a reader cannot find it"
         );
     }
@@ -155,5 +160,8 @@ fn the_reference_pages_link_within_the_repository_and_the_readme_links_each() {
 #[test]
 fn anchors_are_read_as_github_makes_them() {
     let anchors = heading_anchors("# Title\n## Many streams\ntext\n### Deadlines: nothing hangs");
-    assert_eq!(anchors, ["title", "many-streams", "deadlines-nothing-hangs"]);
+    assert_eq!(
+        anchors,
+        ["title", "many-streams", "deadlines-nothing-hangs"]
+    );
 }

@@ -520,9 +520,9 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         headers: Headers::new(),
     };
     ProducerSink::new(producer.clone())
-            .oneshot(record)
-            .await
-            .unwrap();
+        .oneshot(record)
+        .await
+        .unwrap();
     producer.close().await;
     kinesis
         .put_records(
@@ -1314,9 +1314,9 @@ async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
         headers: headers.clone(),
     };
     ProducerSink::new(producer.clone())
-            .oneshot(record)
-            .await
-            .unwrap();
+        .oneshot(record)
+        .await
+        .unwrap();
     producer.close().await;
 
     let out = run(&[

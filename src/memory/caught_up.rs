@@ -41,7 +41,8 @@ impl Memory {
             .ok_or_else(|| {
                 KinesisError::NotFound(format!("no open shard {shard_id} in {stream}").into())
             })?;
-        let middle = shard.starting_hash_key + (shard.ending_hash_key - shard.starting_hash_key) / 2;
+        let middle =
+            shard.starting_hash_key + (shard.ending_hash_key - shard.starting_hash_key) / 2;
         kinesis.split_shard(stream, shard_id, middle + 1).await?;
         Ok(kinesis
             .shard_ids(stream)
@@ -72,9 +73,7 @@ impl Memory {
             match &row.checkpoint {
                 Checkpoint::ShardEnd => true,
                 Checkpoint::At(position) => *position >= last_position(last),
-                Checkpoint::TrimHorizon | Checkpoint::Latest | Checkpoint::AtTimestamp(_) => {
-                    false
-                }
+                Checkpoint::TrimHorizon | Checkpoint::Latest | Checkpoint::AtTimestamp(_) => false,
             }
         })
     }
@@ -132,7 +131,10 @@ mod tests {
         for i in 0..60 {
             let payload = format!("order-{i}");
             producer
-                .send(ProducerRecord::new(payload.clone(), format!("customer-{i}")))
+                .send(ProducerRecord::new(
+                    payload.clone(),
+                    format!("customer-{i}"),
+                ))
                 .await
                 .unwrap();
             written.insert(payload);
@@ -145,7 +147,10 @@ mod tests {
         for i in 60..120 {
             let payload = format!("order-{i}");
             producer
-                .send(ProducerRecord::new(payload.clone(), format!("customer-{i}")))
+                .send(ProducerRecord::new(
+                    payload.clone(),
+                    format!("customer-{i}"),
+                ))
                 .await
                 .unwrap();
             written.insert(payload);
@@ -167,7 +172,9 @@ mod tests {
                 let seen = seen.clone();
                 async move {
                     let payload = String::from_utf8_lossy(&msg.payload).into_owned();
-                    seen.lock().unwrap_or_else(|e| e.into_inner()).insert(payload);
+                    seen.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(payload);
                     Ok::<_, std::io::Error>(())
                 }
             }))

@@ -265,7 +265,12 @@ impl MemoryKinesis {
         let s = lock(&self.state);
         s.streams
             .get(stream)
-            .map(|st| st.shards.iter().map(|sh| sh.info.shard_id.clone()).collect())
+            .map(|st| {
+                st.shards
+                    .iter()
+                    .map(|sh| sh.info.shard_id.clone())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
