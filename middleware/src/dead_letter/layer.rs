@@ -49,7 +49,7 @@ impl<K, P> DeadLetterLayer<K, P> {
 
     /// How long the sink may take to be ready and accept a record
     /// ([`DEFAULT_SINK_TIMEOUT`] unless set; at least 1 ms). Past it the call fails with
-    /// a [`DeadLetterError`] whose [`is_timeout`](DeadLetterError::is_timeout) holds,
+    /// a [`DeadLetterError`](super::DeadLetterError) whose [`is_timeout`](super::DeadLetterError::is_timeout) holds,
     /// and the record is delivered again.
     pub fn sink_timeout(mut self, timeout: Duration) -> Self {
         self.sink_timeout = timeout.max(Duration::from_millis(1));

@@ -24,13 +24,13 @@
 //! [`sink_timeout`](DeadLetterLayer::sink_timeout) (30 s by default) fails like a sink
 //! error, with [`DeadLetterError::is_timeout`]: the record is delivered again and the
 //! shard's last error says why, instead of the shard waiting for ever. The default is
-//! above what a [`Producer`] at its default settings can take to store a record while
+//! above what a [`Producer`](shardflow::producer::Producer) at its default settings can take to store a record while
 //! it retries a throttled stream (about 20 s of backoff over 10 attempts) and well below
 //! the minute or two after which a consumer reports a shard that does not move.
 //!
 //! A panic below this layer while a record is being handled — in the inner service's
 //! `call` or anywhere in its future, including a [`retry`](crate::retry) layer's
-//! readiness wait — is an error to this layer: a [`Panicked`] whose text is the panic's
+//! readiness wait — is an error to this layer: a [`Panicked`](crate::panic::Panicked) whose text is the panic's
 //! message, dead-lettered like any other permanent error. A panic in this layer's own
 //! `poll_ready` (the inner service's readiness before a record is given to it) is not
 //! caught: no record is involved and the service is in an unknown state, so it goes up
@@ -38,7 +38,7 @@
 //!
 //! # Dead letters in a stream: the envelope
 //!
-//! A [`Producer`] becomes a sink through [`ProducerSink`]
+//! A [`Producer`](shardflow::producer::Producer) becomes a sink through [`ProducerSink`]
 //! (`.dead_letter(ProducerSink::new(producer.for_stream("orders-dlq")?))`): each dead letter is written as a [`DeadLetterEnvelope`] under the original partition
 //! key — a short binary prefix, a JSON header that keeps where the record came from and
 //! why it failed, then the payload's raw bytes (see [`envelope`] for the format). Any
