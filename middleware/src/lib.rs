@@ -41,6 +41,10 @@
 //! # }
 //! ```
 //!
+//! To dead-letter into another Kinesis stream, give the layer a [`ProducerSink`]
+//! (`ProducerSink::new(producer.for_stream("orders-dlq")?)`): it writes envelopes that
+//! `shardflow stream tail` decodes and `shardflow dlq replay` writes back.
+//!
 //! Put [`dead_letter`] above [`decode`]: it keeps the raw bytes of each record, so a
 //! payload that [`decode`] rejects still reaches the dead-letter sink as it was read.
 //! Put [`retry`] innermost, next to the handler: a retry then never re-reserves a
