@@ -98,3 +98,8 @@ pub use sequence::{Position, SequenceNumber};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The trace-context page's Rust blocks, compiled as doc tests like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/tracing.md")]
+pub struct TracingDoctests;
