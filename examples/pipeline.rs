@@ -20,7 +20,9 @@ use std::time::Duration;
 use common::{unique, AnyBackend};
 use shardflow::{Consumer, Message, Producer};
 use shardflow_middleware::dead_letter::DeadLetterOutcome;
-use shardflow_middleware::{Backoff, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
+use shardflow_middleware::{
+    ErrorClass, MemoryDedupStore, ProducerSink, RetryPolicy, ServiceBuilderExt,
+};
 use tokio::sync::watch;
 use tower::ServiceBuilder;
 
@@ -49,7 +51,7 @@ async fn main() -> Result<(), common::Error> {
     common::create_stream_with(&backend, &orders, 2, orders_data).await?;
     common::create_stream_with(&backend, &dlq, 1, []).await?;
 
-    // A producer is a dead-letter sink as it is: it writes envelopes to the DLQ stream.
+    // Through `ProducerSink`, a producer is a dead-letter sink: it writes envelopes to the DLQ stream.
     let producer = Producer::builder()
         .stream(&dlq)
         .backend(backend.clone())
@@ -65,12 +67,12 @@ async fn main() -> Result<(), common::Error> {
         })
         // What still fails below goes to the DLQ stream as an envelope (payload, origin,
         // error): `shardflow stream tail` shows them, `shardflow dlq replay` writes them back.
-        .dead_letter(producer.clone())
+        .dead_letter(ProducerSink::new(producer.clone()))
         .decode::<Order>() // bad JSON is a typed error, and so a dead letter
         .dedup(MemoryDedupStore::new(100_000)) // a redelivered order is not charged twice
         // A flaky provider is retried with backoff; a declined card goes to the DLQ at once.
         .retry(
-            Backoff::exponential()
+            RetryPolicy::exponential()
                 .max_attempts(4)
                 .initial_delay(Duration::from_millis(5))
                 .classify(|e: &PaymentError| match e {

@@ -16,8 +16,11 @@
 //! unless they are reset too, which a reset of every shard does).
 //!
 //! A multi-stream table (keys `account:stream:creationEpoch:shardId`) names a row by its
-//! stream and shard: [`TableRow`] splits each key, and [`select_rows`] finds the rows
-//! an operator means, refusing input that could name rows of several streams.
+//! stream and shard: [`table_rows`] splits each key of a listing into a [`TableRow`], and
+//! [`select_rows`] finds the rows an operator means, refusing input that could name rows
+//! of several streams. Together with [`reset_checkpoint`] and
+//! [`lease::worker_of`](crate::lease::worker_of) (the worker id inside an owner), they are
+//! the operating API: what the `shardflow` command line is built on, for tools of your own.
 
 use crate::kinesis::StreamIdentity;
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};

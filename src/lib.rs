@@ -16,7 +16,7 @@
 //! | [`Headers`], [`HeaderValue`], [`HeaderFormat`], [`headers`] | what the application says about a record (`contentType`, `correlationId`, its own names), carried inside the record in Spring Cloud Stream's formats |
 //! | `trace` (feature `opentelemetry`) | W3C trace context from producer to consumer through the headers: the handler's span continues the record's trace |
 //! | [`Producer`], [`ProducerBuilder`], [`ProducerRecord`], [`Stored`] | write to a stream (a `tower` service that batches PutRecords) |
-//! | [`Backend`], [`Aws`], [`Memory`], [`MemoryBuilder`], [`KinesisLimits`] | where streams and lease tables live: AWS, or the embedded in-process backend (optionally with Kinesis' per-shard throughput limits) |
+//! | [`Backend`], [`Aws`], [`AwsTimeouts`], [`Memory`], [`MemoryBuilder`], [`KinesisLimits`] | where streams and lease tables live: AWS (with the SDK's timeouts), or the embedded in-process backend (optionally with Kinesis' per-shard throughput limits; [`Memory::wait_caught_up`] for tests of your own) |
 //! | [`ConsumerError`], [`ConfigError`], [`ProduceError`] | typed errors; `is_transient()` says whether trying later may succeed |
 //! | [`AwsError`], [`ErrorDetail`] | what AWS answered to a failed call (code, message, HTTP status): the `source()` of a Kinesis or lease-store error |
 //! | [`SequenceNumber`], [`Position`] | Kinesis sequence numbers (up to 129 digits, ordered numerically) and positions in a shard |
@@ -24,7 +24,7 @@
 //! | [`lease`] ([`lease::LeaseStore`], [`lease::Lease`], [`lease::Checkpoint`]) | the lease table: rows, checkpoints, the store trait |
 //! | [`memory`] | the embedded backend's streams and lease tables, with resharding and fault injection |
 //! | [`aggregation`] | KPL aggregation and de-aggregation |
-//! | [`admin`] | operating a group from outside: checkpoint resets, safe while it runs |
+//! | [`admin`] | operating a group from outside: checkpoint resets, safe while it runs; reading a table's rows by stream and shard |
 //! | [`backoff`] | the exponential backoff with jitter that the consumer, the producer and the middleware's retry layer share |
 //! | [`backend`], [`message`], [`producer`], [`sequence`] | the modules of the items above |
 //!
@@ -59,6 +59,8 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod admin;
 pub mod aggregation;
 pub mod backend;
@@ -88,3 +90,14 @@ pub use memory::{KinesisLimits, Memory, MemoryBuilder};
 pub use message::{AckHandle, Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};
+
+/// The README's Rust blocks, compiled (and the self-contained ones run) as doc tests, so
+/// the code a newcomer copies from the front page keeps compiling.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+/// The trace-context page's Rust blocks, compiled as doc tests like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/tracing.md")]
+pub struct TracingDoctests;

@@ -17,7 +17,7 @@ use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Headers, Metadata};
-use shardflow_middleware::dead_letter::DeadLetterRecord;
+use shardflow_middleware::dead_letter::{DeadLetterRecord, ProducerSink};
 use tower::ServiceExt;
 
 /// How long one run of the binary may take before the test fails (and kills it).
@@ -500,7 +500,10 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
             attempts: Some(3),
             headers: Headers::new(),
         };
-        producer.clone().oneshot(record).await.unwrap();
+        ProducerSink::new(producer.clone())
+            .oneshot(record)
+            .await
+            .unwrap();
     }
     // The largest record Kinesis accepts: its dead letter takes two records.
     let big_key = "customer-big";
@@ -516,7 +519,10 @@ async fn dlq_replay_republishes_with_the_original_partition_keys() {
         attempts: Some(3),
         headers: Headers::new(),
     };
-    producer.clone().oneshot(record).await.unwrap();
+    ProducerSink::new(producer.clone())
+        .oneshot(record)
+        .await
+        .unwrap();
     producer.close().await;
     kinesis
         .put_records(
@@ -1150,7 +1156,10 @@ async fn write_dead_letters(aws: &Aws, dlq: &str, origin: &str, letters: &[(Stri
             headers: Headers::new(),
         };
         // One at a time: the dead-letter stream keeps this order.
-        producer.clone().oneshot(record).await.unwrap();
+        ProducerSink::new(producer.clone())
+            .oneshot(record)
+            .await
+            .unwrap();
     }
     producer.close().await;
 }
@@ -1304,7 +1313,10 @@ async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
         attempts: None,
         headers: headers.clone(),
     };
-    producer.clone().oneshot(record).await.unwrap();
+    ProducerSink::new(producer.clone())
+        .oneshot(record)
+        .await
+        .unwrap();
     producer.close().await;
 
     let out = run(&[

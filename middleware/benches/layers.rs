@@ -20,7 +20,7 @@ use shardflow::{Batch, Message, Metadata, SequenceNumber};
 use shardflow_middleware::dead_letter::{DeadLetterLayer, DeadLetterRecord};
 use shardflow_middleware::dedup::DedupLayer;
 use shardflow_middleware::{
-    Backoff, BatchConfig, Batching, DecodeLayer, DedupStore, MemoryDedupStore, RetryLayer,
+    BatchConfig, Batching, DecodeLayer, DedupStore, MemoryDedupStore, RetryLayer, RetryPolicy,
     ServiceBuilderExt,
 };
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
@@ -139,7 +139,7 @@ fn main() {
             (
                 "retry (no failures)",
                 measure(runs, &messages, || {
-                    RetryLayer::new(Backoff::exponential()).layer(bare())
+                    RetryLayer::new(RetryPolicy::exponential()).layer(bare())
                 })
                 .await,
             ),
@@ -157,7 +157,7 @@ fn main() {
                         .dead_letter(sink())
                         .decode::<Order>()
                         .dedup(MemoryDedupStore::new(count as usize * 2))
-                        .retry(Backoff::exponential())
+                        .retry(RetryPolicy::exponential())
                         .service(typed())
                 })
                 .await,

@@ -9,7 +9,7 @@ use crate::dead_letter::DeadLetterLayer;
 use crate::decode::{DecodeLayer, Json};
 use crate::dedup::DedupLayer;
 use crate::produce::ProduceToLayer;
-use crate::retry::{Backoff, RetryLayer};
+use crate::retry::{RetryLayer, RetryPolicy};
 
 mod sealed {
     pub trait Sealed {}
@@ -22,7 +22,7 @@ mod sealed {
 /// ```no_run
 /// # use std::convert::Infallible;
 /// # use shardflow::Message;
-/// # use shardflow_middleware::{Backoff, MemoryDedupStore, ServiceBuilderExt};
+/// # use shardflow_middleware::{RetryPolicy, MemoryDedupStore, ServiceBuilderExt};
 /// # use shardflow_middleware::dead_letter::DeadLetterRecord;
 /// # use tower::ServiceBuilder;
 /// # #[derive(Clone, serde::Deserialize)] struct Order { id: u64 }
@@ -31,7 +31,7 @@ mod sealed {
 ///     .dead_letter(sink)
 ///     .decode::<Order>()
 ///     .dedup(MemoryDedupStore::new(100_000))
-///     .retry(Backoff::exponential().max_attempts(5))
+///     .retry(RetryPolicy::exponential().max_attempts(5))
 ///     .service_fn(|msg: Message<Order>| async move { Ok::<_, Infallible>(msg.payload.id) });
 /// # let _ = handler;
 /// ```
@@ -51,7 +51,7 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
     fn dedup<St>(self, store: St) -> ServiceBuilder<Stack<DedupLayer<St>, L>>;
 
     /// Retries failed records per `policy` ([`retry`](crate::retry)).
-    fn retry<C>(self, policy: Backoff<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>>;
+    fn retry<C>(self, policy: RetryPolicy<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>>;
 
     /// Sends records that still fail to `sink` ([`dead_letter`](crate::dead_letter)).
     fn dead_letter<K>(self, sink: K) -> ServiceBuilder<Stack<DeadLetterLayer<K>, L>>;
@@ -85,7 +85,7 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
         self.layer(DedupLayer::new(store))
     }
 
-    fn retry<C>(self, policy: Backoff<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>> {
+    fn retry<C>(self, policy: RetryPolicy<C>) -> ServiceBuilder<Stack<RetryLayer<C>, L>> {
         self.layer(RetryLayer::new(policy))
     }
 

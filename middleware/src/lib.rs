@@ -18,7 +18,7 @@
 //! ```no_run
 //! # use std::convert::Infallible;
 //! use shardflow::Message;
-//! use shardflow_middleware::{Backoff, MemoryDedupStore, ServiceBuilderExt};
+//! use shardflow_middleware::{RetryPolicy, MemoryDedupStore, ServiceBuilderExt};
 //! use shardflow_middleware::dead_letter::DeadLetterRecord;
 //! use tower::ServiceBuilder;
 //!
@@ -35,11 +35,15 @@
 //!     .dead_letter(dlq) // what still fails below lands here, with its error
 //!     .decode::<Order>() // Message<Bytes> -> Message<Order>; bad JSON is an error
 //!     .dedup(MemoryDedupStore::new(100_000))
-//!     .retry(Backoff::exponential().max_attempts(5))
+//!     .retry(RetryPolicy::exponential().max_attempts(5))
 //!     .service_fn(|msg: Message<Order>| async move { charge(&msg.payload).await });
 //! # let _ = handler;
 //! # }
 //! ```
+//!
+//! To dead-letter into another Kinesis stream, give the layer a [`ProducerSink`]
+//! (`ProducerSink::new(producer.for_stream("orders-dlq")?)`): it writes envelopes that
+//! `shardflow stream tail` decodes and `shardflow dlq replay` writes back.
 //!
 //! Put [`dead_letter`] above [`decode`]: it keeps the raw bytes of each record, so a
 //! payload that [`decode`] rejects still reaches the dead-letter sink as it was read.
@@ -122,11 +126,12 @@ pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Spl
 pub use builder::ServiceBuilderExt;
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
+    ProducerSink,
 };
 pub use decode::{Decode, DecodeError, DecodeErrorKind, DecodeLayer, Format, Json};
 pub use dedup::{Dedup, DedupLayer, DedupOutcome, DedupStore, DynamoDedupStore, MemoryDedupStore};
 pub use produce::{Output, ProduceTo, ProduceToError, ProduceToLayer};
-pub use retry::{Backoff, Classify, ErrorClass, Retry, RetryLayer};
+pub use retry::{Classify, ErrorClass, Retry, RetryLayer, RetryPolicy};
 
 /// The boxed error that layers adding failures of their own return (as tower does).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -15,7 +15,9 @@ use common::{within, Rng};
 use shardflow::kinesis::{PutOutcome, PutRecord};
 use shardflow::{Backend, Consumer, Memory, Message};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
-use shardflow_middleware::{Backoff, BoxError, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
+use shardflow_middleware::{
+    BoxError, ErrorClass, MemoryDedupStore, RetryPolicy, ServiceBuilderExt,
+};
 use tokio::sync::Notify;
 use tower::{service_fn, ServiceBuilder};
 
@@ -173,7 +175,7 @@ async fn the_stack_under_the_consumer_loses_nothing_and_repeats_no_side_effect()
         .decode::<Order>()
         .dedup(MemoryDedupStore::new(10_000))
         .retry(
-            Backoff::exponential()
+            RetryPolicy::exponential()
                 .max_attempts(3)
                 .initial_delay(Duration::from_millis(1))
                 .jitter_seed(14)
@@ -301,7 +303,7 @@ async fn a_record_that_panics_the_handler_is_dead_lettered_once_and_the_checkpoi
         .decode::<Order>()
         .dedup(MemoryDedupStore::new(1_000))
         .retry(
-            Backoff::exponential()
+            RetryPolicy::exponential()
                 .max_attempts(3)
                 .initial_delay(Duration::from_millis(1))
                 .jitter_seed(5),

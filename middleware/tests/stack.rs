@@ -14,7 +14,9 @@ use serde::Deserialize;
 use shardflow::Message;
 use shardflow_middleware::dead_letter::{self, DeadLetterRecord};
 use shardflow_middleware::dedup::{self, DedupLayer};
-use shardflow_middleware::{Backoff, BoxError, ErrorClass, MemoryDedupStore, ServiceBuilderExt};
+use shardflow_middleware::{
+    BoxError, ErrorClass, MemoryDedupStore, RetryPolicy, ServiceBuilderExt,
+};
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 
 #[derive(Clone, Debug, Deserialize)]
@@ -121,7 +123,7 @@ async fn run(seed: u64) -> Run {
         }
     });
 
-    let policy = Backoff::exponential()
+    let policy = RetryPolicy::exponential()
         .max_attempts(4)
         .initial_delay(Duration::from_millis(10))
         .jitter_seed(seed)
@@ -321,7 +323,7 @@ async fn dedup_above_dead_letter_makes_dead_lettering_effectively_once_too() {
         .dedup(MemoryDedupStore::new(100))
         .dead_letter(sink)
         .decode::<Order>()
-        .retry(Backoff::exponential().max_attempts(2).jitter(false))
+        .retry(RetryPolicy::exponential().max_attempts(2).jitter(false))
         .service_fn(|msg: Message<Order>| async move {
             if msg.payload.poison {
                 Err(HandlerError::Poison(msg.payload.id))

@@ -161,11 +161,13 @@ impl fmt::Display for Checkpoint {
 }
 
 /// Separates the worker id from the incarnation's nonce in `leaseOwner`.
-pub const INCARNATION_SEPARATOR: char = '#';
+pub(crate) const INCARNATION_SEPARATOR: char = '#';
 
 /// The worker id inside an owner: `leaseOwner` names a process incarnation,
 /// `<worker id>#<nonce>` (e.g. `billing-7#k3f9a2`), so a restarted process that keeps
 /// its name is a new owner. An owner without a nonce (a KCL worker) is its own worker id.
+/// Part of the operating API (see [`crate::admin`]): tools that show who holds what
+/// group a table's owners by worker with it.
 pub fn worker_of(owner: &str) -> &str {
     owner
         .rsplit_once(INCARNATION_SEPARATOR)

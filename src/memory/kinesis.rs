@@ -198,6 +198,21 @@ impl MemoryKinesis {
         }
     }
 
+    /// The ids of every shard of `stream` (open and closed), in creation order; none
+    /// for a stream that does not exist. No fault applies.
+    pub(super) fn shard_ids(&self, stream: &str) -> Vec<String> {
+        let s = lock(&self.state);
+        s.streams
+            .get(stream)
+            .map(|st| {
+                st.shards
+                    .iter()
+                    .map(|sh| sh.info.shard_id.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Every record of a shard, for assertions in tests.
     pub fn records(&self, stream: &str, shard_id: &str) -> Vec<Record> {
         let s = lock(&self.state);

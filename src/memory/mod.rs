@@ -21,9 +21,45 @@
 //! shard would allow.
 //!
 //! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
-//! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store; this
+//! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store,
+//! `caught_up.rs` the stream set-up and progress checks a test of one's own needs; this
 //! file the backend that bundles them.
+//!
+//! # In a test of your own
+//!
+//! ```
+//! use std::time::Duration;
+//! use shardflow::{Consumer, Memory, Message, ProducerRecord, Producer};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let memory = Memory::new();
+//! memory.create_stream("orders", 2).await?;
+//! let producer = Producer::builder().stream("orders").backend(memory.clone()).build()?;
+//! for i in 0..100 {
+//!     producer.send(ProducerRecord::new(format!("order-{i}"), format!("customer-{i}"))).await?;
+//! }
+//! // Resharding is a call away too: the two children of the first shard.
+//! let children = memory.split_shard_in_half("orders", "shardId-000000000000").await?;
+//! assert_eq!(children.len(), 2);
+//!
+//! let consumer = Consumer::builder()
+//!     .stream("orders")
+//!     .group("billing") // its lease table is named after the group
+//!     .backend(memory.clone())
+//!     .build()?;
+//! let running = consumer
+//!     .run(tower::service_fn(|_msg: Message| async { Ok::<_, std::io::Error>(()) }))
+//!     .spawn();
+//! // Every record of the stream handled and checkpointed, or a minute on tokio's clock.
+//! tokio::time::timeout(Duration::from_secs(60), memory.wait_caught_up("orders", "billing"))
+//!     .await?;
+//! running.shutdown().await?;
+//! # Ok(())
+//! # }
+//! ```
 
+mod caught_up;
 mod fan_out;
 mod faults;
 mod kinesis;

@@ -142,9 +142,13 @@
 //!
 //! # As a dead-letter sink
 //!
-//! A producer for another stream ([`Producer::for_stream`]) is a `Service` like any
-//! other, so it can be the sink of the middleware's dead-letter layer, with
-//! `ServiceExt::map_request` turning the dead-letter record into a [`ProducerRecord`].
+//! A producer for another stream ([`Producer::for_stream`]) becomes the sink of the
+//! `shardflow-middleware` crate's dead-letter and bisect layers through its
+//! `ProducerSink` adapter (`ProducerSink::new(producer.for_stream("orders-dlq")?)`),
+//! which writes each dead letter as an envelope (where the record came from, its error,
+//! its exact payload) under the record's own partition key; `shardflow stream tail`
+//! decodes those envelopes and `shardflow dlq replay` writes them back. The producer
+//! itself stays a `Service` of [`ProducerRecord`] only.
 
 mod builder;
 mod future;

@@ -13,7 +13,7 @@
 //!    split at once rather than called whole (one call saved per level).
 //! 3. A record that fails alone goes to the sink as a [`DeadLetterRecord`] (reason
 //!    `failed_alone`), the same record the [`dead_letter`](crate::dead_letter) layer
-//!    sends, so a [`Producer`](shardflow::producer::Producer) sink writes the same
+//!    sends, so a [`ProducerSink`](crate::ProducerSink) writes the same
 //!    [`DeadLetterEnvelope`](crate::DeadLetterEnvelope) and `shardflow dlq replay`
 //!    reads both modes alike.
 //! 4. A transient error (the policy refuses it: a store that is down, a lost lease) says
@@ -31,6 +31,7 @@
 //! use std::time::Duration;
 //! use shardflow::{Batch, Consumer};
 //! use shardflow_middleware::bisect::{BisectConfig, BisectLayer};
+//! use shardflow_middleware::ProducerSink;
 //! use tower::ServiceBuilder;
 //!
 //! # async fn insert_rows(_: &[shardflow::Message]) -> Result<(), std::io::Error> { Ok(()) }
@@ -40,7 +41,7 @@
 //!     .max_attempts(5)
 //!     .max_record_age(Duration::from_secs(3600));
 //! let handler = ServiceBuilder::new()
-//!     .layer(BisectLayer::with_config(producer.for_stream("orders-dlq")?, config)?)
+//!     .layer(BisectLayer::with_config(ProducerSink::new(producer.for_stream("orders-dlq")?), config)?)
 //!     .service_fn(|batch: Batch| async move { insert_rows(&batch.messages).await });
 //! consumer.run_batches(handler).await?;
 //! # Ok(())

@@ -27,7 +27,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower::Service;
 
-use super::policy::{Backoff, Classify, ErrorClass};
+use super::policy::{Classify, ErrorClass, RetryPolicy};
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
@@ -39,7 +39,7 @@ pin_project! {
         state: State<S::Future, S::Error>,
         service: S,
         request: Message<T>,
-        policy: Arc<Backoff<C>>,
+        policy: Arc<RetryPolicy<C>>,
         // Built at the first failure, so a call that succeeds pays nothing for it.
         schedule: Option<Schedule>,
         attempts: u32,
@@ -115,7 +115,7 @@ where
         first: Result<S::Future, Panic>,
         service: S,
         request: Message<T>,
-        policy: Arc<Backoff<C>>,
+        policy: Arc<RetryPolicy<C>>,
         span: tracing::Span,
     ) -> Self {
         let state = match first {
@@ -299,7 +299,7 @@ where
 
 /// The wait before the next attempt, or why there is none.
 fn next_delay<T, C, E>(
-    policy: &Backoff<C>,
+    policy: &RetryPolicy<C>,
     schedule: &mut Option<Schedule>,
     request: &Message<T>,
     attempts: u32,

@@ -6,7 +6,7 @@
 //! shard waits while its record is retried, which keeps per-shard order.
 //!
 //! A retry is scheduled only when the [`Classify`] policy calls the error
-//! [`Transient`](ErrorClass::Transient), the [`Backoff`]'s attempts and elapsed time allow
+//! [`Transient`](ErrorClass::Transient), the [`RetryPolicy`]'s attempts and elapsed time allow
 //! it, and the shard's lease is still held (once `lease_lost` fires, the new owner will
 //! handle the record: the error goes up at once, even in the middle of a backoff wait).
 //!
@@ -29,21 +29,21 @@ use shardflow::Message;
 use tower::{Layer, Service};
 
 pub use future::ResponseFuture;
-pub use policy::{Backoff, Classify, ErrorClass, RetryAll};
+pub use policy::{Classify, ErrorClass, RetryAll, RetryPolicy};
 
 use crate::observe::message_span;
 
-/// Retries failed calls of the inner service according to a [`Backoff`].
+/// Retries failed calls of the inner service according to a [`RetryPolicy`].
 ///
 /// Its error is the inner service's last error, unchanged.
 pub struct Retry<S, C = RetryAll> {
     inner: S,
-    policy: Arc<Backoff<C>>,
+    policy: Arc<RetryPolicy<C>>,
 }
 
 impl<S, C> Retry<S, C> {
     /// Wraps `inner` with `policy`.
-    pub fn new(inner: S, policy: Backoff<C>) -> Self {
+    pub fn new(inner: S, policy: RetryPolicy<C>) -> Self {
         Retry {
             inner,
             policy: Arc::new(policy),
@@ -51,7 +51,7 @@ impl<S, C> Retry<S, C> {
     }
 
     /// The policy.
-    pub fn policy(&self) -> &Backoff<C> {
+    pub fn policy(&self) -> &RetryPolicy<C> {
         &self.policy
     }
 
@@ -120,12 +120,12 @@ where
 /// Applies [`Retry`] to services.
 #[derive(Clone, Debug)]
 pub struct RetryLayer<C = RetryAll> {
-    policy: Arc<Backoff<C>>,
+    policy: Arc<RetryPolicy<C>>,
 }
 
 impl<C> RetryLayer<C> {
     /// Retries with `policy`.
-    pub fn new(policy: Backoff<C>) -> Self {
+    pub fn new(policy: RetryPolicy<C>) -> Self {
         RetryLayer {
             policy: Arc::new(policy),
         }

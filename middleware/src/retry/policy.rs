@@ -1,4 +1,4 @@
-//! What to retry ([`Classify`]) and when ([`Backoff`]).
+//! What to retry ([`Classify`]) and when ([`RetryPolicy`]).
 
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
@@ -26,7 +26,7 @@ pub trait Classify<E> {
 }
 
 /// The default classifier: every error is retryable (retries are bounded by the
-/// [`Backoff`]'s attempts and elapsed time).
+/// [`RetryPolicy`]'s attempts and elapsed time).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RetryAll;
 
@@ -45,8 +45,9 @@ where
     }
 }
 
-/// Exponential backoff with jitter, bounded by a number of attempts and by the time
-/// spent retrying, plus the [`Classify`] that picks which errors are retried.
+/// The retry layer's policy: exponential backoff with jitter, bounded by a number of
+/// attempts and by the time spent retrying, plus the [`Classify`] that picks which
+/// errors are retried.
 ///
 /// The `n`-th retry waits `d = min(initial_delay * factor^(n-1), max_delay)`; with
 /// jitter on (the default) the wait is drawn uniformly from `[d, 2d]` so that consumers
@@ -54,8 +55,8 @@ where
 /// [`shardflow::backoff::Backoff`], the schedule the consumer and producer use too.
 ///
 /// A retry is scheduled only while both bounds hold: fewer than
-/// [`max_attempts`](Backoff::max_attempts) calls were made, and the retry would start
-/// within [`max_elapsed`](Backoff::max_elapsed) of the first failure (measured on
+/// [`max_attempts`](RetryPolicy::max_attempts) calls were made, and the retry would start
+/// within [`max_elapsed`](RetryPolicy::max_elapsed) of the first failure (measured on
 /// tokio's clock, so tests can pause it).
 ///
 /// Defaults: 3 attempts, 100 ms initial delay, factor 2, 10 s max delay, 60 s max elapsed,
@@ -63,9 +64,9 @@ where
 ///
 /// ```
 /// use std::time::Duration;
-/// use shardflow_middleware::{Backoff, ErrorClass};
+/// use shardflow_middleware::{RetryPolicy, ErrorClass};
 ///
-/// let policy = Backoff::exponential()
+/// let policy = RetryPolicy::exponential()
 ///     .max_attempts(5)
 ///     .initial_delay(Duration::from_millis(50))
 ///     .classify(|e: &std::io::Error| match e.kind() {
@@ -75,7 +76,7 @@ where
 /// # let _ = policy;
 /// ```
 #[derive(Clone, Debug)]
-pub struct Backoff<C = RetryAll> {
+pub struct RetryPolicy<C = RetryAll> {
     pub(crate) initial_delay: Duration,
     pub(crate) factor: f32,
     pub(crate) max_delay: Duration,
@@ -86,10 +87,10 @@ pub struct Backoff<C = RetryAll> {
     pub(crate) classify: C,
 }
 
-impl Backoff {
+impl RetryPolicy {
     /// The default exponential schedule, retrying every error.
     pub fn exponential() -> Self {
-        Backoff {
+        RetryPolicy {
             initial_delay: Duration::from_millis(100),
             factor: 2.0,
             max_delay: Duration::from_secs(10),
@@ -102,13 +103,13 @@ impl Backoff {
     }
 }
 
-impl Default for Backoff {
+impl Default for RetryPolicy {
     fn default() -> Self {
-        Backoff::exponential()
+        RetryPolicy::exponential()
     }
 }
 
-impl<C> Backoff<C> {
+impl<C> RetryPolicy<C> {
     /// The total number of calls, the first included; `1` means never retry. `0` is
     /// read as `1`.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
@@ -162,8 +163,8 @@ impl<C> Backoff<C> {
     }
 
     /// Replaces the classifier deciding which errors are retried.
-    pub fn classify<C2>(self, classify: C2) -> Backoff<C2> {
-        Backoff {
+    pub fn classify<C2>(self, classify: C2) -> RetryPolicy<C2> {
+        RetryPolicy {
             initial_delay: self.initial_delay,
             factor: self.factor,
             max_delay: self.max_delay,
@@ -219,7 +220,7 @@ mod tests {
 
     #[test]
     fn without_jitter_the_delays_double_up_to_the_cap() {
-        let policy = Backoff::exponential()
+        let policy = RetryPolicy::exponential()
             .max_attempts(6)
             .initial_delay(Duration::from_millis(100))
             .max_delay(Duration::from_millis(500))
@@ -230,7 +231,7 @@ mod tests {
 
     #[test]
     fn seeded_jitter_repeats_per_record_and_stays_in_range() {
-        let policy = Backoff::exponential().max_attempts(5).jitter_seed(42);
+        let policy = RetryPolicy::exponential().max_attempts(5).jitter_seed(42);
         let a: Vec<_> = policy.delays(&metadata(1)).collect();
         let b: Vec<_> = policy.delays(&metadata(1)).collect();
         let c: Vec<_> = policy.delays(&metadata(2)).collect();
@@ -247,7 +248,7 @@ mod tests {
 
     #[test]
     fn zero_attempts_and_bad_factors_are_clamped() {
-        let policy = Backoff::exponential().max_attempts(0).factor(f32::NAN);
+        let policy = RetryPolicy::exponential().max_attempts(0).factor(f32::NAN);
         assert_eq!(policy.max_attempts, 1);
         assert_eq!(policy.factor, 1.0);
         assert_eq!(policy.delays(&metadata(1)).count(), 0);

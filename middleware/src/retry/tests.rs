@@ -54,8 +54,8 @@ fn assert_waited(start: Instant, expected: Duration) {
     );
 }
 
-fn exact() -> Backoff {
-    Backoff::exponential()
+fn exact() -> RetryPolicy {
+    RetryPolicy::exponential()
         .jitter(false)
         .initial_delay(Duration::from_millis(100))
 }
@@ -149,7 +149,7 @@ async fn a_lease_lost_during_the_backoff_ends_the_wait_with_the_last_error() {
 async fn jittered_delays_stay_within_bounds() {
     let (calls, handler) = flaky(2, || Failure::Flaky);
     let svc = RetryLayer::new(
-        Backoff::exponential()
+        RetryPolicy::exponential()
             .initial_delay(Duration::from_millis(100))
             .max_attempts(3)
             .jitter_seed(7),

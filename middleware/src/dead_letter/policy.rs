@@ -1,0 +1,48 @@
+//! Which errors are dead-lettered: [`DeadLetterPolicy`] and its default.
+
+use std::error::Error;
+
+use shardflow::Metadata;
+
+use crate::observe::chain_any;
+
+/// Decides which errors are dead-lettered; the others go up (the consumer redelivers).
+pub trait DeadLetterPolicy {
+    /// Whether the record with `metadata`, which failed with `error`, goes to the sink.
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        metadata: &Metadata,
+    ) -> bool;
+}
+
+/// The default policy: every error except the transient ones named in the
+/// [module docs](super).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PermanentFailures;
+
+impl DeadLetterPolicy for PermanentFailures {
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        metadata: &Metadata,
+    ) -> bool {
+        !metadata.lease_lost.is_cancelled()
+            && !chain_any::<crate::dedup::DedupError>(error, |_| true)
+            && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
+            && !chain_any::<crate::produce::ProduceToError>(error, |e| e.is_transient())
+    }
+}
+
+impl<F> DeadLetterPolicy for F
+where
+    F: Fn(&(dyn Error + Send + Sync + 'static), &Metadata) -> bool,
+{
+    fn should_dead_letter(
+        &self,
+        error: &(dyn Error + Send + Sync + 'static),
+        metadata: &Metadata,
+    ) -> bool {
+        self(error, metadata)
+    }
+}

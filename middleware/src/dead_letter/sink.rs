@@ -1,0 +1,132 @@
+//! [`ProducerSink`]: a [`Producer`] as a dead-letter sink.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use shardflow::producer::{ProduceError, Producer, ProducerRecord};
+use tower::Service;
+
+use super::envelope::{DeadLetterEnvelope, EnvelopeError};
+use super::DeadLetterRecord;
+
+/// A [`Producer`] as a dead-letter sink: each dead letter is written as a
+/// [`DeadLetterEnvelope`] under the record's own partition key, in one record or, for a
+/// payload close to the 1 MiB limit, in two parts (see [`envelope`](super::envelope)). The response is
+/// where the first part was stored.
+///
+/// A named adapter rather than a second `Service` implementation on [`Producer`] itself:
+/// with two, `producer.ready()` would not know which request type is meant.
+///
+/// ```no_run
+/// # async fn demo(producer: shardflow::producer::Producer) -> Result<(), Box<dyn std::error::Error>> {
+/// use shardflow_middleware::{ProducerSink, ServiceBuilderExt};
+///
+/// let dlq = ProducerSink::new(producer.for_stream("orders-dlq")?);
+/// let handler = tower::ServiceBuilder::new()
+///     .dead_letter(dlq)
+///     .service_fn(|_msg: shardflow::Message| async { Ok::<_, std::io::Error>(()) });
+/// # let _ = handler;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ProducerSink {
+    producer: Producer,
+}
+
+impl ProducerSink {
+    /// Writes dead letters through `producer`, to the stream it writes to.
+    pub fn new(producer: Producer) -> Self {
+        Self { producer }
+    }
+
+    /// The producer the dead letters are written through (to flush or close it).
+    pub fn producer(&self) -> &Producer {
+        &self.producer
+    }
+}
+
+impl From<Producer> for ProducerSink {
+    fn from(producer: Producer) -> Self {
+        Self::new(producer)
+    }
+}
+
+impl Service<DeadLetterRecord> for ProducerSink {
+    type Response = shardflow::Stored;
+    type Error = ProduceError;
+    type Future = ProducerSinkFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
+        Service::<ProducerRecord>::poll_ready(&mut self.producer, cx)
+    }
+
+    fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
+        let envelope = DeadLetterEnvelope::from_record(&record);
+        let key = record.metadata.partition_key;
+        let mut parts = match envelope.to_records() {
+            Ok(parts) => parts.into_iter(),
+            Err(e) => {
+                let EnvelopeError::HeaderTooLarge {
+                    header,
+                    partition_key,
+                    limit,
+                } = e;
+                let size = header
+                    .saturating_add(partition_key)
+                    .saturating_add(record.payload.len());
+                return ProducerSinkFuture {
+                    inner: Box::pin(std::future::ready(Err(ProduceError::TooLarge {
+                        size,
+                        limit,
+                    }))),
+                };
+            }
+        };
+        // `to_records` returns at least one record (so the `Closed` below is never
+        // returned); the first uses the slot this handle reserved in `poll_ready`, the
+        // others (if any) wait for their own.
+        let first = parts.next().map(|data| {
+            Service::<ProducerRecord>::call(
+                &mut self.producer,
+                ProducerRecord::new(data, key.clone()),
+            )
+        });
+        let producer = self.producer.clone();
+        ProducerSinkFuture {
+            inner: Box::pin(async move {
+                let Some(first) = first else {
+                    return Err(ProduceError::Closed);
+                };
+                let stored = first.await?;
+                for data in parts {
+                    producer
+                        .send(ProducerRecord::new(data, key.clone()))
+                        .await?;
+                }
+                Ok(stored)
+            }),
+        }
+    }
+}
+
+/// The response future of a [`ProducerSink`].
+pub struct ProducerSinkFuture {
+    inner: Pin<Box<dyn Future<Output = Result<shardflow::Stored, ProduceError>> + Send>>,
+}
+
+impl Future for ProducerSinkFuture {
+    type Output = Result<shardflow::Stored, ProduceError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl fmt::Debug for ProducerSinkFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProducerSinkFuture").finish_non_exhaustive()
+    }
+}
