@@ -39,8 +39,7 @@
 //! one warm-up and one timed iteration, `BENCH_ITERS` and `BENCH_RECORDS` ignored.
 
 mod common;
-#[path = "../tests/common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use common::*;
 use hooks::{HookedStore, Hooks};

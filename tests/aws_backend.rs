@@ -10,27 +10,25 @@
 //! `fake`) to prove what kinesalite cannot show — ListShards paging, ChildShards,
 //! partial PutRecords failures, throttling and HTTP 500 answers.
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use common::unique;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, StartingPosition,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Aws, Backend, Position, SequenceNumber};
+use testkit::unique;
 
 /// No single test may take longer than this (an emulator that hangs fails the test).
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The clients, or `None` (after saying so) when the emulators are not running.
 async fn aws() -> Option<Aws> {
-    if !common::emulators_enabled() {
+    if !testkit::emulators_enabled() {
         return None;
     }
     Some(Aws::from_env().await)

@@ -4,8 +4,6 @@
 //! or, when the sink is down, stops just before it and loses nothing. Embedded backend,
 //! tokio's paused clock.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,7 +19,7 @@ use shardflow_middleware::dead_letter::DeadLetterRecord;
 use shardflow_middleware::{BoxError, ServiceBuilderExt};
 use tower::{Layer, ServiceBuilder};
 
-use common::{put_all, within};
+use testkit::{put_all, within};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -159,7 +157,7 @@ async fn stream_with(n: usize) -> Memory {
 }
 
 fn consumer(memory: &Memory) -> shardflow::Consumer {
-    common::test_consumer(memory.clone(), "orders", "billing", "w1")
+    testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
         .max_records_per_read(500)
         .build()
         .unwrap()

@@ -3,18 +3,16 @@
 //! redelivery after a failure, a drain without duplicates, and the limits (per shard,
 //! worker-wide, the service's own readiness).
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::Checkpoint;
 use shardflow::Backend;
 use shardflow::{Concurrency, ConsumerBuilder, Memory, Message, SequenceNumber};
+use testkit::*;
 use tokio::sync::Semaphore;
 
 const LIMIT: Duration = Duration::from_secs(600);

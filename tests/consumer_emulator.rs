@@ -1,11 +1,9 @@
 //! The single-instance consumer over real HTTP against the Kinesis and DynamoDB
 //! emulators that `scripts/test.sh` starts (skipped when `SHARDFLOW_EMULATORS` is unset).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use testkit::*;
 
 /// A whole test, remote calls included: an emulator that stops answering fails it.
 const TEST_LIMIT: Duration = Duration::from_secs(600);

@@ -1,9 +1,7 @@
 //! The single-instance consumer on the embedded backend: reshards, seeded faults,
 //! handler failures, the stream mode and shutdown.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::convert::Infallible;
 use std::future::IntoFuture;
@@ -11,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use futures_util::StreamExt;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
@@ -19,6 +16,7 @@ use shardflow::lease::Checkpoint;
 use shardflow::lease::LeaseStore;
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{Memory, Message};
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

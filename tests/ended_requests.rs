@@ -3,20 +3,18 @@
 //! and the worker that asked goes back to its usual pace instead of planning around a
 //! hand-off that can never come.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::*;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::{Lease, LeaseError};
 use shardflow::{Consumer, Memory};
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(300);
 const GROUP: &str = "ended-group";

@@ -5,16 +5,14 @@
 //! DynamoDB endpoint comes from `AWS_ENDPOINT_URL_DYNAMODB`, as in the other emulator
 //! tests).
 
-mod common;
-
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::{KinesisApi, StartingPosition};
 use shardflow::lease::Checkpoint;
 use shardflow::{Aws, SequenceNumber};
+use testkit::*;
 
 const ENDPOINT: &str = "SHARDFLOW_FANOUT_KINESIS_ENDPOINT";
 const LIMIT: Duration = Duration::from_secs(120);

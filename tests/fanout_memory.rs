@@ -3,9 +3,7 @@
 //! reshards, many subscription renewals, subscription errors and a shard end that is
 //! never reported. Paused tokio time where the scenario is about time.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::*;
 use futures_util::StreamExt;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{
@@ -22,6 +19,7 @@ use shardflow::kinesis::{
 use shardflow::lease::Checkpoint;
 use shardflow::memory::{KinesisFaults, MemoryKinesis};
 use shardflow::{ConsumerError, Memory};
+use testkit::*;
 use tokio::time::Instant;
 
 const LIMIT: Duration = Duration::from_secs(120);

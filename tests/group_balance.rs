@@ -6,7 +6,7 @@
 //! every shard every second while the leases move: every record is handled, and
 //! exactly once (the hand-offs are planned: drain, checkpoint, hand over).
 
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

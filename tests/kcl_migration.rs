@@ -8,8 +8,6 @@
 //! records after each checkpoint (0 lost, 0 re-read). The rows it leaves behind still
 //! read as the KCL reads them (names and types), so the application can move back.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -17,9 +15,9 @@ use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
     ScalarAttributeType,
 };
-use common::*;
 use shardflow::kinesis::{KinesisApi, ShardInfo, StartingPosition};
 use shardflow::Backend;
+use testkit::*;
 
 const TEST_LIMIT: Duration = Duration::from_secs(600);
 

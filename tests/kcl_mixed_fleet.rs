@@ -5,14 +5,12 @@
 //! both would read the shard. Once the KCL worker stops renewing, its leases expire and
 //! are taken (that is the migration path). Memory backend, paused clock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 use shardflow::{Backend, Memory};
+use testkit::*;
 use tokio_util::sync::CancellationToken;
 
 /// Renews every lease `owner` holds once a second, as a live KCL worker does.

@@ -2,14 +2,12 @@
 //! writes it when a shard ends, so a KCL application that takes the table back finds
 //! the children of a finished parent. Memory backend, paused clock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::{Backend, Memory};
+use testkit::*;
 
 #[tokio::test(start_paused = true)]
 async fn an_ended_shard_records_its_children_like_the_kcl() {

@@ -5,7 +5,7 @@
 //! leader-item writes fail loses the leadership, never its healthy leases. Memory
 //! backend, tokio's paused clock, fixed seeds.
 
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

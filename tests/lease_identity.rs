@@ -7,9 +7,7 @@
 //! - Two processes with the same worker id are two owners: they never both commit
 //!   under one lease counter, and a checkpoint never moves back.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::collections::BTreeSet;
 use std::future::IntoFuture;
@@ -18,11 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use common::{produce, recording_handler, test_consumer, Recorder};
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::{Checkpoint, Lease, LeaseError};
 use shardflow::{CheckpointPolicy, InitialPosition, Memory, Message};
+use testkit::{produce, recording_handler, test_consumer, Recorder};
 
 /// Virtual time (the clock is paused): generous, and never a real wait.
 const LIMIT: Duration = Duration::from_secs(120);

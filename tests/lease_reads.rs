@@ -8,7 +8,7 @@
 //! without duplicates. Simulated time (tokio's paused clock), 8 ms per lease-store call,
 //! 25 ms per Kinesis call, fixed seeds.
 
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

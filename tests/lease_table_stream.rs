@@ -7,14 +7,12 @@
 //! and the table; the first handles every one of its records. On the memory backend
 //! (paused clock) and, when `scripts/test.sh` runs them, on the emulators.
 
-mod common;
-
 use std::future::IntoFuture;
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::{Backend, ConsumerError, Memory};
+use testkit::*;
 
 const RECORDS: usize = 200;
 

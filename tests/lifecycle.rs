@@ -2,21 +2,19 @@
 //! stream mode, acknowledgements clamped to their batch, dropped runs, and batches that
 //! waited through a long pause of the process.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::*;
 use futures_util::StreamExt;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{self, Checkpoint, LeaseError};
 use shardflow::{Backend, Batch, BatchStream, Memory, Message};
+use testkit::*;
 use tokio::sync::watch;
 
 const LIMIT: Duration = Duration::from_secs(60);

@@ -10,18 +10,16 @@
 //! parent). On the memory backend under the paused clock, and on the emulators when
 //! `scripts/test.sh --test multi_stream` runs it.
 
-mod common;
-
 use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
 use std::future::IntoFuture;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::{KinesisApi, StreamAdmin, StreamIdentity};
 use shardflow::lease::{Checkpoint, Lease};
 use shardflow::{Backend, ConsumerError, Memory, Message, Position, SequenceNumber};
+use testkit::*;
 use tokio::sync::{watch, Notify};
 
 /// Records per stream and phase.

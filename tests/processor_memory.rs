@@ -4,15 +4,12 @@
 //! produce redelivers the input, zero outputs acknowledge it, and many outputs per input
 //! keep each key's order through a producer that fails entries (ordered or not).
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::*;
 use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamAdmin,
@@ -23,6 +20,7 @@ use shardflow::producer::{Producer, ProducerBuilder};
 use shardflow::{Backend, Concurrency, Memory, Message, Position};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
+use testkit::*;
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceBuilder;
 

@@ -15,10 +15,7 @@
 //! seen (a redelivery after a crash writes again from the checkpoint); every order's
 //! effect happened exactly once. The repeats are counted and printed.
 
-mod common;
-#[path = "group/process.rs"]
-#[allow(dead_code)]
-mod process;
+use testkit::process;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -26,11 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{put_all, test_consumer, unique, wait_until_active, within};
 use process::Worker;
 use shardflow::kinesis::{KinesisApi, PutRecord, StartingPosition};
 use shardflow::{Aws, Backend, Concurrency, Message};
 use shardflow_middleware::{DedupLayer, DynamoDedupStore, ServiceBuilderExt};
+use testkit::{put_all, test_consumer, unique, wait_until_active, within};
 use tokio::sync::Notify;
 use tower::ServiceBuilder;
 
@@ -95,7 +92,7 @@ impl Warehouse {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect() {
-    if !common::emulators_enabled() {
+    if !testkit::emulators_enabled() {
         return;
     }
     let aws = Aws::from_env().await;
@@ -136,14 +133,14 @@ async fn a_processor_killed_twice_ships_every_order_in_order_and_once_in_effect(
         .concurrency(Concurrency::PerKey(32))
         .build()
         .unwrap();
-    let reading = common::start_service(consumer, handler);
+    let reading = testkit::start_service(consumer, handler);
 
     // The processors.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("processor_processes")
         .join(&orders);
     std::fs::create_dir_all(&dir).unwrap();
-    let bin = common::build_example("processor", &dir);
+    let bin = testkit::build_example("processor", &dir);
     let group = unique("shipping");
     let spawn = |id: &str| {
         let args: Vec<String> = [

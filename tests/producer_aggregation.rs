@@ -4,7 +4,7 @@
 //! order kept, a split while aggregating, and records too large to share an aggregate;
 //! and the per-shard rate limit against Kinesis' limits.
 
-mod common;
+use testkit as common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};

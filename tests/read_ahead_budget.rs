@@ -2,17 +2,15 @@
 //! backlog never hand out more unacknowledged bytes than the budget, nothing is lost,
 //! and a budget smaller than one read still delivers everything (one read at a time).
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, StreamAdmin};
 use shardflow::Memory;
+use testkit::*;
 
 /// Writes `count` records of `size` bytes (the value first, zero-padded) spread over
 /// the shards by partition key.

@@ -5,7 +5,7 @@
 //! (tokio's paused clock), default timings, 8 ms per lease-store call; every store call
 //! is logged by the fleet's store wrapper.
 
-mod fleet;
+use testkit::fleet;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -4,15 +4,13 @@
 //! until their shards are past retention. On the embedded backend under tokio's paused clock; the reshard tree also
 //! against the emulators.
 
-mod common;
-
 use std::collections::{BTreeSet, HashSet};
 use std::time::{Duration, SystemTime};
 
-use common::*;
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 use shardflow::{Backend, InitialPosition, Memory};
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

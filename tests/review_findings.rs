@@ -3,9 +3,7 @@
 //! on the current code. A test stays `#[ignore = "finding: ..."]` until its fix lands.
 //! Embedded backend, tokio's paused clock, fixed seeds, every wait bounded.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::collections::HashSet;
 use std::future::IntoFuture;
@@ -13,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{InitialPosition, Memory, Message};
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

@@ -4,7 +4,7 @@
 //! failed before its fix and states the bound it holds the code to. Memory backend,
 //! tokio's paused clock, fixed seeds (the fleet's).
 
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

@@ -5,20 +5,18 @@
 //! Each test failed before its fix. Embedded backend,
 //! tokio's paused clock, every wait bounded.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use hooks::{Hooked, Hooks};
 use shardflow::kinesis::{KinesisApi, KinesisError, ShardInfo, StreamAdmin};
 use shardflow::lease::LeaseError;
 use shardflow::Memory;
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

@@ -6,13 +6,10 @@
 //!
 //! Property tests run with fixed seeds: the same cases on every run and machine.
 
-mod common;
-
 use std::convert::Infallible;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
 use futures_util::StreamExt;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -22,6 +19,7 @@ use shardflow::producer::{Producer, ProducerRecord};
 use shardflow::{HeaderFormat, HeaderValue, Headers, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
+use testkit::*;
 use tower::ServiceBuilder;
 
 const PAYLOAD: &[u8] = br#"{"id":1}"#;

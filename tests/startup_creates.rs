@@ -4,7 +4,7 @@
 //! gets its row and delivers. Simulated time, default timings, realistic latencies; the
 //! fleet's store wrapper logs every call.
 
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

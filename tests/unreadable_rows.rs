@@ -3,15 +3,13 @@
 //! an unfinished parent, every worker that lists the table reports it (health not ready,
 //! an event naming the shard), and once an operator repairs it nothing is lost.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{Memory, ShardEvent};
+use testkit::*;
 
 /// Virtual time (the clock is paused): generous, and never a real wait.
 const LIMIT: Duration = Duration::from_secs(120);

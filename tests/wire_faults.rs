@@ -3,8 +3,7 @@
 //! real SDK through a fault-injecting HTTP client (tests/wire) in front of kinesalite and
 //! dynalite (`scripts/test.sh --test wire_faults`; skipped without the emulators).
 
-mod common;
-mod wire;
+use testkit::wire;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::IntoFuture;
@@ -13,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_dynamodb::types::AttributeValue;
-use common::*;
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
 use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::{Aws, AwsTimeouts, Backend, ConsumerError, Memory};
+use testkit::*;
 use tokio::time::Instant;
 use wire::{Fault, FaultClient, FaultPlan, FaultyMemory};
 

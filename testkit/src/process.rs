@@ -1,5 +1,5 @@
-//! Worker processes of the `consumer_group` example (built by `common::build_example`):
-//! spawning workers with their stdout parsed line by line, signalling them, and waiting
+//! Example programs as processes: building one ([`build_example`]), spawning workers of
+//! the `consumer_group` example with their stdout parsed line by line, signalling them, and waiting
 //! for their exit.
 //!
 //! Plain threads, not tokio: the crate's tokio has neither `process` nor `net` enabled,
@@ -214,4 +214,84 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Builds example `name` with the profile this test was built with (debug unless the
+/// suite runs with `--release`) into the same target directory, and returns the
+/// binary. Always built, never skipped: a test runs neither a binary left over from an
+/// earlier build nor nothing. `--workspace` gives the dependencies the same features as
+/// the `cargo test --workspace` of `scripts/test.sh` (without it the AWS SDK is compiled a
+/// second time), so the build is fresh (a no-op) when the suite already built the
+/// examples.
+///
+/// The binary is hard-linked (or copied) into `dir` and run from there: a build of the
+/// same example elsewhere (another checkout sharing the target directory, a concurrent
+/// `cargo build`) replaces `target/debug/examples/<name>` but not this link.
+pub fn build_example(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // The target directory holding the running test binary (`<target-dir>/debug/deps/..`):
+    // also right when the suite was started with `--target-dir`. Cargo tags it with
+    // `CACHEDIR.TAG`.
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let target_dir = exe
+        .ancestors()
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .expect("the test binary lies in a cargo target directory")
+        .to_owned();
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "--workspace", "--example", name])
+        .arg("--message-format=json-render-diagnostics")
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    // `cargo test` gives this process the package's CARGO_MANIFEST_DIR, CARGO_PKG_NAME,
+    // CARGO_PKG_VERSION_*, ...; build scripts (ring's) watch some of them, so passing
+    // them on would make the inner cargo rebuild the TLS and AWS SDK crates, and the
+    // next ordinary build rebuild them back.
+    const SET_FOR_THIS_CRATE: [&str; 5] = [
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "OUT_DIR",
+    ];
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+            || SET_FOR_THIS_CRATE.contains(&&*key)
+        {
+            cmd.env_remove(&*key);
+        }
+    }
+    let out = cmd.output().expect("cargo runs");
+    assert!(out.status.success(), "cargo build --example {name} failed");
+    let mut executable = None;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] == "compiler-artifact" && msg["target"]["name"] == name {
+            if let Some(path) = msg["executable"].as_str() {
+                executable = Some(PathBuf::from(path));
+            }
+        }
+    }
+    let built = executable.unwrap_or_else(|| panic!("cargo did not report the {name} executable"));
+    std::fs::create_dir_all(dir).expect("create the directory for the example binary");
+    let private = dir.join(name);
+    let _ = std::fs::remove_file(&private);
+    if std::fs::hard_link(&built, &private).is_err() {
+        std::fs::copy(&built, &private).expect("copy the example binary");
+    }
+    private
 }

@@ -4,11 +4,6 @@
 //! A test implements [`Hooks`] (every method defaults to "let the call through") and
 //! wraps its backend in [`Hooked`]. A new method of `LeaseStore` or `KinesisApi` needs
 //! one forwarding method below, like its neighbours.
-//!
-//! Included by path where it is used (`#[path = "common/hooks.rs"] mod hooks;`, also from
-//! `tests/fleet` and `benches/startup.rs`), not from `common/mod.rs`: the cli's tests
-//! include that file too, without `async-trait`.
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::sync::Arc;

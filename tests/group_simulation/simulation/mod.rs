@@ -332,7 +332,7 @@ impl Sim {
         let range = self.next_value..self.next_value + n;
         self.next_value += n;
         self.note(format!("produce {n}"));
-        crate::common::produce(&self.producer, STREAM, range).await;
+        testkit::produce(&self.producer, STREAM, range).await;
     }
 
     async fn open_shards(&self) -> Vec<ShardInfo> {

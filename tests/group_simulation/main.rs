@@ -22,7 +22,6 @@
 //! replays one seed, `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `tests/simulation/history.rs`).
 
-mod common;
 mod simulation;
 
 use std::collections::{BTreeMap, HashSet};
@@ -32,7 +31,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{produce, within, STOP_LIMIT};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::{CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
@@ -40,6 +38,7 @@ use simulation::backend::{Control, SimBackend};
 use simulation::history::Features;
 use simulation::log::Log;
 use simulation::{Start, GROUP, STREAM};
+use testkit::{produce, within, STOP_LIMIT};
 
 const LEASE: Duration = Duration::from_secs(4);
 

@@ -1,6 +1,5 @@
 //! Faults for the "nothing hangs" tests: a fault-injecting HTTP client for the real SDK
 //! in front of the emulators, and memory-backend wrappers whose calls never return.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

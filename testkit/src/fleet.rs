@@ -1,8 +1,7 @@
 //! A fleet of workers of one consumer group, as tasks in one process on the embedded
 //! backend, for balance and scale figures in simulated time (run it under tokio's paused
 //! clock: the store and stream latencies are then exact, and 2 cores cannot distort
-//! them). Shared by `tests/group_balance.rs` and `benches/scale.rs`.
-#![allow(dead_code)]
+//! them).
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -11,15 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-#[path = "../common/hooks.rs"]
-mod hooks;
-
 use async_trait::async_trait;
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
 use shardflow::lease::LeaseError;
 
-use hooks::{Hooked, Hooks};
+use crate::hooks::{Hooked, Hooks};
 use shardflow::memory::LeaseFaults;
 use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
