@@ -91,3 +91,19 @@ pub fn checkpoints(rows: &[Lease]) -> BTreeMap<String, Checkpoint> {
         .map(|r| (r.key.clone(), r.checkpoint.clone()))
         .collect()
 }
+
+/// No value handled twice (a check for runs that may redeliver nothing).
+pub fn assert_no_value_twice(handled: &[Handled]) {
+    let mut seen = HashSet::new();
+    let twice: Vec<usize> = handled
+        .iter()
+        .filter(|h| !seen.insert(h.value))
+        .map(|h| h.value)
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "{} records handled twice, e.g. {:?}",
+        twice.len(),
+        &twice[..twice.len().min(5)]
+    );
+}

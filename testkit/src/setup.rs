@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use shardflow::kinesis::{KinesisApi, PutRecord, ShardInfo};
+use shardflow::kinesis::{KinesisApi, PutRecord, ShardInfo, StreamAdmin};
 use shardflow::{Backend, CheckpointPolicy, Consumer, ConsumerBuilder};
 
 /// Writes records with values `range`, partition keys `pk-{value % 64}`.
@@ -121,4 +121,24 @@ pub async fn wait_until_active(kinesis: &dyn KinesisApi, stream: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("stream {stream} stayed UPDATING");
+}
+
+/// Splits the only shard of `stream` in the middle of its hash range, with records
+/// `0..before` in the parent and `before..total` in the children; returns every shard.
+pub async fn split_with_records(
+    kinesis: &dyn StreamAdmin,
+    stream: &str,
+    before: usize,
+    total: usize,
+) -> (ShardInfo, Vec<ShardInfo>) {
+    kinesis.create_stream(stream, 1).await.unwrap();
+    let parent = open_shards(kinesis, stream).await.remove(0);
+    produce(kinesis, stream, 0..before).await;
+    kinesis
+        .split_shard(stream, &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    produce(kinesis, stream, before..total).await;
+    let shards = kinesis.list_shards(stream).await.unwrap();
+    (parent, shards)
 }
