@@ -8,7 +8,7 @@
 //! written while it was out of the list wait for it, and its rows are kept; at the end
 //! every row's checkpoint is at its shard's last record (SHARD_END for a closed
 //! parent). On the memory backend under the paused clock, and on the emulators when
-//! `scripts/test.sh --test multi_stream` runs it.
+//! `scripts/test.sh --test consumer_multi_stream` runs it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;

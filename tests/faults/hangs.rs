@@ -1,7 +1,7 @@
 //! Nothing hangs: hung calls, a deleted lease table, a corrupt lease row, and faults on
 //! the wire. The memory tests run under tokio's paused clock; the emulator tests run the
-//! real SDK through a fault-injecting HTTP client (tests/wire) in front of kinesalite and
-//! dynalite (`scripts/test.sh --test wire_faults`; skipped without the emulators).
+//! real SDK through a fault-injecting HTTP client (`testkit::wire`) in front of kinesalite and
+//! dynalite (`scripts/test.sh --test faults`; skipped without the emulators).
 
 use testkit::wire;
 

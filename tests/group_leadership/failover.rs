@@ -1,7 +1,7 @@
 //! Lease-table reads in a large fleet, where not every worker lists the table every
 //! round: paths where a shard stayed unread much longer than the promised bounds, a
 //! shard that ran well was moved for nothing, or a live worker lost leases. Each test
-//! failed before its fix and states the bound it holds the code to. Memory backend,
+//! states the bound it holds the code to. Memory backend,
 //! tokio's paused clock, fixed seeds (the fleet's).
 
 use testkit::fleet;
@@ -25,11 +25,13 @@ async fn balanced_fleet(workers: usize) -> Running {
     running
 }
 
-/// Held since leadership is a lease (see `tests/leadership.rs`). The leader
-/// (w000) and the successor (w001) of a fleet of 12 crash together (one host, one rack,
-/// one bad deploy): their shards waited for another worker's paced listing (about 100 s
-/// here, 380 s at 40 workers). Now any worker takes the leader item over once it stops
-/// moving, and the first two by name are no different from any other two workers.
+/// Regression: when the leader and the successor crashed together, their shards waited for another worker's paced listing.
+///
+/// The leader (w000) and the successor (w001) of a fleet of 12 crash together (one
+/// host, one rack, one bad deploy): their shards waited for another worker's paced
+/// listing (about 100 s here, 380 s at 40 workers). Leadership is a lease (see
+/// `roles.rs`): any worker takes the leader item over once it stops moving, and the
+/// first two by name are no different from any other two workers.
 #[tokio::test(start_paused = true)]
 async fn leader_and_successor_crashing_together_have_their_shards_read_again_within_a_lease_and_a_round(
 ) {
@@ -47,12 +49,14 @@ async fn leader_and_successor_crashing_together_have_their_shards_read_again_wit
         .expect("the fleet stops");
 }
 
-/// Finding 1, planned: the leader and the successor of a fleet of 12 stop gracefully one
+/// Regression: when the leader and the successor stopped one after the other, their released shards waited up to 5 rounds.
+///
+/// The leader and the successor of a fleet of 12 stop gracefully one
 /// after the other (a scale-in by two, a deploy in batches of two). Their released
 /// leases are taken at once only by a leader; the next one (w002) finds out that it
 /// leads only at its next paced listing, so the released shards wait up to 5 rounds
 /// (19 at 40 workers) instead of about a round (as when one worker stops:
-/// `lease_reads::a_stopped_worker_of_twelve_has_its_shards_read_again_within_a_round`).
+/// `group_scale::reads::a_stopped_worker_of_twelve_has_its_shards_read_again_within_a_round`).
 #[tokio::test(start_paused = true)]
 async fn leader_and_successor_stopping_together_have_their_shards_read_again_within_a_round() {
     let mut running = balanced_fleet(12).await;
@@ -96,18 +100,19 @@ async fn longest_gap(running: &Running, window: Duration, except: &[String]) -> 
     worst
 }
 
-/// Finding 2. In a fleet of 12 one worker stops gracefully; the leader takes its 8
-/// released leases at once and hands what it holds above its share to workers below
-/// theirs. It handed on leases it had run all along, and each such shard went unread
-/// until the receiver's next take round (10.4 s; 1.0 s before the change, when no other
-/// shard moved). Fixed: the leader hands on first the leases it took to cover for
-/// others. Bound: no shard but the stopped worker's goes more than 5 s (with the 1 s
+/// Regression: the leader handed on leases it had run all along, each unread until the receiver's next take round.
+///
+/// In a fleet of 12 one worker stops gracefully; the leader takes its 8 released
+/// leases at once and hands what it holds above its share to workers below theirs.
+/// Handing on a lease it had run all along left that shard unread until the
+/// receiver's next take round (10.4 s, against 1.0 s when no other shard moved); the
+/// leader hands on first the leases it took to cover for others. Bound: no shard but the stopped worker's goes more than 5 s (with the 1 s
 /// feed) without a delivery.
 #[tokio::test(start_paused = true)]
 async fn a_lease_the_leader_hands_over_is_read_again_within_a_renew_interval() {
     let mut running = balanced_fleet(12).await;
     let (_, before) = longest_gap(&running, ROUND, &[]).await;
-    // The stopped worker's own shards wait for a round (see `lease_reads`): left out.
+    // The stopped worker's own shards wait for a round (see `group_scale::reads`): left out.
     let released = tokio::time::timeout(Duration::from_secs(60), running.stop_worker(7))
         .await
         .expect("w007 stops");
@@ -138,8 +143,10 @@ fn rows_of(running: &Running, id: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Held since no lease is inferred expired from other rows: only a row whose own
-/// counter stood still for a lease duration is. The leader of a fleet of
+/// Regression: a leader's healthy leases were taken as expired because one of its rows stopped renewing.
+///
+/// No lease is inferred expired from other rows: only a row whose own counter stood
+/// still for a lease duration is. The leader of a fleet of
 /// 12 is alive and renews every lease but one: the renewals of its first row in key
 /// order time out for good (a hot item, a store partition in trouble). That row expires
 /// and may be taken, as any row not renewed for a lease duration; none of the leader's
@@ -186,17 +193,19 @@ async fn a_leader_whose_watched_row_stops_renewing_keeps_its_other_leases() {
         .expect("the fleet stops");
 }
 
-/// Second review, finding 2 (fixed: a lease no renewal landed on for a lease duration
-/// is given up). Same start as the previous test: the renewals of one row of the live leader time
-/// out for good. The leader stops delivering that shard (its lease is no longer fresh)
-/// but keeps it ("a lease we run is ours even if it looks expired"); the other workers
+/// Regression: a lease of the live leader whose renewals all failed stayed unread for good.
+///
+/// A lease no renewal landed on for a lease duration is given up. Same start as the
+/// previous test: the renewals of one row of the live leader time out for good. Were
+/// the lease kept, the leader would stop delivering that shard (its lease is no longer
+/// fresh) but keep it ("a lease we run is ours even if it looks expired"); the other workers
 /// see it expired, but only the leader covers for expired leases in a fleet above 3,
-/// and every worker is at its share, so nobody takes it: the shard stays unread for
-/// good (promise 7: a stuck call never costs a worker its leases, nor a shard its
-/// reader). Bound: the shard is read again within two lease durations and a round of
-/// its last renewal. (Not caused by the leader's role: the same test failed with
-/// 3 workers, where every worker lists every round; every worker's plan deals the
-/// "expired" lease back to its owner, now one below its share, which runs it already.)
+/// and every worker is at its share, so nobody would take it: the shard would stay
+/// unread for good (promise 7: a stuck call never costs a worker its leases, nor a
+/// shard its reader). Bound: the shard is read again within two lease durations and a
+/// round of its last renewal. (The leader's role is not the cause: with 3 workers,
+/// where every worker lists every round, every worker's plan would deal the "expired"
+/// lease back to its owner, then one below its share, which runs it already.)
 #[tokio::test(start_paused = true)]
 async fn a_leader_row_whose_renewals_fail_is_read_again_by_someone() {
     let running = balanced_fleet(12).await;

@@ -2,8 +2,7 @@
 //! a first shard sync that created some rows but not a closed shard's (a failed create,
 //! a shutdown during start-up) leaves a table on which no later sync ever creates that
 //! shard's row, and its children are read at once: the closed shard's records are lost.
-//! Each test failed before its fix. Embedded backend,
-//! tokio's paused clock, every wait bounded.
+//! Embedded backend, tokio's paused clock, every wait bounded.
 
 use testkit::hooks;
 
@@ -116,6 +115,8 @@ async fn check_all_handled(memory: &Memory, stream: &str, run: Running, recorder
     assert_order(&handled, &shards);
 }
 
+/// Regression: a closed shard whose row failed to be created at the first sync was never read.
+///
 /// One throttled create at the first sync (TRIM_HORIZON, the default): the wave that
 /// creates the two root shards' rows creates the open one's and fails on the closed
 /// one's. The retried sync sees a table that is not empty (`first` is false), takes the
@@ -138,8 +139,10 @@ async fn a_closed_shard_whose_first_create_failed_is_still_read() {
     assert!(used.load(Ordering::SeqCst), "the fault was injected");
 }
 
-/// The same table left by a shutdown during start-up (commit 860e41a: a shutdown no
-/// longer waits for a start-up attempt): worker A's first sync created the open root
+/// Regression: a shutdown during start-up left a table on which the closed shard was never read.
+///
+/// The same table left by a shutdown during start-up (a shutdown does not wait for a
+/// start-up attempt): worker A's first sync created the open root
 /// shard's row while the closed shard's create was still under way, and A was shut
 /// down. Worker B, started later on that table, never reads the closed shard.
 #[tokio::test(start_paused = true)]
@@ -185,12 +188,14 @@ impl Hooks for CountedLists {
     }
 }
 
-/// Cost (commit ff3880e, `clean_up`): a finished row whose shard is past retention
-/// makes every lease round of every worker call ListShards once more for as long as
-/// one of its children has not "started" (checkpoint still TRIM_HORIZON /
-/// AT_TIMESTAMP): a child that receives no record never starts, so the extra call is
-/// made every round, for ever, and the row is never deleted. Before ff3880e the
-/// children were checked against the last sync's listing before the extra call.
+/// Regression: a finished row past retention with an idle child cost a ListShards call every round, for ever.
+///
+/// A finished row whose shard is past retention must not make every lease round of
+/// every worker call ListShards once more for as long as one of its children has not
+/// "started" (checkpoint still TRIM_HORIZON / AT_TIMESTAMP): a child that receives no
+/// record never starts, so the extra call would be made every round, for ever, and the
+/// row never deleted. The children are checked against the last sync's listing before
+/// any extra call.
 /// test_consumer: a round every 300 ms, a shard sync (one ListShards) every 500 ms.
 #[tokio::test(start_paused = true)]
 async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round() {
@@ -229,7 +234,9 @@ async fn a_row_past_retention_with_an_idle_child_costs_no_listshards_per_round()
     );
 }
 
-/// LATEST (commit 56702c0): a first sync cut short after the closed parent's row was
+/// Regression: at LATEST, a child created by a later sync was read from its oldest record.
+///
+/// A first sync cut short after the closed parent's row was
 /// created but before a child's (here: the child's create throttled once) leaves the
 /// child to a later sync, which is not `first` and gives a child whose parent is
 /// listed TRIM_HORIZON. The child is read from its oldest record: everything written

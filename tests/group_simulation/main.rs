@@ -3,7 +3,7 @@
 //! throttling, expired iterators, a reshard, graceful hand-offs, and a worker frozen past
 //! its lease expiry that wakes up and tries to commit (a zombie).
 //!
-//! Invariants checked on every seed (those of `tests/simulation/invariants.rs`, then
+//! Invariants checked on every seed (those of `simulation/invariants.rs`, then
 //! this scenario's own):
 //! - no loss: every produced record is handled at least once;
 //! - a checkpoint only ever covers records some handler finished before it was written;
@@ -16,11 +16,11 @@
 //! `SHARDFLOW_SIM_SEEDS=N` runs N seeds instead of the default.
 //!
 //! Beside this fixed scenario, `generated_histories_keep_the_invariants` runs the
-//! history generator of `tests/simulation/` (random reshard trees, every initial
+//! history generator of `simulation/` (random reshard trees, every initial
 //! position, workers joining, leaving, dying, freezing and coming back under the same
 //! name, stream-mode consumers, ambiguous writes, hung calls). `SHARDFLOW_SIM_SEED=K`
 //! replays one seed, `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
-//! as `+latest,+hung-calls`; see `tests/simulation/history.rs`).
+//! as `+latest,+hung-calls`; see `simulation/history.rs`).
 
 mod simulation;
 

@@ -1,5 +1,5 @@
 //! Moving a KCL application to shardflow in place, over real HTTP against the emulators
-//! (`scripts/test.sh --test kcl_migration`; skipped when `SHARDFLOW_EMULATORS` is unset).
+//! (`scripts/test.sh --test kcl_compatibility`; skipped when `SHARDFLOW_EMULATORS` is unset).
 //!
 //! A lease table exactly as a stopped KCL fleet leaves it (2.x and 3.x attributes, one
 //! parent at SHARD_END with open children, checkpoints in the middle of every other

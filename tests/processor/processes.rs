@@ -5,7 +5,7 @@
 //! (and checks from the shipments stream that it was killed mid-work), starts another,
 //! and lets the third process finish (SIGTERM, exit 0).
 //! Skipped when `SHARDFLOW_EMULATORS` is unset; run it with
-//! `scripts/test.sh --test processor_processes`.
+//! `scripts/test.sh --test processor`.
 //!
 //! A warehouse consumer in this test process reads the shipments as they come, every
 //! one (in the order of its partition key), and, through the `DedupLayer` with the

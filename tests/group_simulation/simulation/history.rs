@@ -149,10 +149,7 @@ impl Feature {
 
 /// The features on by default: every one but `per-key-concurrency`,
 /// `multi-stream-keys` and `poison-batches` (the last three of [`Feature::ALL`]), which
-/// their own tests run, so
-/// the default histories stay those the seeds always named. The bugs they reproduced are fixed
-/// (the last, `stale-list-shards`, by keeping finished rows as tombstones while
-/// their shard is listed).
+/// their own tests run, so the default histories stay those the seeds always named.
 pub const DEFAULT_FEATURES: &[Feature] = Feature::ALL.split_at(Feature::ALL.len() - 3).0;
 
 /// A set of features.
