@@ -1,4 +1,4 @@
-//! Start-up cost of a consumer, the workload of DESIGN.md's "Targets" table: 4 shards,
+//! Start-up cost of a consumer, the workload of the start-up targets in BENCHMARKS.md: 4 shards,
 //! 40,000 records of 100 bytes already in the stream, one worker of a new consumer group
 //! with the default configuration.
 //!
