@@ -18,12 +18,11 @@ use aws_smithy_types::body::SdkBody;
 use futures_util::StreamExt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    Subscription,
-};
+use shardflow::kinesis::{KinesisApi, KinesisError, RecordsPage, StartingPosition, Subscription};
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
+
+use crate::hooks::{Forward, ForwardKinesis, ForwardStore};
 
 // ---------------------------------------------------------------------------------------
 // On the wire.
@@ -316,18 +315,18 @@ impl FaultyMemory {
 
 impl Backend for FaultyMemory {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(FaultyKinesis {
+        Arc::new(Forward(FaultyKinesis {
             inner: self.memory.kinesis(),
             faults: self.faults.clone(),
-        })
+        }))
     }
 
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(FaultyStore {
+        Arc::new(Forward(FaultyStore {
             inner: self.memory.lease_store(table),
             table: table.to_owned(),
             faults: self.faults.clone(),
-        })
+        }))
     }
 }
 
@@ -349,7 +348,10 @@ impl FaultyStore {
 }
 
 #[async_trait]
-impl LeaseStore for FaultyStore {
+impl ForwardStore for FaultyStore {
+    fn inner(&self) -> &dyn LeaseStore {
+        &*self.inner
+    }
     async fn ensure_table(&self) -> Result<(), LeaseError> {
         self.check()?;
         let hangs = &self.faults.hang_ensure_table;
@@ -429,20 +431,9 @@ struct FaultyKinesis {
 }
 
 #[async_trait]
-impl KinesisApi for FaultyKinesis {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.inner.list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.inner.is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.inner.shard_iterator(stream, shard_id, from).await
+impl ForwardKinesis for FaultyKinesis {
+    fn inner(&self) -> &dyn KinesisApi {
+        &*self.inner
     }
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         let hang = self
@@ -455,16 +446,6 @@ impl KinesisApi for FaultyKinesis {
             return std::future::pending().await;
         }
         self.inner.get_records(iterator, limit).await
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.inner.put_records(stream, records).await
-    }
-    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        self.inner.register_consumer(stream, name).await
     }
     async fn subscribe_to_shard(
         &self,

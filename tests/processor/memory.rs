@@ -10,16 +10,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
-};
+use shardflow::kinesis::{KinesisApi, KinesisError, PutOutcome, PutRecord, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::memory::KinesisFaults;
 use shardflow::producer::{Producer, ProducerBuilder};
 use shardflow::{Backend, Concurrency, Memory, Message, Position};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
+use testkit::hooks::{Forward, ForwardKinesis};
 use testkit::*;
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceBuilder;
@@ -52,26 +50,9 @@ impl OutputKinesis {
 }
 
 #[async_trait]
-impl KinesisApi for OutputKinesis {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.memory.streams().get_records(iterator, limit).await
+impl ForwardKinesis for OutputKinesis {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
     }
     async fn put_records(
         &self,
@@ -129,7 +110,7 @@ async fn setup(n: usize, shards: u32) -> Memory {
     memory
 }
 
-fn producer(kinesis: Arc<OutputKinesis>) -> ProducerBuilder {
+fn producer(kinesis: Arc<Forward<OutputKinesis>>) -> ProducerBuilder {
     Producer::builder()
         .stream(SHIPMENTS)
         .kinesis(kinesis)
@@ -207,7 +188,7 @@ async fn the_checkpoint_never_passes_an_input_whose_output_is_not_stored() {
     let memory = setup(20, 1).await;
     let mut kinesis = OutputKinesis::new(&memory);
     kinesis.stall = Some("shipped 10".into());
-    let kinesis = Arc::new(kinesis);
+    let kinesis = Arc::new(Forward(kinesis));
     // A producer with room for one record: while output 10 is stalled, the calls wait
     // for the producer (backpressure) instead of dropping anything.
     let shipments = producer(kinesis.clone())
@@ -296,7 +277,7 @@ impl Calls {
 #[tokio::test(start_paused = true)]
 async fn a_failed_produce_fails_the_input_and_redelivers_it() {
     let memory = setup(20, 1).await;
-    let kinesis = Arc::new(OutputKinesis::new(&memory));
+    let kinesis = Arc::new(Forward(OutputKinesis::new(&memory)));
     kinesis.fail_once.lock().unwrap().insert("shipped 5".into());
     // One attempt: the refused entry fails the call instead of being resent.
     let shipments = producer(kinesis.clone()).max_attempts(1).build().unwrap();
@@ -345,7 +326,7 @@ async fn a_failed_produce_fails_the_input_and_redelivers_it() {
 #[tokio::test(start_paused = true)]
 async fn zero_outputs_acknowledge_the_input() {
     let memory = setup(20, 1).await;
-    let kinesis = Arc::new(OutputKinesis::new(&memory));
+    let kinesis = Arc::new(Forward(OutputKinesis::new(&memory)));
     let shipments = producer(kinesis.clone()).build().unwrap();
     let calls = Calls::default();
     // Odd orders ship nothing; the last input (19) is one of them.
@@ -405,7 +386,7 @@ async fn many_outputs_keep_each_keys_order(ordered_producer: bool) {
         seed: 11,
         ..KinesisFaults::default()
     });
-    let kinesis = Arc::new(OutputKinesis::new(&memory));
+    let kinesis = Arc::new(Forward(OutputKinesis::new(&memory)));
     let shipments = producer(kinesis.clone())
         .ordered_per_key(ordered_producer)
         .max_attempts(50)
@@ -465,7 +446,7 @@ async fn an_output_that_finally_fails_lets_no_later_output_of_its_key_ahead() {
         seed: 11,
         ..KinesisFaults::default()
     });
-    let kinesis = Arc::new(OutputKinesis::new(&memory));
+    let kinesis = Arc::new(Forward(OutputKinesis::new(&memory)));
     // Two attempts: about one output in 25 runs out of them, failing its input, which
     // the consumer delivers again.
     let shipments = producer(kinesis.clone())
