@@ -32,8 +32,7 @@
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
 mod common;
-#[path = "../tests/fleet/mod.rs"]
-mod fleet;
+use testkit::fleet;
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Start-up cost of a consumer, the workload of DESIGN.md's "Targets" table: 4 shards,
+//! Start-up cost of a consumer, the workload of the start-up targets in BENCHMARKS.md: 4 shards,
 //! 40,000 records of 100 bytes already in the stream, one worker of a new consumer group
 //! with the default configuration.
 //!
@@ -39,8 +39,7 @@
 //! one warm-up and one timed iteration, `BENCH_ITERS` and `BENCH_RECORDS` ignored.
 
 mod common;
-#[path = "../tests/common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use common::*;
 use hooks::{HookedStore, Hooks};

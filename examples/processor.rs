@@ -11,7 +11,7 @@
 //! cargo run --example processor -- --orders O --shipments S --group G [--worker ID]
 //! ```
 //! With flags it is one processor process on AWS until SIGTERM or SIGINT
-//! (`tests/processor_processes.rs` kills and restarts it).
+//! (`tests/processor/processes.rs` kills and restarts it).
 
 mod common;
 #[path = "common/processor_demo.rs"]

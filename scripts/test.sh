@@ -18,7 +18,7 @@
 #
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
-#   scripts/test.sh --test aws_backend   # a target selection (--lib, --test, --bin,
+#   scripts/test.sh --test backend_aws   # a target selection (--lib, --test, --bin,
 #                                        # --example, --bench, --doc) replaces
 #                                        # --all-targets, and the doc-test pass is skipped
 #

@@ -2,9 +2,7 @@
 //! backend: an owned shard's owner applies the request (stop, drain, store, read again),
 //! an unowned row is changed at once; a request that races the shard's end is applied
 //! all the same, and a second request racing the owner's apply wins.
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -15,11 +13,11 @@ use hooks::{Hooked, Hooks};
 use shardflow::lease::{Lease, LeaseError, LeaseStore};
 use shardflow::memory::MemoryLeaseStore;
 
-use common::*;
 use shardflow::admin::{reset_checkpoint, ResetOutcome};
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::Checkpoint;
 use shardflow::{Backend, Memory, Position};
+use testkit::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

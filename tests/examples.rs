@@ -9,7 +9,7 @@
 //! already built the examples), so it always runs the current code and never skips. A run
 //! that does not end within [`RUN_LIMIT`] is killed and fails the test.
 
-mod common;
+use testkit as common;
 
 use std::collections::BTreeMap;
 use std::io::Read;

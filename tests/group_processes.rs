@@ -32,9 +32,6 @@
 //! `scripts/test.sh --test group_processes`. Worker logs go to
 //! `target/tmp/group_processes/<stream>/` (kept when the test fails).
 
-mod common;
-mod group;
-
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::io::Write;
@@ -44,12 +41,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{build_example, emulators_enabled, open_shards, unique};
-use group::process::{now_us, Output, Printed, Worker};
-use group::proxy::{delta, CountingProxy};
 use shardflow::kinesis::{KinesisApi, PutOutcome, PutRecord, ShardInfo};
 use shardflow::lease::{Checkpoint, Lease, LeaseStore};
 use shardflow::{Aws, Backend};
+use testkit::process::{now_us, Output, Printed, Worker};
+use testkit::proxy::{delta, CountingProxy};
+use testkit::{build_example, emulators_enabled, open_shards, unique};
 use tokio::time::Instant;
 
 const SHARDS: u32 = 8;

@@ -4,7 +4,7 @@
 //! settings that still handles every record once from a stream whose reads and writes
 //! are limited.
 
-mod common;
+use testkit as common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -2,8 +2,6 @@
 //! tokio's paused clock. Each test runs its own current-thread runtime inside a local
 //! `metrics` recorder, so tests running in parallel never see each other's series.
 
-mod common;
-
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,7 +13,7 @@ use shardflow::memory::LeaseFaults;
 use shardflow::metrics as names;
 use shardflow::{Consumer, Memory, Message, Running};
 
-use common::{produce, within, Recorder};
+use testkit::{produce, within, Recorder};
 
 /// Runs `test` on a paused current-thread runtime with a recorder of its own.
 fn with_metrics<F: Future<Output = ()>>(test: impl FnOnce(PrometheusHandle) -> F) {
@@ -93,7 +91,7 @@ fn start_at_defaults(memory: &Memory, seed: u64) -> (Running, Recorder) {
         .backend(memory.clone())
         .build()
         .unwrap()
-        .run(common::recording_handler(recorder.clone()))
+        .run(testkit::recording_handler(recorder.clone()))
         .spawn();
     (running, recorder)
 }
@@ -169,7 +167,7 @@ fn handler_errors_and_restarts_are_counted() {
                 }
             })
         };
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .build()
             .unwrap();
         let running = consumer.run(handler).spawn();
@@ -218,7 +216,7 @@ fn health_says_when_shards_fail_and_when_the_lease_table_is_out_of_reach() {
                 }
             })
         };
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .build()
             .unwrap();
         let running = consumer.run(handler).spawn();

@@ -2,7 +2,7 @@
 //! clock) and, when `SHARDFLOW_EMULATORS` is set (scripts/test.sh), against kinesalite
 //! over HTTP.
 
-mod common;
+use testkit as common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};

@@ -6,7 +6,7 @@
 //! under the limits across a split; and the consumer's choices for user records read
 //! from a shard that does not own them.
 
-mod common;
+use testkit as common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};

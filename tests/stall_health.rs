@@ -4,8 +4,6 @@
 //! slow handler that finishes, never is. On the memory backend under tokio's paused
 //! clock, each test with a `metrics` recorder of its own.
 
-mod common;
-
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,7 +16,7 @@ use shardflow::metrics as names;
 use shardflow::{Health, Memory, Message, ShardEvent};
 use tokio::sync::Notify;
 
-use common::{produce, within, Recorder};
+use testkit::{produce, within, Recorder};
 
 const STUCK_AFTER: Duration = Duration::from_secs(10);
 /// How long after `STUCK_AFTER` the event and gauge may follow the health (a look every
@@ -133,7 +131,7 @@ fn a_hung_handler_makes_its_shard_stuck_until_it_returns() {
             })
         };
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             .on_event(events.hook())
             .build()
@@ -210,7 +208,7 @@ fn a_record_the_handler_always_fails_on_is_stuck_with_the_error() {
             })
         };
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             .on_event(events.hook())
             .build()
@@ -246,13 +244,13 @@ fn an_idle_caught_up_shard_is_never_stuck() {
         produce(memory.streams().as_ref(), "orders", 0..10).await;
         let recorder = Recorder::default();
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             .on_event(events.hook())
             .build()
             .unwrap();
         let running = consumer
-            .run(common::recording_handler(recorder.clone()))
+            .run(testkit::recording_handler(recorder.clone()))
             .spawn();
         recorder.wait_for(10, LIMIT).await;
         eventually(LIMIT, "every shard leased", || {
@@ -293,7 +291,7 @@ fn a_busy_shard_with_a_slow_handler_that_finishes_is_never_stuck() {
             })
         };
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             .on_event(events.hook())
             .build()
@@ -316,7 +314,7 @@ fn a_stream_batch_held_unacknowledged_makes_its_shard_stuck() {
         memory.streams().create_stream("orders", 1).await.unwrap();
         produce(memory.streams().as_ref(), "orders", 0..5).await;
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             .on_event(events.hook())
             .build()
@@ -369,7 +367,7 @@ async fn put_into(memory: &Memory, starting_hash_key: u128, values: std::ops::Ra
             explicit_hash_key: Some(starting_hash_key.to_string()),
         })
         .collect();
-    common::put_all(memory.streams().as_ref(), "orders", records).await;
+    testkit::put_all(memory.streams().as_ref(), "orders", records).await;
 }
 
 /// Regression: a handler hung on one shard kept the worker's whole read-ahead budget, so
@@ -406,7 +404,7 @@ fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
             })
         };
         let events = Events::default();
-        let consumer = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let consumer = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .stuck_after(STUCK_AFTER)
             // The smallest budget: one batch of a shard takes all of it.
             .read_ahead_bytes(1024)

@@ -5,9 +5,7 @@
 //! stopped, its leases released and no handler runs once `run` returned. Embedded
 //! backend, tokio's paused clock.
 
-mod common;
-#[path = "common/hooks.rs"]
-mod hooks;
+use testkit::hooks;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -25,8 +23,8 @@ use shardflow::lease::{Checkpoint, Lease, LeaseError};
 use shardflow::metrics as names;
 use shardflow::{Batch, Concurrency, ConsumerError, Memory, Message, Running, ShardEvent};
 
-use common::{put_all, within, Recorder};
 use hooks::{Hooked, Hooks};
+use testkit::{put_all, within, Recorder};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -130,7 +128,7 @@ type Events = Arc<Mutex<Vec<ShardEvent>>>;
 /// batch's future in batch mode).
 fn start(memory: &Memory, mode: Mode, poison: &Poison, events: &Events) -> Running {
     let events = events.clone();
-    let builder = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+    let builder = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
         .on_event(move |e| events.lock().unwrap().push(e.clone()));
     let builder = match mode {
         Mode::PerKey => builder.concurrency(Concurrency::PerKey(4)),
@@ -362,7 +360,7 @@ fn a_service_that_panics_getting_ready_is_an_error() {
         let events = Events::default();
         let hook = events.clone();
         let recorder = Recorder::default();
-        let running = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let running = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .on_event(move |e| hook.lock().unwrap().push(e.clone()))
             .build()
             .unwrap()
@@ -413,7 +411,7 @@ fn a_hook_that_panics_on_every_event_changes_nothing_else() {
             })
         };
         let hook_calls = calls.clone();
-        let running = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let running = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .on_event(move |_| {
                 hook_calls.fetch_add(1, Ordering::SeqCst);
                 panic!("the hook is broken");
@@ -445,7 +443,7 @@ fn a_batch_dropped_without_an_answer_is_delivered_again() {
         let memory = Memory::new();
         memory.streams().create_stream("orders", 1).await.unwrap();
         produce(&memory, 10).await;
-        let mut stream = common::test_consumer(memory.clone(), "orders", "billing", "w1")
+        let mut stream = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
             .build()
             .unwrap()
             .stream();
@@ -528,7 +526,7 @@ fn after_the_worker_ends(arm: fn(&BrokenListing), expect: fn(&ConsumerError) -> 
                 }
             })
         };
-        let running = common::test_consumer(broken.clone(), "orders", "billing", "w1")
+        let running = testkit::test_consumer(broken.clone(), "orders", "billing", "w1")
             .shutdown_timeout(Duration::from_secs(5))
             .build()
             .unwrap()

@@ -7,14 +7,11 @@
 //! The SDK is global, so the tests share one exporter; each looks only at the spans of
 //! its own traces and streams.
 
-mod common;
-
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use common::*;
 use futures_util::StreamExt;
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::trace::{SpanContext, SpanKind, Status, TraceContextExt, TraceId, Tracer};
@@ -26,6 +23,7 @@ use shardflow::producer::{Producer, ProducerRecord};
 use shardflow::{Aws, Backend, Batch, HeaderFormat, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
+use testkit::*;
 use tokio::sync::mpsc;
 use tower::{ServiceBuilder, ServiceExt as _};
 

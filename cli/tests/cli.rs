@@ -1,15 +1,11 @@
 //! The `shardflow` binary against the emulators (`scripts/test.sh` starts them and sets
 //! the AWS endpoints): every subcommand, its output, its exit code and its effect on the
 //! lease table and the streams.
-#[path = "../../tests/common/mod.rs"]
-mod common;
-
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use common::*;
 use serde_json::Value;
 use shardflow::aggregation::Aggregator;
 use shardflow::headers::HeaderFormat;
@@ -18,6 +14,7 @@ use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Headers, Metadata};
 use shardflow_middleware::dead_letter::{DeadLetterRecord, ProducerSink};
+use testkit::*;
 use tower::ServiceExt;
 
 /// How long one run of the binary may take before the test fails (and kills it).

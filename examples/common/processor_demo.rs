@@ -1,7 +1,7 @@
 //! The `processor` example's command line and demo. Without flags it runs the demo:
 //! fresh streams, the orders written, the example's `process` and `warehouse` until every
 //! order was shipped. With `--orders`, `--shipments` and `--group` it is one processor
-//! worker on AWS (`tests/processor_processes.rs` starts it so, kills it, starts another).
+//! worker on AWS (`tests/processor/processes.rs` starts it so, kills it, starts another).
 
 use clap::Parser;
 use tokio::sync::watch;

@@ -1,0 +1,516 @@
+//! A fleet of workers of one consumer group, as tasks in one process on the embedded
+//! backend, for balance and scale figures in simulated time (run it under tokio's paused
+//! clock: the store and stream latencies are then exact, and 2 cores cannot distort
+//! them).
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
+use shardflow::lease::LeaseError;
+
+use crate::hooks::{Hooked, Hooks};
+use shardflow::memory::LeaseFaults;
+use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub const STREAM: &str = "fleet";
+pub const GROUP: &str = "fleet-group";
+
+/// The shape of a fleet.
+#[derive(Clone, Debug)]
+pub struct Fleet {
+    pub shards: u32,
+    pub workers: usize,
+    /// Every lease-store call takes this long.
+    pub store_latency: Duration,
+    /// Every ListShards, GetShardIterator and GetRecords call takes this long.
+    pub read_latency: Duration,
+    pub seed: u64,
+    /// While the fleet runs, put one more record in every shard this often (until
+    /// [`Running::stop_feed`]), so hand-offs happen under traffic.
+    pub feed_every: Option<Duration>,
+}
+
+impl Fleet {
+    /// Realistic latencies: 8 ms per DynamoDB call, 25 ms per Kinesis call.
+    pub fn new(shards: u32, workers: usize) -> Self {
+        Fleet {
+            shards,
+            workers,
+            store_latency: Duration::from_millis(8),
+            read_latency: Duration::from_millis(25),
+            seed: 11,
+            feed_every: None,
+        }
+    }
+}
+
+/// One lease-store call a worker made: when it was sent, by which worker, which call
+/// (`"renew"`, `"create"`, ...) and on which lease (none for `list`, `ensure_table`).
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub at: Instant,
+    pub worker: String,
+    pub op: &'static str,
+    pub key: Option<String>,
+}
+
+/// A started fleet: the backend, the workers and which shards delivered a record.
+pub struct Running {
+    pub memory: Memory,
+    pub fleet: Fleet,
+    pub started: Instant,
+    /// When each shard that delivered a record last delivered one (to a live worker).
+    pub last_delivery: Arc<Mutex<HashMap<String, Instant>>>,
+    /// How often each record (shard, sequence number) was handled.
+    pub handled: Arc<Mutex<HashMap<(String, String), usize>>>,
+    /// Records put in the stream so far.
+    pub put: Arc<Mutex<usize>>,
+    /// Every lease-store call of every worker, in the order sent.
+    pub calls: Arc<Mutex<Vec<Call>>>,
+    /// (worker id, lease key): that worker's renewals of that lease time out (a row
+    /// whose renewals fail while the worker's others land).
+    pub failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
+    /// Worker ids whose writes of the leader item (takes, renewals) time out, while
+    /// their lease writes land.
+    pub failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose listings of the lease table (Scans) time out, while their
+    /// other calls land.
+    pub failing_lists: Arc<Mutex<Vec<String>>>,
+    /// Worker ids whose writes to the lease table (takes, renewals, checkpoints,
+    /// releases, ...) time out, while their reads and leader-item writes land.
+    pub failing_lease_writes: Arc<Mutex<Vec<String>>>,
+    feed: Option<JoinHandle<()>>,
+    workers: Vec<Worker>,
+}
+
+/// One started worker: its id, its shutdown handle, its task and whether it was killed.
+struct Worker {
+    id: String,
+    shutdown: ShutdownHandle,
+    task: JoinHandle<Result<(), ConsumerError>>,
+    dead: Arc<AtomicBool>,
+}
+
+/// A worker process's view of the lease table: once the process is killed, none of its
+/// lease-store calls lands any more (they never answer), so its leases are neither
+/// renewed nor released and expire, as after a crash. Every call sent is logged.
+struct Killable {
+    dead: Arc<AtomicBool>,
+    worker: String,
+    calls: Arc<Mutex<Vec<Call>>>,
+    failing_renewals: Arc<Mutex<Vec<(String, String)>>>,
+    failing_leader_writes: Arc<Mutex<Vec<String>>>,
+    failing_lists: Arc<Mutex<Vec<String>>>,
+    failing_lease_writes: Arc<Mutex<Vec<String>>>,
+}
+
+#[async_trait]
+impl Hooks for Killable {
+    async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        if self.dead.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.calls.lock().unwrap().push(Call {
+            at: Instant::now(),
+            worker: self.worker.clone(),
+            op,
+            key: key.map(str::to_owned),
+        });
+        let failing = op == "renew"
+            && key.is_some_and(|k| {
+                self.failing_renewals
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|(w, f)| *w == self.worker && f == k)
+            });
+        let failing = failing
+            || (matches!(op, "leader_claim" | "leader_renew")
+                && self
+                    .failing_leader_writes
+                    .lock()
+                    .unwrap()
+                    .contains(&self.worker));
+        let failing =
+            failing || (op == "list" && self.failing_lists.lock().unwrap().contains(&self.worker));
+        let failing = failing
+            || (!matches!(op, "list" | "owned_keys" | "get" | "ensure_table")
+                && !op.starts_with("leader_")
+                && self
+                    .failing_lease_writes
+                    .lock()
+                    .unwrap()
+                    .contains(&self.worker));
+        if failing {
+            return Err(LeaseError::TimedOut {
+                op,
+                after: Duration::from_secs(1),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The owner of each lease as the table says: worker id -> leases held.
+pub fn leases_per_owner(memory: &Memory) -> BTreeMap<String, usize> {
+    let mut per_owner = BTreeMap::new();
+    for row in memory.table(GROUP).rows() {
+        if let Some(owner) = row.owner {
+            *per_owner.entry(owner).or_default() += 1;
+        }
+    }
+    per_owner
+}
+
+/// Creates the stream with one record in every shard and starts every worker at once
+/// with the default configuration.
+pub async fn start(fleet: Fleet) -> Running {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis
+        .create_stream(STREAM, fleet.shards)
+        .await
+        .expect("create the stream");
+    let shards = kinesis.list_shards(STREAM).await.expect("list shards");
+    let records: Vec<PutRecord> = shards
+        .iter()
+        .map(|s| PutRecord {
+            data: Bytes::from_static(b"x"),
+            partition_key: s.shard_id.clone(),
+            explicit_hash_key: Some(s.starting_hash_key.to_string()),
+        })
+        .collect();
+    let put: Arc<Mutex<usize>> = Arc::default();
+    put_all(memory.streams(), &records, &put).await;
+    kinesis.set_latency(fleet.read_latency);
+    memory.table(GROUP).set_faults(LeaseFaults {
+        latency: fleet.store_latency,
+        ..LeaseFaults::default()
+    });
+    let started = Instant::now();
+    let feed = fleet.feed_every.map(|every| {
+        let (streams, put) = (memory.streams().clone(), put.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                put_all(&streams, &records, &put).await;
+            }
+        })
+    });
+    let mut running = Running {
+        memory,
+        fleet,
+        started,
+        last_delivery: Arc::default(),
+        handled: Arc::default(),
+        put,
+        calls: Arc::default(),
+        failing_renewals: Arc::default(),
+        failing_leader_writes: Arc::default(),
+        failing_lists: Arc::default(),
+        failing_lease_writes: Arc::default(),
+        feed,
+        workers: Vec::new(),
+    };
+    running.add_workers(running.fleet.workers);
+    running
+}
+
+/// `fleet`, started and balanced within a minute (the start-up target is 30 s).
+pub async fn start_balanced(fleet: Fleet) -> Running {
+    let running = start(fleet).await;
+    assert!(
+        running
+            .until(Duration::from_secs(60), |r| r.balanced())
+            .await
+            .is_some(),
+        "not balanced: {:?}",
+        leases_per_owner(&running.memory)
+    );
+    running
+}
+
+/// Puts `records` (500 per call) and counts them in `put`.
+async fn put_all(
+    streams: &shardflow::memory::MemoryKinesis,
+    records: &[PutRecord],
+    put: &Mutex<usize>,
+) {
+    for chunk in records.chunks(500) {
+        streams
+            .put_records(STREAM, chunk)
+            .await
+            .expect("put records");
+        *put.lock().unwrap() += chunk.len();
+    }
+}
+
+impl Running {
+    /// Starts `count` more workers of the group (default configuration), named on from
+    /// the last one.
+    pub fn add_workers(&mut self, count: usize) {
+        for _ in 0..count {
+            let i = self.workers.len();
+            let id = format!("w{i:03}");
+            let dead = Arc::new(AtomicBool::new(false));
+            let consumer = Consumer::builder()
+                .stream(STREAM)
+                .group(GROUP)
+                .worker_id(&id)
+                .backend(Hooked::new(
+                    self.memory.clone(),
+                    Killable {
+                        dead: dead.clone(),
+                        worker: id.clone(),
+                        calls: self.calls.clone(),
+                        failing_renewals: self.failing_renewals.clone(),
+                        failing_leader_writes: self.failing_leader_writes.clone(),
+                        failing_lists: self.failing_lists.clone(),
+                        failing_lease_writes: self.failing_lease_writes.clone(),
+                    },
+                ))
+                .seed(self.fleet.seed.wrapping_add(i as u64))
+                .build()
+                .expect("a valid configuration");
+            let (last, counts, gone) = (
+                self.last_delivery.clone(),
+                self.handled.clone(),
+                dead.clone(),
+            );
+            let handler = tower::service_fn(move |msg: Message| {
+                let (last, counts, gone) = (last.clone(), counts.clone(), gone.clone());
+                async move {
+                    // A killed process handles nothing more (and acknowledges nothing).
+                    if gone.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
+                    let shard = msg.metadata.shard_id.to_string();
+                    let sequence = msg.metadata.sequence_number.to_string();
+                    *counts
+                        .lock()
+                        .unwrap()
+                        .entry((shard.clone(), sequence))
+                        .or_default() += 1;
+                    last.lock().unwrap().insert(shard, Instant::now());
+                    Ok::<_, Infallible>(())
+                }
+            });
+            let shutdown = consumer.shutdown_handle();
+            let task = tokio::spawn(consumer.run(handler).into_future());
+            self.workers.push(Worker {
+                id,
+                shutdown,
+                task,
+                dead,
+            });
+        }
+    }
+
+    /// Kills worker `i` (a crash: no drain, no release; its lease-store calls never land
+    /// again and its handler never finishes). Returns the leases it held then.
+    pub fn kill(&mut self, i: usize) -> Vec<String> {
+        let worker = &self.workers[i];
+        worker.dead.store(true, Ordering::SeqCst);
+        let prefix = format!("{}#", worker.id);
+        self.memory
+            .table(GROUP)
+            .rows()
+            .into_iter()
+            .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+            .map(|r| r.key)
+            .collect()
+    }
+
+    /// Stops worker `i` gracefully (drain, checkpoint, release) and waits until it
+    /// stopped; from then on it counts as gone, as a killed one. Returns the leases it
+    /// held when asked to stop.
+    pub async fn stop_worker(&mut self, i: usize) -> Vec<String> {
+        let prefix = format!("{}#", self.workers[i].id);
+        let held = self
+            .memory
+            .table(GROUP)
+            .rows()
+            .into_iter()
+            .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+            .map(|r| r.key)
+            .collect();
+        let worker = &mut self.workers[i];
+        worker.shutdown.shutdown();
+        match (&mut worker.task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("worker {} failed: {e}", worker.id),
+            Err(e) => panic!("worker {} panicked: {e}", worker.id),
+        }
+        worker.dead.store(true, Ordering::SeqCst);
+        held
+    }
+
+    /// Stops the workers `which` gracefully all at once (a deploy stopping several
+    /// pods together) and waits until each stopped; returns the leases they held when
+    /// asked to stop.
+    pub async fn stop_workers(&mut self, which: &[usize]) -> Vec<String> {
+        let mut held = Vec::new();
+        for &i in which {
+            let prefix = format!("{}#", self.workers[i].id);
+            held.extend(
+                self.memory
+                    .table(GROUP)
+                    .rows()
+                    .into_iter()
+                    .filter(|r| r.owner.as_deref().is_some_and(|o| o.starts_with(&prefix)))
+                    .map(|r| r.key),
+            );
+            self.workers[i].shutdown.shutdown();
+        }
+        for &i in which {
+            let worker = &mut self.workers[i];
+            match (&mut worker.task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {} failed: {e}", worker.id),
+                Err(e) => panic!("worker {} panicked: {e}", worker.id),
+            }
+            worker.dead.store(true, Ordering::SeqCst);
+        }
+        held
+    }
+
+    /// The index of the worker that holds the group's leader item, if any.
+    pub fn leader(&self) -> Option<usize> {
+        let item = self
+            .memory
+            .table(GROUP)
+            .coordinator()
+            .item(shardflow::lease::LEADER_KEY)?;
+        let owner = item.owner?;
+        self.workers
+            .iter()
+            .position(|w| owner.starts_with(&format!("{}#", w.id)))
+    }
+
+    /// Waits until every shard of `gone` delivered a record after `since`; the time that
+    /// took, or a failure naming the shards still waiting after `limit`.
+    pub async fn read_again(&self, gone: &[String], since: Instant, limit: Duration) -> Duration {
+        let done = self
+            .until(self.started.elapsed() + limit, |r| {
+                gone.iter().all(|s| r.delivered_after(s, since))
+            })
+            .await;
+        let waiting: Vec<&String> = gone
+            .iter()
+            .filter(|s| !self.delivered_after(s, since))
+            .collect();
+        assert!(
+            done.is_some(),
+            "shards {waiting:?} not read again within {limit:?}"
+        );
+        since.elapsed()
+    }
+
+    /// Workers started and not killed.
+    pub fn live(&self) -> usize {
+        self.workers
+            .iter()
+            .filter(|w| !w.dead.load(Ordering::SeqCst))
+            .count()
+    }
+
+    /// Whether every live worker holds its fair share: between floor and ceil of
+    /// shards / workers (so within one of each other).
+    pub fn balanced(&self) -> bool {
+        let per_owner = leases_per_owner(&self.memory);
+        let n = self.fleet.shards as usize;
+        let live = self.live();
+        let (low, high) = (n / live, n.div_ceil(live));
+        per_owner.len() == live
+            && per_owner.values().sum::<usize>() == n
+            && per_owner.values().all(|c| (low..=high).contains(c))
+    }
+
+    /// Whether every shard delivered its record.
+    pub fn all_delivered(&self) -> bool {
+        self.last_delivery.lock().unwrap().len() == self.fleet.shards as usize
+    }
+
+    /// Whether `shard` delivered a record (to a live worker) after `since`.
+    pub fn delivered_after(&self, shard: &str, since: Instant) -> bool {
+        self.last_delivery
+            .lock()
+            .unwrap()
+            .get(shard)
+            .is_some_and(|t| *t > since)
+    }
+
+    /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
+    /// time since the fleet started, or `None` after `limit`.
+    pub async fn until(
+        &self,
+        limit: Duration,
+        mut done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
+        let deadline = self.started + limit;
+        loop {
+            if done(self) {
+                return Some(self.started.elapsed());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops putting records (see [`Fleet::feed_every`]).
+    pub fn stop_feed(&mut self) {
+        if let Some(feed) = self.feed.take() {
+            feed.abort();
+        }
+    }
+
+    /// Whether every record put so far was handled at least once.
+    pub fn all_handled(&self) -> bool {
+        self.handled.lock().unwrap().len() == *self.put.lock().unwrap()
+    }
+
+    /// Records handled more than once: (shard, sequence number, times).
+    pub fn duplicates(&self) -> Vec<(String, String, usize)> {
+        let mut twice: Vec<_> = self
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|((shard, seq), n)| (shard.clone(), seq.clone(), *n))
+            .collect();
+        twice.sort();
+        twice
+    }
+
+    /// Stops every worker gracefully.
+    pub async fn stop(mut self) {
+        self.stop_feed();
+        for worker in &self.workers {
+            worker.shutdown.shutdown();
+        }
+        for Worker { id, task, dead, .. } in self.workers {
+            if dead.load(Ordering::SeqCst) {
+                task.abort();
+                continue;
+            }
+            match task.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {id} failed: {e}"),
+                Err(e) => panic!("worker {id} panicked: {e}"),
+            }
+        }
+    }
+}

@@ -1,4 +1,0 @@
-//! Helpers of the multi-process consumer-group test (`tests/group_processes.rs`).
-
-pub mod process;
-pub mod proxy;

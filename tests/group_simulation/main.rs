@@ -1,0 +1,351 @@
+//! Deterministic simulation of a consumer group on the embedded backend, under tokio's
+//! paused clock: several workers, lease-store latency and failed conditional writes,
+//! throttling, expired iterators, a reshard, graceful hand-offs, and a worker frozen past
+//! its lease expiry that wakes up and tries to commit (a zombie).
+//!
+//! Invariants checked on every seed (those of `simulation/invariants.rs`, then
+//! this scenario's own):
+//! - no loss: every produced record is handled at least once;
+//! - a checkpoint only ever covers records some handler finished before it was written;
+//! - at most one owner commits per lease counter, and the zombie never moves a
+//!   checkpoint of a lease it lost;
+//! - checkpoints of a shard never go backwards;
+//! - no duplicates, and leases really changed hands; over all seeds, the woken zombie
+//!   tried fenced writes and was refused.
+//!
+//! `SHARDFLOW_SIM_SEEDS=N` runs N seeds instead of the default.
+//!
+//! Beside this fixed scenario, `generated_histories_keep_the_invariants` runs the
+//! history generator of `simulation/` (random reshard trees, every initial
+//! position, workers joining, leaving, dying, freezing and coming back under the same
+//! name, stream-mode consumers, ambiguous writes, hung calls). `SHARDFLOW_SIM_SEED=K`
+//! replays one seed, `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
+//! as `+latest,+hung-calls`; see `simulation/history.rs`).
+
+mod simulation;
+
+use std::collections::{BTreeMap, HashSet};
+use std::convert::Infallible;
+use std::future::IntoFuture;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shardflow::kinesis::{KinesisApi, ShardInfo, StreamAdmin};
+use shardflow::memory::{KinesisFaults, LeaseFaults};
+use shardflow::{CheckpointPolicy, Consumer, Memory, Message, SequenceNumber};
+use simulation::backend::{Control, SimBackend};
+use simulation::history::Features;
+use simulation::log::Log;
+use simulation::{Start, GROUP, STREAM};
+use testkit::{produce, within, STOP_LIMIT};
+
+const LEASE: Duration = Duration::from_secs(4);
+
+fn worker(backend: SimBackend, seed: u64) -> Consumer {
+    Consumer::builder()
+        .stream(STREAM)
+        .group(GROUP)
+        .worker_id(backend.worker.clone())
+        .backend(backend)
+        .lease_duration(LEASE)
+        .take_interval(Duration::from_secs(1))
+        .shard_sync_interval(Duration::from_secs(2))
+        .idle_read_interval(Duration::from_millis(100))
+        .max_records_per_read(50)
+        .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .checkpoint(CheckpointPolicy::Interval(Duration::from_millis(200)))
+        .shutdown_timeout(Duration::from_secs(5))
+        .seed(seed)
+        .build()
+        .unwrap()
+}
+
+fn handler(
+    log: Arc<Log>,
+    worker: String,
+) -> impl tower::Service<Message, Response = (), Error = Infallible, Future = impl Send> + Clone + Send
+{
+    tower::service_fn(move |msg: Message| {
+        log.handle(&worker, &msg);
+        async { Ok(()) }
+    })
+}
+
+async fn simulate(seed: u64) -> u64 {
+    let memory = Memory::new();
+    let log = Arc::new(Log::default());
+    memory.streams().set_faults(KinesisFaults {
+        throttle: 0.05,
+        expire_iterator: 0.02,
+        error: 0.02,
+        put_entry_failure: 0.0,
+        missing_next_iterator: 0.02,
+        seed,
+    });
+    memory.table(GROUP).set_faults(LeaseFaults {
+        fail_before_write: 0.03,
+        fail_after_write: 0.03,
+        throttle: 0.02,
+        latency: Duration::from_millis(5),
+        seed: seed ^ 0x5eed,
+    });
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream(STREAM, 6).await.unwrap();
+    let total = 3_000;
+    produce(kinesis.as_ref(), STREAM, 0..total / 2).await;
+
+    let mut controls = Vec::new();
+    let mut runs = Vec::new();
+    let mut handles = Vec::new();
+    for w in 0..3 {
+        let name = format!("w{w}");
+        let control = Control::new();
+        // No fault of the generated histories: only freezing, and the logs of takes,
+        // checkpoints and refused writes.
+        let backend = SimBackend::new(
+            memory.clone(),
+            GROUP,
+            &name,
+            &name,
+            control.clone(),
+            log.clone(),
+            Features::of(&[]),
+            seed,
+        );
+        let consumer = worker(backend, seed * 10 + w);
+        handles.push(consumer.shutdown_handle());
+        runs.push(tokio::spawn(
+            consumer.run(handler(log.clone(), name)).into_future(),
+        ));
+        controls.push(control);
+        // Workers join one after another: later ones must steal through hand-offs.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Freeze w0 well past its lease expiry: the others take its shards.
+    controls[0].freeze(true);
+    tokio::time::sleep(LEASE * 3).await;
+    // Reshard while w0 is frozen, and write more.
+    let open: Vec<ShardInfo> = kinesis
+        .list_shards(STREAM)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| !s.is_closed())
+        .collect();
+    let s = &open[(seed as usize) % open.len()];
+    kinesis
+        .split_shard(
+            STREAM,
+            &s.shard_id,
+            s.starting_hash_key + (s.ending_hash_key - s.starting_hash_key) / 2,
+        )
+        .await
+        .unwrap();
+    produce(kinesis.as_ref(), STREAM, total / 2..total).await;
+    // The zombie wakes up with its stale lease rows and in-flight work.
+    let woke_at = log.tick();
+    controls[0].freeze(false);
+
+    // Everything is handled within a bounded (virtual) time.
+    let mut waited = Duration::ZERO;
+    loop {
+        let seen: HashSet<(String, SequenceNumber)> = log
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| (h.shard.clone(), h.sequence.clone()))
+            .collect();
+        if seen.len() == total {
+            break;
+        }
+        assert!(
+            waited < Duration::from_secs(600),
+            "seed {seed}: {} of {total} handled",
+            seen.len()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        waited += Duration::from_millis(500);
+    }
+    for h in &handles {
+        h.shutdown();
+    }
+    for run in runs {
+        let what = format!("seed {seed}: a worker stops after shutdown()");
+        within(STOP_LIMIT, &what, run).await.unwrap().unwrap();
+    }
+
+    // The invariants of the generated histories (no loss, checkpoints only after
+    // handling, fencing, never backwards), then this scenario's own.
+    if let Err(e) = simulation::invariants::check(&memory, &log, &Start::TrimHorizon) {
+        panic!("seed {seed}: {e}");
+    }
+    let handled = log.handled.lock().unwrap().clone();
+    let commits = log.commits.lock().unwrap().clone();
+    let records: HashSet<(&str, &SequenceNumber)> = handled
+        .iter()
+        .map(|h| (h.shard.as_str(), &h.sequence))
+        .collect();
+    assert_eq!(records.len(), total, "seed {seed}: records lost");
+    let mut per_worker: BTreeMap<&str, usize> = BTreeMap::new();
+    for h in &handled {
+        *per_worker.entry(h.incarnation.as_str()).or_default() += 1;
+    }
+    let committers: BTreeMap<&str, HashSet<&str>> =
+        commits.iter().fold(BTreeMap::new(), |mut m, c| {
+            m.entry(c.key.as_str())
+                .or_insert_with(HashSet::new)
+                .insert(c.incarnation.as_str());
+            m
+        });
+    let moved = committers.values().filter(|w| w.len() > 1).count();
+    println!(
+        "seed {seed}: handled {} ({} duplicates), per worker {per_worker:?}, {} commits, {moved} leases committed by more than one worker, {} zombie-phase commits by w0",
+        handled.len(),
+        handled.len() - total,
+        commits.len(),
+        commits
+            .iter()
+            .filter(|c| c.incarnation == "w0" && c.at > woke_at)
+            .count()
+    );
+    // Hand-offs drain before they release, and a frozen worker holds its records until a
+    // renewal proves the lease is still its own: no duplicates in this scenario.
+    assert_eq!(handled.len(), total, "seed {seed}: duplicates delivered");
+    // The scenario must really have moved leases between workers.
+    assert!(moved > 0, "seed {seed}: no lease changed hands");
+    // Writes of the woken zombie refused by the store's fencing.
+    let refused = log.refused.lock().unwrap();
+    refused
+        .iter()
+        .filter(|(at, incarnation)| *at > woke_at && incarnation == "w0")
+        .count() as u64
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn consumer_group_simulation_keeps_the_invariants() {
+    let seeds: u64 = std::env::var("SHARDFLOW_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(200);
+    let mut refused = 0;
+    for seed in 0..seeds {
+        refused += simulate(seed).await;
+    }
+    // The woken zombie really tried to write with its stale leases (and was refused).
+    assert!(refused > 0, "the zombie never attempted a fenced write");
+    println!("{refused} writes of woken zombies refused over {seeds} seeds");
+}
+
+/// Seeds the generator runs by default: enough to hit each feature many times while
+/// staying well under a minute of wall time on two cores.
+const DEFAULT_GENERATED_SEEDS: u64 = 300;
+
+#[test]
+fn generated_histories_keep_the_invariants() {
+    run_generated(
+        simulation::history::Features::from_env(),
+        DEFAULT_GENERATED_SEEDS,
+    );
+}
+
+/// The default features plus `run`-mode workers with per-key concurrency.
+#[test]
+fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+per-key-concurrency").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
+/// The default features with every worker in multi-stream mode: lease keys
+/// `account:stream:creationEpoch:shardId` through the stream's view of the table, under
+/// the same kills, freezes, reshards, hand-offs and faults.
+#[test]
+fn generated_histories_with_multi_stream_keys_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+multi-stream-keys").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
+/// The default features plus `run_batches` workers with poison records under a
+/// `Bisect` layer.
+#[test]
+fn generated_histories_with_poison_batches_keep_the_invariants() {
+    let features = simulation::history::Features::parse("+poison-batches").unwrap();
+    run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
+/// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),
+/// `SHARDFLOW_SIM_SEEDS` (that many) or `default_seeds` seeds; fails naming each
+/// failing seed and how to replay it.
+fn run_generated(features: simulation::history::Features, default_seeds: u64) {
+    let seeds: Vec<u64> = match std::env::var("SHARDFLOW_SIM_SEED") {
+        Ok(k) => vec![k.parse().expect("SHARDFLOW_SIM_SEED is a number")],
+        Err(_) => {
+            let n = std::env::var("SHARDFLOW_SIM_SEEDS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(default_seeds);
+            (0..n).collect()
+        }
+    };
+    let verbose = seeds.len() == 1;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures = Mutex::new(Vec::new());
+    let totals = Mutex::new(simulation::Stats::default());
+    let started = std::time::Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(2));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(&seed) = seeds.get(i) else { return };
+                // A runtime per seed: every task of a history ends with it.
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .start_paused(true)
+                    .build()
+                    .unwrap();
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    runtime.block_on(simulation::simulate(seed, features))
+                }));
+                drop(runtime);
+                match outcome {
+                    Ok(Ok(stats)) => {
+                        if verbose {
+                            println!("seed {seed}: {stats:?}");
+                        }
+                        totals.lock().unwrap().add(&stats);
+                    }
+                    Ok(Err(e)) => failures.lock().unwrap().push((seed, e)),
+                    Err(_) => failures
+                        .lock()
+                        .unwrap()
+                        .push((seed, "the history panicked (see above)".to_owned())),
+                }
+            });
+        }
+    });
+    let mut failures = failures.into_inner().unwrap();
+    failures.sort_by_key(|f| f.0);
+    println!(
+        "{} seeds with features [{features}] in {:.1?}: {} failed; totals {:?}",
+        seeds.len(),
+        started.elapsed(),
+        failures.len(),
+        totals.into_inner().unwrap()
+    );
+    for (seed, e) in &failures {
+        println!(
+            "seed {seed} failed: {e}\n  replay: SHARDFLOW_SIM_FEATURES={features} SHARDFLOW_SIM_SEED={seed} cargo test --test group_simulation generated -- --nocapture"
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} seeds failed; first: seed {}",
+        failures.len(),
+        seeds.len(),
+        failures[0].0
+    );
+}

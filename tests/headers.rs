@@ -1,0 +1,593 @@
+//! Headers in Spring Cloud Stream's formats: the fixtures under `tests/fixtures/spring/`
+//! (built byte for byte from Spring's sources, see the README there) are read, our
+//! writer's output is those bytes, what we write we read back, records that are not
+//! envelopes arrive unchanged, and headers travel producer -> consumer -> processor ->
+//! consumer on the embedded backend.
+//!
+//! Property tests run with fixed seeds: the same cases on every run and machine.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use shardflow::headers::spring::{read_json, read_legacy, write_json, write_legacy};
+use shardflow::kinesis::StreamAdmin;
+use shardflow::producer::{Producer, ProducerRecord};
+use shardflow::{HeaderFormat, HeaderValue, Headers, Memory, Message};
+use shardflow_middleware::produce::Output;
+use shardflow_middleware::ServiceBuilderExt;
+use testkit::*;
+use tower::ServiceBuilder;
+
+const PAYLOAD: &[u8] = br#"{"id":1}"#;
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+const UUID: &str = "0b3a94d6-33b4-4bd6-a8e7-4c0d2d8c4c41";
+const TIMESTAMP: i64 = 1_764_633_600_000;
+
+fn fixture(name: &str) -> Bytes {
+    let path = format!(
+        "{}/tests/fixtures/spring/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Bytes::from(std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}")))
+}
+
+fn names(headers: &Headers) -> Vec<&str> {
+    headers.names().collect()
+}
+
+/// The fixture's headers in the order Spring's `HashMap` wrote them.
+fn typed_headers() -> Headers {
+    let mut h = Headers::new();
+    h.insert("traceparent", TRACEPARENT);
+    h.insert(
+        "id",
+        HeaderValue::Typed {
+            class: "java.util.UUID".into(),
+            value: UUID.into(),
+        },
+    );
+    h.insert("contentType", "application/json");
+    h.insert("timestamp", TIMESTAMP);
+    h
+}
+
+// ---------------------------------------------------------------------------------------
+// Spring's bytes, read
+
+#[test]
+fn spring_json_headers_are_read_and_the_framing_stripped() {
+    let (headers, payload) = read_json(&fixture("json_content_type_traceparent.bin")).unwrap();
+    assert_eq!(payload.as_ref(), PAYLOAD);
+    assert_eq!(headers.get_str("contentType"), Some("application/json"));
+    assert_eq!(headers.get_str("traceparent"), Some(TRACEPARENT));
+    assert_eq!(
+        names(&headers),
+        ["traceparent", "contentType"],
+        "wire order kept"
+    );
+}
+
+#[test]
+fn spring_typed_id_and_timestamp_are_read_with_their_types() {
+    let (headers, payload) = read_json(&fixture("json_typed_id_timestamp.bin")).unwrap();
+    assert_eq!(payload.as_ref(), PAYLOAD);
+    assert_eq!(headers, typed_headers());
+    assert_eq!(headers.get_str("id"), Some(UUID));
+    assert_eq!(
+        headers.get("timestamp").unwrap().to_json().as_i64(),
+        Some(TIMESTAMP)
+    );
+}
+
+#[test]
+fn spring_empty_header_map_is_an_envelope_without_headers() {
+    let (headers, payload) = read_json(&fixture("json_empty_headers.bin")).unwrap();
+    assert!(headers.is_empty());
+    assert_eq!(payload.as_ref(), PAYLOAD);
+}
+
+#[test]
+fn spring_message_document_is_read_as_headers_and_payload() {
+    let (headers, payload) = read_json(&fixture("json_message_document.json")).unwrap();
+    assert_eq!(payload.as_ref(), PAYLOAD, "the String payload's text");
+    assert_eq!(headers, typed_headers());
+}
+
+#[test]
+fn spring_legacy_headers_are_read_and_the_framing_stripped() {
+    let (headers, payload) = read_legacy(&fixture("legacy_content_type_traceparent.bin")).unwrap();
+    assert_eq!(payload.as_ref(), PAYLOAD);
+    assert_eq!(names(&headers), ["contentType", "traceparent"]);
+    assert_eq!(headers.get_str("contentType"), Some("application/json"));
+    assert_eq!(headers.get_str("traceparent"), Some(TRACEPARENT));
+}
+
+#[test]
+fn auto_reads_every_fixture_and_none_reads_none() {
+    for name in [
+        "json_content_type_traceparent.bin",
+        "json_typed_id_timestamp.bin",
+        "json_empty_headers.bin",
+        "json_message_document.json",
+        "legacy_content_type_traceparent.bin",
+    ] {
+        let data = fixture(name);
+        let (_, payload) = HeaderFormat::Auto
+            .read(&data)
+            .unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(payload.as_ref(), PAYLOAD, "{name}");
+        assert!(HeaderFormat::None.read(&data).is_none(), "{name}");
+    }
+    let legacy = fixture("legacy_content_type_traceparent.bin");
+    assert!(HeaderFormat::SpringJson.read(&legacy).is_none());
+    let json = fixture("json_content_type_traceparent.bin");
+    assert!(HeaderFormat::SpringLegacy.read(&json).is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Our bytes are Spring's
+
+#[test]
+fn our_json_framing_is_the_spring_fixture_byte_for_byte() {
+    let mut plain = Headers::new();
+    plain.insert("traceparent", TRACEPARENT);
+    plain.insert("contentType", "application/json");
+    assert_eq!(
+        write_json(&plain, PAYLOAD).unwrap(),
+        fixture("json_content_type_traceparent.bin")
+    );
+    assert_eq!(
+        write_json(&typed_headers(), PAYLOAD).unwrap(),
+        fixture("json_typed_id_timestamp.bin")
+    );
+    assert_eq!(
+        write_json(&Headers::new(), PAYLOAD).unwrap(),
+        fixture("json_empty_headers.bin")
+    );
+}
+
+#[test]
+fn our_json_framing_in_another_order_differs_only_in_order() {
+    let mut reordered = Headers::new();
+    reordered.insert("contentType", "application/json");
+    reordered.insert("traceparent", TRACEPARENT);
+    let ours = write_json(&reordered, PAYLOAD).unwrap();
+    let spring = fixture("json_content_type_traceparent.bin");
+    assert_eq!(ours.len(), spring.len());
+    assert_eq!(ours[..4], spring[..4], "same header length");
+    let (mine, _) = read_json(&ours).unwrap();
+    let (theirs, _) = read_json(&spring).unwrap();
+    let sorted = |h: &Headers| {
+        let mut v: Vec<_> = h.iter().map(|(n, v)| (n.to_owned(), v.clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    assert_eq!(sorted(&mine), sorted(&theirs));
+}
+
+#[test]
+fn our_legacy_framing_is_the_spring_fixture_byte_for_byte() {
+    let mut h = Headers::new();
+    h.insert("contentType", "application/json");
+    h.insert("traceparent", TRACEPARENT);
+    assert_eq!(
+        write_legacy(&h, PAYLOAD).unwrap(),
+        fixture("legacy_content_type_traceparent.bin")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Properties (fixed seeds)
+
+fn runner(seed: u8, cases: u32) -> TestRunner {
+    TestRunner::new_with_rng(
+        Config::with_cases(cases),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &[seed; 32]),
+    )
+}
+
+fn header_value() -> impl Strategy<Value = HeaderValue> {
+    let leaf = prop_oneof![
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<bool>().prop_map(serde_json::Value::from),
+        "\\PC{0,12}".prop_map(serde_json::Value::from),
+        Just(serde_json::Value::Null),
+        // Quarters: exact in binary, so their text round-trips whatever the parser's
+        // last-digit precision.
+        (-1_000_000i32..1_000_000).prop_map(|q| serde_json::Value::from(f64::from(q) / 4.0)),
+    ];
+    let json = leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            proptest::collection::btree_map("[a-z@]{1,6}", inner, 0..4).prop_map(|m| {
+                serde_json::Value::Object(m.into_iter().filter(|(k, _)| k != "@class").collect())
+            }),
+        ]
+    });
+    prop_oneof![
+        "\\PC{0,40}".prop_map(HeaderValue::from),
+        json.prop_map(HeaderValue::from),
+        ("java\\.[a-z]{2,6}\\.[A-Z][a-z]{1,8}", "[a-z0-9-]{1,12}").prop_map(|(class, v)| {
+            HeaderValue::Typed {
+                class,
+                value: v.into(),
+            }
+        }),
+    ]
+}
+
+fn headers() -> impl Strategy<Value = Headers> {
+    proptest::collection::vec(("\\PC{1,16}", header_value()), 0..6)
+        .prop_map(|pairs| pairs.into_iter().collect())
+}
+
+#[test]
+fn what_we_write_we_read_back() {
+    runner(1, 512)
+        .run(
+            &(headers(), proptest::collection::vec(any::<u8>(), 0..200)),
+            |(headers, payload)| {
+                let bytes = write_json(&headers, &payload).unwrap();
+                let (read, body) = HeaderFormat::Auto.read(&bytes).expect("an envelope");
+                prop_assert_eq!(&read, &headers);
+                prop_assert_eq!(body.as_ref(), &payload[..]);
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// Payloads that are not envelopes: random bytes, JSON documents, and bytes starting
+/// with `0xff` that do not follow the legacy layout.
+fn plain_payload() -> impl Strategy<Value = Vec<u8>> {
+    let json = proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..6)
+        .prop_map(|m| serde_json::to_vec(&m).unwrap());
+    let ff_random = proptest::collection::vec(any::<u8>(), 0..120).prop_map(|tail| {
+        let mut v = vec![0xff];
+        v.extend(tail);
+        v
+    });
+    // 0xff, a count, a plausible first header whose value is not JSON or whose value
+    // length runs past the end.
+    let ff_broken = (
+        1u8..5,
+        "[a-zA-Z]{1,12}",
+        0u32..64,
+        "[^\"0-9\\[{tfn -]{1,20}",
+    )
+        .prop_map(|(count, name, extra, value)| {
+            let mut v = vec![0xff, count, name.len() as u8];
+            v.extend_from_slice(name.as_bytes());
+            v.extend_from_slice(&(value.len() as u32 + extra).to_be_bytes());
+            v.extend_from_slice(value.as_bytes());
+            v
+        });
+    prop_oneof![
+        3 => proptest::collection::vec(any::<u8>(), 0..300),
+        2 => json,
+        2 => ff_random,
+        2 => ff_broken,
+    ]
+}
+
+#[test]
+fn records_that_are_not_envelopes_arrive_unchanged() {
+    runner(2, 2048)
+        .run(&plain_payload(), |payload| {
+            let data = Bytes::from(payload);
+            prop_assert!(
+                HeaderFormat::Auto.read(&data).is_none(),
+                "{:02x?}",
+                &data[..]
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Regression: a cut-off envelope must not lose its tail or be taken for a smaller one.
+#[test]
+fn truncated_envelopes_arrive_raw() {
+    for name in [
+        "json_content_type_traceparent.bin",
+        "json_typed_id_timestamp.bin",
+        "legacy_content_type_traceparent.bin",
+    ] {
+        let data = fixture(name);
+        for cut in 0..data.len() {
+            let truncated = data.slice(..cut);
+            // A cut inside the payload of the legacy framing still has every header: the
+            // legacy framing has no payload length, so Spring reads it the same way.
+            if name.starts_with("legacy") && cut >= data.len() - PAYLOAD.len() {
+                continue;
+            }
+            assert!(
+                HeaderFormat::Auto.read(&truncated).is_none(),
+                "{name} cut at {cut}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Through the consumer and the producer
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+async fn first_batch(memory: &Memory, stream: &str, format: HeaderFormat) -> Vec<Message> {
+    let consumer = test_consumer(memory.clone(), stream, &unique("g"), "w1")
+        .header_format(format)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let shutdown = batches.shutdown_handle();
+    let batch = within(LIMIT, "the first batch", batches.next())
+        .await
+        .unwrap()
+        .unwrap();
+    batch.ack();
+    shutdown.shutdown();
+    within(STOP_LIMIT, "the stream ends", async {
+        while let Some(batch) = batches.next().await {
+            batch.unwrap().ack();
+        }
+    })
+    .await;
+    batch.messages
+}
+
+#[tokio::test(start_paused = true)]
+async fn headers_go_from_producer_to_consumer_and_spring_records_are_read() {
+    let memory = Memory::new();
+    memory.streams().create_stream("s", 1).await.unwrap();
+    let producer = Producer::builder()
+        .stream("s")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    producer
+        .send(
+            ProducerRecord::new(PAYLOAD, "k")
+                .with_header("contentType", "application/json")
+                .with_header("traceparent", TRACEPARENT),
+        )
+        .limited()
+        .await
+        .unwrap();
+    producer
+        .send(ProducerRecord::new("plain", "k"))
+        .limited()
+        .await
+        .unwrap();
+    // What a Spring producer wrote, as raw bytes.
+    for name in [
+        "json_typed_id_timestamp.bin",
+        "legacy_content_type_traceparent.bin",
+    ] {
+        producer
+            .send(ProducerRecord::new(fixture(name), "k"))
+            .limited()
+            .await
+            .unwrap();
+    }
+    producer.close().limited().await;
+
+    let messages = first_batch(&memory, "s", HeaderFormat::Auto).await;
+    assert_eq!(messages.len(), 4);
+    assert_eq!(messages[0].payload.as_ref(), PAYLOAD);
+    assert_eq!(names(&messages[0].headers), ["contentType", "traceparent"]);
+    assert_eq!(messages[1].payload.as_ref(), b"plain");
+    assert!(messages[1].headers.is_empty());
+    assert_eq!(messages[2].headers, typed_headers());
+    assert_eq!(messages[2].payload.as_ref(), PAYLOAD);
+    assert_eq!(
+        messages[3].headers.get_str("traceparent"),
+        Some(TRACEPARENT)
+    );
+    assert_eq!(messages[3].payload.as_ref(), PAYLOAD);
+    // Debug shows the headers' names, never the payload.
+    let shown = format!("{:?}", messages[0]);
+    assert!(
+        shown.contains("traceparent") && !shown.contains("\"id\":1"),
+        "{shown}"
+    );
+
+    // Raw mode: the framing is the payload.
+    let raw = first_batch(&memory, "s", HeaderFormat::None).await;
+    assert!(raw.iter().all(|m| m.headers.is_empty()));
+    assert_eq!(raw[2].payload, fixture("json_typed_id_timestamp.bin"));
+    assert_eq!(raw[1].payload.as_ref(), b"plain");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_producer_that_does_not_embed_writes_the_bare_payload() {
+    let memory = Memory::new();
+    memory.streams().create_stream("bare", 1).await.unwrap();
+    let producer = Producer::builder()
+        .stream("bare")
+        .backend(memory.clone())
+        .embed_headers(false)
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    producer
+        .send(ProducerRecord::new(PAYLOAD, "k").with_header("contentType", "text/plain"))
+        .limited()
+        .await
+        .unwrap();
+    producer.close().limited().await;
+    let messages = first_batch(&memory, "bare", HeaderFormat::Auto).await;
+    assert_eq!(messages[0].payload.as_ref(), PAYLOAD);
+    assert!(messages[0].headers.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn headers_travel_through_a_processor() {
+    let memory = Memory::new();
+    memory.streams().create_stream("in", 1).await.unwrap();
+    memory.streams().create_stream("out", 1).await.unwrap();
+    let input = Producer::builder()
+        .stream("in")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    for i in 0..3 {
+        input
+            .send(
+                ProducerRecord::new(format!("{i}"), "k")
+                    .with_header("correlationId", format!("order-{i}")),
+            )
+            .limited()
+            .await
+            .unwrap();
+    }
+    input.close().limited().await;
+
+    let output = Producer::builder()
+        .stream("out")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    // The processor copies the correlation id and says what the output is.
+    let processor =
+        ServiceBuilder::new()
+            .produce_to(output)
+            .service_fn(|msg: Message| async move {
+                let correlation = msg
+                    .headers
+                    .get_str("correlationId")
+                    .unwrap_or("")
+                    .to_owned();
+                Ok::<_, Infallible>(
+                    Output::new(msg.payload)
+                        .with_header("correlationId", correlation)
+                        .with_header("contentType", "text/plain"),
+                )
+            });
+    let consumer = test_consumer(memory.clone(), "in", "proc", "w1")
+        .build()
+        .unwrap();
+    let running = start_service(consumer, processor);
+    let stored = async {
+        while memory
+            .streams()
+            .records("out", "shardId-000000000000")
+            .len()
+            < 3
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    within(LIMIT, "three outputs stored", stored).await;
+    running.stop().await;
+
+    let messages = first_batch(&memory, "out", HeaderFormat::Auto).await;
+    let seen: Vec<(String, Option<&str>, Option<&str>)> = messages
+        .iter()
+        .map(|m| {
+            (
+                String::from_utf8_lossy(&m.payload).into_owned(),
+                m.headers.get_str("correlationId"),
+                m.headers.get_str("contentType"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("0".to_owned(), Some("order-0"), Some("text/plain")),
+            ("1".to_owned(), Some("order-1"), Some("text/plain")),
+            ("2".to_owned(), Some("order-2"), Some("text/plain")),
+        ]
+    );
+}
+
+/// Regression: a processor whose ordered producer received several outputs at once wrote
+/// them without their headers.
+#[tokio::test(start_paused = true)]
+async fn several_outputs_of_an_ordered_processor_keep_their_headers() {
+    let memory = Memory::new();
+    memory.streams().create_stream("in", 1).await.unwrap();
+    memory.streams().create_stream("out", 1).await.unwrap();
+    let input = Producer::builder()
+        .stream("in")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    input
+        .send(ProducerRecord::new("order", "k").with_header("correlationId", "order-1"))
+        .limited()
+        .await
+        .unwrap();
+    input.close().limited().await;
+
+    let output = Producer::builder()
+        .stream("out")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .ordered_per_key(true)
+        .build()
+        .unwrap();
+    let processor =
+        ServiceBuilder::new()
+            .produce_to(output)
+            .service_fn(|msg: Message| async move {
+                let correlation = msg
+                    .headers
+                    .get_str("correlationId")
+                    .unwrap_or("")
+                    .to_owned();
+                let outputs: Vec<Output> = ["charged", "shipped"]
+                    .into_iter()
+                    .map(|step| {
+                        Output::new(step)
+                            .with_header("correlationId", correlation.clone())
+                            .with_header("step", step)
+                    })
+                    .collect();
+                Ok::<_, Infallible>(outputs)
+            });
+    let consumer = test_consumer(memory.clone(), "in", "proc", "w1")
+        .build()
+        .unwrap();
+    let running = start_service(consumer, processor);
+    let stored = async {
+        while memory
+            .streams()
+            .records("out", "shardId-000000000000")
+            .len()
+            < 2
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    within(LIMIT, "two outputs stored", stored).await;
+    running.stop().await;
+
+    let messages = first_batch(&memory, "out", HeaderFormat::Auto).await;
+    let seen: Vec<(String, Option<&str>, Option<&str>)> = messages
+        .iter()
+        .map(|m| {
+            (
+                String::from_utf8_lossy(&m.payload).into_owned(),
+                m.headers.get_str("correlationId"),
+                m.headers.get_str("step"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("charged".to_owned(), Some("order-1"), Some("charged")),
+            ("shipped".to_owned(), Some("order-1"), Some("shipped")),
+        ]
+    );
+}
