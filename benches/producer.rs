@@ -184,6 +184,11 @@ fn limited_modes() -> Vec<LimitedMode> {
             records: |bytes| if bytes <= 100 { 200_000 } else { 30_000 },
             configure: |b| b.aggregate(true).rate_limit(150),
         },
+        LimitedMode {
+            name: "aggregate+rate100",
+            records: |bytes| if bytes <= 100 { 200_000 } else { 30_000 },
+            configure: |b| b.aggregate(true).rate_limit(100),
+        },
     ]
 }
 
