@@ -882,3 +882,60 @@ async fn a_consumer_delivers_or_skips_misplaced_user_records_as_configured() {
         assert_eq!(got, expected, "{choice:?}");
     }
 }
+
+/// Regression: a producer without the `kinesis:ListShards` permission (aggregating or
+/// rate-limited) listed again and warned every 100 ms for as long as it ran.
+#[tokio::test(start_paused = true)]
+async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everything() {
+    use testkit::hooks::{Forward, ForwardKinesis};
+    struct NoListing {
+        memory: Memory,
+        listings: std::sync::atomic::AtomicUsize,
+    }
+    #[async_trait]
+    impl ForwardKinesis for NoListing {
+        fn inner(&self) -> &dyn KinesisApi {
+            self.memory.streams().as_ref()
+        }
+        async fn list_shards(&self, _stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+            self.listings
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err(KinesisError::Other(
+                "AccessDeniedException: not authorized to perform kinesis:ListShards".into(),
+            ))
+        }
+    }
+    let memory = memory_with_stream(2).await;
+    let api = Arc::new(Forward(NoListing {
+        memory: memory.clone(),
+        listings: Default::default(),
+    }));
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .kinesis(api.clone())
+        .aggregate(true)
+        .build()
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let mut answers = Vec::new();
+    for minute_part in 0..60 {
+        answers.extend(
+            produce_in_order(
+                &producer,
+                (minute_part * 10..minute_part * 10 + 10).map(|i| (i, record(i, format!("k{i}")))),
+            )
+            .await,
+        );
+        tokio::time::sleep_until(start + std::time::Duration::from_secs(minute_part as u64 + 1))
+            .await;
+    }
+    producer.close().limited().await;
+    let back = read_back(memory.streams().as_ref()).await;
+    assert_stored_once(600, &answers, &back);
+    assert_eq!(back.aggregates, 0, "unaggregated without a shard map");
+    let listings = api.listings.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        listings <= 15,
+        "{listings} ListShards calls in a minute: the failures were not backed off"
+    );
+}

@@ -246,6 +246,9 @@ pub(crate) struct Worker {
     listed_at: Option<Instant>,
     /// The last listing failed and there is no map: records go unaggregated meanwhile.
     map_unavailable: bool,
+    /// Listings failed in a row: the next waits longer (a producer without the
+    /// `kinesis:ListShards` permission must not call and warn ten times a second).
+    listing_failures: u32,
     /// Aggregates that landed in a shard the map does not know, waiting for a listing
     /// that tells whether that shard owns all their user records.
     awaiting_map: Vec<Landed>,
@@ -293,6 +296,7 @@ impl Worker {
             listing_wanted: false,
             listed_at: None,
             map_unavailable: false,
+            listing_failures: 0,
             awaiting_map: Vec::new(),
             rate_limit: rate_limit.map(RateLimit::percent),
             budgets: HashMap::new(),
@@ -687,6 +691,14 @@ impl Worker {
         }));
     }
 
+    /// The least time between two listings: [`SHARD_MAP_MIN_INTERVAL`], doubled for
+    /// each listing failed in a row, at most [`SHARD_MAP_MAX_AGE`].
+    fn listing_interval(&self) -> Duration {
+        SHARD_MAP_MIN_INTERVAL
+            .saturating_mul(1 << self.listing_failures.min(10))
+            .min(SHARD_MAP_MAX_AGE)
+    }
+
     /// Starts listing the shards when aggregating and the map is missing, stale, or
     /// shown wrong (at most once per [`SHARD_MAP_MIN_INTERVAL`]).
     fn list_shards_if_due(&mut self, now: Instant) {
@@ -699,7 +711,7 @@ impl Worker {
         };
         let too_soon = self
             .listed_at
-            .is_some_and(|at| now < at + SHARD_MAP_MIN_INTERVAL);
+            .is_some_and(|at| now < at + self.listing_interval());
         if !due || too_soon {
             return;
         }
@@ -718,10 +730,17 @@ impl Worker {
                 tracing::debug!(stream = %self.settings.stream, shards = map.len(), "shard map listed");
                 self.shard_map = Some(Arc::new(map));
                 self.map_unavailable = false;
+                self.listing_failures = 0;
             }
             Err(error) => {
-                // Records go unaggregated until a listing works (never wait on it).
-                tracing::warn!(stream = %self.settings.stream, %error, "ListShards failed; sending records unaggregated until it works");
+                // Records go unaggregated until a listing works (never wait on it); the
+                // first failure in a row is worth a warning, the retries are not.
+                self.listing_failures = self.listing_failures.saturating_add(1);
+                if self.listing_failures == 1 {
+                    tracing::warn!(stream = %self.settings.stream, %error, "ListShards failed; sending records unaggregated (and not rate-limited) until it works");
+                } else {
+                    tracing::debug!(stream = %self.settings.stream, %error, failures = self.listing_failures, "ListShards failed again");
+                }
                 self.map_unavailable = self.shard_map.is_none();
                 self.listing_wanted = true;
             }
@@ -1063,7 +1082,7 @@ impl Worker {
             // A listing wanted but too soon after the last one.
             if let (true, Some(at)) = (self.listing_wanted || self.map_unavailable, self.listed_at)
             {
-                consider(at + SHARD_MAP_MIN_INTERVAL);
+                consider(at + self.listing_interval());
             }
         }
         next
