@@ -21,18 +21,23 @@ use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+/// The stream a fleet reads.
 pub const STREAM: &str = "fleet";
+/// The consumer group (and lease table) of a fleet.
 pub const GROUP: &str = "fleet-group";
 
 /// The shape of a fleet.
 #[derive(Clone, Debug)]
 pub struct Fleet {
+    /// Shards of the stream.
     pub shards: u32,
+    /// Workers started together.
     pub workers: usize,
     /// Every lease-store call takes this long.
     pub store_latency: Duration,
     /// Every ListShards, GetShardIterator and GetRecords call takes this long.
     pub read_latency: Duration,
+    /// Seed of the workers' jitter and of the injected faults.
     pub seed: u64,
     /// While the fleet runs, put one more record in every shard this often (until
     /// [`Running::stop_feed`]), so hand-offs happen under traffic.
@@ -57,16 +62,23 @@ impl Fleet {
 /// (`"renew"`, `"create"`, ...) and on which lease (none for `list`, `ensure_table`).
 #[derive(Clone, Debug)]
 pub struct Call {
+    /// When the call was sent.
     pub at: Instant,
+    /// The worker that made it.
     pub worker: String,
+    /// The call (`"renew"`, `"create"`, `"take"`, ...).
     pub op: &'static str,
+    /// The lease it was about, if any.
     pub key: Option<String>,
 }
 
 /// A started fleet: the backend, the workers and which shards delivered a record.
 pub struct Running {
+    /// The embedded backend the fleet runs on.
     pub memory: Memory,
+    /// The shape it was started with.
     pub fleet: Fleet,
+    /// When it was started.
     pub started: Instant,
     /// When each shard that delivered a record last delivered one (to a live worker).
     pub last_delivery: Arc<Mutex<HashMap<String, Instant>>>,

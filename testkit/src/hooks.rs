@@ -51,7 +51,9 @@ pub trait Hooks: Send + Sync + 'static {
 
 /// A backend whose Kinesis API and lease stores call `hooks` around every call.
 pub struct Hooked<B, H> {
+    /// The backend whose calls are hooked.
     pub backend: B,
+    /// The hooks, shared by every clone.
     pub hooks: Arc<H>,
 }
 
@@ -66,6 +68,7 @@ impl<B: Clone, H> Clone for Hooked<B, H> {
 }
 
 impl<B, H> Hooked<B, H> {
+    /// Wraps `backend`, calling `hooks` around every call.
     pub fn new(backend: B, hooks: H) -> Self {
         Hooked {
             backend,
@@ -96,7 +99,9 @@ impl<B: Backend, H: Hooks> Backend for Hooked<B, H> {
 
 /// A lease store calling its hooks around every call of `inner`.
 pub struct HookedStore<H> {
+    /// The lease store the calls go to.
     pub inner: Arc<dyn LeaseStore>,
+    /// The hooks, shared by every clone.
     pub hooks: Arc<H>,
 }
 
@@ -245,7 +250,9 @@ impl<H: Hooks> LeaseStore for HookedStore<H> {
 /// `leader_get`, `leader_claim`, `leader_renew`, `leader_release` and
 /// `leader_ensure_table` on the item's key.
 pub struct HookedState<H> {
+    /// The coordinator state the calls go to.
     pub inner: Arc<dyn CoordinatorState>,
+    /// The hooks, shared by every clone.
     pub hooks: Arc<H>,
 }
 
@@ -298,7 +305,9 @@ impl<H: Hooks> CoordinatorState for HookedState<H> {
 
 /// A Kinesis API calling its hooks around every call of `inner`.
 pub struct HookedKinesis<H> {
+    /// The Kinesis API the calls go to.
     pub inner: Arc<dyn KinesisApi>,
+    /// The hooks, shared by every clone.
     pub hooks: Arc<H>,
 }
 

@@ -26,6 +26,8 @@
 //! process helpers ([`emulators_enabled`], [`unique`], [`process`], [`proxy`]), the
 //! fault-injecting HTTP client and hanging memory backend of [`wire`].
 
+#![warn(missing_docs)]
+
 mod assert;
 mod emulator;
 pub mod fleet;

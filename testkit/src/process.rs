@@ -41,10 +41,15 @@ struct Line {
 /// A handled record, as a worker printed it.
 #[derive(Clone, Debug)]
 pub struct Printed {
+    /// The worker that printed it.
     pub worker: Arc<str>,
+    /// The shard the record came from.
     pub shard: Arc<str>,
+    /// Its partition key.
     pub pk: String,
+    /// Its value (the payload as a number).
     pub value: u64,
+    /// When it was handled, in microseconds since the epoch.
     pub ts_us: u64,
 }
 
@@ -57,10 +62,12 @@ pub struct Output {
 }
 
 impl Output {
+    /// Every handled record printed so far.
     pub fn printed(&self) -> MutexGuard<'_, Vec<Printed>> {
         self.printed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Lines that did not parse as a handled record, each with its worker and why.
     pub fn bad_lines(&self) -> Vec<String> {
         self.bad_lines
             .lock()
@@ -107,8 +114,11 @@ impl Output {
 
 /// A running (or finished) worker process.
 pub struct Worker {
+    /// The worker's id (its `--worker-id`).
     pub id: String,
+    /// Its process id.
     pub pid: u32,
+    /// Where its stderr is logged.
     pub log: PathBuf,
     exit: watch::Receiver<Option<ExitStatus>>,
 }
@@ -169,6 +179,7 @@ impl Worker {
         }
     }
 
+    /// How it exited, once it has.
     pub fn exited(&self) -> Option<ExitStatus> {
         *self.exit.borrow()
     }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 pub struct Counts(Arc<Mutex<BTreeMap<String, u64>>>);
 
 impl Counts {
+    /// The calls counted so far, by operation.
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -38,9 +39,12 @@ pub fn delta(
         .collect()
 }
 
+/// A local HTTP proxy in front of DynamoDB that counts the calls by operation (the
+/// `X-Amz-Target` header), so a test can see what a fleet of processes costs.
 pub struct CountingProxy {
     /// `http://127.0.0.1:<port>`: what the workers use as their DynamoDB endpoint.
     pub url: String,
+    /// The counts of the calls that went through.
     pub counts: Counts,
 }
 

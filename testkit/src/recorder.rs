@@ -15,21 +15,27 @@ use crate::within;
 /// One handled record, in the order the handler saw it.
 #[derive(Clone, Debug)]
 pub struct Handled {
+    /// The shard the record came from.
     pub shard: String,
+    /// Its sequence number.
     pub sequence: shardflow::SequenceNumber,
+    /// Its partition key.
     pub partition_key: String,
+    /// Its value (the payload, a decimal number).
     pub value: usize,
 }
 
 /// Collects what a handler saw and wakes waiters when a count is reached.
 #[derive(Clone, Default)]
 pub struct Recorder {
+    /// Every handled record, in order.
     pub handled: Arc<Mutex<Vec<Handled>>>,
     count: Arc<AtomicUsize>,
     changed: Arc<Notify>,
 }
 
 impl Recorder {
+    /// Records `msg` (its payload must be a decimal number) and wakes waiters.
     pub fn record(&self, msg: &Message) {
         let value = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
         self.handled.lock().unwrap().push(Handled {
@@ -42,6 +48,7 @@ impl Recorder {
         self.changed.notify_waiters();
     }
 
+    /// How many records were handled.
     pub fn count(&self) -> usize {
         self.count.load(Ordering::SeqCst)
     }
@@ -94,6 +101,7 @@ impl Recorder {
         }
     }
 
+    /// A copy of what was handled so far.
     pub fn snapshot(&self) -> Vec<Handled> {
         self.handled.lock().unwrap().clone()
     }
@@ -114,6 +122,7 @@ pub fn recording_handler(
 
 /// A consumer running `recording_handler` in a task.
 pub struct Running {
+    /// Stops the consumer.
     pub shutdown: shardflow::ShutdownHandle,
     task: tokio::task::JoinHandle<Result<(), shardflow::ConsumerError>>,
 }

@@ -101,6 +101,7 @@ pub fn test_timings(builder: ConsumerBuilder) -> ConsumerBuilder {
         .seed(7)
 }
 
+/// The open shards of `stream`, by hash-key range.
 pub async fn open_shards(kinesis: &dyn KinesisApi, stream: &str) -> Vec<ShardInfo> {
     let mut open: Vec<ShardInfo> = kinesis
         .list_shards(stream)
@@ -113,6 +114,7 @@ pub async fn open_shards(kinesis: &dyn KinesisApi, stream: &str) -> Vec<ShardInf
     open
 }
 
+/// Waits until `stream` is active (an emulator creates streams asynchronously).
 pub async fn wait_until_active(kinesis: &dyn KinesisApi, stream: &str) {
     for _ in 0..200 {
         if !kinesis.is_updating(stream).await.unwrap() {

@@ -9,6 +9,7 @@ pub const WAIT_LIMIT: Duration = Duration::from_secs(120);
 /// `.limited()` on anything awaitable: the wait fails the test after [`WAIT_LIMIT`],
 /// naming the line it was written on, instead of hanging it.
 pub trait Limited: std::future::IntoFuture + Sized {
+    /// The wait, failing the test after [`WAIT_LIMIT`].
     #[track_caller]
     fn limited(self) -> impl std::future::Future<Output = Self::Output> {
         let at = std::panic::Location::caller();

@@ -73,6 +73,7 @@ pub struct FaultPlan {
 }
 
 impl FaultPlan {
+    /// A plan failing about `rate` of the calls, drawn from `seed`.
     pub fn new(seed: u64, rate: f64) -> Arc<Self> {
         Arc::new(FaultPlan {
             rng: Mutex::new(SmallRng::seed_from_u64(seed)),
@@ -177,6 +178,7 @@ pub struct FaultClient {
 }
 
 impl FaultClient {
+    /// An HTTP client for the SDK that fails calls as `plan` says.
     pub fn shared(plan: Arc<FaultPlan>) -> SharedHttpClient {
         SharedHttpClient::new(FaultClient {
             inner: aws_smithy_http_client::Builder::new().build_http(),
@@ -278,7 +280,9 @@ impl HttpConnector for FaultConnector {
 /// table.
 #[derive(Clone)]
 pub struct FaultyMemory {
+    /// The memory backend underneath.
     pub memory: Memory,
+    /// What is hanging or missing now.
     pub faults: Arc<MemoryFaults>,
 }
 
@@ -305,6 +309,7 @@ pub struct MemoryFaults {
 }
 
 impl FaultyMemory {
+    /// `memory`, with nothing hanging yet.
     pub fn new(memory: Memory) -> Self {
         FaultyMemory {
             memory,
