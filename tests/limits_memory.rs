@@ -12,11 +12,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use common::hooks::{Forward, ForwardKinesis};
 use common::*;
 use futures_util::StreamExt;
 use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin, StreamIdentity, Subscription,
+    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, StartingPosition, StreamAdmin,
+    Subscription,
 };
 use shardflow::lease::LeaseStore;
 use shardflow::memory::{KinesisLimits, MemoryKinesis};
@@ -430,7 +431,7 @@ impl Throttles {
 
 impl Backend for Throttles {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(self.clone())
+        Arc::new(Forward(self.clone()))
     }
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         self.memory.lease_store(table)
@@ -441,26 +442,9 @@ impl Backend for Throttles {
 }
 
 #[async_trait]
-impl KinesisApi for Throttles {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
-        self.memory.streams().stream_identity(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
+impl ForwardKinesis for Throttles {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
     }
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         let page = self.memory.streams().get_records(iterator, limit).await;
@@ -468,26 +452,5 @@ impl KinesisApi for Throttles {
             self.throttled.fetch_add(1, Ordering::SeqCst);
         }
         page
-    }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.memory.streams().put_records(stream, records).await
-    }
-    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        self.memory.streams().register_consumer(stream, name).await
-    }
-    async fn subscribe_to_shard(
-        &self,
-        consumer_arn: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<Subscription, KinesisError> {
-        self.memory
-            .streams()
-            .subscribe_to_shard(consumer_arn, shard_id, from)
-            .await
     }
 }

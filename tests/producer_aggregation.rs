@@ -17,8 +17,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use shardflow::aggregation::{deaggregate, Deaggregated, MisplacedUserRecords, MAGIC};
 use shardflow::backend::Backend;
 use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
+    KinesisApi, KinesisError, PutOutcome, PutRecord, ShardInfo, StartingPosition, StreamAdmin,
 };
 use shardflow::lease::Checkpoint;
 use shardflow::memory::{KinesisFaults, KinesisLimits};
@@ -27,6 +26,7 @@ use shardflow::{
     Consumer, Memory, Message, Position, ProduceError, Producer, ProducerBuilder, ProducerRecord,
     SequenceNumber, ShutdownHandle, Stored,
 };
+use testkit::hooks::{Forward, ForwardKinesis};
 use tower::{Service, ServiceExt};
 
 const STREAM: &str = "out";
@@ -39,26 +39,9 @@ struct Recording {
 }
 
 #[async_trait]
-impl KinesisApi for Recording {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.memory.streams().get_records(iterator, limit).await
+impl ForwardKinesis for Recording {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
     }
     async fn put_records(
         &self,
@@ -80,11 +63,11 @@ impl KinesisApi for Recording {
     }
 }
 
-fn recording(memory: &Memory) -> Arc<Recording> {
-    Arc::new(Recording {
+fn recording(memory: &Memory) -> Arc<Forward<Recording>> {
+    Arc::new(Forward(Recording {
         memory: memory.clone(),
         entries: Mutex::default(),
-    })
+    }))
 }
 
 async fn memory_with_stream(shards: u32) -> Memory {
@@ -887,7 +870,6 @@ async fn a_consumer_delivers_or_skips_misplaced_user_records_as_configured() {
 /// rate-limited) listed again and warned every 100 ms for as long as it ran.
 #[tokio::test(start_paused = true)]
 async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everything() {
-    use testkit::hooks::{Forward, ForwardKinesis};
     struct NoListing {
         memory: Memory,
         listings: std::sync::atomic::AtomicUsize,
