@@ -101,6 +101,20 @@ impl HeldLease {
         }
     }
 
+    /// The one freshness check before work on this lease's records starts (records read
+    /// and about to be handed out, a batch that waited in a queue): after a pause longer
+    /// than `max_age` since the last renewal another worker may own the lease, so this
+    /// waits until a renewal proves it is still ours. Returns `false` when it waited and
+    /// the lease was lost meanwhile; `holding` names what waits, for the log.
+    pub(crate) async fn hold_until_fresh(&self, max_age: Duration, holding: &str) -> bool {
+        if self.is_fresh(max_age) {
+            return true;
+        }
+        tracing::info!("lease not renewed recently; holding {holding} until it is");
+        self.wait_fresh(max_age).await;
+        !self.lost.is_cancelled()
+    }
+
     /// Cancelled once the lease is known lost (another owner, or released).
     pub fn lost(&self) -> &CancellationToken {
         &self.lost

@@ -598,13 +598,10 @@ impl ShardAck {
     /// the lease is still ours, like a fresh read; false (see [`ShardAck::should_start`])
     /// when the shard drains, restarted or lost its lease meanwhile.
     pub(crate) async fn wait_start(&self) -> bool {
-        if !self.progress.lease.is_fresh(self.progress.fresh_for) {
-            tracing::info!("lease not renewed recently; holding a queued batch until it is");
-            self.progress
-                .lease
-                .wait_fresh(self.progress.fresh_for)
-                .await;
-        }
+        self.progress
+            .lease
+            .hold_until_fresh(self.progress.fresh_for, "a queued batch")
+            .await;
         self.should_start() && !self.progress.lease.lost().is_cancelled()
     }
 
