@@ -51,12 +51,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin, StreamIdentity, Subscription,
-};
+use shardflow::kinesis::{KinesisApi, KinesisError, PutOutcome, PutRecord, StreamAdmin};
 use shardflow::memory::KinesisLimits;
 use shardflow::{Backend, Consumer, Memory, Message, Producer, ProducerBuilder, ProducerRecord};
+use testkit::hooks::{Forward, ForwardKinesis};
 
 const SHARDS: u32 = 4;
 const RECORD_BYTES: usize = 100;
@@ -213,38 +211,21 @@ struct Metered {
 }
 
 impl Metered {
-    fn new(inner: Arc<dyn KinesisApi>) -> Arc<Self> {
-        Arc::new(Metered {
+    fn new(inner: Arc<dyn KinesisApi>) -> Arc<Forward<Self>> {
+        Arc::new(Forward(Metered {
             inner,
             stored: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             stored_bytes: AtomicU64::new(0),
             put_units: AtomicU64::new(0),
-        })
+        }))
     }
 }
 
 #[async_trait]
-impl KinesisApi for Metered {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.inner.list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.inner.is_updating(stream).await
-    }
-    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
-        self.inner.stream_identity(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.inner.shard_iterator(stream, shard_id, from).await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.inner.get_records(iterator, limit).await
+impl ForwardKinesis for Metered {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.inner.as_ref()
     }
     async fn put_records(
         &self,
@@ -264,19 +245,6 @@ impl KinesisApi for Metered {
             }
         }
         Ok(outcomes)
-    }
-    async fn register_consumer(&self, stream: &str, name: &str) -> Result<String, KinesisError> {
-        self.inner.register_consumer(stream, name).await
-    }
-    async fn subscribe_to_shard(
-        &self,
-        consumer_arn: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<Subscription, KinesisError> {
-        self.inner
-            .subscribe_to_shard(consumer_arn, shard_id, from)
-            .await
     }
 }
 
