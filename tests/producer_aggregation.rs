@@ -921,3 +921,66 @@ async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everythin
         "{listings} ListShards calls in a minute: the failures were not backed off"
     );
 }
+
+/// Regression: aggregates that landed in a shard the map did not know waited for a
+/// listing that knew it; with ListShards failing from then on they waited, and `close`
+/// with them, for ever.
+#[tokio::test(start_paused = true)]
+async fn misplaced_aggregates_do_not_wait_for_ever_on_a_listing_that_keeps_failing() {
+    struct ListsOnce {
+        memory: Memory,
+        listings: std::sync::atomic::AtomicUsize,
+    }
+    #[async_trait]
+    impl ForwardKinesis for ListsOnce {
+        fn inner(&self) -> &dyn KinesisApi {
+            self.memory.streams().as_ref()
+        }
+        async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+            if self
+                .listings
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                == 0
+            {
+                return self.memory.streams().list_shards(stream).await;
+            }
+            Err(KinesisError::Other("ServiceUnavailable".into()))
+        }
+    }
+    let memory = memory_with_stream(2).await;
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .kinesis(Arc::new(Forward(ListsOnce {
+            memory: memory.clone(),
+            listings: Default::default(),
+        })))
+        .aggregate(true)
+        .build()
+        .unwrap();
+    let key = |i: usize| format!("k{}", i % 300);
+    let mut answers = produce_in_order(&producer, (0..1_000).map(|i| (i, record(i, key(i))))).await;
+    let shards = memory.streams().list_shards(STREAM).await.unwrap();
+    let parent = &shards[0];
+    let middle = parent.starting_hash_key / 2 + parent.ending_hash_key / 2;
+    memory
+        .streams()
+        .split_shard(STREAM, &parent.shard_id, middle)
+        .await
+        .unwrap();
+    answers
+        .extend(produce_in_order(&producer, (1_000..2_000).map(|i| (i, record(i, key(i))))).await);
+    producer.close().limited().await;
+    assert_eq!(answers.len(), 2_000, "every record answered");
+    let misplaced = answers
+        .iter()
+        .filter(|(_, a)| matches!(a, Err(ProduceError::Failed { code, .. }) if code == "MisplacedAggregate"))
+        .count();
+    assert!(misplaced > 0, "the split caught aggregates in flight");
+    for (value, answer) in &answers {
+        assert!(
+            answer.is_ok()
+                || matches!(answer, Err(ProduceError::Failed { code, .. }) if code == "MisplacedAggregate"),
+            "record {value}: {answer:?}"
+        );
+    }
+}

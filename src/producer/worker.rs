@@ -55,9 +55,10 @@ const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
 /// shards.
 const MAX_DEFERRED_SCAN: usize = 2_000;
 
-/// Listings that do not know the shard an aggregate landed in, after which its records
-/// are sent again without knowing whether they had to be.
-const MAX_LISTINGS_WAITED: u32 = 3;
+/// How long an aggregate that landed in a shard the map does not know waits for a
+/// listing that knows it; then its records are sent again without knowing whether they
+/// had to be.
+const LANDED_WAIT_MAX: Duration = Duration::from_secs(2);
 
 /// Times a record may land in a shard that does not own it before it fails.
 const MAX_MISPLACED: u32 = 5;
@@ -134,8 +135,6 @@ impl Part {
 struct Tally {
     resent: usize,
     failed: usize,
-    /// User records of aggregates that landed in a shard not owning all of them.
-    misplaced: usize,
 }
 
 /// A finished PutRecords call, with the records it carried (moved, not copied).
@@ -151,8 +150,8 @@ struct Landed {
     shard: String,
     sequence_number: SequenceNumber,
     users: Vec<Entry>,
-    /// Listings answered since, none of them knowing `shard`.
-    listings: u32,
+    /// When its answer came.
+    since: Instant,
 }
 
 /// An aggregate being filled for one shard while a call is put together.
@@ -311,6 +310,9 @@ impl Worker {
             let drained = self.drain_channel();
             let now = Instant::now();
             self.promote_retries(now);
+            if !self.awaiting_map.is_empty() {
+                self.place_landed(now);
+            }
             self.list_shards_if_due(now);
             self.dispatch(now);
             self.answer_flushes();
@@ -723,7 +725,6 @@ impl Worker {
     }
 
     fn listed(&mut self, listed: Result<Vec<ShardInfo>, KinesisError>, now: Instant) {
-        let listed_ok = listed.is_ok();
         match listed {
             Ok(shards) => {
                 let map = ShardMap::new(&shards, now);
@@ -745,15 +746,16 @@ impl Worker {
                 self.listing_wanted = true;
             }
         }
-        self.place_landed(listed_ok, now);
+        self.place_landed(now);
     }
 
     /// Decides, for each aggregate waiting for a map that knows where it landed, whether
     /// its records are stored for good (every one owned by that shard) or go again.
-    /// After [`MAX_LISTINGS_WAITED`] listings that still do not know the shard, they go
-    /// again (duplicates at worst, never a record only a lenient reader has).
-    fn place_landed(&mut self, listed_ok: bool, now: Instant) {
-        for mut landed in std::mem::take(&mut self.awaiting_map) {
+    /// After [`LANDED_WAIT_MAX`] without such a map they go again (duplicates at worst,
+    /// never a record only a lenient reader has): a ListShards that keeps failing must
+    /// not hold them, and a `flush` or `close` waiting for them, for ever.
+    fn place_landed(&mut self, now: Instant) {
+        for landed in std::mem::take(&mut self.awaiting_map) {
             match self.placement(&landed.users, &landed.shard) {
                 Some(true) => {
                     self.answer_stored(landed.users, &landed.shard, &landed.sequence_number)
@@ -762,8 +764,7 @@ impl Worker {
                     self.send_again(landed.users, &landed.shard, &landed.sequence_number, now)
                 }
                 None => {
-                    landed.listings += u32::from(listed_ok);
-                    if landed.listings >= MAX_LISTINGS_WAITED {
+                    if now >= landed.since + LANDED_WAIT_MAX {
                         self.send_again(landed.users, &landed.shard, &landed.sequence_number, now);
                     } else {
                         self.listing_wanted = true;
@@ -826,7 +827,6 @@ impl Worker {
                                 match self.placement(&users, &shard_id) {
                                     Some(true) => {}
                                     Some(false) => {
-                                        tally.misplaced += users.len();
                                         self.send_again(users, &shard_id, &sequence_number, now);
                                         continue;
                                     }
@@ -835,7 +835,7 @@ impl Worker {
                                             shard: shard_id,
                                             sequence_number,
                                             users,
-                                            listings: 0,
+                                            since: now,
                                         });
                                         continue;
                                     }
@@ -865,9 +865,6 @@ impl Worker {
         }
         if tally.resent > 0 {
             tracing::debug!(stream = %self.settings.stream, resent = tally.resent, "PutRecords partial failure; resending the failed entries");
-        }
-        if tally.misplaced > 0 {
-            tracing::debug!(stream = %self.settings.stream, records = tally.misplaced, "aggregates landed in a shard that does not own all their records (a reshard); sending those records again once the shards are listed");
         }
         if tally.failed > 0 {
             tracing::warn!(stream = %self.settings.stream, failed = tally.failed, "records not stored: out of attempts or a permanent entry error");
@@ -1074,6 +1071,9 @@ impl Worker {
         }
         for (at, _) in &self.retries {
             consider(*at);
+        }
+        for landed in &self.awaiting_map {
+            consider(landed.since + LANDED_WAIT_MAX);
         }
         if let Some(at) = self.rate_wait {
             consider(at);
