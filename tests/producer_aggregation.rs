@@ -70,6 +70,41 @@ fn recording(memory: &Memory) -> Arc<Forward<Recording>> {
     }))
 }
 
+/// Forwards to the memory backend, but ListShards answers only its first `answered`
+/// calls and fails the others (counted), like a producer without the permission or a
+/// service that stopped answering.
+struct FailingListings {
+    memory: Memory,
+    answered: usize,
+    listings: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl ForwardKinesis for FailingListings {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
+    }
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        let n = self
+            .listings
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n < self.answered {
+            return self.memory.streams().list_shards(stream).await;
+        }
+        Err(KinesisError::Other(
+            "AccessDeniedException: not authorized to perform kinesis:ListShards".into(),
+        ))
+    }
+}
+
+fn failing_listings(memory: &Memory, answered: usize) -> Arc<Forward<FailingListings>> {
+    Arc::new(Forward(FailingListings {
+        memory: memory.clone(),
+        answered,
+        listings: Default::default(),
+    }))
+}
+
 async fn memory_with_stream(shards: u32) -> Memory {
     let memory = Memory::new();
     memory
@@ -870,28 +905,8 @@ async fn a_consumer_delivers_or_skips_misplaced_user_records_as_configured() {
 /// rate-limited) listed again and warned every 100 ms for as long as it ran.
 #[tokio::test(start_paused = true)]
 async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everything() {
-    struct NoListing {
-        memory: Memory,
-        listings: std::sync::atomic::AtomicUsize,
-    }
-    #[async_trait]
-    impl ForwardKinesis for NoListing {
-        fn inner(&self) -> &dyn KinesisApi {
-            self.memory.streams().as_ref()
-        }
-        async fn list_shards(&self, _stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-            self.listings
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            Err(KinesisError::Other(
-                "AccessDeniedException: not authorized to perform kinesis:ListShards".into(),
-            ))
-        }
-    }
     let memory = memory_with_stream(2).await;
-    let api = Arc::new(Forward(NoListing {
-        memory: memory.clone(),
-        listings: Default::default(),
-    }));
+    let api = failing_listings(&memory, 0);
     let producer = Producer::builder()
         .stream(STREAM)
         .kinesis(api.clone())
@@ -927,33 +942,10 @@ async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everythin
 /// with them, for ever.
 #[tokio::test(start_paused = true)]
 async fn misplaced_aggregates_do_not_wait_for_ever_on_a_listing_that_keeps_failing() {
-    struct ListsOnce {
-        memory: Memory,
-        listings: std::sync::atomic::AtomicUsize,
-    }
-    #[async_trait]
-    impl ForwardKinesis for ListsOnce {
-        fn inner(&self) -> &dyn KinesisApi {
-            self.memory.streams().as_ref()
-        }
-        async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-            if self
-                .listings
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                == 0
-            {
-                return self.memory.streams().list_shards(stream).await;
-            }
-            Err(KinesisError::Other("ServiceUnavailable".into()))
-        }
-    }
     let memory = memory_with_stream(2).await;
     let producer = Producer::builder()
         .stream(STREAM)
-        .kinesis(Arc::new(Forward(ListsOnce {
-            memory: memory.clone(),
-            listings: Default::default(),
-        })))
+        .kinesis(failing_listings(&memory, 1))
         .aggregate(true)
         .build()
         .unwrap();

@@ -173,14 +173,20 @@ impl ShardReader {
         let range = self.hash_range.filter(|_| {
             choice != MisplacedUserRecords::Deliver || tracing::enabled!(tracing::Level::DEBUG)
         });
-        let misplaced = |user: &aggregation::UserRecord| {
-            range.is_some_and(|(start, end)| !aggregation::belongs_to_shard(user, start, end))
+        // Each user record's hash (an MD5 of its partition key) is checked once.
+        let misplaced: Vec<bool> = match range {
+            Some((start, end)) => user_records
+                .iter()
+                .map(|user| !aggregation::belongs_to_shard(user, start, end))
+                .collect(),
+            None => Vec::new(),
         };
-        let elsewhere = user_records.iter().filter(|u| misplaced(u)).count() as u64;
+        let elsewhere = misplaced.iter().filter(|m| **m).count() as u64;
         let skip_all = elsewhere > 0 && choice == MisplacedUserRecords::SkipAggregate;
         let mut skipped = 0u64;
-        for user in user_records {
-            if skip_all || (choice == MisplacedUserRecords::SkipRecords && misplaced(&user)) {
+        for (i, user) in user_records.into_iter().enumerate() {
+            let outside = misplaced.get(i).copied().unwrap_or(false);
+            if skip_all || (choice == MisplacedUserRecords::SkipRecords && outside) {
                 skipped += 1;
                 continue;
             }
