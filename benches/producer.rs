@@ -13,9 +13,13 @@
 //! buffer, not the caller, sets the pace. Modes, each timed several times (a fresh
 //! stream each time on the memory backend), medians printed:
 //!
-//! * `producer`: default settings (500-record batches, 4 calls in flight).
+//! * `producer`: default settings (500-record batches, 4 calls in flight) but without
+//!   the per-shard rate limit, which would set the pace (150 % of 1,000 records/s per
+//!   shard): these modes measure the producer's CPU cost.
 //! * `ordered`: the same with `ordered_per_key(true)`.
 //! * `aggregate`: the same with `aggregate(true)` (KPL aggregation, the KPL's defaults).
+//! * `aggregate+rate1000`: aggregation with a rate limit of 1,000 % (10 MiB/s per shard,
+//!   above what the CPU packs): what the limiter's bookkeeping costs.
 //! * `raw`: the floor: PutRecords of 500 records straight on the `KinesisApi`,
 //!   4 calls at once, records prepared in advance; no producer.
 //!
@@ -27,8 +31,10 @@
 //! configurations) with 100-byte records and with 1 KiB records, 1,000 keys, 4 shards,
 //! on the real clock (a throughput claim needs wall-clock time). Printed per run:
 //! records/s stored in the steady state (answers after the first second, which the
-//! shards' one-second burst would flatter) and its fraction of 4 × 1,000 records/s and
-//! of 4 × 1 MiB/s; PUT payload units per million records (each stored Kinesis record
+//! shards' one-second burst would flatter), per shard until that shard's last answer
+//! and summed (1,000 keys do not spread evenly: the stream-wide rate would count the
+//! tail where only the busiest shard still has records), and its fraction of
+//! 4 × 1,000 records/s and of 4 × 1 MiB/s; PUT payload units per million records (each stored Kinesis record
 //! rounded up to 25 KiB = 25,600 bytes of data plus partition key); entries refused per
 //! 1,000 stored; records that finally failed. Then `consumer`: the default producer
 //! writes 100-byte records at the limit while a consumer at its default settings reads
@@ -70,6 +76,7 @@ enum Mode {
     Producer,
     Ordered,
     Aggregate,
+    AggregateRateLimited,
     Raw,
 }
 
@@ -79,6 +86,7 @@ impl Mode {
             Mode::Producer => "producer",
             Mode::Ordered => "ordered",
             Mode::Aggregate => "aggregate",
+            Mode::AggregateRateLimited => "aggregate+rate1000",
             Mode::Raw => "raw",
         }
     }
@@ -115,13 +123,17 @@ async fn run(kinesis: Arc<dyn KinesisApi>, stream: &str, records: usize, mode: M
             .await;
         return start.elapsed();
     }
-    let producer = Producer::builder()
+    let builder = Producer::builder()
         .stream(stream)
         .kinesis(kinesis)
         .ordered_per_key(mode == Mode::Ordered)
-        .aggregate(mode == Mode::Aggregate)
-        .build()
-        .expect("config");
+        .aggregate(matches!(mode, Mode::Aggregate | Mode::AggregateRateLimited));
+    let builder = if mode == Mode::AggregateRateLimited {
+        builder.rate_limit(1000)
+    } else {
+        builder.no_rate_limit()
+    };
+    let producer = builder.build().expect("config");
     let start = Instant::now();
     let failed = stream::iter(0..records)
         .map(|i| producer.send(ProducerRecord::new(data.clone(), keys[i % KEYS].clone())))
@@ -163,9 +175,9 @@ fn limited_modes() -> Vec<LimitedMode> {
             configure: |b| b,
         },
         LimitedMode {
-            name: "rate_limit(150)",
+            name: "no_rate_limit",
             records: |_| 20_000,
-            configure: |b| b.rate_limit(150),
+            configure: |b| b.no_rate_limit(),
         },
         LimitedMode {
             name: "rate_limit(100)",
@@ -178,9 +190,9 @@ fn limited_modes() -> Vec<LimitedMode> {
             configure: |b| b.aggregate(true),
         },
         LimitedMode {
-            name: "aggregate+rate150",
+            name: "aggregate+no_limit",
             records: |bytes| if bytes <= 100 { 200_000 } else { 30_000 },
-            configure: |b| b.aggregate(true).rate_limit(150),
+            configure: |b| b.aggregate(true).no_rate_limit(),
         },
         LimitedMode {
             name: "aggregate+rate100",
@@ -248,6 +260,16 @@ impl ForwardKinesis for Metered {
     }
 }
 
+/// Records per second stored in the steady state: per shard, the answers after the
+/// burst until that shard's last one, summed over the shards.
+fn steady_rate_per_shard(answers: &[(Duration, String)]) -> f64 {
+    let mut by_shard: std::collections::BTreeMap<&str, Vec<Duration>> = Default::default();
+    for (t, shard) in answers {
+        by_shard.entry(shard).or_default().push(*t);
+    }
+    by_shard.values_mut().map(|times| steady_rate(times)).sum()
+}
+
 /// Records per second among `times` (since the start, in any order) after the burst;
 /// the whole run's rate when nothing came after it (a smoke run).
 fn steady_rate(times: &mut [Duration]) -> f64 {
@@ -264,7 +286,10 @@ fn steady_rate(times: &mut [Duration]) -> f64 {
 
 /// What one limits-on run measured.
 struct LimitedRun {
+    /// Records/s stored per shard in the steady state, summed.
     rate: f64,
+    /// Records/s stored in the steady state until the run's last answer.
+    stream_rate: f64,
     bytes_per_record: f64,
     put_units_per_million: f64,
     refused_per_1000: f64,
@@ -282,30 +307,33 @@ async fn limited_memory() -> Memory {
     memory
 }
 
-/// Sends `records` records of `bytes` through `producer`; the answer times since the
-/// start, and how many calls failed.
-async fn send_all(producer: &Producer, records: usize, bytes: usize) -> (Vec<Duration>, usize) {
+/// Sends `records` records of `bytes` through `producer`; each stored record's answer
+/// time since the start and shard, and how many calls failed.
+async fn send_all(
+    producer: &Producer,
+    records: usize,
+    bytes: usize,
+) -> (Vec<(Duration, String)>, usize) {
     let data = Bytes::from(vec![b'x'; bytes]);
     let keys = keys();
     let start = Instant::now();
-    let answers: Vec<(Duration, bool)> = stream::iter(0..records)
+    let answers: Vec<(Duration, Option<String>)> = stream::iter(0..records)
         .map(|i| {
             let send = producer.send(ProducerRecord::new(data.clone(), keys[i % KEYS].clone()));
             async move {
-                let ok = send.await.is_ok();
-                (start.elapsed(), ok)
+                let shard = send.await.ok().map(|stored| stored.shard_id);
+                (start.elapsed(), shard)
             }
         })
         .buffer_unordered(OUTSTANDING)
         .collect()
         .await;
-    let failed = answers.iter().filter(|(_, ok)| !ok).count();
-    let times = answers
+    let failed = answers.iter().filter(|(_, shard)| shard.is_none()).count();
+    let stored = answers
         .into_iter()
-        .filter(|(_, ok)| *ok)
-        .map(|(t, _)| t)
+        .filter_map(|(t, shard)| Some((t, shard?)))
         .collect();
-    (times, failed)
+    (stored, failed)
 }
 
 async fn limited_run(mode: &LimitedMode, records: usize, bytes: usize) -> LimitedRun {
@@ -314,12 +342,13 @@ async fn limited_run(mode: &LimitedMode, records: usize, bytes: usize) -> Limite
     let producer = (mode.configure)(Producer::builder().stream("bench").kinesis(metered.clone()))
         .build()
         .expect("config");
-    let (mut times, failed) = send_all(&producer, records, bytes).await;
+    let (answers, failed) = send_all(&producer, records, bytes).await;
     producer.close().await;
     let stored = metered.stored.load(Ordering::Relaxed) as f64;
     let user = (records - failed).max(1) as f64;
     LimitedRun {
-        rate: steady_rate(&mut times),
+        rate: steady_rate_per_shard(&answers),
+        stream_rate: steady_rate(&mut answers.iter().map(|(t, _)| *t).collect::<Vec<_>>()),
         bytes_per_record: metered.stored_bytes.load(Ordering::Relaxed) as f64 / user,
         put_units_per_million: metered.put_units.load(Ordering::Relaxed) as f64 * 1e6 / user,
         refused_per_1000: metered.refused.load(Ordering::Relaxed) as f64 * 1000.0 / stored.max(1.0),
@@ -333,11 +362,12 @@ fn report_limited(name: &str, bytes: usize, records: usize, mut runs: Vec<Limite
     let m = &runs[runs.len() / 2];
     let shards = SHARDS as f64;
     println!(
-        "{:>16} {bytes:>5} B: {records:>6} records, {:>7.0} records/s stored (runs {low:.0}-{high:.0}) \
-         = {:>5.1} % of the record limit, {:>5.1} % of the byte limit; \
+        "{:>18} {bytes:>5} B: {records:>6} records, {:>7.0} records/s stored (runs {low:.0}-{high:.0}; \
+         stream-wide {:.0}) = {:>5.1} % of the record limit, {:>5.1} % of the byte limit; \
          {:>9.0} PUT units per million records; {:>6.1} refused per 1,000 stored; {} failed",
         name,
         m.rate,
+        m.stream_rate,
         100.0 * m.rate / (shards * SHARD_RECORDS_PER_SECOND),
         100.0 * m.rate * m.bytes_per_record / (shards * SHARD_BYTES_PER_SECOND),
         m.put_units_per_million,
@@ -383,8 +413,9 @@ async fn producer_and_consumer(records: usize) -> (f64, f64, Duration) {
         .backend(memory.clone())
         .build()
         .expect("config");
-    let (mut written, failed) = send_all(&producer, records, RECORD_BYTES).await;
+    let (written, failed) = send_all(&producer, records, RECORD_BYTES).await;
     assert_eq!(failed, 0, "records failed");
+    let mut written: Vec<Duration> = written.into_iter().map(|(t, _)| t).collect();
     producer.close().await;
     tokio::time::timeout(Duration::from_secs(120), running)
         .await
@@ -416,7 +447,13 @@ fn main() {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let modes = [Mode::Raw, Mode::Producer, Mode::Ordered, Mode::Aggregate];
+    let modes = [
+        Mode::Raw,
+        Mode::Producer,
+        Mode::Ordered,
+        Mode::Aggregate,
+        Mode::AggregateRateLimited,
+    ];
 
     runtime.block_on(async {
         println!(

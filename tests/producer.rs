@@ -417,9 +417,12 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
 async fn batches_stay_within_500_records_and_5_mib() {
     let memory = memory_with_stream(4).await;
     let recording = Recording::new(&memory);
+    // Without the per-shard rate limit, which would send at most 1.5 MiB per shard
+    // per second and so shape the batches of large records itself.
     let producer = Producer::builder()
         .stream(STREAM)
         .kinesis(recording.clone())
+        .no_rate_limit()
         .build()
         .unwrap();
 

@@ -10,6 +10,9 @@ use crate::kinesis::KinesisApi;
 
 use super::Producer;
 
+/// The per-shard rate limit unless set: the KPL's default, in percent of the quota.
+const DEFAULT_RATE_LIMIT: u32 = 150;
+
 /// PutRecords takes at most this many records per call.
 pub const MAX_BATCH_RECORDS: usize = 500;
 
@@ -106,7 +109,7 @@ impl Aggregation {
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
 /// | [`ordered_per_key`](Self::ordered_per_key) | off | keep each partition key's order |
 /// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
-/// | [`rate_limit`](Self::rate_limit) | off | percent of a shard's write quota to use |
+/// | [`rate_limit`](Self::rate_limit) | 150 % | percent of a shard's write quota to use |
 /// | [`embed_headers`](Self::embed_headers) | on | write a record's headers in Spring's JSON framing |
 pub struct ProducerBuilder {
     stream: Option<String>,
@@ -141,7 +144,7 @@ impl Default for ProducerBuilder {
             retry_max: Duration::from_secs(5),
             ordered_per_key: false,
             aggregation: None,
-            rate_limit: None,
+            rate_limit: Some(DEFAULT_RATE_LIMIT),
             embed_headers: true,
             seed: None,
         }
@@ -244,18 +247,22 @@ impl ProducerBuilder {
     }
 
     /// Writes at most `percent` of a shard's quota (1,000 records and 1 MiB per second)
-    /// to each shard, 1..=1000 (default: no limit). The KPL's default is 150: more
-    /// than the quota, to absorb the imprecision of Kinesis' meter. Records of a shard
+    /// to each shard, 1..=1000 (default 150, as the KPL's: more than the quota, to
+    /// absorb the imprecision of Kinesis' meter; 100 when this producer is the shard's
+    /// only writer and refusals should almost never happen). Records of a shard
     /// over its budget wait in the producer (records of other shards go on) instead of
     /// being sent and refused; an entry refused for throughput empties its shard's
     /// budget, so that shard waits while the others go on. The producer lists the
-    /// stream's shards to know where each record goes, as for aggregation.
+    /// stream's shards to know where each record goes, as for aggregation (so it needs
+    /// `kinesis:ListShards`; without it, records go unlimited after one warning).
     pub fn rate_limit(mut self, percent: u32) -> Self {
         self.rate_limit = Some(percent);
         self
     }
 
-    /// No per-shard rate limit (the default): every record goes when its batch does.
+    /// No per-shard rate limit: every record goes when its batch does, and a producer
+    /// faster than a shard collects refusals and resends them after a backoff. The
+    /// producer then lists the stream's shards only to aggregate.
     pub fn no_rate_limit(mut self) -> Self {
         self.rate_limit = None;
         self

@@ -118,15 +118,19 @@
 //!
 //! # Riding the shard's limit
 //!
-//! A producer faster than a shard collects refusals
-//! (`ProvisionedThroughputExceededException`) and resends them after a backoff. With
-//! [`rate_limit(percent)`](ProducerBuilder::rate_limit) it keeps, per shard, a budget of
-//! that share of the shard's 1,000 records/s and 1 MiB/s (a token bucket of one second
-//! on tokio's clock; an aggregate counts as one record): the records of a shard over
-//! budget wait in the producer, in their place, while other shards' records go on. An
-//! entry refused for throughput anyway (other producers write to the shard too) empties
-//! that shard's budget only. The KPL's default is 150 %, above the quota, to absorb the
-//! imprecision of Kinesis' meter; 100 leaves it almost never refusing.
+//! A producer faster than a shard would collect refusals
+//! (`ProvisionedThroughputExceededException`) and resend them after a backoff. So by
+//! default it keeps, per shard, a budget of 150 % of the shard's 1,000 records/s and
+//! 1 MiB/s ([`rate_limit(percent)`](ProducerBuilder::rate_limit) changes the share,
+//! [`no_rate_limit`](ProducerBuilder::no_rate_limit) turns it off): a token bucket of one
+//! second on tokio's clock, where an aggregate counts as one record. The records of a
+//! shard over budget wait in the producer, in their place, while other shards' records go
+//! on. An entry refused for throughput anyway (other producers write to the shard too)
+//! empties that shard's budget only. 150 % is the KPL's default: above the quota, to
+//! absorb the imprecision of Kinesis' meter; 100 leaves a shard's only writer almost
+//! never refused. The budget needs the shard map, so the producer lists the stream's
+//! shards before its first call (as for aggregation); if ListShards fails, records go
+//! unlimited until it works.
 //!
 //! # Shutting down
 //!

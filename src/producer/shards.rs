@@ -50,18 +50,13 @@ impl ShardMap {
         self.ranges.len()
     }
 
-    /// The index of the shard whose range holds `hash`; `None` when no open shard's
-    /// does (a gap while the stream is resharded: the map is stale).
-    pub(crate) fn shard_of(&self, hash: u128) -> Option<usize> {
+    /// The index and id of the shard whose range holds `hash`; `None` when no open
+    /// shard's does (a gap while the stream is resharded: the map is stale).
+    pub(crate) fn shard_of(&self, hash: u128) -> Option<(usize, &Arc<str>)> {
         let after = self.ranges.partition_point(|r| r.0 <= hash);
         let index = after.checked_sub(1)?;
-        let (_, end, _) = self.ranges.get(index)?;
-        (hash <= *end).then_some(index)
-    }
-
-    /// The id of shard `index`.
-    pub(crate) fn id(&self, index: usize) -> Option<&Arc<str>> {
-        self.ranges.get(index).map(|r| &r.2)
+        let (_, end, id) = self.ranges.get(index)?;
+        (hash <= *end).then_some((index, id))
     }
 
     /// The hash-key range of shard `id` (open or closed); `None` when the listing did
@@ -114,9 +109,7 @@ mod tests {
         );
         assert_eq!(map.len(), 2);
         let id = |h| {
-            map.shard_of(h)
-                .and_then(|i| map.id(i))
-                .map(|s| s.to_string())
+            map.shard_of(h).map(|(_, s)| s.to_string())
         };
         assert_eq!(id(0).as_deref(), Some("a"));
         assert_eq!(id(49).as_deref(), Some("a"));

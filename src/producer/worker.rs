@@ -97,9 +97,11 @@ struct Meta {
     /// Hash of the partition key (ordered mode only). Two keys that collide merely wait
     /// for each other: order is still kept.
     key: u64,
+    /// Sends of the record that were refused or failed. A send again after its
+    /// aggregate landed in a shard not owning it is not one (nothing refused it).
     attempts: u32,
     /// Times the record was sent again because its aggregate landed in a shard that
-    /// does not own it (not counted as attempts: nothing refused it).
+    /// does not own it.
     misplaced: u32,
     enqueued: Instant,
     epoch: u64,
@@ -156,6 +158,7 @@ struct Landed {
 
 /// An aggregate being filled for one shard while a call is put together.
 struct Open {
+    shard: Arc<str>,
     aggregator: Aggregator,
     users: Vec<Entry>,
 }
@@ -525,12 +528,11 @@ impl Worker {
             if !records.is_empty() && bytes + front.meta.size > self.settings.max_batch_bytes {
                 break;
             }
-            let Some(Entry { record, mut meta }) = self.ready.pop_front() else {
+            let Some(Entry { record, meta }) = self.ready.pop_front() else {
                 break;
             };
             bytes += meta.size;
             self.ready_bytes -= meta.size;
-            meta.attempts += 1;
             records.push(record);
             metas.push(Part::Plain(meta));
         }
@@ -567,45 +569,44 @@ impl Worker {
             {
                 break;
             }
-            let predicted = hash_key(&front.record).and_then(|h| map.shard_of(h));
-            if let (Some(limit), Some(index)) = (&self.rate_limit, predicted) {
+            let predicted = hash_key(&front.record)
+                .and_then(|h| map.shard_of(h))
+                .map(|(index, shard)| (index, shard.clone()));
+            if let (Some(limit), Some((index, shard))) = (&self.rate_limit, &predicted) {
                 // A new Kinesis record costs one record of the budget; every user
                 // record its bytes (with a little framing when aggregated).
-                let starts = open.get(&index).is_none_or(|slot| {
+                let starts = open.get(index).is_none_or(|slot| {
                     slot.aggregator.is_empty()
                         || slot.aggregator.len() as u64 >= max_count
                         || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD > max_size
                 });
                 let cost_records = if starts { 1.0 } else { 0.0 };
                 let cost_bytes = front.meta.size as f64;
-                if let Some(shard) = map.id(index) {
-                    let budget = self
-                        .budgets
-                        .entry(shard.clone())
-                        .or_insert_with(|| ShardBudget::new(limit, now));
-                    if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
-                        // Not sooner than a few milliseconds: a budget refills a record
-                        // per millisecond, and a call should carry more than one.
-                        let ready_at = ready_at.max(now + RATE_WAIT_MIN);
-                        wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
-                        if let Some(entry) = self.ready.pop_front() {
-                            self.ready_bytes -= entry.meta.size;
-                            deferred.push(entry);
-                        }
-                        if deferred.len() >= MAX_DEFERRED_SCAN {
-                            // Enough looking past waiting records for one call.
-                            break;
-                        }
-                        continue;
+                let budget = self
+                    .budgets
+                    .entry(shard.clone())
+                    .or_insert_with(|| ShardBudget::new(limit, now));
+                if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
+                    // Not sooner than a few milliseconds: a budget refills a record per
+                    // millisecond, and a call should carry more than one.
+                    let ready_at = ready_at.max(now + RATE_WAIT_MIN);
+                    wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                    if let Some(entry) = self.ready.pop_front() {
+                        self.ready_bytes -= entry.meta.size;
+                        deferred.push(entry);
                     }
+                    if deferred.len() >= MAX_DEFERRED_SCAN {
+                        // Enough looking past waiting records for one call.
+                        break;
+                    }
+                    continue;
                 }
             }
-            let Some(Entry { record, mut meta }) = self.ready.pop_front() else {
+            let Some(Entry { record, meta }) = self.ready.pop_front() else {
                 break;
             };
             self.ready_bytes -= meta.size;
-            meta.attempts += 1;
-            let Some(index) = predicted else {
+            let Some((index, shard)) = predicted else {
                 // Outside every known range: the map is stale. Sent alone, where
                 // Kinesis routes it.
                 self.listing_wanted = true;
@@ -614,10 +615,8 @@ impl Worker {
                 parts.push(Part::Plain(meta));
                 continue;
             };
-            let Some(shard) = map.id(index).cloned() else {
-                continue;
-            };
             let slot = open.entry(index).or_insert_with(|| Open {
+                shard: shard.clone(),
                 aggregator: Aggregator::with_max_size(max_size),
                 users: Vec::new(),
             });
@@ -661,17 +660,15 @@ impl Worker {
             self.ready.push_front(entry);
         }
         self.rate_wait = wake.filter(|_| records.is_empty() && open.is_empty());
-        for (index, slot) in open {
+        for slot in open.into_values() {
             let Open {
+                shard,
                 mut aggregator,
                 users,
             } = slot;
-            if let (Some(full), Some(shard)) = (aggregator.flush(), map.id(index)) {
+            if let Some(full) = aggregator.flush() {
                 records.push(full);
-                parts.push(Part::Aggregate {
-                    shard: shard.clone(),
-                    users,
-                });
+                parts.push(Part::Aggregate { shard, users });
             }
         }
         self.put(records, parts);
@@ -911,7 +908,6 @@ impl Worker {
     ) {
         tracing::debug!(stream = %self.settings.stream, shard = %landed, sequence = %sequence_number, records = users.len(), "an aggregate landed in a shard that does not own all its records (a reshard); sending them again");
         for mut entry in users {
-            entry.meta.attempts = entry.meta.attempts.saturating_sub(1);
             entry.meta.misplaced += 1;
             if entry.meta.misplaced >= MAX_MISPLACED {
                 let attempts = entry.meta.attempts;
@@ -936,7 +932,7 @@ impl Worker {
     #[allow(clippy::too_many_arguments)]
     fn not_stored(
         &mut self,
-        entry: Entry,
+        mut entry: Entry,
         transient: bool,
         code: &str,
         message: &str,
@@ -944,6 +940,7 @@ impl Worker {
         now: Instant,
         tally: &mut Tally,
     ) {
+        entry.meta.attempts += 1;
         if transient && entry.meta.attempts < self.settings.max_attempts {
             tally.resent += 1;
             let delay = self.backoff(entry.meta.attempts, jitter);
