@@ -766,17 +766,9 @@ async fn the_builder_names_the_field_it_refuses() {
     assert!(err.to_string().contains("max_batch_records"));
 }
 
-fn emulators() -> bool {
-    let on = std::env::var_os("SHARDFLOW_EMULATORS").is_some();
-    if !on {
-        eprintln!("skipped: SHARDFLOW_EMULATORS not set (run scripts/test.sh)");
-    }
-    on
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_5000_records_into_the_emulator_and_reads_them_back() {
-    if !emulators() {
+    if !common::emulators_enabled() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;
@@ -838,7 +830,7 @@ async fn writes_5000_records_into_the_emulator_and_reads_them_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_size_records_and_explicit_hash_keys_on_the_emulator() {
-    if !emulators() {
+    if !common::emulators_enabled() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;
@@ -890,7 +882,7 @@ async fn full_size_records_and_explicit_hash_keys_on_the_emulator() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregated_records_into_the_emulator_read_back_at_their_sub_sequence() {
     use shardflow::aggregation::{deaggregate, Deaggregated};
-    if !emulators() {
+    if !common::emulators_enabled() {
         return;
     }
     let aws = shardflow::Aws::from_env().await;

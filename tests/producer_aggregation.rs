@@ -4,7 +4,8 @@
 //! order kept, a split while aggregating, and records too large to share an aggregate;
 //! the per-shard rate limit against Kinesis' limits; a round trip producer to consumer
 //! under the limits across a split; and the consumer's choices for user records read
-//! from a shard that does not own them.
+//! from a shard that does not own them. The split while aggregating runs against the
+//! Kinesis emulator too (`emulator`).
 
 use testkit as common;
 
@@ -147,7 +148,7 @@ struct ReadBack {
 /// Reads every shard (open and closed) from the start and de-aggregates as the KCL
 /// does: an aggregate holding a user record outside the hash range of the shard it was
 /// read from is discarded whole (and counted).
-async fn read_back(api: &dyn KinesisApi) -> ReadBack {
+async fn read_back(api: &dyn KinesisApi, stream: &str) -> ReadBack {
     let mut back = ReadBack {
         at: HashMap::new(),
         per_shard: Vec::new(),
@@ -156,9 +157,9 @@ async fn read_back(api: &dyn KinesisApi) -> ReadBack {
         misplaced: 0,
         discarded: Vec::new(),
     };
-    for shard in api.list_shards(STREAM).await.unwrap() {
+    for shard in api.list_shards(stream).await.unwrap() {
         let mut iterator = api
-            .shard_iterator(STREAM, &shard.shard_id, &StartingPosition::TrimHorizon)
+            .shard_iterator(stream, &shard.shard_id, &StartingPosition::TrimHorizon)
             .await
             .unwrap();
         let mut in_order = Vec::new();
@@ -304,7 +305,7 @@ async fn records_are_packed_per_shard_and_answers_name_their_sub_sequence() {
     )
     .await;
     producer.close().limited().await;
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     // Each user record lies in its shard's range (checked while reading), each answer
     // names its own place.
     assert_stored_once(n, &answers, &back);
@@ -355,7 +356,7 @@ async fn refused_aggregates_resend_their_records_and_each_caller_sees_its_own() 
             .await;
         producer.close().limited().await;
         memory.streams().set_faults(KinesisFaults::default());
-        let back = read_back(memory.streams().as_ref()).await;
+        let back = read_back(memory.streams().as_ref(), STREAM).await;
         assert_stored_once(n, &answers, &back);
         assert_placed(&back);
         assert!(back.aggregates > 0);
@@ -389,7 +390,7 @@ async fn each_keys_order_holds_across_aggregation_and_refusals() {
         .await;
         producer.close().limited().await;
         memory.streams().set_faults(KinesisFaults::default());
-        let back = read_back(memory.streams().as_ref()).await;
+        let back = read_back(memory.streams().as_ref(), STREAM).await;
         assert_stored_once(n, &answers, &back);
         assert_placed(&back);
         assert_in_order_per_key(&back);
@@ -430,7 +431,7 @@ async fn a_split_while_aggregating_loses_nothing_and_stores_nothing_twice() {
     .await;
     producer.close().limited().await;
     let answers: Vec<_> = first.into_iter().chain(second).collect();
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     // Aggregates put together before the producer saw the split land in one child with
     // user records of the other. A KCL reader discards them whole; the producer sent
     // their records again, packed for their own shards, and answered with those places.
@@ -487,7 +488,7 @@ async fn after_a_merge_aggregates_owned_by_their_shard_are_not_sent_again() {
     let second = produce_in_order(&producer, (n / 2..n).map(|i| (i, record(i, key(i))))).await;
     producer.close().limited().await;
     let answers: Vec<_> = first.into_iter().chain(second).collect();
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     assert_stored_once(n, &answers, &back);
     assert_placed(&back);
     assert_in_order_per_key(&back);
@@ -542,7 +543,7 @@ async fn records_too_large_to_share_an_aggregate_go_alone() {
     )
     .await;
     producer.close().limited().await;
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     assert_stored_once(10, &answers, &back);
     assert_placed(&back);
     let entries = api.entries.lock().unwrap();
@@ -588,7 +589,7 @@ async fn refused_at_the_limit(
         .limited()
         .await;
     producer.close().limited().await;
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     assert_stored_once(n, &answers, &back);
     assert_placed(&back);
     let entries = api.entries.lock().unwrap();
@@ -773,7 +774,7 @@ async fn a_round_trip_under_the_limits_with_a_split_handles_every_record_once_in
     );
     // Aggregates did land among records of another shard: the skipping was needed.
     memory.streams().set_limits(KinesisLimits::none());
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     assert!(
         back.misplaced > 0,
         "the split caught no aggregate in flight: the test shows nothing"
@@ -927,7 +928,7 @@ async fn a_producer_that_cannot_list_shards_backs_off_and_still_stores_everythin
             .await;
     }
     producer.close().limited().await;
-    let back = read_back(memory.streams().as_ref()).await;
+    let back = read_back(memory.streams().as_ref(), STREAM).await;
     assert_stored_once(600, &answers, &back);
     assert_eq!(back.aggregates, 0, "unaggregated without a shard map");
     let listings = api.listings.load(std::sync::atomic::Ordering::SeqCst);
@@ -974,5 +975,60 @@ async fn misplaced_aggregates_do_not_wait_for_ever_on_a_listing_that_keeps_faili
                 || matches!(answer, Err(ProduceError::Failed { code, .. }) if code == "MisplacedAggregate"),
             "record {value}: {answer:?}"
         );
+    }
+}
+
+/// The producer into the Kinesis emulator over HTTP (run by `scripts/test.sh`).
+mod emulator {
+    use super::*;
+    use testkit::{emulators_enabled, unique};
+
+    /// A split while aggregating, against Kinesis' own routing: aggregates packed for the
+    /// parent land in one child with user records of the other, and their records go
+    /// again; a reader that discards such aggregates as the KCL does finds every record
+    /// once, where its answer says, in order per key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_split_while_aggregating_loses_nothing_and_stores_nothing_twice() {
+        if !emulators_enabled() {
+            return;
+        }
+        let aws = shardflow::Aws::from_env().await;
+        let api = aws.admin().unwrap();
+        let stream = unique("producer-agg-split");
+        api.create_stream(&stream, 2).await.unwrap();
+        let producer = Producer::builder()
+            .stream(&stream)
+            .backend(aws.clone())
+            .aggregate(true)
+            .ordered_per_key(true)
+            .build()
+            .unwrap();
+        let n = 4_000;
+        let first = produce_in_order(
+            &producer,
+            (0..n / 2).map(|i| (i, record(i, format!("k{}", i % 300)))),
+        )
+        .await;
+        let shards = api.list_shards(&stream).await.unwrap();
+        let parent = &shards[0];
+        let middle = parent.starting_hash_key / 2 + parent.ending_hash_key / 2;
+        // Returns once the stream is active again; the producer's map is stale.
+        api.split_shard(&stream, &parent.shard_id, middle)
+            .await
+            .unwrap();
+        let second = produce_in_order(
+            &producer,
+            (n / 2..n).map(|i| (i, record(i, format!("k{}", i % 300)))),
+        )
+        .await;
+        producer.close().limited().await;
+        let answers: Vec<_> = first.into_iter().chain(second).collect();
+        let back = read_back(api.as_ref(), &stream).await;
+        assert!(
+            back.misplaced > 0,
+            "no aggregate landed in a child that does not own all its records: the test shows nothing"
+        );
+        assert_stored_once(n, &answers, &back);
+        assert_in_order_per_key(&back);
     }
 }

@@ -108,9 +108,7 @@ mod tests {
             Instant::now(),
         );
         assert_eq!(map.len(), 2);
-        let id = |h| {
-            map.shard_of(h).map(|(_, s)| s.to_string())
-        };
+        let id = |h| map.shard_of(h).map(|(_, s)| s.to_string());
         assert_eq!(id(0).as_deref(), Some("a"));
         assert_eq!(id(49).as_deref(), Some("a"));
         assert_eq!(
