@@ -415,54 +415,63 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
 
 #[tokio::test(start_paused = true)]
 async fn batches_stay_within_500_records_and_5_mib() {
-    let memory = memory_with_stream(4).await;
-    let recording = Recording::new(&memory);
-    // Without the per-shard rate limit, which would send at most 1.5 MiB per shard
-    // per second and so shape the batches of large records itself.
-    let producer = Producer::builder()
-        .stream(STREAM)
-        .kinesis(recording.clone())
-        .no_rate_limit()
+    // The default producer (rate-limited per shard) and one without the limit, whose
+    // large records fill calls up to the byte limit (with it, a shard takes at most
+    // 1.5 MiB a second, which shapes those calls itself).
+    for limited in [true, false] {
+        let memory = memory_with_stream(4).await;
+        let recording = Recording::new(&memory);
+        let builder = Producer::builder()
+            .stream(STREAM)
+            .kinesis(recording.clone());
+        let producer = if limited {
+            builder
+        } else {
+            builder.no_rate_limit()
+        }
         .build()
         .unwrap();
 
-    // Small records: batched up to the count limit.
-    let n = 2_100;
-    let answers: Vec<_> = futures_util::stream::iter(0..n)
-        .map(|i| producer.send(record(i, format!("k{i}"))))
-        .buffer_unordered(n)
-        .collect::<Vec<_>>()
-        .limited()
-        .await;
-    assert!(answers.iter().all(Result::is_ok));
-    let calls = recording.calls();
-    assert!(calls.iter().all(|c| c.records <= 500), "{calls:?}");
-    assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), n);
-    assert!(
-        calls.len() <= 6,
-        "records were not batched: {} calls",
-        calls.len()
-    );
-    assert_eq!(calls.iter().map(|c| c.records).max(), Some(500));
+        // Small records: batched up to the count limit (within the shards' budgets).
+        let n = 2_100;
+        let answers: Vec<_> = futures_util::stream::iter(0..n)
+            .map(|i| producer.send(record(i, format!("k{i}"))))
+            .buffer_unordered(n)
+            .collect::<Vec<_>>()
+            .limited()
+            .await;
+        assert!(answers.iter().all(Result::is_ok));
+        let calls = recording.calls();
+        assert!(calls.iter().all(|c| c.records <= 500), "{calls:?}");
+        assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), n);
+        assert!(
+            calls.len() <= 6,
+            "records were not batched: {} calls",
+            calls.len()
+        );
+        assert_eq!(calls.iter().map(|c| c.records).max(), Some(500));
 
-    // Large records: batched up to the byte limit (5 of 900 KiB fit in 5 MiB, 6 do not).
-    let before = recording.calls().len();
-    let big = 40;
-    let answers: Vec<_> = futures_util::stream::iter(0..big)
-        .map(|i| producer.send(ProducerRecord::new(vec![b'x'; 900 * 1024], format!("b{i}"))))
-        .buffer_unordered(big)
-        .collect::<Vec<_>>()
-        .limited()
-        .await;
-    assert!(answers.iter().all(Result::is_ok));
-    let calls = &recording.calls()[before..];
-    assert!(
-        calls.iter().all(|c| c.bytes <= MAX_BATCH_BYTES),
-        "{calls:?}"
-    );
-    assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), big);
-    assert_eq!(calls.iter().map(|c| c.records).max(), Some(5));
-    producer.close().limited().await;
+        // Large records: at most 5 MiB a call (5 of 900 KiB fit, 6 do not).
+        let before = recording.calls().len();
+        let big = 40;
+        let answers: Vec<_> = futures_util::stream::iter(0..big)
+            .map(|i| producer.send(ProducerRecord::new(vec![b'x'; 900 * 1024], format!("b{i}"))))
+            .buffer_unordered(big)
+            .collect::<Vec<_>>()
+            .limited()
+            .await;
+        assert!(answers.iter().all(Result::is_ok));
+        let calls = &recording.calls()[before..];
+        assert!(
+            calls.iter().all(|c| c.bytes <= MAX_BATCH_BYTES),
+            "{calls:?}"
+        );
+        assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), big);
+        if !limited {
+            assert_eq!(calls.iter().map(|c| c.records).max(), Some(5));
+        }
+        producer.close().limited().await;
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -608,10 +608,100 @@ async fn a_rate_limited_producer_waits_instead_of_collecting_refusals() {
         at_quota * 20 < unlimited,
         "at the quota: {at_quota} refused, without a limit {unlimited}"
     );
+    // The default is the KPL's 150 %: on, and above the quota.
     assert!(
-        kpl_default < unlimited,
-        "at 150 %: {kpl_default} refused, without a limit {unlimited}"
+        kpl_default * 2 < unlimited,
+        "by default (150 %): {kpl_default} refused, without a limit {unlimited}"
     );
+    assert!(
+        kpl_default > at_quota,
+        "by default (150 %): {kpl_default} refused, at the quota {at_quota}"
+    );
+}
+
+/// Regression: with the rate limit on, a large record over its shard's budget waited
+/// while the smaller records behind it took every refill, so it was stored only once
+/// they ran out (or never, under steady load), after records handed over later.
+#[tokio::test(start_paused = true)]
+async fn a_large_record_over_budget_is_not_overtaken_by_smaller_ones_of_its_shard() {
+    let memory = memory_with_stream(1).await;
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .backend(memory.clone())
+        .build()
+        .unwrap();
+    let small = |i: usize| ProducerRecord::new(format!("{i:<1000}"), format!("k{i}"));
+    // A second and a half of the shard's default budget, then the large record, then
+    // four more seconds' worth of small ones, all handed over at once.
+    let before = 1_500;
+    let after = 6_000;
+    let large = before;
+    let records = (0..before)
+        .map(|i| (i, small(i)))
+        .chain(std::iter::once((
+            large,
+            ProducerRecord::new(vec![b'x'; 1_000_000], "large"),
+        )))
+        .chain((before + 1..=before + after).map(|i| (i, small(i))));
+    let answers = produce_in_order(&producer, records).await;
+    producer.close().limited().await;
+    let stored: HashMap<usize, Stored> = answers
+        .into_iter()
+        .map(|(i, answer)| (i, answer.unwrap_or_else(|e| panic!("record {i}: {e}"))))
+        .collect();
+    let large_at = &stored[&large].sequence_number;
+    let overtaken_by = (before + 1..=before + after)
+        .filter(|i| stored[i].sequence_number < *large_at)
+        .count();
+    assert_eq!(
+        overtaken_by, 0,
+        "records handed over after the large one were stored before it"
+    );
+}
+
+/// A payload that is already a KPL aggregate (built with the public `Aggregator`) goes
+/// through a producer that does not aggregate exactly as it is, rate limit or not.
+#[tokio::test(start_paused = true)]
+async fn a_producer_that_does_not_aggregate_sends_a_prebuilt_aggregate_as_it_is() {
+    let mut aggregator = shardflow::aggregation::Aggregator::new();
+    for i in 0..3 {
+        let user = PutRecord {
+            data: format!("user-{i}").into(),
+            partition_key: format!("k{i}"),
+            explicit_hash_key: None,
+        };
+        assert!(aggregator.add(user).unwrap().is_none());
+    }
+    let prebuilt = aggregator.flush().unwrap();
+    assert!(prebuilt.data.starts_with(&MAGIC));
+    for configure in [(|b| b) as fn(ProducerBuilder) -> ProducerBuilder, |b| {
+        b.no_rate_limit()
+    }] {
+        let memory = memory_with_stream(2).await;
+        let producer = configure(Producer::builder().stream(STREAM).backend(memory.clone()))
+            .build()
+            .unwrap();
+        let stored = producer
+            .send(ProducerRecord::new(
+                prebuilt.data.clone(),
+                prebuilt.partition_key.clone(),
+            ))
+            .limited()
+            .await
+            .unwrap();
+        producer.close().limited().await;
+        let api = memory.streams();
+        let iterator = api
+            .shard_iterator(STREAM, &stored.shard_id, &StartingPosition::TrimHorizon)
+            .await
+            .unwrap();
+        let page = api.get_records(&iterator, 10).await.unwrap();
+        assert_eq!(page.records.len(), 1);
+        assert_eq!(
+            page.records[0].data, prebuilt.data,
+            "the payload was rewritten"
+        );
+    }
 }
 
 /// What the round trip's handler saw, in order.

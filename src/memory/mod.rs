@@ -18,7 +18,11 @@
 //! calls and 2 MiB read per second, 2 MiB per second per fan-out consumer) are off by
 //! default and switched on with [`Memory::builder`]`().limits(`[`KinesisLimits::aws()`]`)`
 //! or [`MemoryKinesis::set_limits`], so that throughput measured here is what a real
-//! shard would allow.
+//! shard would allow. A [`Producer`](crate::Producer) paces itself whether they are on or
+//! not: its per-shard rate limit (on by default, 1,500 records/s per shard) holds here
+//! too, so a test writing many records quickly turns it off
+//! ([`no_rate_limit`](crate::ProducerBuilder::no_rate_limit)) or runs on tokio's paused
+//! clock.
 //!
 //! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
 //! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store,

@@ -205,7 +205,8 @@ pub enum ProduceError {
         code: String,
         /// The error message.
         message: String,
-        /// How many times the record was sent.
+        /// How many sends of the record were refused or failed (a send again after its
+        /// aggregate landed in a shard not owning it is not counted: nothing refused it).
         attempts: u32,
     },
     /// The producer was closed (or its background task stopped) before the record was

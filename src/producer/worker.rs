@@ -20,7 +20,7 @@
 
 use std::cmp::Reverse;
 use std::collections::hash_map::{DefaultHasher, Entry as MapEntry};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +46,11 @@ const SHARD_MAP_MAX_AGE: Duration = Duration::from_secs(60);
 /// The least time between two listings of the shard map (ListShards allows 100 calls/s
 /// per account).
 const SHARD_MAP_MIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How long a ListShards call may take before it counts as failed: the first listing
+/// holds every send (when aggregating or rate-limited), and a failed one lets records go
+/// unaggregated and unlimited.
+const LISTING_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The least wait for a shard's budget to refill, so that a call carries more than a
 /// record or two.
@@ -115,8 +120,9 @@ struct Entry {
 
 /// What one entry of a PutRecords call carries for its callers.
 enum Part {
-    /// A record sent as it is: the entry is the record.
-    Plain(Meta),
+    /// A record sent as it is: the entry is the record, with the shard it was predicted
+    /// to land in when the producer knows the map (rate limit without aggregation).
+    Plain { meta: Meta, shard: Option<Arc<str>> },
     /// User records packed into the entry (one of them alone: sent as it is), in
     /// order, with the shard the entry was predicted to land in.
     Aggregate { shard: Arc<str>, users: Vec<Entry> },
@@ -126,8 +132,16 @@ impl Part {
     /// The user records of an entry that was not stored, to resend or fail one by one.
     fn into_entries(self, record: PutRecord) -> Vec<Entry> {
         match self {
-            Part::Plain(meta) => vec![Entry { record, meta }],
+            Part::Plain { meta, .. } => vec![Entry { record, meta }],
             Part::Aggregate { users, .. } => users,
+        }
+    }
+
+    /// The shard the entry was predicted to land in, if the producer predicted one.
+    fn predicted(&self) -> Option<&Arc<str>> {
+        match self {
+            Part::Plain { shard, .. } => shard.as_ref(),
+            Part::Aggregate { shard, .. } => Some(shard),
         }
     }
 }
@@ -534,24 +548,29 @@ impl Worker {
             bytes += meta.size;
             self.ready_bytes -= meta.size;
             records.push(record);
-            metas.push(Part::Plain(meta));
+            metas.push(Part::Plain { meta, shard: None });
         }
         self.put(records, metas);
     }
 
-    /// Sends the next batch from the front of `ready`, each record packed into an
-    /// aggregate of the shard it is predicted to land in: at most `max_batch_records`
-    /// entries and about `max_batch_bytes` bytes.
+    /// Sends the next batch from the front of `ready`, each record predicted to land in
+    /// a shard and, when aggregating, packed into an aggregate of that shard: at most
+    /// `max_batch_records` entries and about `max_batch_bytes` bytes.
     ///
     /// With a rate limit, a record whose shard has no budget left stays in `ready` (in
-    /// its place) and the others go on; `rate_wait` is when a budget refills.
+    /// its place), and so do the later records of that shard (a large record is not
+    /// starved by smaller ones taking each refill); the other shards' records go on.
+    /// `rate_wait` is when a budget refills.
     fn launch_aggregated(&mut self, map: &ShardMap, now: Instant) {
-        // Without aggregation (rate limit only), "aggregates" of one record: plain.
+        // Without aggregation (rate limit only), each record goes as it is.
         let (max_size, max_count) = match &self.settings.aggregation {
             Some(a) => (a.size_limit(), a.count_limit()),
             None => (crate::kinesis::MAX_RECORD_BYTES, 1),
         };
+        let aggregating = self.settings.aggregation.is_some();
         let mut deferred: Vec<Entry> = Vec::new();
+        // Shards over budget in this scan: their later records wait too.
+        let mut waiting: HashSet<usize> = HashSet::new();
         let mut wake: Option<Instant> = None;
         let mut records = Vec::new();
         let mut parts = Vec::new();
@@ -582,15 +601,24 @@ impl Worker {
                 });
                 let cost_records = if starts { 1.0 } else { 0.0 };
                 let cost_bytes = front.meta.size as f64;
-                let budget = self
-                    .budgets
-                    .entry(shard.clone())
-                    .or_insert_with(|| ShardBudget::new(limit, now));
-                if let Err(ready_at) = budget.take(limit, cost_records, cost_bytes, now) {
-                    // Not sooner than a few milliseconds: a budget refills a record per
-                    // millisecond, and a call should carry more than one.
-                    let ready_at = ready_at.max(now + RATE_WAIT_MIN);
-                    wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                let over = waiting.contains(index) || {
+                    let budget = self
+                        .budgets
+                        .entry(shard.clone())
+                        .or_insert_with(|| ShardBudget::new(limit, now));
+                    match budget.take(limit, cost_records, cost_bytes, now) {
+                        Ok(()) => false,
+                        Err(ready_at) => {
+                            // Not sooner than a few milliseconds: a budget refills a
+                            // record per millisecond, and a call should carry more.
+                            let ready_at = ready_at.max(now + RATE_WAIT_MIN);
+                            wake = Some(wake.map_or(ready_at, |w| w.min(ready_at)));
+                            waiting.insert(*index);
+                            true
+                        }
+                    }
+                };
+                if over {
                     if let Some(entry) = self.ready.pop_front() {
                         self.ready_bytes -= entry.meta.size;
                         deferred.push(entry);
@@ -612,9 +640,20 @@ impl Worker {
                 self.listing_wanted = true;
                 bytes += meta.size;
                 records.push(record);
-                parts.push(Part::Plain(meta));
+                parts.push(Part::Plain { meta, shard: None });
                 continue;
             };
+            if !aggregating {
+                // As it is, whatever its payload (a record that is already a KPL
+                // aggregate stays one).
+                bytes += meta.size;
+                records.push(record);
+                parts.push(Part::Plain {
+                    meta,
+                    shard: Some(shard),
+                });
+                continue;
+            }
             let slot = open.entry(index).or_insert_with(|| Open {
                 shard: shard.clone(),
                 aggregator: Aggregator::with_max_size(max_size),
@@ -649,7 +688,7 @@ impl Worker {
                     // with the framing): alone, as it is (at most 1 MiB: validated).
                     bytes += size;
                     records.push(refused.into_record());
-                    parts.push(Part::Plain(meta));
+                    parts.push(Part::Plain { meta, shard: None });
                 }
             }
             pending = pending.saturating_sub(before) + slot.aggregator.size();
@@ -718,7 +757,14 @@ impl Worker {
         self.listing_wanted = false;
         let api = self.settings.kinesis.clone();
         let stream = self.settings.stream.clone();
-        self.listing = Some(Box::pin(async move { api.list_shards(&stream).await }));
+        self.listing = Some(Box::pin(async move {
+            match tokio::time::timeout(LISTING_DEADLINE, api.list_shards(&stream)).await {
+                Ok(listed) => listed,
+                Err(_) => Err(KinesisError::Other(
+                    format!("ListShards did not answer within {LISTING_DEADLINE:?}").into(),
+                )),
+            }
+        }));
     }
 
     fn listed(&mut self, listed: Result<Vec<ShardInfo>, KinesisError>, now: Instant) {
@@ -803,20 +849,25 @@ impl Worker {
                     shard_id,
                     sequence_number,
                 } => match part {
-                    Part::Plain(meta) => self.answer(
-                        meta,
-                        Ok(Stored {
-                            shard_id,
-                            sequence_number,
-                            sub_sequence_number: 0,
-                        }),
-                    ),
+                    Part::Plain { meta, shard } => {
+                        if shard.is_some_and(|s| *s != *shard_id) {
+                            // Landed elsewhere than predicted: the stream was resharded,
+                            // and the rate limit charges the wrong shard until relisted.
+                            self.want_listing_for(&shard_id);
+                        }
+                        self.answer(
+                            meta,
+                            Ok(Stored {
+                                shard_id,
+                                sequence_number,
+                                sub_sequence_number: 0,
+                            }),
+                        )
+                    }
                     Part::Aggregate { shard, users } => {
                         if *shard != *shard_id {
                             // Landed elsewhere than predicted: the stream was resharded.
-                            if self.shard_map.as_ref().is_none_or(|m| !m.knows(&shard_id)) {
-                                self.listing_wanted = true;
-                            }
+                            self.want_listing_for(&shard_id);
                             // A lone user record is sent as it is: Kinesis routed it by
                             // its own key. Several may include some of another shard,
                             // and a KCL reader discards such an aggregate whole.
@@ -844,8 +895,7 @@ impl Worker {
                 },
                 PutOutcome::Failed { code, message } => {
                     let transient = entry_error_is_transient(&code);
-                    if let (Some(limit), Part::Aggregate { shard, .. }) = (&self.rate_limit, &part)
-                    {
+                    if let (Some(limit), Some(shard)) = (&self.rate_limit, part.predicted()) {
                         if code == "ProvisionedThroughputExceededException" {
                             // The shard is busier than its budget said: it waits, the
                             // others go on.
@@ -865,6 +915,14 @@ impl Worker {
         }
         if tally.failed > 0 {
             tracing::warn!(stream = %self.settings.stream, failed = tally.failed, "records not stored: out of attempts or a permanent entry error");
+        }
+    }
+
+    /// Asks for a listing when the map does not know `landed`, a shard an entry landed in
+    /// instead of the one predicted.
+    fn want_listing_for(&mut self, landed: &str) {
+        if self.shard_map.as_ref().is_none_or(|m| !m.knows(landed)) {
+            self.listing_wanted = true;
         }
     }
 
@@ -916,7 +974,7 @@ impl Worker {
                     Err(ProduceError::Failed {
                         code: "MisplacedAggregate".to_owned(),
                         message: format!(
-                            "stored in {landed} at {sequence_number} inside an aggregate with records of another shard, which a KCL consumer discards; sent {MAX_MISPLACED} times"
+                            "stored in {landed} at {sequence_number} inside an aggregate with records of another shard, which a KCL consumer discards; landed outside its shard {MAX_MISPLACED} times"
                         ),
                         attempts,
                     }),
