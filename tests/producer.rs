@@ -415,19 +415,20 @@ async fn oversize_and_invalid_records_are_refused_before_sending() {
 
 #[tokio::test(start_paused = true)]
 async fn batches_stay_within_500_records_and_5_mib() {
-    // The default producer (rate-limited per shard) and one without the limit, whose
-    // large records fill calls up to the byte limit (with it, a shard takes at most
-    // 1.5 MiB a second, which shapes those calls itself).
-    for limited in [true, false] {
+    // The default producer (rate-limited per shard: at 150 % a shard takes at most
+    // 1.5 MiB a second, which shapes the calls of large records itself), and producers
+    // whose large records fill calls up to the byte limit: one rate-limited at 1,000 %
+    // (10 MiB a second per shard) and one without the limit.
+    for rate_limit in [Some(None), Some(Some(1_000)), None] {
         let memory = memory_with_stream(4).await;
         let recording = Recording::new(&memory);
         let builder = Producer::builder()
             .stream(STREAM)
             .kinesis(recording.clone());
-        let producer = if limited {
-            builder
-        } else {
-            builder.no_rate_limit()
+        let producer = match rate_limit {
+            Some(None) => builder,
+            Some(Some(percent)) => builder.rate_limit(percent),
+            None => builder.no_rate_limit(),
         }
         .build()
         .unwrap();
@@ -467,7 +468,7 @@ async fn batches_stay_within_500_records_and_5_mib() {
             "{calls:?}"
         );
         assert_eq!(calls.iter().map(|c| c.records).sum::<usize>(), big);
-        if !limited {
+        if rate_limit != Some(None) {
             assert_eq!(calls.iter().map(|c| c.records).max(), Some(5));
         }
         producer.close().limited().await;

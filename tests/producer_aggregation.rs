@@ -11,6 +11,7 @@ use testkit as common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use common::Limited;
@@ -72,11 +73,12 @@ fn recording(memory: &Memory) -> Arc<Forward<Recording>> {
 }
 
 /// Forwards to the memory backend, but ListShards answers only its first `answered`
-/// calls and fails the others (counted), like a producer without the permission or a
-/// service that stopped answering.
+/// calls and fails the others (counted), like a producer without the permission, or
+/// (`hang`) never answers them, like a service that stopped answering.
 struct FailingListings {
     memory: Memory,
     answered: usize,
+    hang: bool,
     listings: std::sync::atomic::AtomicUsize,
 }
 
@@ -92,6 +94,9 @@ impl ForwardKinesis for FailingListings {
         if n < self.answered {
             return self.memory.streams().list_shards(stream).await;
         }
+        if self.hang {
+            return std::future::pending().await;
+        }
         Err(KinesisError::Other(
             "AccessDeniedException: not authorized to perform kinesis:ListShards".into(),
         ))
@@ -102,6 +107,17 @@ fn failing_listings(memory: &Memory, answered: usize) -> Arc<Forward<FailingList
     Arc::new(Forward(FailingListings {
         memory: memory.clone(),
         answered,
+        hang: false,
+        listings: Default::default(),
+    }))
+}
+
+/// Counts ListShards calls; the first `answered` answer and the others never do.
+fn hanging_listings(memory: &Memory, answered: usize) -> Arc<Forward<FailingListings>> {
+    Arc::new(Forward(FailingListings {
+        memory: memory.clone(),
+        answered,
+        hang: true,
         listings: Default::default(),
     }))
 }
@@ -657,6 +673,107 @@ async fn a_large_record_over_budget_is_not_overtaken_by_smaller_ones_of_its_shar
         overtaken_by, 0,
         "records handed over after the large one were stored before it"
     );
+}
+
+/// A shard waiting for most of a second of refill (a large record) does not hold the
+/// records of other shards that arrive meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_shard_over_budget_does_not_hold_other_shards_records() {
+    let memory = memory_with_stream(2).await;
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .backend(memory.clone())
+        .rate_limit(100)
+        .build()
+        .unwrap();
+    let large = || ProducerRecord::new(vec![b'x'; 1_000_000], "large").with_explicit_hash_key("0");
+    // The first takes the first shard's whole second of bytes; the second waits for it.
+    producer.send(large()).limited().await.unwrap();
+    let waiting = {
+        let (producer, record) = (producer.clone(), large());
+        tokio::spawn(async move { producer.send(record).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let start = tokio::time::Instant::now();
+    let other = producer
+        .send(record(1, "small").with_explicit_hash_key(u128::MAX.to_string()))
+        .limited()
+        .await
+        .unwrap();
+    let waited = start.elapsed();
+    let large_at = waiting.limited().await.unwrap().unwrap();
+    assert_ne!(other.shard_id, large_at.shard_id);
+    assert!(
+        waited < Duration::from_millis(200),
+        "a record of another shard waited {waited:?}"
+    );
+    producer.close().limited().await;
+}
+
+/// The first ListShards holds every send of a rate-limited producer: one that never
+/// answers counts as failed after a while, and the records go (unlimited).
+#[tokio::test(start_paused = true)]
+async fn a_listing_that_never_answers_does_not_hold_the_records() {
+    let memory = memory_with_stream(2).await;
+    let api = hanging_listings(&memory, 0);
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .kinesis(api.clone())
+        .build()
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let stored = producer.send(record(1, "k1")).limited().await;
+    assert!(stored.is_ok(), "{stored:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "the record waited {:?} for the listing",
+        start.elapsed()
+    );
+    producer.close().limited().await;
+}
+
+/// A rate-limited producer that does not aggregate predicts each record's shard too:
+/// a record that lands elsewhere (a split it has not seen) has it list the shards again
+/// at once, so that the children's budgets are charged, not the closed parent's until
+/// the next periodic listing a minute later.
+#[tokio::test(start_paused = true)]
+async fn a_record_landing_in_an_unknown_shard_has_the_shards_listed_again() {
+    let memory = memory_with_stream(1).await;
+    let api = failing_listings(&memory, usize::MAX);
+    let producer = Producer::builder()
+        .stream(STREAM)
+        .kinesis(api.clone())
+        .build()
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    for i in 0..20 {
+        producer
+            .send(record(i, format!("k{i}")))
+            .limited()
+            .await
+            .unwrap();
+    }
+    let listed = || api.0.listings.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(listed(), 1);
+    memory
+        .split_shard_in_half(STREAM, "shardId-000000000000")
+        .await
+        .unwrap();
+    for i in 20..40 {
+        producer
+            .send(record(i, format!("k{i}")))
+            .limited()
+            .await
+            .unwrap();
+    }
+    common::within(Duration::from_secs(5), "a listing after the split", async {
+        while listed() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(start.elapsed() < Duration::from_secs(30));
+    producer.close().limited().await;
 }
 
 /// A payload that is already a KPL aggregate (built with the public `Aggregator`) goes

@@ -2,7 +2,7 @@
 //! shard a record will land in, so that aggregation packs only records of one shard
 //! together.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -15,6 +15,8 @@ pub(crate) struct ShardMap {
     ranges: Vec<(u128, u128, Arc<str>)>,
     /// Every listed shard's range, closed ones too, by id.
     known: HashMap<String, (u128, u128)>,
+    /// The open shards' ids.
+    open: HashSet<Arc<str>>,
     /// When ListShards answered.
     pub(crate) fetched: Instant,
 }
@@ -38,9 +40,11 @@ impl ShardMap {
             .iter()
             .map(|s| (s.shard_id.clone(), (s.starting_hash_key, s.ending_hash_key)))
             .collect();
+        let open = ranges.iter().map(|r| r.2.clone()).collect();
         ShardMap {
             ranges,
             known,
+            open,
             fetched,
         }
     }
@@ -63,6 +67,11 @@ impl ShardMap {
     /// not show it (the shard is newer than the map).
     pub(crate) fn range_of(&self, id: &str) -> Option<(u128, u128)> {
         self.known.get(id).copied()
+    }
+
+    /// Whether shard `id` is open in the listing.
+    pub(crate) fn is_open(&self, id: &str) -> bool {
+        self.open.contains(id)
     }
 
     /// Whether the listing showed shard `id`.

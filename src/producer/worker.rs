@@ -56,6 +56,11 @@ const LISTING_DEADLINE: Duration = Duration::from_secs(10);
 /// record or two.
 const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
 
+/// The longest the producer waits for a budget before looking at its records again:
+/// records of other shards that arrive meanwhile wait at most this long (a large record
+/// may need most of a second of refill).
+const RATE_WAIT_MAX: Duration = Duration::from_millis(50);
+
 /// How many records over their shard's budget one call looks past for records of other
 /// shards.
 const MAX_DEFERRED_SCAN: usize = 2_000;
@@ -688,7 +693,10 @@ impl Worker {
                     // with the framing): alone, as it is (at most 1 MiB: validated).
                     bytes += size;
                     records.push(refused.into_record());
-                    parts.push(Part::Plain { meta, shard: None });
+                    parts.push(Part::Plain {
+                        meta,
+                        shard: Some(shard),
+                    });
                 }
             }
             pending = pending.saturating_sub(before) + slot.aggregator.size();
@@ -698,7 +706,9 @@ impl Worker {
             self.ready_bytes += entry.meta.size;
             self.ready.push_front(entry);
         }
-        self.rate_wait = wake.filter(|_| records.is_empty() && open.is_empty());
+        self.rate_wait = wake
+            .map(|at| at.min(now + RATE_WAIT_MAX))
+            .filter(|_| records.is_empty() && open.is_empty());
         for slot in open.into_values() {
             let Open {
                 shard,
@@ -772,6 +782,8 @@ impl Worker {
             Ok(shards) => {
                 let map = ShardMap::new(&shards, now);
                 tracing::debug!(stream = %self.settings.stream, shards = map.len(), "shard map listed");
+                // Closed shards take no more writes: their budgets go.
+                self.budgets.retain(|shard, _| map.is_open(shard));
                 self.shard_map = Some(Arc::new(map));
                 self.map_unavailable = false;
                 self.listing_failures = 0;
