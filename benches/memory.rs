@@ -30,12 +30,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
-};
+use shardflow::kinesis::{KinesisApi, KinesisError, PutRecord, RecordsPage, StreamAdmin};
 use shardflow::lease::LeaseStore;
 use shardflow::{Backend, Consumer, Memory, Message};
+use testkit::hooks::{Forward, ForwardKinesis};
 
 /// Counts the bytes allocated now and the most at any time since the last reset.
 struct Counting;
@@ -105,20 +103,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 struct Copying(Arc<dyn KinesisApi>);
 
 #[async_trait]
-impl KinesisApi for Copying {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.0.list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.0.is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.0.shard_iterator(stream, shard_id, from).await
+impl ForwardKinesis for Copying {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.0.as_ref()
     }
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         let mut page = self.0.get_records(iterator, limit).await?;
@@ -127,20 +114,13 @@ impl KinesisApi for Copying {
         }
         Ok(page)
     }
-    async fn put_records(
-        &self,
-        stream: &str,
-        records: &[PutRecord],
-    ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.0.put_records(stream, records).await
-    }
 }
 
 struct CopyingBackend(Memory);
 
 impl Backend for CopyingBackend {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(Copying(self.0.kinesis()))
+        Arc::new(Forward(Copying(self.0.kinesis())))
     }
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         self.0.lease_store(table)

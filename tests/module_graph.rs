@@ -1,7 +1,8 @@
 //! The core crate's modules import each other without cycles: between two sibling
 //! modules (two files, or two folders under one parent), imports go one way only. A
 //! re-export is followed to the file that defines the item, so `use crate::Message`
-//! depends on `message.rs`, not on `lib.rs`; code under `#[cfg(test)]` does not count.
+//! depends on `message.rs`, not on `lib.rs`; code under `#[cfg(test)]` counts too (a
+//! unit test that imports a module above its own closes a cycle like any other import).
 //! `scripts/module_graph.py` prints the same graph, with its edges, for a reader.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -9,7 +10,7 @@ use std::path::Path;
 
 type Module = Vec<String>;
 
-/// Module path -> source text without comments, strings and `#[cfg(test)]` items.
+/// Module path -> source text without comments and strings.
 fn read_crate(src: &Path) -> BTreeMap<Module, String> {
     let mut files = BTreeMap::new();
     let mut dirs = vec![src.to_path_buf()];
@@ -38,7 +39,7 @@ fn read_crate(src: &Path) -> BTreeMap<Module, String> {
                 module.pop();
             }
             let text = std::fs::read_to_string(&path).expect("a source file");
-            files.insert(module, without_tests(&plain_code(&text)));
+            files.insert(module, plain_code(&text));
         }
     }
     files
@@ -106,39 +107,6 @@ fn plain_code(text: &str) -> String {
             i += 1;
         }
     }
-    out
-}
-
-/// The code without the items marked `#[cfg(test)]`.
-fn without_tests(code: &str) -> String {
-    let mut out = String::new();
-    let mut rest = code;
-    while let Some(at) = rest.find("#[cfg(test)]") {
-        out.push_str(&rest[..at]);
-        let item = &rest[at..];
-        let end = item.find(['{', ';']).unwrap_or(item.len());
-        rest = if item[end..].starts_with('{') {
-            let mut depth = 0;
-            let mut close = item.len();
-            for (k, ch) in item[end..].char_indices() {
-                match ch {
-                    '{' => depth += 1,
-                    '}' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            close = end + k + 1;
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            &item[close..]
-        } else {
-            &item[(end + 1).min(item.len())..]
-        };
-    }
-    out.push_str(rest);
     out
 }
 

@@ -12,14 +12,14 @@ use async_trait::async_trait;
 use common::Limited;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use shardflow::kinesis::{
-    KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
-    StreamAdmin,
+    KinesisApi, KinesisError, PutOutcome, PutRecord, StartingPosition, StreamAdmin,
 };
 use shardflow::memory::KinesisFaults;
 use shardflow::producer::{InvalidRecord, MAX_BATCH_BYTES, MAX_RECORD_BYTES};
 use shardflow::{
     Backend, ConfigError, Memory, ProduceError, Producer, ProducerRecord, SequenceNumber, Stored,
 };
+use testkit::hooks::{Forward, ForwardKinesis};
 use tokio::sync::Semaphore;
 use tokio::time::{timeout, Instant};
 use tower::{Service, ServiceExt};
@@ -36,7 +36,8 @@ struct Call {
 }
 
 /// A `KinesisApi` (and `Backend`) that forwards to the memory backend, logs every
-/// PutRecords call, and can hold calls at a gate until the test opens it.
+/// PutRecords call, and can hold calls at a gate until the test opens it. Used as
+/// [`Forward`]`<Recording>`, which derefs to it.
 struct Recording {
     memory: Memory,
     calls: Mutex<Vec<Call>>,
@@ -44,20 +45,20 @@ struct Recording {
 }
 
 impl Recording {
-    fn new(memory: &Memory) -> Arc<Self> {
-        Arc::new(Recording {
+    fn new(memory: &Memory) -> Arc<Forward<Self>> {
+        Arc::new(Forward(Recording {
             memory: memory.clone(),
             calls: Mutex::new(Vec::new()),
             gate: None,
-        })
+        }))
     }
 
-    fn gated(memory: &Memory, gate: Arc<Semaphore>) -> Arc<Self> {
-        Arc::new(Recording {
+    fn gated(memory: &Memory, gate: Arc<Semaphore>) -> Arc<Forward<Self>> {
+        Arc::new(Forward(Recording {
             memory: memory.clone(),
             calls: Mutex::new(Vec::new()),
             gate: Some(gate),
-        })
+        }))
     }
 
     fn calls(&self) -> Vec<Call> {
@@ -66,7 +67,7 @@ impl Recording {
 }
 
 #[derive(Clone)]
-struct RecordingBackend(Arc<Recording>);
+struct RecordingBackend(Arc<Forward<Recording>>);
 
 impl Backend for RecordingBackend {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
@@ -78,26 +79,9 @@ impl Backend for RecordingBackend {
 }
 
 #[async_trait]
-impl KinesisApi for Recording {
-    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.memory.streams().list_shards(stream).await
-    }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn shard_iterator(
-        &self,
-        stream: &str,
-        shard_id: &str,
-        from: &StartingPosition,
-    ) -> Result<String, KinesisError> {
-        self.memory
-            .streams()
-            .shard_iterator(stream, shard_id, from)
-            .await
-    }
-    async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.memory.streams().get_records(iterator, limit).await
+impl ForwardKinesis for Recording {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
     }
     async fn put_records(
         &self,

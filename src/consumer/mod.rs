@@ -46,6 +46,8 @@ mod coordinator;
 mod deadline;
 mod events;
 mod health;
+#[cfg(test)]
+mod lease_tests;
 mod panics;
 mod read_ahead;
 mod shard;

@@ -2,7 +2,9 @@
 //! (or for the producer) wraps the shared `Memory` and injects the faults the memory
 //! backend itself does not: freezing, death, hung calls, ambiguous PutRecords, missing
 //! next iterators on closed shards and stale ListShards answers. It also logs every
-//! take and checkpoint that landed, including those whose caller saw an error.
+//! take and checkpoint that landed, including those whose caller saw an error. Built on
+//! the testkit's bases: a hook gates every call, and the Kinesis and lease-store
+//! wrappers override only the calls whose answers they change or log.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,8 +18,9 @@ use shardflow::kinesis::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, RecordsPage, ShardInfo, StartingPosition,
     StreamIdentity,
 };
-use shardflow::lease::{Checkpoint, CoordinatorState, LeaderItem, Lease, LeaseError, LeaseStore};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
+use testkit::hooks::{Forward, ForwardKinesis, ForwardStore, Hooked, Hooks};
 use tokio::sync::watch;
 
 use super::history::{Feature, Features};
@@ -26,6 +29,14 @@ use super::log::{Commit, Log, Take};
 /// A generous cap on a hung call, so a history still ends when the library has no
 /// deadline of its own (the call then fails as a network error would).
 pub const HUNG_CAP: Duration = Duration::from_secs(90);
+
+/// The error of a call the gate cut (it hung): the call was never made.
+const CUT: &str = "hung call cut by the simulation";
+
+/// Whether the gate cut the call: nothing landed, there is nothing to log.
+fn was_cut<T>(result: &Result<T, LeaseError>) -> bool {
+    matches!(result, Err(LeaseError::Other(detail)) if detail.as_str() == CUT)
+}
 
 /// Freezing and killing one worker incarnation.
 pub struct Control {
@@ -143,9 +154,7 @@ impl SimBackend {
             let _ended = HungRead(self.log.clone(), shard.to_owned());
             tokio::time::sleep(HUNG_CAP).await;
             self.control.gate().await;
-            return Err(KinesisError::Other(
-                "hung call cut by the simulation".into(),
-            ));
+            return Err(KinesisError::Other(CUT.into()));
         }
         Ok(())
     }
@@ -154,9 +163,7 @@ impl SimBackend {
         if self.enter().await {
             Ok(())
         } else {
-            Err(KinesisError::Other(
-                "hung call cut by the simulation".into(),
-            ))
+            Err(KinesisError::Other(CUT.into()))
         }
     }
 
@@ -164,7 +171,7 @@ impl SimBackend {
         if self.enter().await {
             Ok(())
         } else {
-            Err(LeaseError::Other("hung call cut by the simulation".into()))
+            Err(LeaseError::Other(CUT.into()))
         }
     }
 
@@ -190,34 +197,67 @@ impl SimBackend {
     }
 }
 
-impl Backend for SimBackend {
-    fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        Arc::new(self.clone())
-    }
-    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(SimStore {
-            backend: self.clone(),
-            inner: self.memory.lease_store(table),
-        })
+impl SimBackend {
+    /// The memory backend with this incarnation's gate before every call.
+    fn hooked(&self) -> Hooked<Memory, SimBackend> {
+        Hooked::new(self.memory.clone(), self.clone())
     }
 }
 
+impl Backend for SimBackend {
+    fn kinesis(&self) -> Arc<dyn KinesisApi> {
+        Arc::new(Forward(SimKinesis {
+            backend: self.clone(),
+            gated: self.hooked().kinesis(),
+        }))
+    }
+    fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
+        Arc::new(Forward(SimStore {
+            backend: self.clone(),
+            gated: self.hooked().lease_store(table),
+        }))
+    }
+}
+
+/// Every call (lease store, coordinator state, Kinesis) waits for the gate first: it
+/// freezes and dies with the worker, and may hang.
 #[async_trait]
-impl KinesisApi for SimBackend {
+impl Hooks for SimBackend {
+    async fn before_lease(&self, _: &'static str, _: Option<&str>) -> Result<(), LeaseError> {
+        self.enter_store().await
+    }
+    async fn before_kinesis(&self, _: &'static str) -> Result<(), KinesisError> {
+        self.enter_kinesis().await
+    }
+}
+
+/// The Kinesis API as a simulated worker (or the producer) sees it: stale listings,
+/// pages without a next iterator and writes that land although the caller sees an
+/// error; the other calls only pass the gate.
+struct SimKinesis {
+    backend: SimBackend,
+    gated: Arc<dyn KinesisApi>,
+}
+
+#[async_trait]
+impl ForwardKinesis for SimKinesis {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.gated.as_ref()
+    }
     async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
-        self.enter_kinesis().await?;
-        let fresh = self.memory.streams().list_shards(stream).await?;
-        let previous = self.last_list.lock().unwrap().replace(fresh.clone());
-        if self.chance(Feature::StaleListShards, 0.08) {
-            self.log.stale_lists.fetch_add(1, Ordering::SeqCst);
-            let coin = self.rng.lock().unwrap().gen_bool(0.5);
+        let backend = &self.backend;
+        let fresh = self.gated.list_shards(stream).await?;
+        let previous = backend.last_list.lock().unwrap().replace(fresh.clone());
+        if backend.chance(Feature::StaleListShards, 0.08) {
+            backend.log.stale_lists.fetch_add(1, Ordering::SeqCst);
+            let coin = backend.rng.lock().unwrap().gen_bool(0.5);
             match previous {
                 // An old shard list: the answer of the previous call.
                 Some(old) if coin => return Ok(old),
                 // One shard omitted, once.
                 _ if !fresh.is_empty() => {
                     let mut answer = fresh;
-                    let i = self.rng.lock().unwrap().gen_range(0..answer.len());
+                    let i = backend.rng.lock().unwrap().gen_range(0..answer.len());
                     answer.remove(i);
                     return Ok(answer);
                 }
@@ -226,37 +266,35 @@ impl KinesisApi for SimBackend {
         }
         Ok(fresh)
     }
-    async fn is_updating(&self, stream: &str) -> Result<bool, KinesisError> {
-        self.enter_kinesis().await?;
-        self.memory.streams().is_updating(stream).await
-    }
-    async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
-        self.enter_kinesis().await?;
-        self.memory.streams().stream_identity(stream).await
-    }
+    /// Its own gate, which knows the shard: a hung read logs when it ends.
     async fn shard_iterator(
         &self,
         stream: &str,
         shard_id: &str,
         from: &StartingPosition,
     ) -> Result<String, KinesisError> {
-        self.enter_read(shard_id).await?;
-        self.memory
+        self.backend.enter_read(shard_id).await?;
+        self.backend
+            .memory
             .streams()
             .shard_iterator(stream, shard_id, from)
             .await
     }
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
-        self.enter_kinesis().await?;
-        let mut page = self.memory.streams().get_records(iterator, limit).await?;
+        let backend = &self.backend;
+        let mut page = self.gated.get_records(iterator, limit).await?;
         // Pages without a next iterator (an emulator bug), on open shards and on closed
         // ones before their end. Only with the feature: even on an open shard, a reshard
         // between the page and the reader's ListShards makes today's reader end the
         // shard early (default seed 338 once did).
-        let p = if self.is_closed(iterator) { 0.1 } else { 0.02 };
-        let drop_next = self.chance(Feature::MissingNextIteratorAnywhere, p);
+        let p = if backend.is_closed(iterator) {
+            0.1
+        } else {
+            0.02
+        };
+        let drop_next = backend.chance(Feature::MissingNextIteratorAnywhere, p);
         if page.next_iterator.is_some() && page.child_shards.is_empty() && drop_next {
-            self.log.missing_iterators.fetch_add(1, Ordering::SeqCst);
+            backend.log.missing_iterators.fetch_add(1, Ordering::SeqCst);
             page.next_iterator = None;
         }
         Ok(page)
@@ -266,10 +304,10 @@ impl KinesisApi for SimBackend {
         stream: &str,
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
-        self.enter_kinesis().await?;
-        let outcome = self.memory.streams().put_records(stream, records).await?;
-        if self.chance(Feature::AmbiguousPut, 0.15) {
-            self.log.ambiguous_puts.fetch_add(1, Ordering::SeqCst);
+        let backend = &self.backend;
+        let outcome = self.gated.put_records(stream, records).await?;
+        if backend.chance(Feature::AmbiguousPut, 0.15) {
+            backend.log.ambiguous_puts.fetch_add(1, Ordering::SeqCst);
             return Err(KinesisError::Other(
                 "timed out after the write landed".into(),
             ));
@@ -286,9 +324,12 @@ fn shard_of(key: &str) -> String {
         .to_owned()
 }
 
+/// The lease store (and its coordinator state) as a simulated worker sees it: every
+/// call passes the gate; takes, checkpoints, resets, creations and deletions that landed
+/// are logged, including those whose caller saw an error.
 struct SimStore {
     backend: SimBackend,
-    inner: Arc<dyn LeaseStore>,
+    gated: Arc<dyn LeaseStore>,
 }
 
 impl SimStore {
@@ -332,65 +373,30 @@ impl SimStore {
     }
 }
 
-/// The coordinator-state table as a simulated worker sees it: its calls hang, freeze
-/// and die with the worker, as its lease calls do.
-struct SimState {
-    backend: SimBackend,
-    inner: Arc<dyn CoordinatorState>,
-}
-
 #[async_trait]
-impl CoordinatorState for SimState {
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.ensure_table().await
+impl ForwardStore for SimStore {
+    fn inner(&self) -> &dyn LeaseStore {
+        self.gated.as_ref()
     }
-    async fn get(&self, key: &str) -> Result<Option<LeaderItem>, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.get(key).await
+    // Three calls stay at `LeaseStore`'s defaults, as they always were here: the owner's
+    // keys from a listing, and no stream claim or children written into rows (passing
+    // them on to the memory store would add calls, and so change every history).
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        let rows = self.gated.list().await?;
+        Ok(rows
+            .into_iter()
+            .filter(|row| row.owner.as_deref() == Some(owner))
+            .map(|row| row.key)
+            .collect())
     }
-    async fn claim(
-        &self,
-        key: &str,
-        seen: Option<&LeaderItem>,
-        owner: &str,
-    ) -> Result<LeaderItem, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.claim(key, seen, owner).await
+    async fn claim_for_stream(&self, expected: &Lease, _: &str) -> Result<Lease, LeaseError> {
+        Ok(expected.clone())
     }
-    async fn renew(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.renew(held).await
-    }
-    async fn release(&self, held: &LeaderItem) -> Result<LeaderItem, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.release(held).await
-    }
-}
-
-#[async_trait]
-impl LeaseStore for SimStore {
-    fn coordinator_state(&self) -> Option<Arc<dyn CoordinatorState>> {
-        Some(Arc::new(SimState {
-            backend: self.backend.clone(),
-            inner: self.inner.coordinator_state()?,
-        }))
-    }
-    async fn ensure_table(&self) -> Result<(), LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.ensure_table().await
-    }
-    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.list().await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.get(key).await
+    async fn record_children(&self, expected: &Lease, _: &[String]) -> Result<Lease, LeaseError> {
+        Ok(expected.clone())
     }
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
-        self.backend.enter_store().await?;
-        let created = self.inner.create(lease).await;
+        let created = self.gated.create(lease).await;
         let log = &self.backend.log;
         if matches!(created, Ok(true)) && log.deleted.lock().unwrap().contains(&lease.key) {
             log.note(format!(
@@ -401,8 +407,10 @@ impl LeaseStore for SimStore {
         created
     }
     async fn take(&self, expected: &Lease, owner: &str) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        let result = self.inner.take(expected, owner).await;
+        let result = self.gated.take(expected, owner).await;
+        if was_cut(&result) {
+            return result;
+        }
         self.note_refusal(&result);
         match &result {
             Ok(row) => self.log_take(expected, row, owner),
@@ -418,8 +426,7 @@ impl LeaseStore for SimStore {
         result
     }
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        let result = self.inner.renew(expected).await;
+        let result = self.gated.renew(expected).await;
         self.note_refusal(&result);
         result
     }
@@ -428,8 +435,10 @@ impl LeaseStore for SimStore {
         expected: &Lease,
         checkpoint: &Checkpoint,
     ) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        let result = self.inner.checkpoint(expected, checkpoint).await;
+        let result = self.gated.checkpoint(expected, checkpoint).await;
+        if was_cut(&result) {
+            return result;
+        }
         self.note_refusal(&result);
         match &result {
             Ok(row) => self.log_commit(row, checkpoint, false),
@@ -448,25 +457,11 @@ impl LeaseStore for SimStore {
         }
         result
     }
-    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.release(expected).await
-    }
-    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.request_handoff(expected, worker).await
-    }
-    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.withdraw_handoff(expected, worker).await
-    }
-    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        self.inner.request_reset(expected, to).await
-    }
     async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
-        self.backend.enter_store().await?;
-        let result = self.inner.reset(expected, to).await;
+        let result = self.gated.reset(expected, to).await;
+        if was_cut(&result) {
+            return result;
+        }
         // One that landed although the caller saw an error counts too.
         let landed = result.is_ok()
             || self
@@ -484,8 +479,7 @@ impl LeaseStore for SimStore {
         result
     }
     async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
-        self.backend.enter_store().await?;
-        let deleted = self.inner.delete(expected).await;
+        let deleted = self.gated.delete(expected).await;
         if deleted.is_ok() {
             let log = &self.backend.log;
             log.deleted.lock().unwrap().insert(expected.key.clone());

@@ -31,8 +31,8 @@ use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
-    CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory, Message, Position,
-    SequenceNumber, ShardEvent, ShutdownHandle,
+    Backend, CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory, Message,
+    Position, SequenceNumber, ShardEvent, ShutdownHandle,
 };
 use tokio::task::JoinHandle;
 
@@ -332,7 +332,7 @@ impl Sim {
         let range = self.next_value..self.next_value + n;
         self.next_value += n;
         self.note(format!("produce {n}"));
-        testkit::produce(&self.producer, STREAM, range).await;
+        testkit::produce(self.producer.kinesis().as_ref(), STREAM, range).await;
     }
 
     async fn open_shards(&self) -> Vec<ShardInfo> {
