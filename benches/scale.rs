@@ -20,7 +20,8 @@
 //! balanced again; `BENCH_SCENARIO=scale-out` starts 30 workers, adds 10 once balanced
 //! and prints how long until balanced again and the records handled twice (planned
 //! hand-offs: none expected). Both default to 100 and 500 shards x 40 workers;
-//! `BENCH_KILL=i` kills worker `i` (0: the first by name) instead of the middle one;
+//! `BENCH_KILL=i` kills worker `i` (0: the first by name) instead of the middle one,
+//! `BENCH_KILL=leader` the holder of the group's leader item;
 //! `BENCH_CRASH=first:4|last:4|random:4|stop-first:4` runs the failover scenario once per
 //! crash set instead: the first, last or random (seeded by `BENCH_SEED`) k workers by
 //! name crash together, or (`stop-`) stop gracefully together.
@@ -247,8 +248,12 @@ fn failover() {
             assert!(balanced.is_some(), "{shards}x{workers} did not balance");
             let killed_at = tokio::time::Instant::now();
             let orphans = if set.is_empty() {
-                // BENCH_KILL=0 kills the first by name instead.
-                running.kill(common::env_or("BENCH_KILL", workers / 2).min(workers - 1))
+                // BENCH_KILL=0 kills the first by name instead, BENCH_KILL=leader the leader.
+                let victim = match std::env::var("BENCH_KILL").as_deref() {
+                    Ok("leader") => running.leader().expect("a balanced fleet has a leader"),
+                    _ => common::env_or("BENCH_KILL", workers / 2),
+                };
+                running.kill(victim.min(workers - 1))
             } else {
                 let seed = common::env_or("BENCH_SEED", 11);
                 let (which, stop) = crash_set(set, workers, seed)
