@@ -2,7 +2,7 @@
 //! shard a record will land in, so that aggregation packs only records of one shard
 //! together.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -15,8 +15,6 @@ pub(crate) struct ShardMap {
     ranges: Vec<(u128, u128, Arc<str>)>,
     /// Every listed shard's range, closed ones too, by id.
     known: HashMap<String, (u128, u128)>,
-    /// The open shards' ids.
-    open: HashSet<Arc<str>>,
     /// When ListShards answered.
     pub(crate) fetched: Instant,
 }
@@ -40,11 +38,9 @@ impl ShardMap {
             .iter()
             .map(|s| (s.shard_id.clone(), (s.starting_hash_key, s.ending_hash_key)))
             .collect();
-        let open = ranges.iter().map(|r| r.2.clone()).collect();
         ShardMap {
             ranges,
             known,
-            open,
             fetched,
         }
     }
@@ -69,9 +65,12 @@ impl ShardMap {
         self.known.get(id).copied()
     }
 
-    /// Whether shard `id` is open in the listing.
+    /// Whether shard `id` is open in the listing: the open shard holding the start of
+    /// its range is itself (a closed shard's start lies in a child's or a merged one's).
     pub(crate) fn is_open(&self, id: &str) -> bool {
-        self.open.contains(id)
+        self.range_of(id)
+            .and_then(|(start, _)| self.shard_of(start))
+            .is_some_and(|(_, open)| &**open == id)
     }
 
     /// Whether the listing showed shard `id`.
@@ -127,6 +126,9 @@ mod tests {
         );
         assert_eq!(id(100).as_deref(), Some("b"));
         assert_eq!(id(u128::MAX).as_deref(), Some("b"));
+        assert!(map.is_open("a") && map.is_open("b"));
+        assert!(!map.is_open("parent"), "closed, though listed");
+        assert!(!map.is_open("unlisted"));
     }
 }
 
