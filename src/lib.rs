@@ -87,7 +87,7 @@ pub use consumer::{
 pub use error::{AwsError, ErrorDetail};
 pub use headers::{HeaderFormat, HeaderValue, Headers};
 pub use memory::{KinesisLimits, Memory, MemoryBuilder};
-pub use message::{AckHandle, Batch, Message, Metadata, MetadataBuilder};
+pub use message::{AckEvent, AckHandle, AckLog, Batch, Message, Metadata, MetadataBuilder};
 pub use producer::{ProduceError, Producer, ProducerBuilder, ProducerRecord, Stored};
 pub use sequence::{Position, SequenceNumber};
 

@@ -282,6 +282,20 @@ impl<T> Batch<T> {
         }
     }
 
+    /// Builds a batch whose acknowledgement handle writes down what is done with it, for
+    /// tests of handlers that acknowledge a batch, or part of it, themselves
+    /// ([`AckHandle::ack_through`]). The [`AckLog`] reads it back.
+    pub fn for_test(
+        stream: Arc<str>,
+        shard_id: Arc<str>,
+        messages: Vec<Message<T>>,
+    ) -> (Self, AckLog) {
+        let log = AckLog::default();
+        let mut batch = Batch::new(stream, shard_id, messages);
+        batch.ack = Some(AckHandle::new(Arc::new(log.clone())));
+        (batch, log)
+    }
+
     /// The number of messages.
     pub fn len(&self) -> usize {
         self.messages.len()
@@ -410,6 +424,83 @@ impl AckHandle {
     /// lease meanwhile.
     pub(crate) async fn wait_start(&self) -> bool {
         self.0.wait_start().await
+    }
+}
+
+/// One thing done with the acknowledgement handle of a batch built by
+/// [`Batch::for_test`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AckEvent {
+    /// [`AckHandle::ack`]: the whole batch is handled.
+    Ack,
+    /// [`AckHandle::ack_through`]: the records up to this position are handled.
+    AckThrough(Position),
+    /// [`AckHandle::nack`]: the batch failed.
+    Nack,
+}
+
+/// What was done with the acknowledgement handle of a batch built by
+/// [`Batch::for_test`], in order. Cheap to clone; clones share the log.
+#[derive(Clone, Debug, Default)]
+pub struct AckLog(Arc<std::sync::Mutex<Vec<AckEvent>>>);
+
+impl AckLog {
+    /// Everything done with the handle so far, in order.
+    pub fn events(&self) -> Vec<AckEvent> {
+        self.lock().clone()
+    }
+
+    /// The last position passed to [`AckHandle::ack_through`] so far, if any.
+    pub fn acked_through(&self) -> Option<Position> {
+        self.lock().iter().rev().find_map(|event| match event {
+            AckEvent::AckThrough(position) => Some(position.clone()),
+            _ => None,
+        })
+    }
+
+    fn push(&self, event: AckEvent) {
+        self.lock().push(event);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<AckEvent>> {
+        // A push cannot leave the log half-written: a panic elsewhere leaves it usable.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Acknowledge for AckLog {
+    fn ack(&self) {
+        self.push(AckEvent::Ack);
+    }
+
+    fn ack_through(&self, position: Position) {
+        self.push(AckEvent::AckThrough(position));
+    }
+
+    fn nack(&self) {
+        self.push(AckEvent::Nack);
+    }
+
+    fn nack_because(&self, _error: &str) {
+        self.push(AckEvent::Nack);
+    }
+
+    // The consumer's own bookkeeping: nothing a handler does, nothing to write down.
+    fn abandon(&self) {}
+
+    fn record_handled(&self) {}
+
+    fn should_start(&self) -> bool {
+        true
+    }
+
+    fn is_current(&self) -> bool {
+        true
+    }
+
+    fn wait_start(&self) -> BoxFuture<'_, bool> {
+        Box::pin(std::future::ready(true))
     }
 }
 

@@ -78,7 +78,10 @@
 //! * [`max_record_age`](BisectConfig::max_record_age) (off by default): when a piece
 //!   fails, the records at its head that arrived (`approximate_arrival`) longer ago than
 //!   the limit go to the sink (reason `too_old`) instead of being retried or delivered
-//!   again. Age is measured on tokio's clock from the layer's creation (wall time then,
+//!   again. The rest of the piece never failed without them, so it is called again as it
+//!   is (after an error about the records) and judged by its own result: a record is
+//!   dead-lettered only when it is itself too old, failed alone, or used up its own
+//!   attempts — never for a neighbour's failure. Age is measured on tokio's clock from the layer's creation (wall time then,
 //!   plus tokio's elapsed time), so tests can pause it.
 //!
 //! Both need a sink, which the layer always has: a record is never dropped. A sink that
@@ -566,6 +569,19 @@ where
                 .await?;
             piece.start += old;
             if piece.len() == 0 {
+                return Ok(());
+            }
+            let first = &messages[piece.start];
+            if old > 0 && self.policy.should_dead_letter(&*error, &first.metadata) {
+                // The rest never failed without the old records just dead-lettered, which
+                // may have been the culprits: it is called again as it is, and judged by
+                // its own result (never dead-lettered, or split, for its neighbours').
+                // Its success says nothing about a sibling half either.
+                pieces.push(Piece {
+                    second_half: true,
+                    known_failed: false,
+                    ..piece
+                });
                 return Ok(());
             }
         }

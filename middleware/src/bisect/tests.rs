@@ -327,3 +327,40 @@ async fn a_lost_lease_stops_the_split_before_the_next_piece() {
     );
     assert!(sunk.lock().unwrap().is_empty(), "nothing dead-lettered");
 }
+
+/// Regression: the age cut dropped the old head of a failed piece and then took the one
+/// young record left for one that had failed alone, dead-lettering it for its
+/// neighbours' failure without ever calling the handler on it.
+#[tokio::test(start_paused = true)]
+async fn a_young_record_behind_old_ones_is_called_again_not_dead_lettered() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|s| s == 2, bad);
+    let config = BisectConfig::new().max_record_age(Duration::from_secs(3600));
+    let svc = BisectLayer::with_config(sink, config).unwrap().layer(inner);
+    let now = SystemTime::now();
+    let messages = (0..4)
+        .map(|n| {
+            // Records 0..3 arrived two hours ago (2 is the poison), 3 just now.
+            let age = if n < 3 { 7200 } else { 0 };
+            let mut m = message(n, b"x");
+            m.metadata.approximate_arrival = Some(now - Duration::from_secs(age));
+            m
+        })
+        .collect();
+    let (input, acks) = Batch::for_test(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        messages,
+    );
+    let outcome = svc.oneshot(input).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), [0, 1, 2], "only the old records");
+    assert!(sunk
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|r| r.error.starts_with("too_old: ")));
+    assert_eq!(handled(&calls, |c| c.contains(&2)), [3], "3 was handled");
+    assert_eq!(outcome.dead_lettered, 3);
+    let through = acks.acked_through().expect("acknowledged");
+    assert_eq!(through.sequence.as_str(), "3", "the checkpoint may pass all four");
+}
