@@ -74,7 +74,10 @@
 //!   error is transient, or [`Splits::AtMost`] stops the splitting — fails the call, and
 //!   the consumer delivers it again. The layer counts, per shard, how many deliveries in
 //!   a row failed at the same first record; at the limit the piece's records go to the
-//!   sink instead (reason `attempts_exhausted`) and the shard moves on.
+//!   sink instead (reason `attempts_exhausted`) and the shard moves on. Reads differ in
+//!   size, so the failing pieces of those deliveries may too: only the records that were
+//!   in every one of them go to the sink; the rest failed fewer times and are delivered
+//!   again, counting from there.
 //! * [`max_record_age`](BisectConfig::max_record_age) (off by default): when a piece
 //!   fails, the records at its head that arrived (`approximate_arrival`) longer ago than
 //!   the limit go to the sink (reason `too_old`) instead of being retried or delivered
@@ -291,10 +294,23 @@ impl Clock {
     }
 }
 
-/// Failed deliveries in a row per shard: the first record of the piece that could not
-/// be narrowed down, and how many deliveries failed there.
+/// Failed deliveries in a row per shard, at the first record of the piece that could not
+/// be narrowed down.
 type Stuck = Arc<Mutex<StuckMap>>;
-type StuckMap = HashMap<(Arc<str>, Arc<str>), (Position, u32)>;
+type StuckMap = HashMap<(Arc<str>, Arc<str>), StuckAt>;
+
+/// Where a shard is stuck.
+#[derive(Debug)]
+struct StuckAt {
+    /// The first record of the failing piece.
+    first: Position,
+    /// How many deliveries in a row failed there.
+    attempts: u32,
+    /// The last record that was in the failing piece of every one of those deliveries
+    /// (reads differ in size, so the pieces do): the records up to it used up their
+    /// attempts, the others did not.
+    last: Position,
+}
 
 /// Narrows a failing batch down to its poison records; see the [module docs](self).
 pub struct Bisect<S, K, P = PermanentFailures> {
@@ -604,26 +620,61 @@ where
         // Not narrowed down: delivered again, unless that has failed too often.
         if let Some(max) = self.config.max_attempts {
             let key = (self.stream.clone(), self.shard.clone());
-            let position = first.position();
-            let attempts = {
+            let records = &messages[piece.start..piece.end];
+            let (first, last) = match (records.first(), records.last()) {
+                (Some(first), Some(last)) => (first.position(), last.position()),
+                _ => return Err(error),
+            };
+            let (attempts, common) = {
                 let mut stuck = self.lock_stuck();
-                let entry = stuck.entry(key.clone()).or_insert((position.clone(), 0));
-                if entry.0 != position {
-                    *entry = (position, 0);
+                let entry = stuck.entry(key.clone()).or_insert_with(|| StuckAt {
+                    first: first.clone(),
+                    attempts: 0,
+                    last: last.clone(),
+                });
+                if entry.first != first {
+                    *entry = StuckAt {
+                        first,
+                        attempts: 0,
+                        last: last.clone(),
+                    };
                 }
-                entry.1 += 1;
-                entry.1
+                entry.attempts += 1;
+                entry.last = entry.last.clone().min(last.clone());
+                (entry.attempts, entry.last.clone())
             };
             if attempts >= max {
-                self.lock_stuck().remove(&key);
-                return self
-                    .dead_letter(
-                        &messages[piece.start..piece.end],
-                        Reason::AttemptsExhausted,
-                        &text,
-                        attempts,
-                    )
-                    .await;
+                // Only the records that failed in every one of those deliveries used up
+                // their attempts; the rest of the piece failed fewer times.
+                let used_up = records
+                    .iter()
+                    .take_while(|m| m.position() <= common)
+                    .count();
+                self.dead_letter(
+                    &records[..used_up],
+                    Reason::AttemptsExhausted,
+                    &text,
+                    attempts,
+                )
+                .await?;
+                let mut stuck = self.lock_stuck();
+                match records.get(used_up) {
+                    None => {
+                        stuck.remove(&key);
+                        return Ok(());
+                    }
+                    // The rest failed once, now: delivered again, it counts from there.
+                    Some(next) => {
+                        stuck.insert(
+                            key,
+                            StuckAt {
+                                first: next.position(),
+                                attempts: 1,
+                                last,
+                            },
+                        );
+                    }
+                }
             }
         }
         Err(error)
@@ -811,3 +862,6 @@ impl<S, K: Clone, P: Clone> Layer<S> for BisectLayer<K, P> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod properties;

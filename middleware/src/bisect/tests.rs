@@ -364,3 +364,32 @@ async fn a_young_record_behind_old_ones_is_called_again_not_dead_lettered() {
     let through = acks.acked_through().expect("acknowledged");
     assert_eq!(through.sequence.as_str(), "3", "the checkpoint may pass all four");
 }
+
+/// Regression: the attempts limit counted failed deliveries by their first record only,
+/// so when a longer read came after a short one, records that had failed once were
+/// dead-lettered with the short read's records as `attempts_exhausted`.
+#[tokio::test(start_paused = true)]
+async fn only_records_that_used_up_their_own_attempts_are_dead_lettered() {
+    let (sunk, sink) = sink(false);
+    let (calls, inner) = handler(|_| true, down);
+    let layer = BisectLayer::with_config(sink, BisectConfig::new().max_attempts(2))
+        .unwrap()
+        .policy(not_down);
+    let svc = layer.layer(inner);
+    // A read of two records fails, then a read of eight from the same place.
+    svc.clone().oneshot(batch(0..2)).await.unwrap_err();
+    let (longer, acks) = Batch::for_test(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        (0..8).map(|n| message(n, b"x")).collect(),
+    );
+    let error = svc.clone().oneshot(longer).await.unwrap_err();
+    assert!(error.is::<Down>(), "{error}");
+    assert_eq!(sunk_sequences(&sunk), [0, 1], "the two that failed twice");
+    let through = acks.acked_through().expect("the dead letters acknowledged");
+    assert_eq!(through.sequence.as_str(), "1", "2..8 are delivered again");
+    // Delivered again from 2, those records fail a second time: now they are out.
+    svc.oneshot(batch(2..8)).await.unwrap();
+    assert_eq!(sunk_sequences(&sunk), (0..8).collect::<Vec<_>>());
+    assert_eq!(calls.lock().unwrap().len(), 3);
+}
