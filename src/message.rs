@@ -465,7 +465,9 @@ impl AckLog {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<AckEvent>> {
         // A push cannot leave the log half-written: a panic elsewhere leaves it usable.
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

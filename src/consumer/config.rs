@@ -630,7 +630,7 @@ impl ConsumerBuilder {
     /// [`HeaderFormat::Auto`]: both of Spring Cloud Stream's; [`HeaderFormat::None`] for
     /// raw records).
     ///
-    /// Recognition happens where a record becomes a [`Message`](crate::Message), before
+    /// Recognition happens where a record becomes a [`Message`](crate::message::Message), before
     /// anything else sees it, so `stream()`, `run` and every layer (a decode layer
     /// reading `contentType`, a dedup key, a dead-letter sink) see the same headers and
     /// the bare payload. A record that is not an envelope (its framing does not add up
@@ -687,7 +687,7 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The backend, required: [`Aws`](crate::Aws), or [`Memory`](crate::Memory) for local development
+    /// The backend, required: [`Aws`](crate::backend::Aws), or [`Memory`](crate::memory::Memory) for local development
     /// and tests. `build` refuses a builder without one.
     pub fn backend(mut self, backend: impl Backend) -> Self {
         self.backend = Some(Arc::new(backend));

@@ -1,7 +1,7 @@
 //! Deadlines on every remote call the consumer makes, whatever the backend: the lease
 //! store and the reader's Kinesis calls are wrapped here once, so no caller can wait for
 //! ever on a call that never answers (a hung connection, a stuck service). The SDK's own
-//! timeouts ([`AwsTimeouts`](crate::AwsTimeouts)) bound the AWS backend as well; these
+//! timeouts ([`AwsTimeouts`](crate::backend::AwsTimeouts)) bound the AWS backend as well; these
 //! bounds hold for any backend and are tied to the lease timings.
 
 use std::future::Future;

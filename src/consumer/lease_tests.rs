@@ -222,11 +222,11 @@ mod scoped {
     /// The memory backend with a lease table that counts its Scans.
     #[derive(Clone)]
     struct Counted {
-        memory: crate::Memory,
+        memory: crate::memory::Memory,
         scans: Arc<std::sync::atomic::AtomicUsize>,
     }
 
-    impl crate::Backend for Counted {
+    impl crate::backend::Backend for Counted {
         fn kinesis(&self) -> Arc<dyn crate::kinesis::KinesisApi> {
             self.memory.kinesis()
         }
@@ -245,7 +245,7 @@ mod scoped {
         use crate::kinesis::{KinesisApi, PutRecord, StreamAdmin};
         use std::sync::atomic::AtomicUsize;
         let backend = Counted {
-            memory: crate::Memory::new(),
+            memory: crate::memory::Memory::new(),
             scans: Arc::new(AtomicUsize::new(0)),
         };
         let streams: Vec<String> = (0..4).map(|i| format!("s{i}")).collect();
@@ -278,7 +278,7 @@ mod scoped {
                 ..Default::default()
             });
         let (seen, mut handled) = tokio::sync::mpsc::unbounded_channel::<()>();
-        let running = crate::Consumer::builder()
+        let running = crate::consumer::Consumer::builder()
             .streams(streams)
             .group("scans")
             .worker_id("w1")
@@ -286,7 +286,7 @@ mod scoped {
             .backend(backend.clone())
             .build()
             .unwrap()
-            .run(tower::service_fn(move |_m: crate::Message| {
+            .run(tower::service_fn(move |_m: crate::message::Message| {
                 let _ = seen.send(());
                 async { Ok::<_, std::convert::Infallible>(()) }
             }))

@@ -125,6 +125,8 @@ use pin_project_lite::pin_project;
 use shardflow::{AckHandle, Batch, ConfigError, Message, Position};
 use tower::{Layer, Service, ServiceExt};
 
+/// Why a record was dead-lettered; it lives with the dead-letter vocabulary.
+pub use crate::dead_letter::Reason;
 use crate::dead_letter::{
     DeadLetterError, DeadLetterPolicy, DeadLetterRecord, PermanentFailures, SinkTimedOut,
     DEFAULT_SINK_TIMEOUT,
@@ -156,37 +158,6 @@ impl Splits {
             Splits::Full => true,
             Splits::AtMost(levels) => depth < levels,
         }
-    }
-}
-
-/// Why a record went to the dead-letter sink (the `reason` field of the
-/// `shardflow.dead_lettered` metric, and the head of the record's error text).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Reason {
-    /// The record failed in a call that held it alone.
-    FailedAlone,
-    /// The record arrived longer ago than [`BisectConfig::max_record_age`] when it would
-    /// have been retried.
-    TooOld,
-    /// The record's piece failed [`BisectConfig::max_attempts`] deliveries in a row.
-    AttemptsExhausted,
-}
-
-impl Reason {
-    /// The name used in metrics and error texts.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::FailedAlone => "failed_alone",
-            Reason::TooOld => "too_old",
-            Reason::AttemptsExhausted => "attempts_exhausted",
-        }
-    }
-}
-
-impl fmt::Display for Reason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

@@ -145,8 +145,9 @@ impl World {
     fn finish(&mut self, record: usize, what: &str) {
         self.finished[record] += 1;
         if self.finished[record] > 1 {
-            self.broken
-                .push(format!("record {record} finished twice (the second: {what})"));
+            self.broken.push(format!(
+                "record {record} finished twice (the second: {what})"
+            ));
         }
     }
 }
@@ -158,7 +159,9 @@ fn lock(world: &Shared) -> std::sync::MutexGuard<'_, World> {
 }
 
 fn index(sequence: &str) -> usize {
-    sequence.parse().expect("the tests' sequence numbers are indexes")
+    sequence
+        .parse()
+        .expect("the tests' sequence numbers are indexes")
 }
 
 /// A transient error: the store is down.
@@ -183,7 +186,11 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     let start_wall = SystemTime::now();
     let start = tokio::time::Instant::now();
     let now = move || start_wall + start.elapsed();
-    let ages: Vec<Duration> = scenario.records.iter().map(|(_, age)| STEP * *age).collect();
+    let ages: Vec<Duration> = scenario
+        .records
+        .iter()
+        .map(|(_, age)| STEP * *age)
+        .collect();
 
     let seen = world.clone();
     let transient = scenario.transient.clone();
@@ -242,7 +249,12 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
         let down = sink_down.get(call).copied().unwrap_or(false);
         if !down {
             let r = index(record.metadata.sequence_number.as_str());
-            let reason = record.error.split(':').next().unwrap_or_default().to_owned();
+            let reason = record
+                .error
+                .split(':')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
             w.dead[r].push(reason.clone());
             w.finish(r, &reason);
         }
@@ -264,7 +276,13 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     }
     let layer = BisectLayer::with_config(sink, config)
         .map_err(|e| TestCaseError::fail(e.to_string()))?
-        .policy(not_down as fn(&(dyn std::error::Error + Send + Sync + 'static), &shardflow::Metadata) -> bool);
+        .policy(
+            not_down
+                as fn(
+                    &(dyn std::error::Error + Send + Sync + 'static),
+                    &shardflow::Metadata,
+                ) -> bool,
+        );
     let svc = layer.layer(handler);
 
     let mut next = 0;
@@ -293,16 +311,18 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
             w.delivery = delivery;
             w.acks = Some(acks.clone());
         }
-        let answer = tokio::time::timeout(Duration::from_secs(24 * 3600), svc.clone().oneshot(batch))
-            .await
-            .map_err(|_| TestCaseError::fail(format!("delivery {delivery} did not end")))?;
+        let answer =
+            tokio::time::timeout(Duration::from_secs(24 * 3600), svc.clone().oneshot(batch))
+                .await
+                .map_err(|_| TestCaseError::fail(format!("delivery {delivery} did not end")))?;
         let mut w = lock(&world);
         w.check_acks();
         match answer {
             Ok(_) => {
                 if let Some(open) = (next..end).find(|&i| w.finished[i] == 0) {
-                    w.broken
-                        .push(format!("Ok while record {open} was neither handled nor dead-lettered"));
+                    w.broken.push(format!(
+                        "Ok while record {open} was neither handled nor dead-lettered"
+                    ));
                 }
                 next = end;
             }
@@ -327,14 +347,20 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     let w = lock(&world);
     let at_end = now();
     for r in 0..n {
-        prop_assert_eq!(w.finished[r], 1, "record {} handled or dead-lettered once", r);
+        prop_assert_eq!(
+            w.finished[r],
+            1,
+            "record {} handled or dead-lettered once",
+            r
+        );
         for reason in &w.dead[r] {
             let own = match reason.as_str() {
                 "failed_alone" => {
                     let last = w.calls.iter().rev().find(|c| c.records.contains(&r));
                     w.kinds[r] != Kind::Fine
                         && last.is_some_and(|c| {
-                            c.records == [r] && matches!(c.outcome, Outcome::Poison | Outcome::Panic)
+                            c.records == [r]
+                                && matches!(c.outcome, Outcome::Poison | Outcome::Panic)
                         })
                 }
                 // Ages only grow: too old at the end if it was when dead-lettered, and

@@ -362,7 +362,11 @@ async fn a_young_record_behind_old_ones_is_called_again_not_dead_lettered() {
     assert_eq!(handled(&calls, |c| c.contains(&2)), [3], "3 was handled");
     assert_eq!(outcome.dead_lettered, 3);
     let through = acks.acked_through().expect("acknowledged");
-    assert_eq!(through.sequence.as_str(), "3", "the checkpoint may pass all four");
+    assert_eq!(
+        through.sequence.as_str(),
+        "3",
+        "the checkpoint may pass all four"
+    );
 }
 
 /// Regression: the attempts limit counted failed deliveries by their first record only,

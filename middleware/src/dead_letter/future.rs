@@ -18,7 +18,9 @@ use crate::observe::error_chain;
 use crate::panic::Panicked;
 use crate::BoxError;
 
-use super::{DeadLetterError, DeadLetterOutcome, DeadLetterPolicy, DeadLetterRecord, SinkTimedOut};
+use super::{
+    DeadLetterError, DeadLetterOutcome, DeadLetterPolicy, DeadLetterRecord, Reason, SinkTimedOut,
+};
 
 thread_local! {
     /// Where the retry layer below reports its attempts for the call the dead-letter
@@ -208,7 +210,7 @@ where
                             // layer below counts `retries_exhausted` itself).
                             tracing::debug!(
                                 monotonic_counter.shardflow.dead_lettered = 1u64,
-                                reason = crate::bisect::Reason::FailedAlone.as_str(),
+                                reason = Reason::FailedAlone.as_str(),
                                 "dead-lettered",
                             );
                             Ok(DeadLetterOutcome::DeadLettered)

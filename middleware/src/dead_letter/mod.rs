@@ -55,6 +55,7 @@ pub mod envelope;
 mod future;
 mod layer;
 mod policy;
+mod reason;
 mod sink;
 
 use std::error::Error;
@@ -75,6 +76,7 @@ pub(crate) use future::report_attempts;
 pub use future::ResponseFuture;
 pub use layer::DeadLetterLayer;
 pub use policy::{DeadLetterPolicy, PermanentFailures};
+pub use reason::Reason;
 pub use sink::{ProducerSink, ProducerSinkFuture};
 
 /// How long a sink call may take by default (see the [module docs](self)).

@@ -7,9 +7,9 @@ use shardflow::Memory;
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 
 use super::*;
+use crate::builder::ServiceBuilderExt;
 use crate::dead_letter::{DeadLetterPolicy, DeadLetterRecord, PermanentFailures};
 use crate::test_support::{message, metadata};
-use crate::ServiceBuilderExt;
 
 async fn memory_producer() -> (Memory, Producer) {
     let memory = Memory::new();

@@ -125,7 +125,7 @@ impl ShardReader {
     ) -> Message {
         let (headers, payload) = match self.config.header_format.read(&payload) {
             Some(envelope) => envelope,
-            None => (crate::Headers::new(), payload),
+            None => (crate::headers::Headers::new(), payload),
         };
         Message {
             metadata: Metadata {
