@@ -705,3 +705,6 @@ impl<S, T> Layer<S> for BatchLayer<T> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod properties;

@@ -2,6 +2,7 @@
 
 use std::error::Error;
 use std::fmt::Write;
+use std::sync::Arc;
 
 use shardflow::Metadata;
 
@@ -34,7 +35,12 @@ pub(crate) fn chain_any<E: Error + 'static>(
     test: impl Fn(&E) -> bool,
 ) -> bool {
     let mut current = Some(error);
-    while let Some(e) = current {
+    while let Some(mut e) = current {
+        // A shared error (a batch's bulk error, shared by its messages) is in the chain
+        // as an `Arc`, whose own `source` skips the error it holds: look inside.
+        while let Some(shared) = e.downcast_ref::<Arc<dyn Error + Send + Sync>>() {
+            e = &**shared;
+        }
         if e.downcast_ref::<E>().is_some_and(&test) {
             return true;
         }

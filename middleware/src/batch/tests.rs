@@ -420,6 +420,51 @@ async fn record_mode_does_not_split_on_a_transient_error() {
     assert_eq!(sequences(&calls).len(), 1, "not split");
 }
 
+/// Regression: a bulk handler's transient error reached the messages inside the batch's
+/// shared error (`Arc<dyn Error>`), whose `source` skips the error it holds, so the
+/// dead-letter policy did not see it was transient and dead-lettered every message of
+/// the batch instead of letting the consumer deliver them again.
+#[tokio::test(start_paused = true)]
+async fn record_mode_transient_errors_are_not_dead_lettered() {
+    use crate::dead_letter::{DeadLetterLayer, DeadLetterRecord};
+
+    let sunk: Arc<Mutex<Vec<String>>> = Arc::default();
+    let into = sunk.clone();
+    let sink = service_fn(move |record: DeadLetterRecord| {
+        into.lock()
+            .unwrap()
+            .push(record.metadata.sequence_number.to_string());
+        async { Ok::<_, BoxError>(()) }
+    });
+    let (_, handler) = bulk(|_| true);
+    // The bulk handler's own client is a batching layer whose worker stopped.
+    let batching = Batching::new(
+        tower::ServiceBuilder::new()
+            .map_err(|_: BoxError| -> BoxError { Box::new(BatchError::Closed) })
+            .service(handler),
+        BatchConfig::new().max_count(4),
+    );
+    let svc = DeadLetterLayer::new(sink).layer(batching);
+    let outcomes: Vec<_> = (1..=4)
+        .map(|n| tokio::spawn(svc.clone().oneshot(message(n, b"x"))))
+        .collect();
+    for outcome in outcomes {
+        let error = outcome.await.unwrap().unwrap_err();
+        assert!(
+            matches!(
+                error.downcast_ref::<BatchError>(),
+                Some(BatchError::Failed { .. })
+            ),
+            "{error}"
+        );
+    }
+    assert!(
+        sunk.lock().unwrap().is_empty(),
+        "delivered again, not dead-lettered: {:?}",
+        sunk.lock().unwrap()
+    );
+}
+
 /// Regression: in record mode a failed piece was narrowed down only when its first
 /// message's lease was held, so a piece that began with a record of a shard whose
 /// lease was lost failed whole, and its records of other shards were dead-lettered
