@@ -414,12 +414,13 @@ fn modules_import_items_from_their_modules_not_from_the_crate_root() {
     assert!(found.is_empty(), "{found:?}");
 }
 
-/// Sibling modules of the middleware crate that still import each other directly
-/// (through the default dead-letter policy, which names other layers' transient errors,
-/// and through unit tests that stack layers); none may be added.
-const MIDDLEWARE_MUTUAL: [(&str, &str); 4] = [
+/// Sibling modules of the middleware crate that still import each other directly: the
+/// default dead-letter policy names the transient errors of the layers that use it
+/// (batch, produce), and the retry layer reports its attempts to the dead-letter layer
+/// whose tests stack the two. No pair may be added; bisect, the builder and the split
+/// setting are in no cycle at all.
+const MIDDLEWARE_MUTUAL: [(&str, &str); 3] = [
     ("batch", "dead_letter"),
-    ("builder", "produce"),
     ("dead_letter", "produce"),
     ("dead_letter", "retry"),
 ];
@@ -436,6 +437,19 @@ fn middleware_modules_import_each_other_one_way_only() {
             .is_some_and(|to| to.contains(&module("dead_letter"))),
         "bisect's import of the dead-letter policy is seen: {edges:?}"
     );
+    let in_cycles: Vec<Vec<String>> = cycles(&edges)
+        .iter()
+        .map(|group| group.iter().map(name).collect())
+        .collect();
+    for layer in ["bisect", "builder", "splits"] {
+        assert!(
+            !in_cycles
+                .iter()
+                .flatten()
+                .any(|m| *m == name(&module(layer))),
+            "{layer} is in a cycle: {in_cycles:?}"
+        );
+    }
     let mut mutual = Vec::new();
     for (from, targets) in &edges {
         for to in targets {

@@ -69,9 +69,9 @@ use tokio_util::sync::PollSender;
 use tower::{Layer, Service, ServiceExt};
 use tracing::Instrument;
 
-use crate::bisect::Splits;
 use crate::dead_letter::{DeadLetterPolicy, PermanentFailures};
 use crate::panic::Panicked;
+use crate::splits::Splits;
 use crate::BoxError;
 
 /// The size of a payload, for [`BatchConfig::max_bytes`].

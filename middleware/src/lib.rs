@@ -120,6 +120,7 @@ pub mod retry;
 
 mod builder;
 mod observe;
+mod splits;
 
 pub use batch::{BatchConfig, BatchLayer, Batching};
 pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Splits};

@@ -7,8 +7,7 @@ use shardflow::Memory;
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 
 use super::*;
-use crate::builder::ServiceBuilderExt;
-use crate::dead_letter::{DeadLetterPolicy, DeadLetterRecord, PermanentFailures};
+use crate::dead_letter::{DeadLetterLayer, DeadLetterPolicy, DeadLetterRecord, PermanentFailures};
 use crate::test_support::{message, metadata};
 
 async fn memory_producer() -> (Memory, Producer) {
@@ -155,8 +154,8 @@ async fn a_refused_output_goes_to_the_dead_letter_layer_above() {
         })
     };
     let svc = ServiceBuilder::new()
-        .dead_letter(sink)
-        .produce_to(producer)
+        .layer(DeadLetterLayer::new(sink))
+        .layer(ProduceToLayer::new(producer))
         .service_fn(|_m: Message<Bytes>| async {
             Ok::<_, Infallible>(Output::new("x").partition_key(""))
         });
