@@ -15,6 +15,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use shardflow::{AckEvent, AckLog};
 use tower::service_fn;
+use tower::util::BoxCloneService;
 
 use super::*;
 use crate::test_support::message;
@@ -43,6 +44,9 @@ struct Scenario {
     splits: Splits,
     max_attempts: Option<u32>,
     max_age: bool,
+    /// The handler is a bulk handler behind batch-mode [`Batching`](crate::Batching)
+    /// with chunks of at most this many records (each chunk one bulk call).
+    chunks: Option<usize>,
 }
 
 /// Time between two deliveries, and the unit of the records' ages.
@@ -70,9 +74,10 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         ],
         prop::option::of(1u32..=4),
         any::<bool>(),
+        prop::option::weighted(0.3, 1usize..=6),
     )
         .prop_map(
-            |(records, sizes, transient, sink_down, splits, max_attempts, max_age)| {
+            |(records, sizes, transient, sink_down, splits, max_attempts, max_age, chunks)| {
                 // Without splitting down to single records only the attempts limit moves
                 // a shard past a poison record: without it the shard retries for ever.
                 let max_attempts = match splits {
@@ -87,6 +92,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     splits,
                     max_attempts,
                     max_age,
+                    chunks,
                 }
             },
         )
@@ -173,6 +179,115 @@ fn not_down(e: &(dyn std::error::Error + Send + Sync + 'static), _: &shardflow::
     !e.is::<Down>()
 }
 
+/// The inner service of the layer under test.
+type Inner = BoxCloneService<Batch<Bytes>, (), BoxError>;
+
+/// How a call holding records of these kinds ends: the `call`-th call may be down.
+fn verdict(transient: &[bool], call: usize, kinds: &[Kind]) -> Outcome {
+    if transient.get(call).copied().unwrap_or(false) {
+        Outcome::Transient
+    } else if kinds.contains(&Kind::Panics) {
+        Outcome::Panic
+    } else if kinds.contains(&Kind::Poison) {
+        Outcome::Poison
+    } else {
+        Outcome::Ok
+    }
+}
+
+/// Calls with `outcome`; panics (in `call` itself or in its future, alternately by
+/// `call`) when the outcome is a panic.
+fn answer(outcome: Outcome, call: usize) -> impl Future<Output = Result<(), BoxError>> {
+    if outcome == Outcome::Panic && call % 2 == 0 {
+        panic!("poison record (in call)");
+    }
+    async move {
+        match outcome {
+            Outcome::Ok => Ok(()),
+            Outcome::Transient => Err(Box::new(Down) as BoxError),
+            Outcome::Poison => Err("constraint violated".into()),
+            Outcome::Panic => panic!("poison record (in the future)"),
+        }
+    }
+}
+
+fn indexes(messages: &[Message<Bytes>]) -> Vec<usize> {
+    messages
+        .iter()
+        .map(|m| index(m.metadata.sequence_number.as_str()))
+        .collect()
+}
+
+/// A handler of whole pieces.
+fn whole(world: Shared, transient: Vec<bool>) -> Inner {
+    BoxCloneService::new(service_fn(move |batch: Batch<Bytes>| {
+        let mut w = lock(&world);
+        w.check_acks();
+        let records = indexes(&batch.messages);
+        let kinds: Vec<Kind> = records.iter().map(|&r| w.kinds[r]).collect();
+        let call = w.calls.len();
+        let outcome = verdict(&transient, call, &kinds);
+        if outcome == Outcome::Ok {
+            for &r in &records {
+                w.finish(r, "handled");
+            }
+        }
+        let delivery = w.delivery;
+        w.calls.push(Call {
+            delivery,
+            records,
+            outcome,
+        });
+        drop(w);
+        answer(outcome, call)
+    }))
+}
+
+/// A bulk handler behind batch-mode [`Batching`](crate::Batching), chunks of at most
+/// `max` records: a piece is handled when all its chunks were.
+fn chunked(world: Shared, transient: Vec<bool>, max: usize) -> Inner {
+    let kinds = Arc::new(lock(&world).kinds.clone());
+    let bulk_calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let bulk = service_fn(move |messages: Vec<Message<Bytes>>| {
+        let call = bulk_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let chunk: Vec<Kind> = indexes(&messages).iter().map(|&r| kinds[r]).collect();
+        answer(verdict(&transient, call, &chunk), call)
+    });
+    let batching = crate::Batching::new(bulk, crate::BatchConfig::new().max_count(max));
+    BoxCloneService::new(service_fn(move |batch: Batch<Bytes>| {
+        let mut w = lock(&world);
+        w.check_acks();
+        let records = indexes(&batch.messages);
+        let at = w.calls.len();
+        let delivery = w.delivery;
+        w.calls.push(Call {
+            delivery,
+            records: records.clone(),
+            outcome: Outcome::Ok,
+        });
+        drop(w);
+        let batching = batching.clone();
+        let world = world.clone();
+        async move {
+            let result = ServiceExt::<Batch<Bytes>>::oneshot(batching, batch).await;
+            let outcome = match &result {
+                Ok(()) => Outcome::Ok,
+                Err(e) if e.is::<Down>() => Outcome::Transient,
+                Err(e) if e.is::<Panicked>() => Outcome::Panic,
+                Err(_) => Outcome::Poison,
+            };
+            let mut w = lock(&world);
+            w.calls[at].outcome = outcome;
+            if outcome == Outcome::Ok {
+                for r in records {
+                    w.finish(r, "handled");
+                }
+            }
+            result
+        }
+    }))
+}
+
 /// Runs one scenario the way a consumer would: deliver from the checkpoint, call, move the
 /// checkpoint to what was acknowledged (all of the batch on `Ok`), wait, deliver again.
 async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
@@ -192,52 +307,10 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
         .map(|(_, age)| STEP * *age)
         .collect();
 
-    let seen = world.clone();
-    let transient = scenario.transient.clone();
-    let handler = service_fn(move |batch: Batch<Bytes>| {
-        let mut w = lock(&seen);
-        w.check_acks();
-        let records: Vec<usize> = batch
-            .messages
-            .iter()
-            .map(|m| index(m.metadata.sequence_number.as_str()))
-            .collect();
-        let kinds: Vec<Kind> = records.iter().map(|&r| w.kinds[r]).collect();
-        let outcome = if transient.get(w.calls.len()).copied().unwrap_or(false) {
-            Outcome::Transient
-        } else if kinds.contains(&Kind::Panics) {
-            Outcome::Panic
-        } else if kinds.contains(&Kind::Poison) {
-            Outcome::Poison
-        } else {
-            Outcome::Ok
-        };
-        if outcome == Outcome::Ok {
-            for &r in &records {
-                w.finish(r, "handled");
-            }
-        }
-        let delivery = w.delivery;
-        let in_call = w.calls.len() % 2 == 0;
-        w.calls.push(Call {
-            delivery,
-            records,
-            outcome,
-        });
-        drop(w);
-        // A panic in `call` itself or in its future, alternately.
-        if outcome == Outcome::Panic && in_call {
-            panic!("poison record (in call)");
-        }
-        async move {
-            match outcome {
-                Outcome::Ok => Ok(()),
-                Outcome::Transient => Err(Box::new(Down) as BoxError),
-                Outcome::Poison => Err("constraint violated".into()),
-                Outcome::Panic => panic!("poison record (in the future)"),
-            }
-        }
-    });
+    let handler = match scenario.chunks {
+        None => whole(world.clone(), scenario.transient.clone()),
+        Some(max) => chunked(world.clone(), scenario.transient.clone(), max),
+    };
 
     let sunk = world.clone();
     let sink_down = scenario.sink_down.clone();
