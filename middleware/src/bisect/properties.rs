@@ -388,38 +388,39 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
             tokio::time::timeout(Duration::from_secs(24 * 3600), svc.clone().oneshot(batch))
                 .await
                 .map_err(|_| TestCaseError::fail(format!("delivery {delivery} did not end")))?;
-        let mut w = lock(&world);
-        w.check_acks();
-        match answer {
-            Ok(_) => {
-                if let Some(open) = (next..end).find(|&i| w.finished[i] == 0) {
-                    w.broken.push(format!(
-                        "Ok while record {open} was neither handled nor dead-lettered"
-                    ));
+        {
+            let mut w = lock(&world);
+            w.check_acks();
+            match answer {
+                Ok(_) => {
+                    if let Some(open) = (next..end).find(|&i| w.finished[i] == 0) {
+                        w.broken.push(format!(
+                            "Ok while record {open} was neither handled nor dead-lettered"
+                        ));
+                    }
+                    next = end;
                 }
-                next = end;
-            }
-            Err(_) => {
-                let from = acks
-                    .acked_through()
-                    .map_or(next, |p| index(p.sequence.as_str()) + 1);
-                if let Some(done) = (from..end).find(|&i| w.finished[i] > 0) {
-                    w.broken.push(format!(
-                        "record {done} was finished but the checkpoint stops before it"
-                    ));
+                Err(_) => {
+                    let from = acks
+                        .acked_through()
+                        .map_or(next, |p| index(p.sequence.as_str()) + 1);
+                    if let Some(done) = (from..end).find(|&i| w.finished[i] > 0) {
+                        w.broken.push(format!(
+                            "record {done} was finished but the checkpoint stops before it"
+                        ));
+                    }
+                    next = from;
                 }
-                next = from;
             }
+            prop_assert!(w.broken.is_empty(), "{:?}", w.broken);
         }
-        prop_assert!(w.broken.is_empty(), "{:?}", w.broken);
-        drop(w);
         delivery += 1;
         tokio::time::advance(STEP).await;
     }
 
     let w = lock(&world);
     let at_end = now();
-    for r in 0..n {
+    for (r, age) in ages.iter().enumerate() {
         prop_assert_eq!(
             w.finished[r],
             1,
@@ -441,7 +442,7 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
                 "too_old" => {
                     scenario.max_age
                         && at_end
-                            .duration_since(start_wall - ages[r])
+                            .duration_since(start_wall - *age)
                             .is_ok_and(|age| age > MAX_AGE)
                 }
                 "attempts_exhausted" => {
