@@ -84,8 +84,9 @@
 //!   again. The rest of the piece never failed without them, so it is called again as it
 //!   is (after an error about the records) and judged by its own result: a record is
 //!   dead-lettered only when it is itself too old, failed alone, or used up its own
-//!   attempts — never for a neighbour's failure. Age is measured on tokio's clock from the layer's creation (wall time then,
-//!   plus tokio's elapsed time), so tests can pause it.
+//!   attempts — never for a neighbour's failure. Age is measured on tokio's clock from
+//!   the layer's creation (wall time then, plus tokio's elapsed time), so tests can
+//!   pause it.
 //!
 //! Both need a sink, which the layer always has: a record is never dropped. A sink that
 //! fails or does not answer within [`sink_timeout`](BisectConfig::sink_timeout) fails the
@@ -125,17 +126,18 @@ use pin_project_lite::pin_project;
 use shardflow::{AckHandle, Batch, ConfigError, Message, Position};
 use tower::{Layer, Service, ServiceExt};
 
-/// Why a record was dead-lettered; it lives with the dead-letter vocabulary.
-pub use crate::dead_letter::Reason;
 use crate::dead_letter::{
     DeadLetterError, DeadLetterPolicy, DeadLetterRecord, PermanentFailures, SinkTimedOut,
     DEFAULT_SINK_TIMEOUT,
 };
 use crate::observe::error_chain;
 use crate::panic::Panicked;
+use crate::BoxError;
+
+/// Why a record was dead-lettered; it lives with the dead-letter vocabulary.
+pub use crate::dead_letter::Reason;
 /// How far a failing batch may be split; shared with record-mode [`batch`](crate::batch).
 pub use crate::splits::Splits;
-use crate::BoxError;
 
 /// The settings of [`Bisect`]; checked by [`BisectLayer::with_config`].
 #[derive(Clone, Debug)]
