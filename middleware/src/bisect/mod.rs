@@ -72,12 +72,12 @@
 //! * [`max_attempts`](BisectConfig::max_attempts) (off by default: retry for ever, as
 //!   Lambda's `MaximumRetryAttempts = -1`): a piece that cannot be narrowed down — its
 //!   error is transient, or [`Splits::AtMost`] stops the splitting — fails the call, and
-//!   the consumer delivers it again. The layer counts, per shard, how many deliveries in
-//!   a row failed at the same first record; at the limit the piece's records go to the
-//!   sink instead (reason `attempts_exhausted`) and the shard moves on. Reads differ in
-//!   size, so the failing pieces of those deliveries may too: only the records that were
-//!   in every one of them go to the sink; the rest failed fewer times and are delivered
-//!   again, counting from there.
+//!   the consumer delivers it again. The layer counts, per shard and record, in how many
+//!   deliveries such a failing piece held the record; at the limit the record goes to
+//!   the sink instead (reason `attempts_exhausted`) and the shard moves on. Reads differ
+//!   in size, so the failing pieces of those deliveries may too: only the records that
+//!   reached the limit go to the sink; the rest failed fewer times and are delivered
+//!   again with their count kept, also past the end of a shorter read.
 //! * [`max_record_age`](BisectConfig::max_record_age) (off by default): when a piece
 //!   fails, the records at its head that arrived (`approximate_arrival`) longer ago than
 //!   the limit go to the sink (reason `too_old`) instead of being retried or delivered
@@ -172,8 +172,8 @@ impl BisectConfig {
         self
     }
 
-    /// How many deliveries in a row may fail on a piece that cannot be narrowed down
-    /// before its records are dead-lettered (`attempts_exhausted`); at least 1. Unset:
+    /// In how many deliveries a record may be in a failing piece that cannot be narrowed
+    /// down before it is dead-lettered (`attempts_exhausted`); at least 1. Unset:
     /// delivered again for ever.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = Some(attempts);
@@ -243,23 +243,11 @@ impl Clock {
     }
 }
 
-/// Failed deliveries in a row per shard, at the first record of the piece that could not
-/// be narrowed down.
+/// Per shard, the pieces that could not be narrowed down and failed (one per delivery,
+/// first and last record) while they still hold records that are not finished: a
+/// record's attempts are the failed pieces that held it.
 type Stuck = Arc<Mutex<StuckMap>>;
-type StuckMap = HashMap<(Arc<str>, Arc<str>), StuckAt>;
-
-/// Where a shard is stuck.
-#[derive(Debug)]
-struct StuckAt {
-    /// The first record of the failing piece.
-    first: Position,
-    /// How many deliveries in a row failed there.
-    attempts: u32,
-    /// The last record that was in the failing piece of every one of those deliveries
-    /// (reads differ in size, so the pieces do): the records up to it used up their
-    /// attempts, the others did not.
-    last: Position,
-}
+type StuckMap = HashMap<(Arc<str>, Arc<str>), Vec<(Position, Position)>>;
 
 /// Narrows a failing batch down to its poison records; see the [module docs](self).
 pub struct Bisect<S, K, P = PermanentFailures> {
@@ -476,8 +464,18 @@ where
                 Err(error) => self.failed(piece, error, &messages, &mut pieces).await?,
             }
         }
-        self.lock_stuck()
-            .remove(&(self.stream.clone(), self.shard.clone()));
+        // Every record of the read is finished: only the failed pieces that reach past
+        // it still count, for the records after it.
+        if let Some(last) = messages.last().map(Message::position) {
+            let key = (self.stream.clone(), self.shard.clone());
+            let mut stuck = self.lock_stuck();
+            if let Some(failed) = stuck.get_mut(&key) {
+                failed.retain(|(_, end)| *end > last);
+                if failed.is_empty() {
+                    stuck.remove(&key);
+                }
+            }
+        }
         Ok(self.outcome)
     }
 
@@ -574,31 +572,29 @@ where
                 (Some(first), Some(last)) => (first.position(), last.position()),
                 _ => return Err(error),
             };
-            let (attempts, common) = {
+            let (attempts, used_up) = {
                 let mut stuck = self.lock_stuck();
-                let entry = stuck.entry(key.clone()).or_insert_with(|| StuckAt {
-                    first: first.clone(),
-                    attempts: 0,
-                    last: last.clone(),
-                });
-                if entry.first != first {
-                    *entry = StuckAt {
-                        first,
-                        attempts: 0,
-                        last: last.clone(),
-                    };
-                }
-                entry.attempts += 1;
-                entry.last = entry.last.clone().min(last.clone());
-                (entry.attempts, entry.last.clone())
-            };
-            if attempts >= max {
-                // Only the records that failed in every one of those deliveries used up
-                // their attempts; the rest of the piece failed fewer times.
+                let failed = stuck.entry(key).or_default();
+                // A failed piece that ended before this one held none of its records.
+                failed.retain(|(_, end)| *end >= first);
+                failed.push((first.clone(), last));
+                let attempts = |at: &Position| {
+                    failed
+                        .iter()
+                        .filter(|(start, end)| start <= at && at <= end)
+                        .count()
+                };
+                // Reads differ in size, so the failed pieces do: only the records that
+                // were in `max` of them used up their attempts; the rest failed fewer
+                // times and are delivered again, their count kept.
                 let used_up = records
                     .iter()
-                    .take_while(|m| m.position() <= common)
+                    .take_while(|m| attempts(&m.position()) >= max as usize)
                     .count();
+                (attempts(&first), used_up)
+            };
+            if used_up > 0 {
+                let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
                 self.dead_letter(
                     &records[..used_up],
                     Reason::AttemptsExhausted,
@@ -606,23 +602,8 @@ where
                     attempts,
                 )
                 .await?;
-                let mut stuck = self.lock_stuck();
-                match records.get(used_up) {
-                    None => {
-                        stuck.remove(&key);
-                        return Ok(());
-                    }
-                    // The rest failed once, now: delivered again, it counts from there.
-                    Some(next) => {
-                        stuck.insert(
-                            key,
-                            StuckAt {
-                                first: next.position(),
-                                attempts: 1,
-                                last,
-                            },
-                        );
-                    }
+                if used_up == records.len() {
+                    return Ok(());
                 }
             }
         }

@@ -16,7 +16,7 @@ pub enum Reason {
     TooOld,
     /// The record failed in
     /// [`BisectConfig::max_attempts`](crate::bisect::BisectConfig::max_attempts)
-    /// deliveries in a row.
+    /// deliveries (in pieces that could not be narrowed down).
     AttemptsExhausted,
 }
 
