@@ -358,8 +358,9 @@ where
 }
 
 /// The shard's lease was lost while a failed batch was being split: the pieces not yet
-/// handled are left to the shard's new owner, which reads them again from the checkpoint
-/// (calling the handler on them here would handle them twice).
+/// handled, and the records not yet dead-lettered, are left to the shard's new owner,
+/// which reads them again from the checkpoint (calling the handler or the sink on them
+/// here would handle or dead-letter them twice).
 #[derive(Clone, Copy, Debug, thiserror::Error)]
 #[error("the shard's lease was lost while its batch was being split; the new owner reads the rest")]
 #[non_exhaustive]
@@ -620,6 +621,11 @@ where
         attempts: u32,
     ) -> Result<(), BoxError> {
         for message in records {
+            if message.metadata.lease_lost.is_cancelled() {
+                // The new owner reads this record again from the checkpoint: sent here
+                // too, it would be dead-lettered twice.
+                return Err(Box::new(LeaseLostWhileSplitting));
+            }
             let text = format!("{reason}: {error}");
             let record = DeadLetterRecord {
                 metadata: message.metadata.clone(),

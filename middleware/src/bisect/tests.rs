@@ -517,3 +517,37 @@ async fn no_record_fails_in_more_deliveries_than_the_attempts_limit() {
         );
     }
 }
+
+/// Regression: the layer checked the lease before dead-lettering a run of records (too
+/// old, out of attempts) but not between them, so when the lease was lost while the
+/// sink took the first of them, the others went to the sink too, and the new owner,
+/// reading from the checkpoint, dead-letters them again.
+#[tokio::test(start_paused = true)]
+async fn a_lease_lost_while_dead_lettering_stops_before_the_next_record() {
+    let lease_lost = tokio_util::sync::CancellationToken::new();
+    let sunk: Sunk = Arc::default();
+    let into = sunk.clone();
+    let lose = lease_lost.clone();
+    let sink = service_fn(move |record: DeadLetterRecord| {
+        into.lock().unwrap().push(record);
+        // The lease is lost while the sink stores the first record.
+        lose.cancel();
+        async { Ok::<(), BoxError>(()) }
+    });
+    let (_, inner) = handler(|_| true, bad);
+    let config = BisectConfig::new().max_record_age(Duration::from_secs(3600));
+    let svc = BisectLayer::with_config(sink, config).unwrap().layer(inner);
+    let now = SystemTime::now();
+    let mut input = batch(0..4);
+    for m in &mut input.messages {
+        m.metadata.approximate_arrival = Some(now - Duration::from_secs(7200));
+        m.metadata.lease_lost = lease_lost.clone();
+    }
+    let error = svc.oneshot(input).await.unwrap_err();
+    assert!(error.is::<LeaseLostWhileSplitting>(), "{error}");
+    assert_eq!(
+        sunk_sequences(&sunk),
+        [0],
+        "nothing sent to the sink once the lease was lost"
+    );
+}
