@@ -243,6 +243,9 @@ pub async fn replay(cx: &Context, args: ReplayArgs, ctrl_c: &mut Interrupt) -> C
         biased;
         _ = ctrl_c.as_mut() => {
             reading.finish_and_clear();
+            if cx.json {
+                print_json(&json!({"from": args.from, "to": args.to, "published": 0, "interrupted": true}));
+            }
             eprintln!("shardflow: interrupted while reading the dead letters: nothing was published");
             return Ok(ExitCode::from(EXIT_INTERRUPTED));
         }

@@ -14,6 +14,7 @@ use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Headers, Metadata};
 use shardflow_middleware::dead_letter::{DeadLetterRecord, ProducerSink};
+use shardflow_middleware::DeadLetterEnvelope;
 use testkit::*;
 use tower::ServiceExt;
 
@@ -1375,4 +1376,324 @@ async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
         "{}",
         out.stdout
     );
+}
+
+/// Writes dead letters of `(partition key, payload)` to `dlq` as envelopes, 500 per
+/// PutRecords call, in this order (a quicker way to many dead letters than the sink).
+async fn put_dead_letters(
+    kinesis: &dyn KinesisApi,
+    dlq: &str,
+    origin: &str,
+    letters: &[(String, String)],
+) {
+    let records: Vec<PutRecord> = letters
+        .iter()
+        .enumerate()
+        .flat_map(|(n, (key, payload))| {
+            let record = DeadLetterRecord {
+                metadata: Metadata::builder()
+                    .stream(origin)
+                    .partition_key(key.as_str())
+                    .sequence_number(1000u64 + n as u64)
+                    .build(),
+                payload: Bytes::from(payload.clone()),
+                error: "refused".into(),
+                attempts: Some(1),
+                headers: Headers::new(),
+            };
+            DeadLetterEnvelope::from_record(&record)
+                .to_records()
+                .unwrap()
+                .into_iter()
+                .map(|data| PutRecord {
+                    data,
+                    partition_key: key.clone(),
+                    explicit_hash_key: None,
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for chunk in records.chunks(500) {
+        let outcomes = kinesis.put_records(dlq, chunk).await.unwrap();
+        assert!(
+            outcomes
+                .iter()
+                .all(|o| matches!(o, shardflow::kinesis::PutOutcome::Stored { .. })),
+            "{outcomes:?}"
+        );
+    }
+}
+
+/// `n` dead letters over `keys` partition keys (`order-<n>`), and per key the payloads
+/// in order.
+fn many_letters(
+    n: usize,
+    keys: usize,
+) -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
+    let letters: Vec<(String, String)> = (0..n)
+        .map(|i| (format!("customer-{}", i % keys), format!("order-{i}")))
+        .collect();
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (key, payload) in &letters {
+        expected.entry(key.clone()).or_default().push(payload.clone());
+    }
+    (letters, expected)
+}
+
+/// Checks that what `got` holds per key, first occurrences only, is `expected` (or,
+/// unless `complete`, a prefix of it): nothing lost, nothing out of per-key order.
+/// Returns how many records are repeats.
+fn repeats_in_key_order(
+    got: &BTreeMap<String, Vec<String>>,
+    expected: &BTreeMap<String, Vec<String>>,
+    complete: bool,
+) -> usize {
+    let mut repeats = 0;
+    for (key, payloads) in got {
+        let mut seen = std::collections::BTreeSet::new();
+        let firsts: Vec<String> = payloads
+            .iter()
+            .filter(|p| seen.insert(p.as_str()))
+            .cloned()
+            .collect();
+        repeats += payloads.len() - firsts.len();
+        let want = expected.get(key).cloned().unwrap_or_default();
+        if complete {
+            assert_eq!(firsts, want, "{key}: every dead letter, in order");
+        } else {
+            assert!(want.starts_with(&firsts), "{key}: in order: {firsts:?}");
+        }
+    }
+    if complete {
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            expected.keys().collect::<Vec<_>>()
+        );
+    }
+    repeats
+}
+
+/// Starts `shardflow ARGS`, signals it `after` (SIGKILL when `kill`, else SIGINT as
+/// ctrl-c does) unless it ended, and returns what it printed and its exit code (-1 when
+/// the signal ended it).
+async fn run_signalled(args: &[&str], after: Duration, kill: bool) -> Out {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the binary");
+    let pid = child.id().expect("running").to_string();
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let output = async {
+        use tokio::io::AsyncReadExt;
+        let (mut out, mut err) = (String::new(), String::new());
+        let signal = async {
+            tokio::time::sleep(after).await;
+            // Not reaped before the output ends: the pid is still this child's.
+            if kill {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            } else {
+                let _ = Command::new("kill").args(["-INT", &pid]).status();
+            }
+        };
+        let read = async {
+            let (a, b) = tokio::join!(so.read_to_string(&mut out), se.read_to_string(&mut err));
+            a.unwrap();
+            b.unwrap();
+        };
+        tokio::select! {
+            _ = read => {}
+            _ = async { signal.await; std::future::pending::<()>().await } => {}
+        }
+        let status = child.wait().await.unwrap();
+        (status, out, err)
+    };
+    let (status, stdout, stderr) = within(RUN_LIMIT, &format!("shardflow {args:?}"), output).await;
+    Out {
+        code: status.code().unwrap_or(-1),
+        stdout,
+        stderr,
+    }
+}
+
+/// The most dead letters a crashed replay may have published without recording them:
+/// a progress write's worth plus the writes in flight (docs/cli.md).
+const CRASH_REPEATS: usize = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replays_started_together_publish_each_dead_letter_once() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(300, 10);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let replay = ["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"];
+    let (a, b) = tokio::join!(run(&replay), run(&replay));
+    let codes = [a.code, b.code];
+    assert!(codes.contains(&0), "one of them replays: {codes:?}\n{}\n{}", a.stderr, b.stderr);
+    for out in [&a, &b] {
+        if out.code != 0 {
+            assert_eq!(out.code, 1, "{}", out.stderr);
+            assert!(
+                out.stderr.contains("holds its progress item") && out.stderr.contains(" until "),
+                "says who holds it and until when: {}",
+                out.stderr
+            );
+        }
+    }
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    assert_eq!(
+        repeats_in_key_order(&got, &expected, true),
+        0,
+        "each dead letter once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_is_refused_while_a_crashed_run_holds_its_claim_then_takes_it_over() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(3000, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let claim_ms = 3000u64;
+    let claim = claim_ms.to_string();
+    let replay = [
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--claim-ms", &claim,
+    ];
+    // A run killed once it has published something: it holds the claim.
+    let first = tokio::spawn({
+        let replay: Vec<String> = replay.iter().map(|s| s.to_string()).collect();
+        async move {
+            let args: Vec<&str> = replay.iter().map(String::as_str).collect();
+            run_signalled(&args, Duration::from_secs(60), true).await
+        }
+    });
+    let started = within(LIMIT, "the first run publishing", async {
+        loop {
+            if !read_all(kinesis.as_ref(), &orders).await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    started.await;
+    first.abort(); // kill_on_drop: SIGKILL, a crash
+    let _ = first.await;
+    let killed_at = std::time::Instant::now();
+    let written = read_all(kinesis.as_ref(), &orders).await.len();
+    assert!(written < letters.len(), "killed before the end: {written}");
+
+    let out = run(&replay).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("holds its progress item") && out.stderr.contains(" until "),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains('#'), "names the holder: {}", out.stderr);
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        written,
+        "the refused run wrote nothing"
+    );
+    // Once the crashed run's claim expired, the same command takes it over and ends the
+    // replay.
+    tokio::time::sleep(Duration::from_millis(claim_ms + 200).saturating_sub(killed_at.elapsed()))
+        .await;
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    let repeats = repeats_in_key_order(&got, &expected, true);
+    assert!(repeats <= CRASH_REPEATS, "{repeats} published again after the crash");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replays_interrupted_or_killed_at_random_points_publish_each_dead_letter_once() {
+    use rand::{Rng, SeedableRng};
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(3000, 40);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let claim_ms = 1500u64;
+    let claim = claim_ms.to_string();
+    let replay = [
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json", "--claim-ms",
+        &claim,
+    ];
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(33);
+    let mut repeats = 0usize;
+    let mut per_kill = Vec::new();
+    let mut killed = false;
+    let mut finished = false;
+    for round in 0..20 {
+        let kill = rng.gen_ratio(1, 4);
+        let after = Duration::from_millis(rng.gen_range(50..1500));
+        if killed {
+            // The crashed run's claim lasts claim_ms after its last renewal.
+            tokio::time::sleep(Duration::from_millis(claim_ms + 100)).await;
+        }
+        let out = run_signalled(&replay, after, kill).await;
+        match (kill, out.code) {
+            (_, 0) => {}
+            (false, 130) => {
+                let summary = out.json();
+                assert_eq!(summary["interrupted"], true, "{summary}");
+            }
+            (true, -1) => {}
+            (_, code) => panic!(
+                "round {round}: {} after {after:?} ended with {code}\n{}\n{}",
+                if kill { "SIGKILL" } else { "SIGINT" },
+                out.stdout,
+                out.stderr
+            ),
+        }
+        let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+        let now = repeats_in_key_order(&got, &expected, false);
+        if now > repeats {
+            // What a killed run had written but not recorded, published again by the
+            // run after it; an interrupted run leaves nothing to publish again.
+            assert!(killed, "round {round}: {} published again", now - repeats);
+            per_kill.push(now - repeats);
+        }
+        killed = out.code == -1;
+        assert!(
+            now - repeats <= CRASH_REPEATS,
+            "round {round}: {} published again",
+            now - repeats
+        );
+        repeats = now;
+        finished = out.code == 0;
+        eprintln!("round {round}: kill={kill} after={after:?} code={} repeats={repeats}", out.code);
+    }
+    if !finished || killed {
+        if killed {
+            tokio::time::sleep(Duration::from_millis(claim_ms + 100)).await;
+        }
+        let out = run(&replay).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+    }
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    let total = repeats_in_key_order(&got, &expected, true);
+    assert!(total <= per_kill.len().max(1) * CRASH_REPEATS, "{total}");
+    eprintln!("published again after each kill: {per_kill:?}");
 }
