@@ -5,7 +5,8 @@
 //! standard way).
 //!
 //! Exit codes: 0 done; 1 an error (AWS, a missing table or stream, a refused delete);
-//! 2 a usage error (among them a shard id that names rows of several streams); 3 a plan printed and nothing changed (a reset, delete or replay
+//! 2 a usage error (among them a shard id that names rows of several streams, and a
+//! sequence number given for a shard that does not hold it); 3 a plan printed and nothing changed (a reset, delete or replay
 //! without `--yes`); 130 a replay stopped by ctrl-c (its progress saved).
 
 mod describe;
@@ -158,7 +159,8 @@ async fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
-        // Input that could name rows of several streams is a usage error.
+        // Input that could name rows of several streams, or a sequence number for a shard
+        // that does not hold it, is a usage error.
         Err(e)
             if e.downcast_ref::<AdminError>().is_some_and(|e| {
                 matches!(
@@ -166,6 +168,8 @@ async fn main() -> ExitCode {
                     AdminError::AmbiguousShard { .. }
                         | AdminError::AmbiguousStream { .. }
                         | AdminError::StreamRequired(_)
+                        | AdminError::SequenceOfAnotherShard { .. }
+                        | AdminError::SequenceNotInStream { .. }
                 )
             }) =>
         {

@@ -7,9 +7,11 @@ use std::process::ExitCode;
 use clap::Args;
 use serde_json::json;
 use shardflow::admin::{
-    descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome, TableRow,
+    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome,
+    TableRow,
 };
 use shardflow::lease::{Checkpoint, LeaseStore};
+use shardflow::Backend;
 
 use crate::position::{parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
@@ -72,6 +74,22 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
                     chosen.push((child, below.clone()));
                 }
             }
+        }
+    }
+    // A sequence number is a position of one shard: every row it would be stored in
+    // must be readable after it, checked before anything is written (a reset of every
+    // shard to one shard's sequence number is refused, naming both shards).
+    if let Spot::Sequence(sequence) = &spot {
+        let kinesis = cx.aws.kinesis();
+        for (r, to) in &chosen {
+            if *to != Checkpoint::At(shardflow::Position::new(sequence.clone(), 0)) {
+                continue;
+            }
+            let stream = match r.stream_name() {
+                Some(stream) => stream,
+                None => args.group.single_stream()?,
+            };
+            check_sequence(kinesis.as_ref(), stream, &r.shard, sequence).await?;
         }
     }
     // How a row is named: its shard, and in a multi-stream table `stream/shard` (as

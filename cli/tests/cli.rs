@@ -1697,3 +1697,97 @@ async fn dlq_replays_interrupted_or_killed_at_random_points_publish_each_dead_le
     assert!(total <= per_kill.len().max(1) * CRASH_REPEATS, "{total}");
     eprintln!("published again after each kill: {per_kill:?}");
 }
+
+/// The first record's sequence number of `shard`.
+async fn first_sequence(kinesis: &dyn KinesisApi, stream: &str, shard: &str) -> String {
+    let mut it = kinesis
+        .shard_iterator(stream, shard, &StartingPosition::TrimHorizon)
+        .await
+        .unwrap();
+    loop {
+        let page = kinesis.get_records(&it, 1).await.unwrap();
+        if let Some(r) = page.records.first() {
+            return r.sequence_number.as_str().to_owned();
+        }
+        it = page.next_iterator.expect("records in the shard");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fails_on_an_unreadable_shard(
+) {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-seq"), unique("cli-seq-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..40).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(40, LIMIT).await;
+    let described = described_caught_up(&["--stream", &stream, "--group", &group]).await;
+    assert!(
+        described["leader"].as_str().is_some_and(|l| l.starts_with("w1#")),
+        "the group's leader is shown: {described}"
+    );
+    let store = aws.lease_store(&group);
+    let before = committed_checkpoints(store.as_ref()).await;
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    let seq0 = first_sequence(kinesis.as_ref(), &stream, shard0).await;
+
+    // Every shard to shard 0's sequence number, or shard 1 alone: refused, naming both
+    // shards, nothing written.
+    let reset = [
+        "group", "reset", "--stream", &stream, "--group", &group, "--to", "sequence", &seq0,
+    ];
+    for extra in [&["--yes"][..], &["--shard", shard1, "--yes"], &[]] {
+        let mut args = reset.to_vec();
+        args.extend_from_slice(extra);
+        let out = run(&args).await;
+        assert_eq!(out.code, 2, "{extra:?}: {}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains(shard0) && out.stderr.contains(shard1),
+            "{}",
+            out.stderr
+        );
+    }
+    let rows = store.list().await.unwrap();
+    assert!(rows.iter().all(|r| r.reset_to.is_none()), "{rows:?}");
+    assert_eq!(checkpoints(&rows), before);
+    // Shard 0 alone: its own sequence number is fine.
+    let mut args = reset.to_vec();
+    args.extend(["--shard", shard0, "--yes"]);
+    let out = run(&args).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    running.stop().await;
+
+    // A row holding a checkpoint its shard cannot be read from (as a reset without the
+    // check could write): describe says so and exits 1.
+    let bad = shardflow::lease::Checkpoint::At(shardflow::Position::new(
+        seq0.parse().unwrap(),
+        0,
+    ));
+    let outcome = within(LIMIT, "the bad checkpoint stored", async {
+        loop {
+            match shardflow::admin::reset_checkpoint(store.as_ref(), shard1, &bad).await {
+                Ok(shardflow::admin::ResetOutcome::Applied(_)) => return,
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    });
+    outcome.await;
+    let describe = [
+        "group", "describe", "--stream", &stream, "--group", &group, "--sample-ms", "0",
+    ];
+    let out = run(&describe).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("1 in error"), "{}", out.stdout);
+    assert!(out.stderr.contains(shard1), "{}", out.stderr);
+    let mut json = describe.to_vec();
+    json.push("--json");
+    let out = run(&json).await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert_eq!(out.json()["shards_in_error"], 1);
+}
