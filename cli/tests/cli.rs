@@ -1791,3 +1791,116 @@ async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fai
     assert_eq!(out.code, 1, "{}", out.stderr);
     assert_eq!(out.json()["shards_in_error"], 1);
 }
+
+/// Writes `payloads` to `stream`, one PutRecords call, keys `pk-<payload>`.
+async fn put_texts(kinesis: &dyn KinesisApi, stream: &str, payloads: &[String]) {
+    let records: Vec<PutRecord> = payloads
+        .iter()
+        .map(|p| PutRecord {
+            data: Bytes::from(p.clone()),
+            partition_key: format!("pk-{p}"),
+            explicit_hash_key: None,
+        })
+        .collect();
+    kinesis.put_records(stream, &records).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
+    if !emulators_enabled() {
+        return;
+    }
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    // kinesis-local: kinesalite never answers GetShardIterator AT_TIMESTAMP on a shard
+    // without a record at or after the time (the parent here), where Kinesis gives an
+    // iterator that reads nothing.
+    let Ok(endpoint) = std::env::var("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    let env = [("AWS_ENDPOINT_URL_KINESIS", endpoint.as_str())];
+    let default = Aws::from_env().await;
+    let aws = Aws::from_clients(
+        aws_sdk_kinesis::Client::from_conf(
+            default
+                .kinesis_client()
+                .config()
+                .to_builder()
+                .endpoint_url(&endpoint)
+                .build(),
+        ),
+        default.dynamodb_client().clone(),
+    );
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-tail-from");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    let texts = |what: &str| (0..10).map(|i| format!("{what}-{i}")).collect::<Vec<_>>();
+    put_texts(kinesis.as_ref(), &stream, &texts("parent")).await;
+    let parent = kinesis.list_shards(&stream).await.unwrap()[0].clone();
+    kinesis
+        .split_shard(&stream, &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    put_texts(kinesis.as_ref(), &stream, &texts("child-before")).await;
+    // T strictly after the records before it, and before the records after it (the
+    // emulator stamps arrivals with this machine's clock, to the millisecond).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    put_texts(kinesis.as_ref(), &stream, &texts("after")).await;
+
+    let out = run_with(
+        &[
+            "stream", "tail", &stream, "--from", "timestamp", &t, "--format", "json", "--limit",
+            "10",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut printed: Vec<String> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["data"].as_str().unwrap().to_owned())
+        .collect();
+    printed.sort();
+    let mut want = texts("after");
+    want.sort();
+    assert_eq!(printed, want, "only the records at or after T, children included");
+
+    // From LATEST on the ended parent: the children's records from then on, none of
+    // those already there.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args(["stream", "tail", &stream, "--from", "latest", "--shard", &parent.shard_id])
+        .args(["--limit", "1"])
+        .envs(env)
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Tail gives no sign that it started reading: new records go in until one is shown.
+    let first = within(RUN_LIMIT, "a new record shown", async {
+        let mut n = 0;
+        loop {
+            tokio::select! {
+                line = lines.next_line() => return line.unwrap().expect("a line"),
+                _ = tokio::time::sleep(Duration::from_millis(300)) => {
+                    put_texts(kinesis.as_ref(), &stream, &[format!("late-{n}")]).await;
+                    n += 1;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(first.contains(" late-"), "a record written after tail started: {first}");
+    within(RUN_LIMIT, "tail ends at its limit", child.wait())
+        .await
+        .unwrap();
+}
