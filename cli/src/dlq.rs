@@ -412,9 +412,12 @@ impl Plan<'_> {
             return format!("nothing {}", verb.replace("were ", "was "));
         }
         let mut text = format!(
-            "{} records that are not dead-letter envelopes and {} dead letters that miss parts (or whose parts do not add up) {verb}",
+            "{} {} not a dead-letter envelope and {} {} parts (or {} parts do not add up) {verb}",
             self.skipped.len(),
-            self.incomplete
+            if self.skipped.len() == 1 { "record is" } else { "records are" },
+            self.incomplete,
+            if self.incomplete == 1 { "dead letter misses" } else { "dead letters miss" },
+            if self.incomplete == 1 { "its" } else { "their" },
         );
         if !self.skipped.is_empty() {
             let shown: Vec<String> = self

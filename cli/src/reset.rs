@@ -13,7 +13,7 @@ use shardflow::admin::{
 use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::Backend;
 
-use crate::position::{parse, show, Spot};
+use crate::position::{future_warning, parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
 
 /// `group reset`.
@@ -21,8 +21,9 @@ use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
 pub struct ResetArgs {
     #[command(flatten)]
     group: GroupArgs,
-    /// The new position: trim-horizon, latest, timestamp T (RFC 3339 or epoch ms), or
-    /// sequence N (N counts as handled: reading goes on after it).
+    /// The new position: trim-horizon, latest, timestamp T (RFC 3339 with any UTC
+    /// offset, or epoch ms; epoch seconds are refused, a future time warned about), or
+    /// sequence N of the shard reset (N counts as handled: reading goes on after it).
     #[arg(long, num_args = 1..=2, required = true, value_names = ["POSITION", "VALUE"])]
     to: Vec<String>,
     /// Only these shards (repeat for several); every shard of the table (of --stream on
@@ -45,6 +46,9 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
             return Ok(ExitCode::from(2));
         }
     };
+    if let Some(warning) = future_warning(&spot) {
+        eprintln!("shardflow: warning: --to {warning} (the shards skip every record until then)");
+    }
     let to = spot.checkpoint();
     let store = args.group.store(&cx.aws);
     let table_name = args.group.table();

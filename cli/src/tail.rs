@@ -14,7 +14,7 @@ use shardflow::kinesis::{KinesisApi, ShardInfo, StartingPosition};
 use shardflow::{Backend, Headers};
 use shardflow_middleware::DeadLetterEnvelope;
 
-use crate::position::{parse, rfc3339, Spot};
+use crate::position::{future_warning, parse, rfc3339, Spot};
 use crate::read::{user_records, UserRecord, PAGE};
 use crate::{CliResult, Context};
 
@@ -37,7 +37,8 @@ pub enum TailFormat {
 pub struct TailArgs {
     /// The stream.
     stream: String,
-    /// Where to start: trim-horizon, latest, timestamp T (RFC 3339 or epoch ms).
+    /// Where to start, in every shard read (children included): trim-horizon, latest,
+    /// timestamp T (RFC 3339 with any UTC offset, or epoch ms).
     #[arg(long, num_args = 1..=2, default_values_t = ["latest".to_owned()], value_names = ["POSITION", "VALUE"])]
     from: Vec<String>,
     /// Only these shards (their children are followed too); all by default.
@@ -165,15 +166,22 @@ fn first_shards(all: &[ShardInfo], wanted: &[String], spot: &Spot) -> Vec<String
 /// `stream tail`.
 pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     let spot = match parse(&args.from) {
-        Ok(Spot::Sequence(_)) | Err(_) => {
+        Ok(Spot::Sequence(_)) => {
             eprintln!(
                 "shardflow: error: --from {:?}: expected trim-horizon, latest or timestamp T",
                 args.from.join(" ")
             );
             return Ok(ExitCode::from(2));
         }
+        Err(e) => {
+            eprintln!("shardflow: error: --from {e}");
+            return Ok(ExitCode::from(2));
+        }
         Ok(spot) => spot,
     };
+    if let Some(warning) = future_warning(&spot) {
+        eprintln!("shardflow: warning: --from {warning}");
+    }
     let format = if cx.json {
         TailFormat::Json
     } else {

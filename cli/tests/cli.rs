@@ -1904,3 +1904,122 @@ async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_says_what_it_skipped_and_why() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, _) = many_letters(5, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    // A dead letter too large for one record, of which only the first part is there,
+    // and a record that is no envelope at all.
+    let big = DeadLetterRecord {
+        metadata: Metadata::builder()
+            .stream(orders.as_str())
+            .partition_key("customer-big")
+            .sequence_number(7u64)
+            .build(),
+        payload: Bytes::from(vec![b'x'; 1_500_000]),
+        error: "refused".into(),
+        attempts: Some(1),
+        headers: Headers::new(),
+    };
+    let parts = DeadLetterEnvelope::from_record(&big).to_records().unwrap();
+    assert!(parts.len() > 1);
+    for data in [parts[0].clone(), Bytes::from_static(b"not an envelope")] {
+        let put = PutRecord {
+            data,
+            partition_key: "customer-big".into(),
+            explicit_hash_key: None,
+        };
+        kinesis.put_records(&dlq, &[put]).await.unwrap();
+    }
+    let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("re-published 5 dead letters"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("1 record is not a dead-letter envelope and 1 dead letter misses parts"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("not a shardflow dead-letter envelope"),
+        "says why: {}",
+        out.stdout
+    );
+    // JSON too: counts, and where each record that is no envelope is.
+    let out = run(&[
+        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json", "--restart",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let summary = out.json();
+    assert_eq!(summary["published"], 5, "{summary}");
+    assert_eq!(summary["incomplete"], 1, "{summary}");
+    assert_eq!(summary["not_envelopes"], 1, "{summary}");
+    assert_eq!(summary["skipped"][0]["shard"], "shardId-000000000000", "{summary}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-times");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    // Epoch seconds where milliseconds are expected: refused, saying what they would be.
+    let out = run(&[
+        "group", "reset", "--stream", &stream, "--group", "g", "--to", "timestamp", "1700000000",
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("epoch seconds (2023-11-14T22:13:20Z)"), "{}", out.stderr);
+    let out = run(&["stream", "tail", &stream, "--from", "timestamp", "1700000000"]).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("epoch seconds"), "{}", out.stderr);
+
+    // RFC 3339 with an offset: now's UTC clock reading at +01:00 is an hour ago, before
+    // both records.
+    let with_offset = aws_smithy_types::DateTime::from(SystemTime::now())
+        .fmt(aws_smithy_types::date_time::Format::DateTime)
+        .unwrap()
+        .replace('Z', "+01:00");
+    put_texts(kinesis.as_ref(), &stream, &["one".to_owned(), "two".to_owned()]).await;
+    let out = run(&[
+        "stream", "tail", &stream, "--from", "timestamp", &with_offset, "--limit", "2",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{with_offset}: {}", out.stderr);
+    assert_eq!(out.stdout.lines().count(), 2, "{}", out.stdout);
+
+    // A time in the future: a warning.
+    let ahead = SystemTime::now() + Duration::from_secs(3600);
+    let ahead = aws_smithy_types::DateTime::from(ahead)
+        .fmt(aws_smithy_types::date_time::Format::DateTime)
+        .unwrap();
+    let out = run(&[
+        "group", "reset", "--stream", &stream, "--group", &unique("no-group"), "--to",
+        "timestamp", &ahead,
+    ])
+    .await;
+    assert!(out.stderr.contains("is in the future"), "{}", out.stderr);
+
+    // A replay into a stream that does not exist fails, even with nothing to replay.
+    let dlq = unique("cli-dlq");
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let out = run(&[
+        "dlq", "replay", "--from", &dlq, "--to", &unique("no-such-stream"), "--yes",
+    ])
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stderr.contains("does not exist"), "{}", out.stderr);
+}
