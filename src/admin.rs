@@ -351,7 +351,10 @@ pub async fn check_sequence(
         if other.shard_id == shard {
             continue;
         }
-        match kinesis.shard_iterator(stream, &other.shard_id, &after).await {
+        match kinesis
+            .shard_iterator(stream, &other.shard_id, &after)
+            .await
+        {
             Ok(_) => {
                 return Err(AdminError::SequenceOfAnotherShard {
                     sequence: sequence.as_str().to_owned(),

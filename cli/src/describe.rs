@@ -13,7 +13,9 @@ use serde_json::json;
 use shardflow::admin::{select_rows, table_rows, TableRow};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
 use shardflow::lease::dynamo::DynamoCoordinatorState;
-use shardflow::lease::{worker_of, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore, LEADER_KEY};
+use shardflow::lease::{
+    worker_of, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore, LEADER_KEY,
+};
 use shardflow::Backend;
 
 use crate::position::{after_checkpoint, show};
@@ -250,7 +252,8 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         }
     }
     // The group's leader: one item per group, or per stream in a multi-stream table.
-    let coordinator = DynamoCoordinatorState::new(cx.aws.dynamodb_client().clone(), args.group.table());
+    let coordinator =
+        DynamoCoordinatorState::new(cx.aws.dynamodb_client().clone(), args.group.table());
     let group_leader = if multi {
         None
     } else {

@@ -262,8 +262,15 @@ pub async fn replay(cx: &Context, args: ReplayArgs, ctrl_c: &mut Interrupt) -> C
         let mut summary = plan.summary(&letters, already, 0);
         let held = claim
             .filter(|c| c.live_at(crate::position::millis(SystemTime::now())))
-            .map(|c| (c.owner, rfc3339(SystemTime::UNIX_EPOCH + Duration::from_millis(c.until_ms))));
-        summary["claimed_by"] = json!(held.as_ref().map(|(owner, until)| json!({"owner": owner, "until": until})));
+            .map(|c| {
+                (
+                    c.owner,
+                    rfc3339(SystemTime::UNIX_EPOCH + Duration::from_millis(c.until_ms)),
+                )
+            });
+        summary["claimed_by"] = json!(held
+            .as_ref()
+            .map(|(owner, until)| json!({"owner": owner, "until": until})));
         if cx.json {
             print_json(&summary);
         } else {
@@ -411,13 +418,32 @@ impl Plan<'_> {
         if self.skipped.is_empty() && self.incomplete == 0 {
             return format!("nothing {}", verb.replace("were ", "was "));
         }
+        let (records, letters, their) = match (self.skipped.len(), self.incomplete) {
+            (1, 1) => (
+                "record is not a dead-letter envelope",
+                "dead letter misses",
+                "its",
+            ),
+            (1, _) => (
+                "record is not a dead-letter envelope",
+                "dead letters miss",
+                "their",
+            ),
+            (_, 1) => (
+                "records are not dead-letter envelopes",
+                "dead letter misses",
+                "its",
+            ),
+            _ => (
+                "records are not dead-letter envelopes",
+                "dead letters miss",
+                "their",
+            ),
+        };
         let mut text = format!(
-            "{} {} not a dead-letter envelope and {} {} parts (or {} parts do not add up) {verb}",
+            "{} {records} and {} {letters} parts (or {their} parts do not add up) {verb}",
             self.skipped.len(),
-            if self.skipped.len() == 1 { "record is" } else { "records are" },
             self.incomplete,
-            if self.incomplete == 1 { "dead letter misses" } else { "dead letters miss" },
-            if self.incomplete == 1 { "its" } else { "their" },
         );
         if !self.skipped.is_empty() {
             let shown: Vec<String> = self

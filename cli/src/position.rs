@@ -150,7 +150,10 @@ mod tests {
             ))
         );
         let seconds = parse(&w("timestamp 1700000000")).unwrap_err();
-        assert!(seconds.contains("epoch seconds (2023-11-14T22:13:20Z)"), "{seconds}");
+        assert!(
+            seconds.contains("epoch seconds (2023-11-14T22:13:20Z)"),
+            "{seconds}"
+        );
         assert_eq!(
             parse(&w("timestamp 2023-11-14T23:13:20.5+01:00")),
             Ok(Spot::Timestamp(

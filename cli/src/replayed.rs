@@ -334,7 +334,9 @@ impl ProgressItem {
         match self.put(state, until).await {
             Err(e) if e.code() == Some("ResourceNotFoundException") => {
                 self.create_table().await.map_err(WriteError::Failed)?;
-                self.put(state, until).await.map_err(|e| self.put_error(e))?;
+                self.put(state, until)
+                    .await
+                    .map_err(|e| self.put_error(e))?;
             }
             Err(e) => return Err(self.put_error(e)),
             Ok(_) => {}

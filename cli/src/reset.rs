@@ -7,8 +7,7 @@ use std::process::ExitCode;
 use clap::Args;
 use serde_json::json;
 use shardflow::admin::{
-    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome,
-    TableRow,
+    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome, TableRow,
 };
 use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::Backend;

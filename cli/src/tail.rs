@@ -253,8 +253,14 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
                     reading.remove(&shard);
                     ended.insert(shard);
                     idle = false;
-                    start_children(kinesis.as_ref(), stream, &children_from, &mut reading, &ended)
-                        .await?;
+                    start_children(
+                        kinesis.as_ref(),
+                        stream,
+                        &children_from,
+                        &mut reading,
+                        &ended,
+                    )
+                    .await?;
                 }
             }
         }

@@ -1426,16 +1426,16 @@ async fn put_dead_letters(
 
 /// `n` dead letters over `keys` partition keys (`order-<n>`), and per key the payloads
 /// in order.
-fn many_letters(
-    n: usize,
-    keys: usize,
-) -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
+fn many_letters(n: usize, keys: usize) -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
     let letters: Vec<(String, String)> = (0..n)
         .map(|i| (format!("customer-{}", i % keys), format!("order-{i}")))
         .collect();
     let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (key, payload) in &letters {
-        expected.entry(key.clone()).or_default().push(payload.clone());
+        expected
+            .entry(key.clone())
+            .or_default()
+            .push(payload.clone());
     }
     (letters, expected)
 }
@@ -1538,7 +1538,12 @@ async fn dlq_replays_started_together_publish_each_dead_letter_once() {
     let replay = ["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"];
     let (a, b) = tokio::join!(run(&replay), run(&replay));
     let codes = [a.code, b.code];
-    assert!(codes.contains(&0), "one of them replays: {codes:?}\n{}\n{}", a.stderr, b.stderr);
+    assert!(
+        codes.contains(&0),
+        "one of them replays: {codes:?}\n{}\n{}",
+        a.stderr,
+        b.stderr
+    );
     for out in [&a, &b] {
         if out.code != 0 {
             assert_eq!(out.code, 1, "{}", out.stderr);
@@ -1572,7 +1577,15 @@ async fn dlq_replay_is_refused_while_a_crashed_run_holds_its_claim_then_takes_it
     let claim_ms = 3000u64;
     let claim = claim_ms.to_string();
     let replay = [
-        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--claim-ms", &claim,
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--claim-ms",
+        &claim,
     ];
     // A run killed once it has published something: it holds the claim.
     let first = tokio::spawn({
@@ -1618,7 +1631,10 @@ async fn dlq_replay_is_refused_while_a_crashed_run_holds_its_claim_then_takes_it
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     let got = payloads_by_key(kinesis.as_ref(), &orders).await;
     let repeats = repeats_in_key_order(&got, &expected, true);
-    assert!(repeats <= CRASH_REPEATS, "{repeats} published again after the crash");
+    assert!(
+        repeats <= CRASH_REPEATS,
+        "{repeats} published again after the crash"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1637,7 +1653,15 @@ async fn dlq_replays_interrupted_or_killed_at_random_points_publish_each_dead_le
     let claim_ms = 1500u64;
     let claim = claim_ms.to_string();
     let replay = [
-        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json", "--claim-ms",
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--json",
+        "--claim-ms",
         &claim,
     ];
     let mut rng = rand::rngs::SmallRng::seed_from_u64(33);
@@ -1683,7 +1707,10 @@ async fn dlq_replays_interrupted_or_killed_at_random_points_publish_each_dead_le
         );
         repeats = now;
         finished = out.code == 0;
-        eprintln!("round {round}: kill={kill} after={after:?} code={} repeats={repeats}", out.code);
+        eprintln!(
+            "round {round}: kill={kill} after={after:?} code={} repeats={repeats}",
+            out.code
+        );
     }
     if !finished || killed {
         if killed {
@@ -1729,7 +1756,9 @@ async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fai
     recorder.wait_for(40, LIMIT).await;
     let described = described_caught_up(&["--stream", &stream, "--group", &group]).await;
     assert!(
-        described["leader"].as_str().is_some_and(|l| l.starts_with("w1#")),
+        described["leader"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("w1#")),
         "the group's leader is shown: {described}"
     );
     let store = aws.lease_store(&group);
@@ -1765,10 +1794,7 @@ async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fai
 
     // A row holding a checkpoint its shard cannot be read from (as a reset without the
     // check could write): describe says so and exits 1.
-    let bad = shardflow::lease::Checkpoint::At(shardflow::Position::new(
-        seq0.parse().unwrap(),
-        0,
-    ));
+    let bad = shardflow::lease::Checkpoint::At(shardflow::Position::new(seq0.parse().unwrap(), 0));
     let outcome = within(LIMIT, "the bad checkpoint stored", async {
         loop {
             match shardflow::admin::reset_checkpoint(store.as_ref(), shard1, &bad).await {
@@ -1779,7 +1805,14 @@ async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fai
     });
     outcome.await;
     let describe = [
-        "group", "describe", "--stream", &stream, "--group", &group, "--sample-ms", "0",
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
     ];
     let out = run(&describe).await;
     assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
@@ -1856,7 +1889,15 @@ async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
 
     let out = run_with(
         &[
-            "stream", "tail", &stream, "--from", "timestamp", &t, "--format", "json", "--limit",
+            "stream",
+            "tail",
+            &stream,
+            "--from",
+            "timestamp",
+            &t,
+            "--format",
+            "json",
+            "--limit",
             "10",
         ],
         &env,
@@ -1866,17 +1907,33 @@ async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
     let mut printed: Vec<String> = out
         .stdout
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["data"].as_str().unwrap().to_owned())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
         .collect();
     printed.sort();
     let mut want = texts("after");
     want.sort();
-    assert_eq!(printed, want, "only the records at or after T, children included");
+    assert_eq!(
+        printed, want,
+        "only the records at or after T, children included"
+    );
 
     // From LATEST on the ended parent: the children's records from then on, none of
     // those already there.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
-        .args(["stream", "tail", &stream, "--from", "latest", "--shard", &parent.shard_id])
+        .args([
+            "stream",
+            "tail",
+            &stream,
+            "--from",
+            "latest",
+            "--shard",
+            &parent.shard_id,
+        ])
         .args(["--limit", "1"])
         .envs(env)
         .stdout(Stdio::piped())
@@ -1899,7 +1956,10 @@ async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
         }
     })
     .await;
-    assert!(first.contains(" late-"), "a record written after tail started: {first}");
+    assert!(
+        first.contains(" late-"),
+        "a record written after tail started: {first}"
+    );
     within(RUN_LIMIT, "tail ends at its limit", child.wait())
         .await
         .unwrap();
@@ -1942,7 +2002,11 @@ async fn dlq_replay_says_what_it_skipped_and_why() {
     }
     let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    assert!(out.stdout.contains("re-published 5 dead letters"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("re-published 5 dead letters"),
+        "{}",
+        out.stdout
+    );
     assert!(
         out.stdout
             .contains("1 record is not a dead-letter envelope and 1 dead letter misses parts"),
@@ -1956,7 +2020,15 @@ async fn dlq_replay_says_what_it_skipped_and_why() {
     );
     // JSON too: counts, and where each record that is no envelope is.
     let out = run(&[
-        "dlq", "replay", "--from", &dlq, "--to", &orders, "--yes", "--json", "--restart",
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--json",
+        "--restart",
     ])
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
@@ -1964,7 +2036,10 @@ async fn dlq_replay_says_what_it_skipped_and_why() {
     assert_eq!(summary["published"], 5, "{summary}");
     assert_eq!(summary["incomplete"], 1, "{summary}");
     assert_eq!(summary["not_envelopes"], 1, "{summary}");
-    assert_eq!(summary["skipped"][0]["shard"], "shardId-000000000000", "{summary}");
+    assert_eq!(
+        summary["skipped"][0]["shard"], "shardId-000000000000",
+        "{summary}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1978,12 +2053,32 @@ async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
     kinesis.create_stream(&stream, 1).await.unwrap();
     // Epoch seconds where milliseconds are expected: refused, saying what they would be.
     let out = run(&[
-        "group", "reset", "--stream", &stream, "--group", "g", "--to", "timestamp", "1700000000",
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--to",
+        "timestamp",
+        "1700000000",
     ])
     .await;
     assert_eq!(out.code, 2, "{}", out.stderr);
-    assert!(out.stderr.contains("epoch seconds (2023-11-14T22:13:20Z)"), "{}", out.stderr);
-    let out = run(&["stream", "tail", &stream, "--from", "timestamp", "1700000000"]).await;
+    assert!(
+        out.stderr.contains("epoch seconds (2023-11-14T22:13:20Z)"),
+        "{}",
+        out.stderr
+    );
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "timestamp",
+        "1700000000",
+    ])
+    .await;
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("epoch seconds"), "{}", out.stderr);
 
@@ -1993,9 +2088,21 @@ async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
         .fmt(aws_smithy_types::date_time::Format::DateTime)
         .unwrap()
         .replace('Z', "+01:00");
-    put_texts(kinesis.as_ref(), &stream, &["one".to_owned(), "two".to_owned()]).await;
+    put_texts(
+        kinesis.as_ref(),
+        &stream,
+        &["one".to_owned(), "two".to_owned()],
+    )
+    .await;
     let out = run(&[
-        "stream", "tail", &stream, "--from", "timestamp", &with_offset, "--limit", "2",
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "timestamp",
+        &with_offset,
+        "--limit",
+        "2",
     ])
     .await;
     assert_eq!(out.code, 0, "{with_offset}: {}", out.stderr);
@@ -2007,8 +2114,15 @@ async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
         .fmt(aws_smithy_types::date_time::Format::DateTime)
         .unwrap();
     let out = run(&[
-        "group", "reset", "--stream", &stream, "--group", &unique("no-group"), "--to",
-        "timestamp", &ahead,
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &unique("no-group"),
+        "--to",
+        "timestamp",
+        &ahead,
     ])
     .await;
     assert!(out.stderr.contains("is in the future"), "{}", out.stderr);
@@ -2017,7 +2131,13 @@ async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
     let dlq = unique("cli-dlq");
     kinesis.create_stream(&dlq, 1).await.unwrap();
     let out = run(&[
-        "dlq", "replay", "--from", &dlq, "--to", &unique("no-such-stream"), "--yes",
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &unique("no-such-stream"),
+        "--yes",
     ])
     .await;
     assert_eq!(out.code, 1, "{}", out.stdout);
