@@ -279,8 +279,8 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         ExitCode::SUCCESS
     } else {
         eprintln!(
-            "shardflow: error: {} shards cannot be read ({} in error{}, {unreadable} unreadable rows)",
-            in_error.len() + unreadable,
+            "shardflow: error: {} cannot be read ({} in error{}, {unreadable} unreadable)",
+            count(in_error.len() + unreadable, "shard"),
             in_error.len(),
             if in_error.is_empty() {
                 String::new()

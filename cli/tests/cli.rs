@@ -1015,8 +1015,10 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
         "0",
     ])
     .await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    // A shard that cannot be read: everything printed, and exit code 1.
+    assert_eq!(out.code, 1, "{}", out.stderr);
     let described = out.json();
+    assert_eq!(described["shards_unreadable"], 1, "{described}");
     let shards = described["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 2, "{described}");
     for s in shards {
@@ -1042,8 +1044,10 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
         "0",
     ])
     .await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.code, 1, "{}", out.stderr);
     assert!(out.stdout.contains("unreadable"), "{}", out.stdout);
+    assert!(out.stdout.contains("1 unreadable"), "{}", out.stdout);
+    assert!(out.stderr.contains("1 shard cannot be read"), "{}", out.stderr);
 }
 
 /// A Kinesis endpoint in front of the emulator that refuses (HTTP 400,
