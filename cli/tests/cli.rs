@@ -1047,7 +1047,11 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
     assert_eq!(out.code, 1, "{}", out.stderr);
     assert!(out.stdout.contains("unreadable"), "{}", out.stdout);
     assert!(out.stdout.contains("1 unreadable"), "{}", out.stdout);
-    assert!(out.stderr.contains("1 shard cannot be read"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("1 shard cannot be read"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A Kinesis endpoint in front of the emulator that refuses (HTTP 400,
@@ -1428,9 +1432,12 @@ async fn put_dead_letters(
     }
 }
 
+/// Payloads per partition key, in order.
+type ByKey = BTreeMap<String, Vec<String>>;
+
 /// `n` dead letters over `keys` partition keys (`order-<n>`), and per key the payloads
 /// in order.
-fn many_letters(n: usize, keys: usize) -> (Vec<(String, String)>, BTreeMap<String, Vec<String>>) {
+fn many_letters(n: usize, keys: usize) -> (Vec<(String, String)>, ByKey) {
     let letters: Vec<(String, String)> = (0..n)
         .map(|i| (format!("customer-{}", i % keys), format!("order-{i}")))
         .collect();
