@@ -7,8 +7,10 @@ use std::process::ExitCode;
 use clap::Args;
 use serde_json::json;
 use shardflow::admin::{
-    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome, TableRow,
+    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, AdminError,
+    ResetOutcome, TableRow,
 };
+use shardflow::kinesis::KinesisError;
 use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::Backend;
 
@@ -92,7 +94,16 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
                 Some(stream) => stream,
                 None => args.group.single_stream()?,
             };
-            check_sequence(kinesis.as_ref(), stream, &r.shard, sequence).await?;
+            match check_sequence(kinesis.as_ref(), stream, &r.shard, sequence).await {
+                // A shard no longer in the stream (past its retention) cannot be checked;
+                // nothing can be read from it whatever its checkpoint.
+                Err(AdminError::Kinesis(KinesisError::NotFound(e))) => eprintln!(
+                    "shardflow: warning: {}: cannot check that sequence {} is one of its positions: {e}",
+                    r.shard,
+                    sequence.as_str()
+                ),
+                other => other?,
+            }
         }
     }
     // How a row is named: its shard, and in a multi-stream table `stream/shard` (as

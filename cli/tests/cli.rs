@@ -1585,7 +1585,8 @@ async fn dlq_replay_is_refused_while_a_crashed_run_holds_its_claim_then_takes_it
     kinesis.create_stream(&dlq, 1).await.unwrap();
     let (letters, expected) = many_letters(3000, 2);
     put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
-    let claim_ms = 3000u64;
+    // Long enough for the second run to read the dead-letter stream on a busy machine.
+    let claim_ms = 10_000u64;
     let claim = claim_ms.to_string();
     let replay = [
         "dlq",
