@@ -275,6 +275,25 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         .iter()
         .filter(|o| matches!(o.1, "open" | "closed") && o.0.lease.owner.is_none())
         .count();
+    // Open shards of the streams described that have no row at all (none of their
+    // parents has an unfinished row either, which they would wait for): nobody reads
+    // them, and no row above says so (an empty table: the whole stream).
+    let mut without_lease: Vec<String> = Vec::new();
+    for (identity, by_id) in &shards {
+        let row_of = |id: &str| rows.iter().find(|r| r.stream == *identity && r.shard == id);
+        for s in by_id.values() {
+            let waits = s
+                .parents()
+                .iter()
+                .any(|p| row_of(p).is_some_and(|r| r.lease.checkpoint != Checkpoint::ShardEnd));
+            if !s.is_closed() && row_of(&s.shard_id).is_none() && !waits {
+                without_lease.push(match identity {
+                    Some(i) => format!("{}/{}", i.name, s.shard_id),
+                    None => s.shard_id.clone(),
+                });
+            }
+        }
+    }
     let code = if in_error.is_empty() && unreadable == 0 {
         ExitCode::SUCCESS
     } else {
@@ -342,6 +361,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             "shards_in_error": in_error.len(),
             "shards_unreadable": unreadable,
             "shards_without_owner": unowned,
+            "shards_without_lease": without_lease,
         }));
         return Ok(code);
     }
@@ -408,7 +428,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     }
     let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
     println!(
-        "{}{} shards, {} ({}){}, max lag {} ms{}; {} in error, {unreadable} unreadable, {unowned} without an owner",
+        "{}{} shards, {} ({}){}, max lag {} ms{}; {} in error, {unreadable} unreadable, {unowned} without an owner{}",
         if multi {
             format!("{} streams, ", per_stream.len())
         } else {
@@ -427,6 +447,15 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         total_ms.unwrap_or(0),
         total_records.map_or_else(String::new, |r| format!(", {r} records behind")),
         in_error.len(),
+        if without_lease.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} of the stream without a lease, read by nobody: {}",
+                count(without_lease.len(), "open shard"),
+                without_lease.join(", ")
+            )
+        },
     );
     Ok(code)
 }

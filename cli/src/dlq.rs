@@ -174,7 +174,7 @@ pub async fn replay(cx: &Context, args: ReplayArgs, ctrl_c: &mut Interrupt) -> C
         incarnation(),
         claim_for,
     );
-    let (loaded, claim) = item.load().await?;
+    let (loaded, claim) = item.load(args.restart).await?;
     let mut replayed = if args.restart {
         Replayed::default()
     } else {

@@ -221,8 +221,10 @@ impl ProgressItem {
     }
 
     /// Reads the progress (nothing re-published when the table or the item is missing)
-    /// and the claim on it, if any.
-    pub async fn load(&mut self) -> Result<(Replayed, Option<Claim>), CliError> {
+    /// and the claim on it, if any. With `restart` the progress is not needed: an item
+    /// whose progress does not parse reads as nothing re-published (its claim and
+    /// revision still count), so that `--restart` can replace it.
+    pub async fn load(&mut self, restart: bool) -> Result<(Replayed, Option<Claim>), CliError> {
         let out = match self
             .client
             .get_item()
@@ -268,8 +270,17 @@ impl ProgressItem {
                 self.revision = Some(revision);
                 Ok((state, claim))
             }
-            _ => Err(format!(
-                "the replay progress item {:?} in table {} does not parse; delete it (or run with --restart) to replay from the start",
+            (Some(revision), None) if restart => {
+                self.revision = Some(revision);
+                Ok((Replayed::default(), claim))
+            }
+            (Some(_), None) => Err(format!(
+                "the replay progress item {:?} in table {} does not parse; run with --restart (or delete it) to replay from the start",
+                self.key, self.table
+            )
+            .into()),
+            (None, _) => Err(format!(
+                "the replay progress item {:?} in table {} has no revision that parses; delete it to replay from the start",
                 self.key, self.table
             )
             .into()),
@@ -282,7 +293,7 @@ impl ProgressItem {
     /// claim lasts. Creates the table on first use.
     pub async fn claim(&mut self, restart: bool) -> Result<Replayed, CliError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            let (mut state, claim) = self.load().await?;
+            let (mut state, claim) = self.load(restart).await?;
             if let Some(claim) = claim.filter(|c| c.owner != self.owner) {
                 if claim.live_at(now_ms()) {
                     return Err(self.busy(&claim));

@@ -96,12 +96,25 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
             };
             match check_sequence(kinesis.as_ref(), stream, &r.shard, sequence).await {
                 // A shard no longer in the stream (past its retention) cannot be checked;
-                // nothing can be read from it whatever its checkpoint.
-                Err(AdminError::Kinesis(KinesisError::NotFound(e))) => eprintln!(
-                    "shardflow: warning: {}: cannot check that sequence {} is one of its positions: {e}",
-                    r.shard,
-                    sequence.as_str()
-                ),
+                // nothing can be read from it whatever its checkpoint. A stream that is
+                // not there (a misspelt --stream) checks nothing: refused.
+                Err(AdminError::Kinesis(KinesisError::NotFound(e))) => {
+                    match kinesis.list_shards(stream).await {
+                        Ok(_) => eprintln!(
+                            "shardflow: warning: {}: cannot check that sequence {} is one of its positions: {e}",
+                            r.shard,
+                            sequence.as_str()
+                        ),
+                        Err(KinesisError::NotFound(_)) => {
+                            return Err(format!(
+                                "stream {stream} does not exist, so sequence {} cannot be checked against its shards: nothing was reset (is --stream right?)",
+                                sequence.as_str()
+                            )
+                            .into())
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
                 other => other?,
             }
         }

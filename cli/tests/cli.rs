@@ -731,6 +731,13 @@ async fn resetting_a_finished_shard_resets_its_descendants() {
     }
     let aws = Aws::from_env().await;
     let (stream, group) = (unique("cli-reset-tree"), unique("cli-reset-tree-g"));
+    // The stream exists (a sequence reset of a stream that does not is refused); the
+    // rows' shards are no longer in it, so their sequence numbers cannot be checked.
+    aws.admin()
+        .unwrap()
+        .create_stream(&stream, 1)
+        .await
+        .unwrap();
     let store = aws.lease_store(&group);
     store.ensure_table().await.unwrap();
     // A finished parent, a finished child of it, a grandchild being read, and an
@@ -2187,4 +2194,168 @@ async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
     .await;
     assert_eq!(out.code, 1, "{}", out.stdout);
     assert!(out.stderr.contains("does not exist"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_a_sequence_number_with_a_stream_that_does_not_exist_writes_nothing() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-seq-typo"), unique("cli-seq-typo-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..20).await;
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    let store = aws.lease_store(&group);
+    store.ensure_table().await.unwrap();
+    for shard in [shard0, shard1] {
+        let row = shardflow::lease::Lease::new(shard, Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&row).await.unwrap());
+    }
+    let before = checkpoints(&store.list().await.unwrap());
+    let seq0 = first_sequence(kinesis.as_ref(), &stream, shard0).await;
+    // The group's table, but --stream misspelt (or a stale SHARDFLOW_STREAM): no shard
+    // can be checked, so shard 0's sequence number must not be stored in every row.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &format!("{stream}-typo"),
+        "--group",
+        &group,
+        "--to",
+        "sequence",
+        &seq0,
+        "--yes",
+    ])
+    .await;
+    assert_ne!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("-typo"),
+        "names the stream: {}",
+        out.stderr
+    );
+    let rows = store.list().await.unwrap();
+    assert!(rows.iter().all(|r| r.reset_to.is_none()), "{rows:?}");
+    assert_eq!(checkpoints(&rows), before, "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_restart_replaces_a_progress_item_that_does_not_parse() {
+    if !emulators_enabled() {
+        return;
+    }
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq, table) = (
+        unique("cli-orders"),
+        unique("cli-dlq"),
+        unique("cli-progress"),
+    );
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(6, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let replay = [
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--progress-table",
+        &table,
+        "--yes",
+    ];
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The progress attribute damaged (by hand, or by another tool).
+    aws.dynamodb_client()
+        .update_item()
+        .table_name(&table)
+        .key("replay", AttributeValue::S(format!("{dlq} -> {orders}")))
+        .update_expression("SET progress = :p")
+        .expression_attribute_values(":p", AttributeValue::S("not json".into()))
+        .send()
+        .await
+        .unwrap();
+    let out = run(&replay).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("--restart"),
+        "the error offers --restart: {}",
+        out.stderr
+    );
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        letters.len(),
+        "the refused run wrote nothing"
+    );
+    // What the error offers works: everything replayed from the start, once more.
+    let mut restart = replay.to_vec();
+    restart.push("--restart");
+    let out = run(&restart).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    assert_eq!(
+        repeats_in_key_order(&got, &expected, true),
+        letters.len(),
+        "every dead letter twice: {got:?}"
+    );
+    // And the item parses again: a rerun publishes nothing.
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        2 * letters.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_names_the_open_shards_that_have_no_lease() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-nolease"), unique("cli-nolease-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    let store = aws.lease_store(&group);
+    store.ensure_table().await.unwrap();
+    let describe = [
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ];
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    // No row at all (no worker ever started, or the rows were deleted): nothing of the
+    // stream is read, and the summary must say so rather than "max lag 0 ms" alone.
+    let out = run(&describe).await;
+    assert!(
+        out.stdout
+            .contains("2 open shards of the stream without a lease")
+            && out.stdout.contains(shard0)
+            && out.stdout.contains(shard1),
+        "{}",
+        out.stdout
+    );
+    // One row: the other shard is named.
+    let row = shardflow::lease::Lease::new(shard0, Vec::new(), Checkpoint::TrimHorizon);
+    assert!(store.create(&row).await.unwrap());
+    let mut json = describe.to_vec();
+    json.push("--json");
+    let out = run(&json).await;
+    assert_eq!(
+        out.json()["shards_without_lease"],
+        serde_json::json!([shard1]),
+        "{}",
+        out.stdout
+    );
 }
