@@ -21,9 +21,15 @@
 //! of several streams. Together with [`reset_checkpoint`] and
 //! [`lease::worker_of`](crate::lease::worker_of) (the worker id inside an owner), they are
 //! the operating API: what the `shardflow` command line is built on, for tools of your own.
+//!
+//! A sequence number names a position in one shard only: a shard whose checkpoint is
+//! another shard's sequence number cannot be read from it (Kinesis refuses the
+//! iterator). [`check_sequence`] checks, before a reset to a sequence number is written,
+//! that the shard can be read after it, and names the shard it belongs to when not.
 
-use crate::kinesis::StreamIdentity;
+use crate::kinesis::{KinesisApi, KinesisError, StartingPosition, StreamIdentity};
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use crate::SequenceNumber;
 
 /// How many times [`reset_checkpoint`] reads the row again after a conditional write
 /// lost to the owner's renewal.
@@ -83,6 +89,30 @@ pub enum AdminError {
     /// The lease store failed.
     #[error(transparent)]
     Store(#[from] LeaseError),
+    /// A sequence number of one shard given for another: that shard could not be read
+    /// from it.
+    #[error("sequence number {sequence} is a position of shard {of}, not of shard {shard}: a checkpoint there could not be read (reset {of} alone: --shard {of})")]
+    SequenceOfAnotherShard {
+        /// The sequence number given.
+        sequence: String,
+        /// The shard it was to be stored for.
+        shard: String,
+        /// The shard that holds it.
+        of: String,
+    },
+    /// A sequence number that no shard of the stream can be read after.
+    #[error("sequence number {sequence} is not a readable position of shard {shard} nor of any other shard of stream {stream}")]
+    SequenceNotInStream {
+        /// The sequence number given.
+        sequence: String,
+        /// The shard it was to be stored for.
+        shard: String,
+        /// The stream.
+        stream: String,
+    },
+    /// Kinesis failed while a position was checked.
+    #[error(transparent)]
+    Kinesis(#[from] KinesisError),
 }
 
 /// One row of a lease table as operators name it: its stream (multi-stream tables) and
@@ -297,6 +327,50 @@ pub async fn reset_checkpoint(
         }
     }
     Err(AdminError::Contended(key.to_owned()))
+}
+
+/// Checks that `shard` of `stream` can be read after `sequence` (what a worker does with
+/// a checkpoint at it), before a reset to it is written. When Kinesis refuses the
+/// position as invalid for the shard, the stream's other shards are tried and the error
+/// names the one it belongs to ([`AdminError::SequenceOfAnotherShard`]), or says that
+/// none does ([`AdminError::SequenceNotInStream`]). Other Kinesis failures are returned
+/// as they are.
+pub async fn check_sequence(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    shard: &str,
+    sequence: &SequenceNumber,
+) -> Result<(), AdminError> {
+    let after = StartingPosition::AfterSequenceNumber(sequence.clone());
+    match kinesis.shard_iterator(stream, shard, &after).await {
+        Ok(_) => return Ok(()),
+        Err(KinesisError::Invalid(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    for other in kinesis.list_shards(stream).await? {
+        if other.shard_id == shard {
+            continue;
+        }
+        match kinesis
+            .shard_iterator(stream, &other.shard_id, &after)
+            .await
+        {
+            Ok(_) => {
+                return Err(AdminError::SequenceOfAnotherShard {
+                    sequence: sequence.as_str().to_owned(),
+                    shard: shard.to_owned(),
+                    of: other.shard_id,
+                })
+            }
+            Err(KinesisError::Invalid(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(AdminError::SequenceNotInStream {
+        sequence: sequence.as_str().to_owned(),
+        shard: shard.to_owned(),
+        stream: stream.to_owned(),
+    })
 }
 
 #[cfg(test)]

@@ -1,5 +1,8 @@
 //! `group describe` (one row per shard with its owner, lease activity, checkpoint and
-//! lag; in a multi-stream table its stream too, and the lag per stream) and `group delete` (the lease table, refused while leases are live).
+//! lag; in a multi-stream table its stream too, and the lag per stream; the group's
+//! leader; a summary that counts the shards in error, unreadable or without an owner,
+//! and exit code 1 when a shard cannot be read) and `group delete` (the lease table,
+//! refused while leases are live).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
@@ -9,7 +12,10 @@ use clap::Args;
 use serde_json::json;
 use shardflow::admin::{select_rows, table_rows, TableRow};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
-use shardflow::lease::{worker_of, Checkpoint, Lease, LeaseStore};
+use shardflow::lease::dynamo::DynamoCoordinatorState;
+use shardflow::lease::{
+    worker_of, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore, LEADER_KEY,
+};
 use shardflow::Backend;
 
 use crate::position::{after_checkpoint, show};
@@ -148,6 +154,26 @@ async fn shards_of(
     Ok(out)
 }
 
+/// The owner of the leader item `key` in the group's coordinator-state table: `Ok(None)`
+/// when there is none (no table, no item, or released), the error's text when it
+/// cannot be read.
+async fn leader(state: &DynamoCoordinatorState, key: &str) -> Result<Option<String>, String> {
+    match state.get(key).await {
+        Ok(item) => Ok(item.and_then(|i| i.owner)),
+        Err(LeaseError::TableMissing { .. }) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A leader for people: its owner, `none`, or why it is unknown.
+fn leader_text(leader: &Result<Option<String>, String>) -> String {
+    match leader {
+        Ok(Some(owner)) => owner.clone(),
+        Ok(None) => "none".to_owned(),
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
 /// One described row: the row, its state, its lag (ms, records) or the error reading it.
 type Described<'a> = (
     &'a TableRow,
@@ -225,6 +251,64 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             }
         }
     }
+    // The group's leader: one item per group, or per stream in a multi-stream table.
+    let coordinator =
+        DynamoCoordinatorState::new(cx.aws.dynamodb_client().clone(), args.group.table());
+    let group_leader = if multi {
+        None
+    } else {
+        Some(leader(&coordinator, LEADER_KEY).await)
+    };
+    let mut stream_leaders: BTreeMap<String, Result<Option<String>, String>> = BTreeMap::new();
+    for identity in per_stream.keys() {
+        stream_leaders.insert(identity.clone(), leader(&coordinator, identity).await);
+    }
+    // Shards that cannot be read (lag read failed, or the row does not parse), and
+    // unfinished shards nobody holds.
+    let in_error: Vec<&str> = out
+        .iter()
+        .filter(|o| o.4.is_some())
+        .map(|o| o.0.lease.key.as_str())
+        .collect();
+    let unreadable = out.iter().filter(|o| o.1 == "unreadable").count();
+    let unowned = out
+        .iter()
+        .filter(|o| matches!(o.1, "open" | "closed") && o.0.lease.owner.is_none())
+        .count();
+    // Open shards of the streams described that have no row at all (none of their
+    // parents has an unfinished row either, which they would wait for): nobody reads
+    // them, and no row above says so (an empty table: the whole stream).
+    let mut without_lease: Vec<String> = Vec::new();
+    for (identity, by_id) in &shards {
+        let row_of = |id: &str| rows.iter().find(|r| r.stream == *identity && r.shard == id);
+        for s in by_id.values() {
+            let waits = s
+                .parents()
+                .iter()
+                .any(|p| row_of(p).is_some_and(|r| r.lease.checkpoint != Checkpoint::ShardEnd));
+            if !s.is_closed() && row_of(&s.shard_id).is_none() && !waits {
+                without_lease.push(match identity {
+                    Some(i) => format!("{}/{}", i.name, s.shard_id),
+                    None => s.shard_id.clone(),
+                });
+            }
+        }
+    }
+    let code = if in_error.is_empty() && unreadable == 0 {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!(
+            "shardflow: error: {} cannot be read ({} in error{}, {unreadable} unreadable)",
+            count(in_error.len() + unreadable, "shard"),
+            in_error.len(),
+            if in_error.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", in_error.join(", "))
+            },
+        );
+        ExitCode::FAILURE
+    };
     let renewing = |key: &str| moved.as_ref().map(|m| m.contains(key));
     if cx.json {
         let shards_json: Vec<_> = out
@@ -259,6 +343,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                     "shards": n,
                     "max_millis_behind_latest": ms,
                     "records_behind": records,
+                    "leader": stream_leaders.get(identity).and_then(|l| l.clone().ok().flatten()),
                 })
             })
             .collect();
@@ -272,8 +357,13 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             "max_millis_behind_latest": total_ms,
             "records_behind": total_records,
             "sample_ms": args.sample_ms,
+            "leader": group_leader.as_ref().and_then(|l| l.clone().ok().flatten()),
+            "shards_in_error": in_error.len(),
+            "shards_unreadable": unreadable,
+            "shards_without_owner": unowned,
+            "shards_without_lease": without_lease,
         }));
-        return Ok(ExitCode::SUCCESS);
+        return Ok(code);
     }
     let mut header = vec![
         "shard",
@@ -328,14 +418,17 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     println!("{t}");
     for (identity, (n, ms, records)) in &per_stream {
         println!(
-            "stream {identity}: {n} shards, max lag {} ms{}",
+            "stream {identity}: {n} shards, leader {}, max lag {} ms{}",
+            stream_leaders
+                .get(identity)
+                .map_or_else(|| "none".to_owned(), leader_text),
             ms.unwrap_or(0),
             records.map_or_else(String::new, |r| format!(", {r} records behind")),
         );
     }
     let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
     println!(
-        "{}{} shards, {} ({}), max lag {} ms{}",
+        "{}{} shards, {} ({}){}, max lag {} ms{}; {} in error, {unreadable} unreadable, {unowned} without an owner{}",
         if multi {
             format!("{} streams, ", per_stream.len())
         } else {
@@ -348,10 +441,23 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         } else {
             per_worker.join(", ")
         },
+        group_leader
+            .as_ref()
+            .map_or_else(String::new, |l| format!(", leader {}", leader_text(l))),
         total_ms.unwrap_or(0),
         total_records.map_or_else(String::new, |r| format!(", {r} records behind")),
+        in_error.len(),
+        if without_lease.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} of the stream without a lease, read by nobody: {}",
+                count(without_lease.len(), "open shard"),
+                without_lease.join(", ")
+            )
+        },
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 /// `n thing` or `n things`.

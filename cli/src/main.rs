@@ -5,8 +5,9 @@
 //! standard way).
 //!
 //! Exit codes: 0 done; 1 an error (AWS, a missing table or stream, a refused delete);
-//! 2 a usage error (among them a shard id that names rows of several streams); 3 a plan printed and nothing changed (a reset, delete or replay
-//! without `--yes`).
+//! 2 a usage error (among them a shard id that names rows of several streams, and a
+//! sequence number given for a shard that does not hold it); 3 a plan printed and nothing changed (a reset, delete or replay
+//! without `--yes`); 130 a replay stopped by ctrl-c (its progress saved).
 
 mod describe;
 mod dlq;
@@ -32,7 +33,7 @@ pub const EXIT_PLAN_ONLY: u8 = 3;
 #[derive(Parser, Debug)]
 #[command(name = "shardflow", version, about, long_about = None)]
 #[command(
-    after_help = "Exit codes: 0 done, 1 error, 2 usage error, 3 plan printed and nothing changed (no --yes)."
+    after_help = "Exit codes: 0 done, 1 error, 2 usage error, 3 plan printed and nothing changed (no --yes), 130 replay stopped by ctrl-c (progress saved)."
 )]
 struct Cli {
     /// Print JSON instead of tables (one object; `stream tail` prints one per line).
@@ -140,6 +141,8 @@ pub type CliResult = Result<ExitCode, CliError>;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `dlq replay` stops cleanly on ctrl-c: its handler is installed before anything else.
+    let mut interrupt = matches!(cli.command, Command::Dlq(_)).then(dlq::interrupt);
     let context = Context {
         aws: Aws::from_env().await,
         json: cli.json,
@@ -149,11 +152,15 @@ async fn main() -> ExitCode {
         Command::Group(GroupCommand::Reset(args)) => reset::reset(&context, args).await,
         Command::Group(GroupCommand::Delete(args)) => describe::delete(&context, args).await,
         Command::Stream(StreamCommand::Tail(args)) => tail::tail(&context, args).await,
-        Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(&context, args).await,
+        Command::Dlq(DlqCommand::Replay(args)) => match interrupt.as_mut() {
+            Some(ctrl_c) => dlq::replay(&context, args, ctrl_c).await,
+            None => Ok(ExitCode::FAILURE),
+        },
     };
     match result {
         Ok(code) => code,
-        // Input that could name rows of several streams is a usage error.
+        // Input that could name rows of several streams, or a sequence number for a shard
+        // that does not hold it, is a usage error.
         Err(e)
             if e.downcast_ref::<AdminError>().is_some_and(|e| {
                 matches!(
@@ -161,6 +168,8 @@ async fn main() -> ExitCode {
                     AdminError::AmbiguousShard { .. }
                         | AdminError::AmbiguousStream { .. }
                         | AdminError::StreamRequired(_)
+                        | AdminError::SequenceOfAnotherShard { .. }
+                        | AdminError::SequenceNotInStream { .. }
                 )
             }) =>
         {

@@ -1,5 +1,7 @@
-//! Positions on the command line: `trim-horizon`, `latest`, `timestamp T` (RFC 3339 or
-//! epoch milliseconds) and `sequence N`, for `group reset --to` and `stream tail --from`.
+//! Positions on the command line: `trim-horizon`, `latest`, `timestamp T` (RFC 3339 with
+//! any UTC offset, or epoch milliseconds) and `sequence N`, for `group reset --to` and
+//! `stream tail --from`. A number that reads as epoch seconds rather than milliseconds
+//! is refused, and a time in the future is warned about.
 
 use std::time::{Duration, SystemTime};
 
@@ -37,15 +39,43 @@ pub fn parse(words: &[String]) -> Result<Spot, String> {
     }
 }
 
-/// An RFC 3339 time (`2026-11-30T14:00:00Z`) or epoch milliseconds.
+/// Epoch milliseconds below this (1973-03-03) are taken for epoch seconds given by
+/// mistake (as seconds, the same digits are after the year 5000) and refused.
+const SECONDS_NOT_MILLIS: u64 = 100_000_000_000;
+
+/// An RFC 3339 time (`2026-11-30T14:00:00Z`, `2026-11-30T15:00:00.250+01:00`) or epoch
+/// milliseconds. A number small enough to be epoch seconds is refused, naming the time
+/// it would be as seconds.
 pub fn parse_time(text: &str) -> Result<SystemTime, String> {
     if let Ok(ms) = text.parse::<u64>() {
+        if ms < SECONDS_NOT_MILLIS {
+            let as_seconds = SystemTime::UNIX_EPOCH + Duration::from_secs(ms);
+            return Err(format!(
+                "timestamp {text:?} would be {} as epoch milliseconds, and looks like epoch seconds ({}): give epoch milliseconds ({}) or RFC 3339",
+                rfc3339(SystemTime::UNIX_EPOCH + Duration::from_millis(ms)),
+                rfc3339(as_seconds),
+                ms.saturating_mul(1000)
+            ));
+        }
         return Ok(SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
     }
-    let t =
-        aws_smithy_types::DateTime::from_str(text, aws_smithy_types::date_time::Format::DateTime)
-            .map_err(|e| format!("timestamp {text:?}: {e} (use RFC 3339 or epoch milliseconds)"))?;
-    SystemTime::try_from(t).map_err(|e| format!("timestamp {text:?}: {e}"))
+    let t = time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| format!("timestamp {text:?}: {e} (use RFC 3339 or epoch milliseconds)"))?;
+    Ok(SystemTime::from(t))
+}
+
+/// A warning for a time in the future (a reset there skips every record until then;
+/// a read there shows nothing before it), or `None`.
+pub fn future_warning(spot: &Spot) -> Option<String> {
+    let Spot::Timestamp(t) = spot else {
+        return None;
+    };
+    let ahead = t.duration_since(SystemTime::now()).ok()?;
+    Some(format!(
+        "timestamp {} is in the future ({:.0} s from now): nothing before it is read",
+        rfc3339(*t),
+        ahead.as_secs_f64().ceil()
+    ))
 }
 
 /// Epoch milliseconds of `t`.
@@ -114,9 +144,20 @@ mod tests {
         assert_eq!(parse(&w("trim-horizon")), Ok(Spot::TrimHorizon));
         assert_eq!(parse(&w("latest")), Ok(Spot::Latest));
         assert_eq!(
-            parse(&w("timestamp 1000")),
+            parse(&w("timestamp 1700000000000")),
             Ok(Spot::Timestamp(
-                SystemTime::UNIX_EPOCH + Duration::from_secs(1)
+                SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
+            ))
+        );
+        let seconds = parse(&w("timestamp 1700000000")).unwrap_err();
+        assert!(
+            seconds.contains("epoch seconds (2023-11-14T22:13:20Z)"),
+            "{seconds}"
+        );
+        assert_eq!(
+            parse(&w("timestamp 2023-11-14T23:13:20.5+01:00")),
+            Ok(Spot::Timestamp(
+                SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_500)
             ))
         );
         assert_eq!(

@@ -7,11 +7,14 @@ use std::process::ExitCode;
 use clap::Args;
 use serde_json::json;
 use shardflow::admin::{
-    descendants, reset_checkpoint, select_rows, table_rows, ResetOutcome, TableRow,
+    check_sequence, descendants, reset_checkpoint, select_rows, table_rows, AdminError,
+    ResetOutcome, TableRow,
 };
+use shardflow::kinesis::KinesisError;
 use shardflow::lease::{Checkpoint, LeaseStore};
+use shardflow::Backend;
 
-use crate::position::{parse, show, Spot};
+use crate::position::{future_warning, parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
 
 /// `group reset`.
@@ -19,8 +22,9 @@ use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
 pub struct ResetArgs {
     #[command(flatten)]
     group: GroupArgs,
-    /// The new position: trim-horizon, latest, timestamp T (RFC 3339 or epoch ms), or
-    /// sequence N (N counts as handled: reading goes on after it).
+    /// The new position: trim-horizon, latest, timestamp T (RFC 3339 with any UTC
+    /// offset, or epoch ms; epoch seconds are refused, a future time warned about), or
+    /// sequence N of the shard reset (N counts as handled: reading goes on after it).
     #[arg(long, num_args = 1..=2, required = true, value_names = ["POSITION", "VALUE"])]
     to: Vec<String>,
     /// Only these shards (repeat for several); every shard of the table (of --stream on
@@ -43,6 +47,9 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
             return Ok(ExitCode::from(2));
         }
     };
+    if let Some(warning) = future_warning(&spot) {
+        eprintln!("shardflow: warning: --to {warning} (the shards skip every record until then)");
+    }
     let to = spot.checkpoint();
     let store = args.group.store(&cx.aws);
     let table_name = args.group.table();
@@ -71,6 +78,44 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
                 if chosen.iter().all(|(r, _)| r.lease.key != child.lease.key) {
                     chosen.push((child, below.clone()));
                 }
+            }
+        }
+    }
+    // A sequence number is a position of one shard: every row it would be stored in
+    // must be readable after it, checked before anything is written (a reset of every
+    // shard to one shard's sequence number is refused, naming both shards).
+    if let Spot::Sequence(sequence) = &spot {
+        let kinesis = cx.aws.kinesis();
+        for (r, to) in &chosen {
+            if *to != Checkpoint::At(shardflow::Position::new(sequence.clone(), 0)) {
+                continue;
+            }
+            let stream = match r.stream_name() {
+                Some(stream) => stream,
+                None => args.group.single_stream()?,
+            };
+            match check_sequence(kinesis.as_ref(), stream, &r.shard, sequence).await {
+                // A shard no longer in the stream (past its retention) cannot be checked;
+                // nothing can be read from it whatever its checkpoint. A stream that is
+                // not there (a misspelt --stream) checks nothing: refused.
+                Err(AdminError::Kinesis(KinesisError::NotFound(e))) => {
+                    match kinesis.list_shards(stream).await {
+                        Ok(_) => eprintln!(
+                            "shardflow: warning: {}: cannot check that sequence {} is one of its positions: {e}",
+                            r.shard,
+                            sequence.as_str()
+                        ),
+                        Err(KinesisError::NotFound(_)) => {
+                            return Err(format!(
+                                "stream {stream} does not exist, so sequence {} cannot be checked against its shards: nothing was reset (is --stream right?)",
+                                sequence.as_str()
+                            )
+                            .into())
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                other => other?,
             }
         }
     }

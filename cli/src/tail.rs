@@ -1,10 +1,11 @@
 //! `stream tail`: prints a stream's records (KPL aggregates split, dead-letter envelopes
 //! decoded, the headers of dead letters and of Spring-framed records shown), following
-//! the children of shards that end, until `--limit` or ctrl-c.
+//! the children of shards that end (read from the asked position too), until `--limit`
+//! or ctrl-c.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use clap::{Args, ValueEnum};
 use serde_json::json;
@@ -13,7 +14,7 @@ use shardflow::kinesis::{KinesisApi, ShardInfo, StartingPosition};
 use shardflow::{Backend, Headers};
 use shardflow_middleware::DeadLetterEnvelope;
 
-use crate::position::{parse, rfc3339, Spot};
+use crate::position::{future_warning, parse, rfc3339, Spot};
 use crate::read::{user_records, UserRecord, PAGE};
 use crate::{CliResult, Context};
 
@@ -36,7 +37,8 @@ pub enum TailFormat {
 pub struct TailArgs {
     /// The stream.
     stream: String,
-    /// Where to start: trim-horizon, latest, timestamp T (RFC 3339 or epoch ms).
+    /// Where to start, in every shard read (children included): trim-horizon, latest,
+    /// timestamp T (RFC 3339 with any UTC offset, or epoch ms).
     #[arg(long, num_args = 1..=2, default_values_t = ["latest".to_owned()], value_names = ["POSITION", "VALUE"])]
     from: Vec<String>,
     /// Only these shards (their children are followed too); all by default.
@@ -164,15 +166,22 @@ fn first_shards(all: &[ShardInfo], wanted: &[String], spot: &Spot) -> Vec<String
 /// `stream tail`.
 pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     let spot = match parse(&args.from) {
-        Ok(Spot::Sequence(_)) | Err(_) => {
+        Ok(Spot::Sequence(_)) => {
             eprintln!(
                 "shardflow: error: --from {:?}: expected trim-horizon, latest or timestamp T",
                 args.from.join(" ")
             );
             return Ok(ExitCode::from(2));
         }
+        Err(e) => {
+            eprintln!("shardflow: error: --from {e}");
+            return Ok(ExitCode::from(2));
+        }
         Ok(spot) => spot,
     };
+    if let Some(warning) = future_warning(&spot) {
+        eprintln!("shardflow: warning: --from {warning}");
+    }
     let format = if cx.json {
         TailFormat::Json
     } else {
@@ -187,6 +196,14 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     if futures_util::FutureExt::now_or_never(ctrl_c.as_mut()).is_some() {
         return Ok(ExitCode::SUCCESS);
     }
+    // Where the children of shards that end start: at the asked position too (a child
+    // of a stream resharded before T holds records older than T); from LATEST, at the
+    // time tail started, so that a child's records from then on are all shown.
+    let started = SystemTime::now();
+    let children_from = match &spot {
+        Spot::Latest => StartingPosition::AtTimestamp(started),
+        other => other.starting(),
+    };
     let all = kinesis.list_shards(stream).await?;
     // Shard id -> its iterator; ended shards are remembered to start their children.
     let mut reading: BTreeMap<String, String> = BTreeMap::new();
@@ -236,7 +253,14 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
                     reading.remove(&shard);
                     ended.insert(shard);
                     idle = false;
-                    start_children(kinesis.as_ref(), stream, &mut reading, &ended).await?;
+                    start_children(
+                        kinesis.as_ref(),
+                        stream,
+                        &children_from,
+                        &mut reading,
+                        &ended,
+                    )
+                    .await?;
                 }
             }
         }
@@ -250,10 +274,11 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Starts reading (from their first record) the children whose parents all ended.
+/// Starts reading, at `from`, the children whose parents all ended.
 async fn start_children(
     kinesis: &dyn KinesisApi,
     stream: &str,
+    from: &StartingPosition,
     reading: &mut BTreeMap<String, String>,
     ended: &BTreeSet<String>,
 ) -> Result<(), crate::CliError> {
@@ -268,7 +293,7 @@ async fn start_children(
             continue;
         }
         let it = kinesis
-            .shard_iterator(stream, &shard.shard_id, &StartingPosition::TrimHorizon)
+            .shard_iterator(stream, &shard.shard_id, from)
             .await?;
         reading.insert(shard.shard_id, it);
     }

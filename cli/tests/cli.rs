@@ -14,6 +14,7 @@ use shardflow::lease::{Checkpoint, LeaseError, LeaseStore};
 use shardflow::producer::Producer;
 use shardflow::{Aws, Backend, Headers, Metadata};
 use shardflow_middleware::dead_letter::{DeadLetterRecord, ProducerSink};
+use shardflow_middleware::DeadLetterEnvelope;
 use testkit::*;
 use tower::ServiceExt;
 
@@ -730,6 +731,13 @@ async fn resetting_a_finished_shard_resets_its_descendants() {
     }
     let aws = Aws::from_env().await;
     let (stream, group) = (unique("cli-reset-tree"), unique("cli-reset-tree-g"));
+    // The stream exists (a sequence reset of a stream that does not is refused); the
+    // rows' shards are no longer in it, so their sequence numbers cannot be checked.
+    aws.admin()
+        .unwrap()
+        .create_stream(&stream, 1)
+        .await
+        .unwrap();
     let store = aws.lease_store(&group);
     store.ensure_table().await.unwrap();
     // A finished parent, a finished child of it, a grandchild being read, and an
@@ -1014,8 +1022,10 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
         "0",
     ])
     .await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    // A shard that cannot be read: everything printed, and exit code 1.
+    assert_eq!(out.code, 1, "{}", out.stderr);
     let described = out.json();
+    assert_eq!(described["shards_unreadable"], 1, "{described}");
     let shards = described["shards"].as_array().unwrap();
     assert_eq!(shards.len(), 2, "{described}");
     for s in shards {
@@ -1041,8 +1051,14 @@ async fn describe_shows_a_row_that_does_not_parse_as_unreadable() {
         "0",
     ])
     .await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.code, 1, "{}", out.stderr);
     assert!(out.stdout.contains("unreadable"), "{}", out.stdout);
+    assert!(out.stdout.contains("1 unreadable"), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("1 shard cannot be read"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// A Kinesis endpoint in front of the emulator that refuses (HTTP 400,
@@ -1372,6 +1388,973 @@ async fn dlq_replay_writes_the_headers_back_and_tail_shows_them() {
     assert!(
         out.stdout
             .contains(r#"headers={"contentType":"application/json","#),
+        "{}",
+        out.stdout
+    );
+}
+
+/// Writes dead letters of `(partition key, payload)` to `dlq` as envelopes, 500 per
+/// PutRecords call, in this order (a quicker way to many dead letters than the sink).
+async fn put_dead_letters(
+    kinesis: &dyn KinesisApi,
+    dlq: &str,
+    origin: &str,
+    letters: &[(String, String)],
+) {
+    let records: Vec<PutRecord> = letters
+        .iter()
+        .enumerate()
+        .flat_map(|(n, (key, payload))| {
+            let record = DeadLetterRecord {
+                metadata: Metadata::builder()
+                    .stream(origin)
+                    .partition_key(key.as_str())
+                    .sequence_number(1000u64 + n as u64)
+                    .build(),
+                payload: Bytes::from(payload.clone()),
+                error: "refused".into(),
+                attempts: Some(1),
+                headers: Headers::new(),
+            };
+            DeadLetterEnvelope::from_record(&record)
+                .to_records()
+                .unwrap()
+                .into_iter()
+                .map(|data| PutRecord {
+                    data,
+                    partition_key: key.clone(),
+                    explicit_hash_key: None,
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for chunk in records.chunks(500) {
+        let outcomes = kinesis.put_records(dlq, chunk).await.unwrap();
+        assert!(
+            outcomes
+                .iter()
+                .all(|o| matches!(o, shardflow::kinesis::PutOutcome::Stored { .. })),
+            "{outcomes:?}"
+        );
+    }
+}
+
+/// Payloads per partition key, in order.
+type ByKey = BTreeMap<String, Vec<String>>;
+
+/// `n` dead letters over `keys` partition keys (`order-<n>`), and per key the payloads
+/// in order.
+fn many_letters(n: usize, keys: usize) -> (Vec<(String, String)>, ByKey) {
+    let letters: Vec<(String, String)> = (0..n)
+        .map(|i| (format!("customer-{}", i % keys), format!("order-{i}")))
+        .collect();
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (key, payload) in &letters {
+        expected
+            .entry(key.clone())
+            .or_default()
+            .push(payload.clone());
+    }
+    (letters, expected)
+}
+
+/// Checks that what `got` holds per key, first occurrences only, is `expected` (or,
+/// unless `complete`, a prefix of it): nothing lost, nothing out of per-key order.
+/// Returns how many records are repeats.
+fn repeats_in_key_order(
+    got: &BTreeMap<String, Vec<String>>,
+    expected: &BTreeMap<String, Vec<String>>,
+    complete: bool,
+) -> usize {
+    let mut repeats = 0;
+    for (key, payloads) in got {
+        let mut seen = std::collections::BTreeSet::new();
+        let firsts: Vec<String> = payloads
+            .iter()
+            .filter(|p| seen.insert(p.as_str()))
+            .cloned()
+            .collect();
+        repeats += payloads.len() - firsts.len();
+        let want = expected.get(key).cloned().unwrap_or_default();
+        if complete {
+            assert_eq!(firsts, want, "{key}: every dead letter, in order");
+        } else {
+            assert!(want.starts_with(&firsts), "{key}: in order: {firsts:?}");
+        }
+    }
+    if complete {
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            expected.keys().collect::<Vec<_>>()
+        );
+    }
+    repeats
+}
+
+/// Starts `shardflow ARGS`, signals it `after` (SIGKILL when `kill`, else SIGINT as
+/// ctrl-c does) unless it ended, and returns what it printed and its exit code (-1 when
+/// the signal ended it).
+async fn run_signalled(args: &[&str], after: Duration, kill: bool) -> Out {
+    run_signalled_once(args, std::future::ready(()), after, kill).await
+}
+
+/// Like [`run_signalled`], `after` counted from when `start` completes.
+async fn run_signalled_once(
+    args: &[&str],
+    start: impl std::future::Future<Output = ()>,
+    after: Duration,
+    kill: bool,
+) -> Out {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the binary");
+    let pid = child.id().expect("running").to_string();
+    let (mut so, mut se) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let output = async {
+        use tokio::io::AsyncReadExt;
+        let (mut out, mut err) = (String::new(), String::new());
+        let signal = async {
+            start.await;
+            tokio::time::sleep(after).await;
+            // Not reaped before the output ends: the pid is still this child's.
+            if kill {
+                let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            } else {
+                let _ = Command::new("kill").args(["-INT", &pid]).status();
+            }
+        };
+        let read = async {
+            let (a, b) = tokio::join!(so.read_to_string(&mut out), se.read_to_string(&mut err));
+            a.unwrap();
+            b.unwrap();
+        };
+        tokio::select! {
+            _ = read => {}
+            _ = async { signal.await; std::future::pending::<()>().await } => {}
+        }
+        let status = child.wait().await.unwrap();
+        (status, out, err)
+    };
+    let (status, stdout, stderr) = within(RUN_LIMIT, &format!("shardflow {args:?}"), output).await;
+    Out {
+        code: status.code().unwrap_or(-1),
+        stdout,
+        stderr,
+    }
+}
+
+/// The most dead letters a crashed replay may have published without recording them:
+/// a progress write's worth plus the writes in flight (docs/cli.md).
+const CRASH_REPEATS: usize = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replays_started_together_publish_each_dead_letter_once() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(300, 10);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let replay = ["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"];
+    let (a, b) = tokio::join!(run(&replay), run(&replay));
+    let codes = [a.code, b.code];
+    assert!(
+        codes.contains(&0),
+        "one of them replays: {codes:?}\n{}\n{}",
+        a.stderr,
+        b.stderr
+    );
+    for out in [&a, &b] {
+        if out.code != 0 {
+            assert_eq!(out.code, 1, "{}", out.stderr);
+            assert!(
+                out.stderr.contains("holds its progress item") && out.stderr.contains(" until "),
+                "says who holds it and until when: {}",
+                out.stderr
+            );
+        }
+    }
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    assert_eq!(
+        repeats_in_key_order(&got, &expected, true),
+        0,
+        "each dead letter once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_is_refused_while_a_crashed_run_holds_its_claim_then_takes_it_over() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(3000, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    // Long enough for the second run to read the dead-letter stream on a busy machine.
+    let claim_ms = 10_000u64;
+    let claim = claim_ms.to_string();
+    let replay = [
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--claim-ms",
+        &claim,
+    ];
+    // A run killed once it has published something: it holds the claim.
+    let first = tokio::spawn({
+        let replay: Vec<String> = replay.iter().map(|s| s.to_string()).collect();
+        async move {
+            let args: Vec<&str> = replay.iter().map(String::as_str).collect();
+            run_signalled(&args, Duration::from_secs(60), true).await
+        }
+    });
+    let started = within(LIMIT, "the first run publishing", async {
+        loop {
+            if !read_all(kinesis.as_ref(), &orders).await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    started.await;
+    first.abort(); // kill_on_drop: SIGKILL, a crash
+    let _ = first.await;
+    let killed_at = std::time::Instant::now();
+    let written = read_all(kinesis.as_ref(), &orders).await.len();
+    assert!(written < letters.len(), "killed before the end: {written}");
+
+    let out = run(&replay).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("holds its progress item") && out.stderr.contains(" until "),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains('#'), "names the holder: {}", out.stderr);
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        written,
+        "the refused run wrote nothing"
+    );
+    // Once the crashed run's claim expired, the same command takes it over and ends the
+    // replay.
+    tokio::time::sleep(Duration::from_millis(claim_ms + 200).saturating_sub(killed_at.elapsed()))
+        .await;
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    let repeats = repeats_in_key_order(&got, &expected, true);
+    assert!(
+        repeats <= CRASH_REPEATS,
+        "{repeats} published again after the crash"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replays_interrupted_or_killed_at_random_points_publish_each_dead_letter_once() {
+    use rand::{Rng, SeedableRng};
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(2000, 40);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let claim_ms = 1500u64;
+    let claim = claim_ms.to_string();
+    let replay = [
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--json",
+        "--claim-ms",
+        &claim,
+    ];
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(33);
+    let mut repeats = 0usize;
+    let mut per_kill = Vec::new();
+    // The last run was killed (its claim must expire first); a killed run's unrecorded
+    // writes are still to be published again (by the next run that publishes).
+    let (mut killed, mut owed) = (false, false);
+    let mut finished = false;
+    for round in 0..20 {
+        let kill = rng.gen_ratio(1, 3);
+        // Most signals come while the run publishes (counted from its first new
+        // record), the others at any point from its start.
+        let publishing = rng.gen_ratio(3, 4);
+        let after = if publishing {
+            Duration::from_millis(rng.gen_range(0..800))
+        } else {
+            Duration::from_millis(rng.gen_range(50..1500))
+        };
+        if killed {
+            // The crashed run's claim lasts claim_ms after its last renewal.
+            tokio::time::sleep(Duration::from_millis(claim_ms + 100)).await;
+        }
+        let before = read_all(kinesis.as_ref(), &orders).await.len();
+        let grew = async {
+            while publishing && read_all(kinesis.as_ref(), &orders).await.len() <= before {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let out = run_signalled_once(&replay, grew, after, kill).await;
+        match (kill, out.code) {
+            (_, 0) => {}
+            (false, 130) => {
+                let summary = out.json();
+                assert_eq!(summary["interrupted"], true, "{summary}");
+            }
+            (true, -1) => {}
+            (_, code) => panic!(
+                "round {round}: {} after {after:?} ended with {code}\n{}\n{}",
+                if kill { "SIGKILL" } else { "SIGINT" },
+                out.stdout,
+                out.stderr
+            ),
+        }
+        let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+        let written: usize = got.values().map(Vec::len).sum();
+        let now = repeats_in_key_order(&got, &expected, false);
+        if now > repeats {
+            // What a killed run had written but not recorded, published again by the
+            // next run that publishes; an interrupted run leaves nothing to publish
+            // again.
+            assert!(owed, "round {round}: {} published again", now - repeats);
+            assert!(
+                now - repeats <= CRASH_REPEATS,
+                "round {round}: {} published again",
+                now - repeats
+            );
+            per_kill.push(now - repeats);
+        }
+        killed = out.code == -1;
+        if killed {
+            owed = true;
+        } else if written > before {
+            owed = false;
+        }
+        repeats = now;
+        finished = out.code == 0;
+        eprintln!(
+            "round {round}: kill={kill} publishing={publishing} after={after:?} code={} written={written} repeats={repeats}",
+            out.code
+        );
+    }
+    if !finished || killed {
+        if killed {
+            tokio::time::sleep(Duration::from_millis(claim_ms + 100)).await;
+        }
+        let out = run(&replay).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+    }
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    let total = repeats_in_key_order(&got, &expected, true);
+    assert!(total <= (per_kill.len() + 1) * CRASH_REPEATS, "{total}");
+    eprintln!("published again after each kill: {per_kill:?}");
+}
+
+/// The first record's sequence number of `shard`.
+async fn first_sequence(kinesis: &dyn KinesisApi, stream: &str, shard: &str) -> String {
+    let mut it = kinesis
+        .shard_iterator(stream, shard, &StartingPosition::TrimHorizon)
+        .await
+        .unwrap();
+    loop {
+        let page = kinesis.get_records(&it, 1).await.unwrap();
+        if let Some(r) = page.records.first() {
+            return r.sequence_number.as_str().to_owned();
+        }
+        it = page.next_iterator.expect("records in the shard");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_a_sequence_number_of_another_shard_is_refused_and_describe_fails_on_an_unreadable_shard(
+) {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-seq"), unique("cli-seq-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..40).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(40, LIMIT).await;
+    let described = described_caught_up(&["--stream", &stream, "--group", &group]).await;
+    assert!(
+        described["leader"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("w1#")),
+        "the group's leader is shown: {described}"
+    );
+    let store = aws.lease_store(&group);
+    let before = committed_checkpoints(store.as_ref()).await;
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    let seq0 = first_sequence(kinesis.as_ref(), &stream, shard0).await;
+
+    // Every shard to shard 0's sequence number, or shard 1 alone: refused, naming both
+    // shards, nothing written.
+    let reset = [
+        "group", "reset", "--stream", &stream, "--group", &group, "--to", "sequence", &seq0,
+    ];
+    for extra in [&["--yes"][..], &["--shard", shard1, "--yes"], &[]] {
+        let mut args = reset.to_vec();
+        args.extend_from_slice(extra);
+        let out = run(&args).await;
+        assert_eq!(out.code, 2, "{extra:?}: {}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stderr.contains(shard0) && out.stderr.contains(shard1),
+            "{}",
+            out.stderr
+        );
+    }
+    let rows = store.list().await.unwrap();
+    assert!(rows.iter().all(|r| r.reset_to.is_none()), "{rows:?}");
+    assert_eq!(checkpoints(&rows), before);
+    // Shard 0 alone: its own sequence number is fine.
+    let mut args = reset.to_vec();
+    args.extend(["--shard", shard0, "--yes"]);
+    let out = run(&args).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    running.stop().await;
+
+    // A row holding a checkpoint its shard cannot be read from (as a reset without the
+    // check could write): describe says so and exits 1.
+    let bad = shardflow::lease::Checkpoint::At(shardflow::Position::new(seq0.parse().unwrap(), 0));
+    let outcome = within(LIMIT, "the bad checkpoint stored", async {
+        loop {
+            match shardflow::admin::reset_checkpoint(store.as_ref(), shard1, &bad).await {
+                Ok(shardflow::admin::ResetOutcome::Applied(_)) => return,
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    });
+    outcome.await;
+    let describe = [
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ];
+    let out = run(&describe).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("1 in error"), "{}", out.stdout);
+    assert!(out.stderr.contains(shard1), "{}", out.stderr);
+    let mut json = describe.to_vec();
+    json.push("--json");
+    let out = run(&json).await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert_eq!(out.json()["shards_in_error"], 1);
+}
+
+/// Writes `payloads` to `stream`, one PutRecords call, keys `pk-<payload>`.
+async fn put_texts(kinesis: &dyn KinesisApi, stream: &str, payloads: &[String]) {
+    let records: Vec<PutRecord> = payloads
+        .iter()
+        .map(|p| PutRecord {
+            data: Bytes::from(p.clone()),
+            partition_key: format!("pk-{p}"),
+            explicit_hash_key: None,
+        })
+        .collect();
+    kinesis.put_records(stream, &records).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_from_a_time_or_latest_starts_the_children_of_a_split_there_too() {
+    if !emulators_enabled() {
+        return;
+    }
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    // kinesis-local: kinesalite never answers GetShardIterator AT_TIMESTAMP on a shard
+    // without a record at or after the time (the parent here), where Kinesis gives an
+    // iterator that reads nothing.
+    let Ok(endpoint) = std::env::var("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    let env = [("AWS_ENDPOINT_URL_KINESIS", endpoint.as_str())];
+    let default = Aws::from_env().await;
+    let aws = Aws::from_clients(
+        aws_sdk_kinesis::Client::from_conf(
+            default
+                .kinesis_client()
+                .config()
+                .to_builder()
+                .endpoint_url(&endpoint)
+                .build(),
+        ),
+        default.dynamodb_client().clone(),
+    );
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-tail-from");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    let texts = |what: &str| (0..10).map(|i| format!("{what}-{i}")).collect::<Vec<_>>();
+    put_texts(kinesis.as_ref(), &stream, &texts("parent")).await;
+    let parent = kinesis.list_shards(&stream).await.unwrap()[0].clone();
+    kinesis
+        .split_shard(&stream, &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    put_texts(kinesis.as_ref(), &stream, &texts("child-before")).await;
+    // T strictly after the records before it, and before the records after it (the
+    // emulator stamps arrivals with this machine's clock, to the millisecond).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    put_texts(kinesis.as_ref(), &stream, &texts("after")).await;
+
+    let out = run_with(
+        &[
+            "stream",
+            "tail",
+            &stream,
+            "--from",
+            "timestamp",
+            &t,
+            "--format",
+            "json",
+            "--limit",
+            "10",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut printed: Vec<String> = out
+        .stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    printed.sort();
+    let mut want = texts("after");
+    want.sort();
+    assert_eq!(
+        printed, want,
+        "only the records at or after T, children included"
+    );
+
+    // From LATEST on the ended parent: the children's records from then on, none of
+    // those already there.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_shardflow"))
+        .args([
+            "stream",
+            "tail",
+            &stream,
+            "--from",
+            "latest",
+            "--shard",
+            &parent.shard_id,
+        ])
+        .args(["--limit", "1"])
+        .envs(env)
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Tail gives no sign that it started reading: new records go in until one is shown.
+    let first = within(RUN_LIMIT, "a new record shown", async {
+        let mut n = 0;
+        loop {
+            tokio::select! {
+                line = lines.next_line() => return line.unwrap().expect("a line"),
+                _ = tokio::time::sleep(Duration::from_millis(300)) => {
+                    put_texts(kinesis.as_ref(), &stream, &[format!("late-{n}")]).await;
+                    n += 1;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        first.contains(" late-"),
+        "a record written after tail started: {first}"
+    );
+    within(RUN_LIMIT, "tail ends at its limit", child.wait())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_says_what_it_skipped_and_why() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq) = (unique("cli-orders"), unique("cli-dlq"));
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, _) = many_letters(5, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    // A dead letter too large for one record, of which only the first part is there,
+    // and a record that is no envelope at all.
+    let big = DeadLetterRecord {
+        metadata: Metadata::builder()
+            .stream(orders.as_str())
+            .partition_key("customer-big")
+            .sequence_number(7u64)
+            .build(),
+        payload: Bytes::from(vec![b'x'; 1_500_000]),
+        error: "refused".into(),
+        attempts: Some(1),
+        headers: Headers::new(),
+    };
+    let parts = DeadLetterEnvelope::from_record(&big).to_records().unwrap();
+    assert!(parts.len() > 1);
+    for data in [parts[0].clone(), Bytes::from_static(b"not an envelope")] {
+        let put = PutRecord {
+            data,
+            partition_key: "customer-big".into(),
+            explicit_hash_key: None,
+        };
+        kinesis.put_records(&dlq, &[put]).await.unwrap();
+    }
+    let out = run(&["dlq", "replay", "--from", &dlq, "--to", &orders, "--yes"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("re-published 5 dead letters"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("1 record is not a dead-letter envelope and 1 dead letter misses parts"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("not a shardflow dead-letter envelope"),
+        "says why: {}",
+        out.stdout
+    );
+    // JSON too: counts, and where each record that is no envelope is.
+    let out = run(&[
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--yes",
+        "--json",
+        "--restart",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let summary = out.json();
+    assert_eq!(summary["published"], 5, "{summary}");
+    assert_eq!(summary["incomplete"], 1, "{summary}");
+    assert_eq!(summary["not_envelopes"], 1, "{summary}");
+    assert_eq!(
+        summary["skipped"][0]["shard"], "shardId-000000000000",
+        "{summary}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timestamps_are_read_as_written_and_a_replay_into_no_stream_fails() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("cli-times");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    // Epoch seconds where milliseconds are expected: refused, saying what they would be.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        "g",
+        "--to",
+        "timestamp",
+        "1700000000",
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("epoch seconds (2023-11-14T22:13:20Z)"),
+        "{}",
+        out.stderr
+    );
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "timestamp",
+        "1700000000",
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("epoch seconds"), "{}", out.stderr);
+
+    // RFC 3339 with an offset: now's UTC clock reading at +01:00 is an hour ago, before
+    // both records.
+    let with_offset = aws_smithy_types::DateTime::from(SystemTime::now())
+        .fmt(aws_smithy_types::date_time::Format::DateTime)
+        .unwrap()
+        .replace('Z', "+01:00");
+    put_texts(
+        kinesis.as_ref(),
+        &stream,
+        &["one".to_owned(), "two".to_owned()],
+    )
+    .await;
+    let out = run(&[
+        "stream",
+        "tail",
+        &stream,
+        "--from",
+        "timestamp",
+        &with_offset,
+        "--limit",
+        "2",
+    ])
+    .await;
+    assert_eq!(out.code, 0, "{with_offset}: {}", out.stderr);
+    assert_eq!(out.stdout.lines().count(), 2, "{}", out.stdout);
+
+    // A time in the future: a warning.
+    let ahead = SystemTime::now() + Duration::from_secs(3600);
+    let ahead = aws_smithy_types::DateTime::from(ahead)
+        .fmt(aws_smithy_types::date_time::Format::DateTime)
+        .unwrap();
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &stream,
+        "--group",
+        &unique("no-group"),
+        "--to",
+        "timestamp",
+        &ahead,
+    ])
+    .await;
+    assert!(out.stderr.contains("is in the future"), "{}", out.stderr);
+
+    // A replay into a stream that does not exist fails, even with nothing to replay.
+    let dlq = unique("cli-dlq");
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let out = run(&[
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &unique("no-such-stream"),
+        "--yes",
+    ])
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stdout);
+    assert!(out.stderr.contains("does not exist"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_a_sequence_number_with_a_stream_that_does_not_exist_writes_nothing() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-seq-typo"), unique("cli-seq-typo-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..20).await;
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    let store = aws.lease_store(&group);
+    store.ensure_table().await.unwrap();
+    for shard in [shard0, shard1] {
+        let row = shardflow::lease::Lease::new(shard, Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&row).await.unwrap());
+    }
+    let before = checkpoints(&store.list().await.unwrap());
+    let seq0 = first_sequence(kinesis.as_ref(), &stream, shard0).await;
+    // The group's table, but --stream misspelt (or a stale SHARDFLOW_STREAM): no shard
+    // can be checked, so shard 0's sequence number must not be stored in every row.
+    let out = run(&[
+        "group",
+        "reset",
+        "--stream",
+        &format!("{stream}-typo"),
+        "--group",
+        &group,
+        "--to",
+        "sequence",
+        &seq0,
+        "--yes",
+    ])
+    .await;
+    assert_ne!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("-typo"),
+        "names the stream: {}",
+        out.stderr
+    );
+    let rows = store.list().await.unwrap();
+    assert!(rows.iter().all(|r| r.reset_to.is_none()), "{rows:?}");
+    assert_eq!(checkpoints(&rows), before, "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_restart_replaces_a_progress_item_that_does_not_parse() {
+    if !emulators_enabled() {
+        return;
+    }
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, dlq, table) = (
+        unique("cli-orders"),
+        unique("cli-dlq"),
+        unique("cli-progress"),
+    );
+    kinesis.create_stream(&orders, 1).await.unwrap();
+    kinesis.create_stream(&dlq, 1).await.unwrap();
+    let (letters, expected) = many_letters(6, 2);
+    put_dead_letters(kinesis.as_ref(), &dlq, &orders, &letters).await;
+    let replay = [
+        "dlq",
+        "replay",
+        "--from",
+        &dlq,
+        "--to",
+        &orders,
+        "--progress-table",
+        &table,
+        "--yes",
+    ];
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The progress attribute damaged (by hand, or by another tool).
+    aws.dynamodb_client()
+        .update_item()
+        .table_name(&table)
+        .key("replay", AttributeValue::S(format!("{dlq} -> {orders}")))
+        .update_expression("SET progress = :p")
+        .expression_attribute_values(":p", AttributeValue::S("not json".into()))
+        .send()
+        .await
+        .unwrap();
+    let out = run(&replay).await;
+    assert_eq!(out.code, 1, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("--restart"),
+        "the error offers --restart: {}",
+        out.stderr
+    );
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        letters.len(),
+        "the refused run wrote nothing"
+    );
+    // What the error offers works: everything replayed from the start, once more.
+    let mut restart = replay.to_vec();
+    restart.push("--restart");
+    let out = run(&restart).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let got = payloads_by_key(kinesis.as_ref(), &orders).await;
+    assert_eq!(
+        repeats_in_key_order(&got, &expected, true),
+        letters.len(),
+        "every dead letter twice: {got:?}"
+    );
+    // And the item parses again: a rerun publishes nothing.
+    let out = run(&replay).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(
+        read_all(kinesis.as_ref(), &orders).await.len(),
+        2 * letters.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_names_the_open_shards_that_have_no_lease() {
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-nolease"), unique("cli-nolease-g"));
+    kinesis.create_stream(&stream, 2).await.unwrap();
+    let store = aws.lease_store(&group);
+    store.ensure_table().await.unwrap();
+    let describe = [
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ];
+    let (shard0, shard1) = ("shardId-000000000000", "shardId-000000000001");
+    // No row at all (no worker ever started, or the rows were deleted): nothing of the
+    // stream is read, and the summary must say so rather than "max lag 0 ms" alone.
+    let out = run(&describe).await;
+    assert!(
+        out.stdout
+            .contains("2 open shards of the stream without a lease")
+            && out.stdout.contains(shard0)
+            && out.stdout.contains(shard1),
+        "{}",
+        out.stdout
+    );
+    // One row: the other shard is named.
+    let row = shardflow::lease::Lease::new(shard0, Vec::new(), Checkpoint::TrimHorizon);
+    assert!(store.create(&row).await.unwrap());
+    let mut json = describe.to_vec();
+    json.push("--json");
+    let out = run(&json).await;
+    assert_eq!(
+        out.json()["shards_without_lease"],
+        serde_json::json!([shard1]),
         "{}",
         out.stdout
     );
