@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::consumer::config::Config;
 use crate::lease::{CoordinatorState, LeaderItem, LeaseError, LEADER_KEY};
+use crate::metrics::LEADER_UNKNOWN;
 
 use super::Coordinator;
 
@@ -32,8 +33,34 @@ impl Coordinator {
     /// coordinator-state table, every worker does; in a larger one the leader (the
     /// holder of the leader item), which covers for the workers that do not (it takes
     /// expired leases at once and hands its surplus to the workers below their share).
+    ///
+    /// So does every worker while no leader can be known (the coordinator-state table
+    /// refuses its calls or is gone, see `leader_unknown`): each then lists and takes the
+    /// expired leases the shared plan deals it, as in a small fleet, so a crashed
+    /// worker's shards are read again within the crash bound with or without a leader.
     pub(super) fn lists_every_round(&self) -> bool {
-        self.coordination.is_none() || self.live.len() <= SMALL_FLEET || self.is_leading()
+        self.coordination.is_none()
+            || self.live.len() <= SMALL_FLEET
+            || self.is_leading()
+            || self.leader_unknown.is_some()
+    }
+
+    /// Notes that the leader cannot be known (`cause`): warned once (and the
+    /// [`LEADER_UNKNOWN`](crate::metrics::LEADER_UNKNOWN) gauge set) when it starts.
+    fn leader_unknown(&mut self, cause: String) {
+        if self.leader_unknown.is_none() {
+            tracing::warn!(%cause, "the group's leader cannot be known (the coordinator-state table fails); listing the lease table and taking expired leases every round");
+            self.labels.gauge(LEADER_UNKNOWN).set(1.0);
+        }
+        self.leader_unknown = Some(cause);
+    }
+
+    /// Notes that the leader is known again (this worker leads, or read a leader item).
+    fn leader_known(&mut self) {
+        if self.leader_unknown.take().is_some() {
+            tracing::info!("the group's leader can be known again");
+            self.labels.gauge(LEADER_UNKNOWN).set(0.0);
+        }
     }
 
     /// Whether this worker holds the leader item.
@@ -82,10 +109,14 @@ impl Coordinator {
         let item = match state.get(&key).await {
             Ok(item) => item,
             Err(e) => {
-                tracing::debug!(error = %e, "could not read the leader item");
+                // Refused, gone or failing: nobody can tell who leads, so this worker
+                // lists and takes for itself until a read answers again.
+                self.leader_unknown(format!("reading the leader item failed: {e}"));
                 return;
             }
         };
+        // A claim whose outcome was unknown is settled by this read.
+        self.claim_unsettled = false;
         let now = Instant::now();
         let me = self.config.owner.as_str();
         let standing_still = match (&self.leader_seen, &item) {
@@ -102,11 +133,13 @@ impl Coordinator {
                 tracing::info!(leader_counter = current.counter, "leading the group");
                 *lock_leading(&self.leading) = Some((current.clone(), now));
                 self.took_lead = true;
+                self.leader_known();
                 return;
             }
             Some(current) => current.owner.is_none() || standing_still,
         };
         if !claim {
+            self.leader_known();
             let moved = !matches!(&self.leader_seen, Some((seen, _)) if *seen == item);
             if moved {
                 self.leader_seen = Some((item, now));
@@ -125,11 +158,76 @@ impl Coordinator {
                 *lock_leading(&self.leading) = Some((taken, sent));
                 self.took_lead = true;
                 self.leader_seen = None;
+                self.leader_known();
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "did not take the leadership (another worker did, or the write failed)");
+            Err(LeaseError::Conflict(_)) => {
+                tracing::debug!("did not take the leadership: another worker did");
                 // Read again next round: the winner's item differs from what we saw.
                 self.leader_seen = None;
+            }
+            Err(e) => {
+                // The outcome is unknown: the write may have landed with its answer
+                // lost. Settled now by a read, so that this worker neither leads
+                // without knowing it nor stops holding an item nobody releases.
+                self.leader_seen = None;
+                self.claim_unsettled = true;
+                match self.settle_claim(state.as_ref(), &key, sent).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Nobody could take the item over (the write was refused):
+                        // until a leader is seen again this worker lists for itself.
+                        self.leader_unknown(format!("taking the leader item over failed: {e}"))
+                    }
+                    Err(read) => self.leader_unknown(format!(
+                        "taking the leader item over failed ({e}), and reading it too: {read}"
+                    )),
+                }
+            }
+        }
+    }
+
+    /// Settles a claim of the leader item whose answer was lost (`claim_unsettled`):
+    /// reads the item and, if it names this worker, leads from then on (`sent`: when
+    /// the claim was sent). Returns whether this worker leads; an error if the read
+    /// failed too (the claim stays unsettled).
+    async fn settle_claim(
+        &mut self,
+        state: &dyn CoordinatorState,
+        key: &str,
+        sent: Instant,
+    ) -> Result<bool, LeaseError> {
+        let item = state.get(key).await?;
+        self.claim_unsettled = false;
+        match item {
+            Some(current) if current.owner.as_deref() == Some(self.config.owner.as_str()) => {
+                tracing::info!(
+                    leader_counter = current.counter,
+                    "leading the group (the take's answer was lost; it landed)"
+                );
+                *lock_leading(&self.leading) = Some((current, sent));
+                self.took_lead = true;
+                self.leader_known();
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// At a stop, before giving the leadership up: a claim whose outcome is still
+    /// unknown is settled (a few reads, each under the call deadline), so that an
+    /// item this worker took without hearing so is released rather than left to stand
+    /// still for a lease duration.
+    pub(super) async fn settle_claim_at_stop(&mut self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        let key = self.leader_key();
+        for _ in 0..3 {
+            if !self.claim_unsettled {
+                return;
+            }
+            if let Err(e) = self.settle_claim(state.as_ref(), &key, Instant::now()).await {
+                tracing::warn!(error = %e, "could not find out whether this worker leads");
             }
         }
     }
@@ -158,10 +256,9 @@ impl Coordinator {
         self.resign().await;
     }
 
-    /// Releases the leader item at a graceful stop, once every lease is released, so
-    /// that the next worker to read it leads at once (within a round) instead of a
-    /// lease duration later. A renewal that landed just before is looked up and the
-    /// release sent again.
+    /// Releases the leader item (at a graceful stop, before the drain), so that the
+    /// next worker to read it leads at once instead of a lease duration later. A
+    /// renewal that landed just before is looked up and the release sent again.
     pub(super) async fn resign(&self) {
         let Some(state) = self.coordination.clone() else {
             return;

@@ -149,6 +149,13 @@ pub(crate) struct Coordinator {
     /// Until when this worker does not take the leadership (it gave it up because its
     /// listings failed): another worker takes it meanwhile.
     no_claim_until: Option<Instant>,
+    /// Why the group's leader cannot be known (the coordinator-state table refused a
+    /// read or a take-over, or is gone), while it cannot: every worker then lists and
+    /// takes for itself (see `lists_every_round`).
+    leader_unknown: Option<String>,
+    /// A take of the leader item whose answer was lost and not yet settled by a read
+    /// (see `settle_claim_at_stop`).
+    claim_unsettled: bool,
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
@@ -247,6 +254,8 @@ impl Coordinator {
             leading: Arc::default(),
             leader_listing_failed_since: None,
             no_claim_until: None,
+            leader_unknown: None,
+            claim_unsettled: false,
             took_lead: false,
             follow_up: None,
             handed: BTreeSet::new(),
@@ -372,11 +381,18 @@ impl Coordinator {
                     }
                 }
             };
+            // Leadership first, as soon as this worker stops taking work and before it
+            // drains (a slow handler call may take up to the shutdown timeout): a
+            // stopping worker covers for nobody, so the next worker to read the
+            // released item leads and covers for any worker that crashes meanwhile,
+            // and takes this worker's leases as they are released. A take of the item
+            // whose answer was lost is settled first, so an item taken unheard is
+            // released too.
+            self.settle_claim_at_stop().await;
+            self.resign().await;
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            // Leadership last, once every lease is released: the worker that takes it
-            // over (at its next round) finds them all free and takes them at once.
             if let Some(task) = leadership {
                 task.abort();
                 let _ = task.await;
