@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fleet::{CoordinatorFault, Fleet, Running};
+use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::LeaseError;
 use shardflow::{Consumer, ConsumerError, Memory, Message};
 use tokio::time::Instant;
@@ -179,9 +180,8 @@ async fn a_take_over_whose_answer_was_lost_is_released_when_that_worker_stops() 
             .expect("the next leader stops"),
     );
     let stopped = at.elapsed();
-    let after = running
-        .read_again(&released, at, stopped + ROUND + READ)
-        .await;
+    // Within a round of the stop (the bound counts from now).
+    let after = running.read_again(&released, at, ROUND + READ).await;
     eprintln!("both stopped after {stopped:?}: read again after {after:?}");
     tokio::time::timeout(Duration::from_secs(120), running.stop())
         .await
