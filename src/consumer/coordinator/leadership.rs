@@ -12,7 +12,7 @@ use crate::consumer::config::Config;
 use crate::lease::{CoordinatorState, LeaderItem, LeaseError, LEADER_KEY};
 use crate::metrics::LEADER_UNKNOWN;
 
-use super::Coordinator;
+use super::{lock, Coordinator, HeldSet};
 
 /// Fleets of up to this many live workers: every worker lists the whole table every
 /// round, as it always did (every worker's plan deals out what is free or expired).
@@ -43,6 +43,7 @@ impl Coordinator {
             || self.live.len() <= SMALL_FLEET
             || self.is_leading()
             || self.leader_unknown.is_some()
+            || self.leader_suspect
     }
 
     /// Notes that the leader cannot be known (`cause`): warned once (and the
@@ -86,25 +87,44 @@ impl Coordinator {
         }
     }
 
-    /// Reads the leader item (one small read a round; none while this worker leads) and
-    /// takes it over when it is absent, released (no owner), or its counter stood still
-    /// for a lease duration since this worker first saw it so (its holder stopped
-    /// renewing it: crashed, or its writes fail). The take is conditional on the item
-    /// as read, so of the workers that decide together one wins. A worker that finds
-    /// itself the holder (a take whose answer was lost) leads.
-    pub(super) async fn watch_leader(&mut self) {
+    /// Whether this worker reads the leader item on its own timer (every renew
+    /// interval): it does not lead, and the group has a coordinator-state table.
+    pub(super) fn watches_leader(&self) -> bool {
+        self.coordination.is_some() && !self.is_leading()
+    }
+
+    /// Reads the leader item (one small read a renew interval, the leader's renewal
+    /// pace; none while this worker leads) and takes it over when it is absent,
+    /// released (no owner), or its counter stood still for a lease duration since this
+    /// worker first saw it so (its holder stopped renewing it: crashed, or its writes
+    /// fail). The take is conditional on the item as read, so of the workers that
+    /// decide together one wins. A worker that finds itself the holder (a take whose
+    /// answer was lost) leads.
+    ///
+    /// An item that did not move between two reads a renew interval apart makes this
+    /// worker a watcher (`leader_suspect`): it lists the table every round from then on
+    /// until the item moves again, so that when it takes the leadership over it has
+    /// already watched every lease's counter (the old leader's included) for most of a
+    /// lease duration, and takes the crashed workers' leases as they expire rather than
+    /// a lease duration after its first listing. Returns whether a full round should
+    /// run now: this worker just became a watcher or the leader.
+    pub(super) async fn watch_leader(&mut self) -> bool {
         let Some(state) = self.coordination.clone() else {
-            return;
+            return false;
         };
         if self.is_leading() {
-            return;
+            return false;
         }
+        // Lease writes failing: this worker could not cover for anyone.
         if self
             .no_claim_until
             .is_some_and(|until| Instant::now() < until)
+            || lease_writes_failing(&self.config, &self.held)
         {
-            return;
+            return false;
         }
+        self.leader_read_at = Some(Instant::now());
+        let was_suspect = self.leader_suspect;
         let key = self.leader_key();
         let item = match state.get(&key).await {
             Ok(item) => item,
@@ -112,7 +132,7 @@ impl Coordinator {
                 // Refused, gone or failing: nobody can tell who leads, so this worker
                 // lists and takes for itself until a read answers again.
                 self.leader_unknown(format!("reading the leader item failed: {e}"));
-                return;
+                return false;
             }
         };
         // A claim whose outcome was unknown is settled by this read.
@@ -134,18 +154,26 @@ impl Coordinator {
                 *lock_leading(&self.leading) = Some((current.clone(), now));
                 self.took_lead = true;
                 self.leader_known();
-                return;
+                self.leader_suspect = false;
+                return true;
             }
             Some(current) => current.owner.is_none() || standing_still,
         };
         if !claim {
             self.leader_known();
-            let moved = !matches!(&self.leader_seen, Some((seen, _)) if *seen == item);
-            if moved {
-                self.leader_seen = Some((item, now));
+            match &self.leader_seen {
+                Some((seen, since)) if *seen == item => {
+                    self.leader_suspect = item.as_ref().is_some_and(|i| i.owner.is_some())
+                        && now.duration_since(*since) >= self.config.renew_interval;
+                }
+                _ => {
+                    self.leader_seen = Some((item, now));
+                    self.leader_suspect = false;
+                }
             }
-            return;
+            return self.leader_suspect && !was_suspect;
         }
+        self.leader_suspect = false;
         let sent = Instant::now();
         match state.claim(&key, item.as_ref(), me).await {
             Ok(taken) => {
@@ -159,6 +187,7 @@ impl Coordinator {
                 self.took_lead = true;
                 self.leader_seen = None;
                 self.leader_known();
+                return true;
             }
             Err(LeaseError::Conflict(_)) => {
                 tracing::debug!("did not take the leadership: another worker did");
@@ -172,7 +201,7 @@ impl Coordinator {
                 self.leader_seen = None;
                 self.claim_unsettled = true;
                 match self.settle_claim(state.as_ref(), &key, sent).await {
-                    Ok(true) => {}
+                    Ok(true) => return true,
                     Ok(false) => {
                         // Nobody could take the item over (the write was refused):
                         // until a leader is seen again this worker lists for itself.
@@ -184,6 +213,7 @@ impl Coordinator {
                 }
             }
         }
+        false
     }
 
     /// Settles a claim of the leader item whose answer was lost (`claim_unsettled`):
@@ -291,10 +321,16 @@ impl Coordinator {
 /// the item changed (another worker took it over) ends the leadership; so does a lease
 /// duration without a renewal landing (the writes fail): by then the others may have
 /// taken it over, and a worker that is not sure it leads stops covering for others.
+///
+/// A leader whose lease writes fail (none of its lease renewals landed for two renew
+/// intervals while it holds leases) releases the item: it could take nothing for the
+/// others, and its own leases are about to expire. The next worker to read the item
+/// leads within a renew interval.
 pub(super) async fn renew_leadership(
     config: Arc<Config>,
     state: Arc<dyn CoordinatorState>,
     leading: Leading,
+    held: HeldSet,
     shutdown: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(config.renew_interval);
@@ -304,9 +340,20 @@ pub(super) async fn renew_leadership(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Some((held, renewed_at)) = lock_leading(&leading).clone() else {
+        let Some((item, renewed_at)) = lock_leading(&leading).clone() else {
             continue;
         };
+        if lease_writes_failing(&config, &held) {
+            let Some((item, _)) = lock_leading(&leading).take() else {
+                continue;
+            };
+            tracing::warn!("no lease renewal of this worker landed for two renew intervals; giving the leadership up");
+            if let Err(e) = state.release(&item).await {
+                tracing::warn!(error = %e, "could not release the leadership; another worker takes it over once it stops moving");
+            }
+            continue;
+        }
+        let held = item;
         let sent = Instant::now();
         let renewed = state.renew(&held).await;
         let mut slot = lock_leading(&leading);
@@ -327,4 +374,13 @@ pub(super) async fn renew_leadership(
             Err(e) => tracing::warn!(error = %e, "renewing the leader item failed; will retry"),
         }
     }
+}
+
+/// Whether this worker's lease writes fail: it holds leases and none of their renewals
+/// (or takes) landed for two renew intervals (each lease is renewed once an interval).
+/// Such a worker neither keeps nor takes the leadership: it could cover for nobody.
+fn lease_writes_failing(config: &Config, held: &HeldSet) -> bool {
+    let held = lock(held);
+    let newest = held.values().map(|lease| lease.renewed_at()).max();
+    newest.is_some_and(|at| at.elapsed() >= config.renew_interval * 2)
 }

@@ -153,6 +153,11 @@ pub(crate) struct Coordinator {
     /// read or a take-over, or is gone), while it cannot: every worker then lists and
     /// takes for itself (see `lists_every_round`).
     leader_unknown: Option<String>,
+    /// The leader item did not move between two of this worker's reads: it lists every
+    /// round until it moves again or this worker takes it over (see `watch_leader`).
+    leader_suspect: bool,
+    /// When this worker last read the leader item.
+    leader_read_at: Option<Instant>,
     /// A take of the leader item whose answer was lost and not yet settled by a read
     /// (see `settle_claim_at_stop`).
     claim_unsettled: bool,
@@ -255,6 +260,8 @@ impl Coordinator {
             leader_listing_failed_since: None,
             no_claim_until: None,
             leader_unknown: None,
+            leader_suspect: false,
+            leader_read_at: None,
             claim_unsettled: false,
             took_lead: false,
             follow_up: None,
@@ -322,11 +329,19 @@ impl Coordinator {
                     self.config.clone(),
                     state,
                     self.leading.clone(),
+                    self.held.clone(),
                     renewing.clone(),
                 ))
             });
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            // A worker that does not lead reads the leader item at the leader's renewal
+            // pace (see `watch_leader`); the first tick is the first round's.
+            let mut leader_tick = tokio::time::interval_at(
+                Instant::now() + self.config.renew_interval,
+                self.config.renew_interval,
+            );
+            leader_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something), while hand-offs we asked for are under way
@@ -357,6 +372,13 @@ impl Coordinator {
                         self.round().await
                     }
                     _ = take_tick.tick() => self.round().await,
+                    _ = leader_tick.tick(), if self.watches_leader() => {
+                        if self.watch_leader().await {
+                            self.round().await
+                        } else {
+                            Ok(())
+                        }
+                    }
                     _ = settle, if settling => self.round().await,
                     _ = sleep_until_some(self.follow_up), if self.follow_up.is_some() => {
                         self.follow_up = None;
@@ -561,7 +583,14 @@ impl Coordinator {
     /// The first round runs right after start-up, before any lease is taken.
     async fn round(&mut self) -> Result<(), ConsumerError> {
         self.rounds += 1;
-        self.watch_leader().await;
+        // The leader item is read on its own timer; here only when that read is not
+        // fresh (the first round, or a round run for an event).
+        if self
+            .leader_read_at
+            .is_none_or(|t| t.elapsed() >= self.config.renew_interval / 2)
+        {
+            self.watch_leader().await;
+        }
         // The periodic shard sync (which lists the table too) is the leader's; every
         // worker syncs at start-up and when one of its shards ended.
         let steering = self.lists_every_round();
