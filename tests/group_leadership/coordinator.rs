@@ -24,7 +24,9 @@ const LEASE: Duration = Duration::from_secs(10);
 const ROUND: Duration = Duration::from_secs(10);
 /// What reading a shard again takes beyond its take (well under a second here).
 const READ: Duration = Duration::from_secs(2);
-/// The bound after a crash: two lease durations and a take round.
+/// The bound after a crash while no leader can be known (every worker lists and takes
+/// for itself, without a leader's follow-up listing): two lease durations and a take
+/// round.
 const AFTER_CRASH: Duration = Duration::from_secs(30);
 
 /// A fed, balanced fleet of `workers` with four shards each, a few rounds after it
@@ -146,7 +148,9 @@ async fn a_crash_while_the_leader_drains_a_slow_call_is_covered_within_the_bound
     running.ask_to_stop(leader);
     let victim = (0..12).find(|&i| i != leader).expect("another worker");
     let orphans = running.kill(victim);
-    let after = running.read_again(&orphans, at, AFTER_CRASH + READ).await;
+    // The crash bound with a leader (the next one takes over at once): a lease
+    // duration and a round.
+    let after = running.read_again(&orphans, at, LEASE + ROUND + READ).await;
     eprintln!("read again after {after:?}");
     tokio::time::timeout(Duration::from_secs(120), running.stop())
         .await
