@@ -342,6 +342,7 @@ impl Coordinator {
                 self.config.renew_interval,
             );
             leader_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            let mut settle_from = Instant::now();
             let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something), while hand-offs we asked for are under way
@@ -351,11 +352,16 @@ impl Coordinator {
                 // The second round comes sooner (a quarter of that): the first was a
                 // race for free leases, and a worker that lost it everywhere makes
                 // itself known with a request before the owners' first renewal.
-                let settle = tokio::time::sleep(if self.rounds == 1 {
-                    self.config.renew_interval / 4
-                } else {
-                    self.config.renew_interval
-                });
+                // Counted from the last pass that did more than read the leader item.
+                let settle = tokio::time::sleep_until(
+                    settle_from
+                        + if self.rounds == 1 {
+                            self.config.renew_interval / 4
+                        } else {
+                            self.config.renew_interval
+                        },
+                );
+                let mut watched_only = false;
                 let settling = self.rounds < 2 || self.short || !self.steals.is_empty();
                 let round = tokio::select! {
                     biased;
@@ -376,6 +382,7 @@ impl Coordinator {
                         if self.watch_leader().await {
                             self.round().await
                         } else {
+                            watched_only = true;
                             Ok(())
                         }
                     }
@@ -385,6 +392,9 @@ impl Coordinator {
                         self.round().await
                     }
                 };
+                if !watched_only {
+                    settle_from = Instant::now();
+                }
                 if let Err(e) = round {
                     break Err(e);
                 }
