@@ -348,7 +348,9 @@ impl std::fmt::Display for LeaseError {
                 write!(f, "lease store call {op} did not answer within {after:?}")
             }
             LeaseError::Other(d) => write!(f, "lease store call failed: {d}"),
-            LeaseError::AccessDenied(d) => write!(f, "lease store call refused (access denied): {d}"),
+            LeaseError::AccessDenied(d) => {
+                write!(f, "lease store call refused (access denied): {d}")
+            }
         }
     }
 }

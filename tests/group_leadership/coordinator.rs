@@ -110,12 +110,9 @@ async fn a_coordinator_table_refused_at_start_up_is_a_typed_error() {
         .build()
         .expect("a valid configuration");
     let handler = tower::service_fn(|_: Message| async { Ok::<_, Infallible>(()) });
-    let ended = tokio::time::timeout(
-        Duration::from_secs(60),
-        consumer.run(handler).into_future(),
-    )
-    .await
-    .expect("start-up ends instead of retrying for ever");
+    let ended = tokio::time::timeout(Duration::from_secs(60), consumer.run(handler).into_future())
+        .await
+        .expect("start-up ends instead of retrying for ever");
     assert!(
         matches!(
             ended,
@@ -166,9 +163,10 @@ async fn a_take_over_whose_answer_was_lost_is_released_when_that_worker_stops() 
     let leader = running.leader().expect("a fleet has a leader");
     running.lose_next_claim_answer.store(true, Ordering::SeqCst);
     let at = Instant::now();
-    let mut released = tokio::time::timeout(Duration::from_secs(60), running.stop_workers(&[leader]))
-        .await
-        .expect("the leader stops");
+    let mut released =
+        tokio::time::timeout(Duration::from_secs(60), running.stop_workers(&[leader]))
+            .await
+            .expect("the leader stops");
     let claimed = running
         .until(running.started.elapsed() + ROUND * 2, |r| {
             !r.lost_claim_answers.lock().unwrap().is_empty()

@@ -256,7 +256,10 @@ impl Coordinator {
             if !self.claim_unsettled {
                 return;
             }
-            if let Err(e) = self.settle_claim(state.as_ref(), &key, Instant::now()).await {
+            if let Err(e) = self
+                .settle_claim(state.as_ref(), &key, Instant::now())
+                .await
+            {
                 tracing::warn!(error = %e, "could not find out whether this worker leads");
             }
         }
