@@ -54,6 +54,11 @@ pub const RECORDS_IN_FLIGHT: &str = "shardflow_records_in_flight";
 /// for `stuck_after`; see [`ShardHealth::stuck_for`](crate::consumer::ShardHealth::stuck_for)).
 pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
 
+/// Gauge: 1 while this worker cannot know the group's leader (the coordinator-state
+/// table refuses its calls or is gone) and so lists the lease table and takes expired
+/// leases every round itself; 0 otherwise.
+pub const LEADER_UNKNOWN: &str = "shardflow_leader_unknown";
+
 /// A lease event, the `event` label of [`LEASE_EVENTS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LeaseEvent {

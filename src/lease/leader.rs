@@ -2,8 +2,8 @@
 //! the fencing token) in a small coordinator-state table beside the lease table, never
 //! in the lease table itself (a KCL worker lists every row of that table as a shard).
 //!
-//! The leader renews the item on its renewal timer; every other worker reads it once a
-//! lease round and takes it over, with a write conditional on the counter it saw, when
+//! The leader renews the item on its renewal timer; every other worker reads it at the
+//! same pace and takes it over, with a write conditional on the counter it saw, when
 //! the counter has not moved for a lease duration (counted on the reader's own clock,
 //! as lease expiry is) or the item is released (no owner). Of several workers racing for
 //! it, one write lands; the others fail their condition.

@@ -327,6 +327,10 @@ pub enum LeaseError {
     },
     /// Another failure (network, service error); retry with backoff.
     Other(ErrorDetail),
+    /// The store refused the call for lack of permission (DynamoDB's
+    /// `AccessDeniedException`: an IAM policy that does not grant it on that table).
+    /// Retrying does not help until the policy changes.
+    AccessDenied(ErrorDetail),
 }
 
 impl std::fmt::Display for LeaseError {
@@ -344,6 +348,9 @@ impl std::fmt::Display for LeaseError {
                 write!(f, "lease store call {op} did not answer within {after:?}")
             }
             LeaseError::Other(d) => write!(f, "lease store call failed: {d}"),
+            LeaseError::AccessDenied(d) => {
+                write!(f, "lease store call refused (access denied): {d}")
+            }
         }
     }
 }
@@ -351,7 +358,9 @@ impl std::fmt::Display for LeaseError {
 impl std::error::Error for LeaseError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            LeaseError::Throttled(d) | LeaseError::Other(d) => d.source(),
+            LeaseError::Throttled(d) | LeaseError::Other(d) | LeaseError::AccessDenied(d) => {
+                d.source()
+            }
             _ => None,
         }
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use shardflow::kinesis::{KinesisApi, PutRecord, StreamAdmin};
-use shardflow::lease::LeaseError;
+use shardflow::lease::{Lease, LeaseError};
 
 use crate::hooks::{Hooked, Hooks};
 use shardflow::memory::LeaseFaults;
@@ -100,8 +100,30 @@ pub struct Running {
     /// Worker ids whose writes to the lease table (takes, renewals, checkpoints,
     /// releases, ...) time out, while their reads and leader-item writes land.
     pub failing_lease_writes: Arc<Mutex<Vec<String>>>,
+    /// While set, every call of every worker to the coordinator-state table (the leader
+    /// item's) fails so (an IAM policy for the lease table only, or the table deleted).
+    pub coordinator_fault: Arc<Mutex<Option<CoordinatorFault>>>,
+    /// Worker id -> how long that worker's next handler call takes (a slow, healthy
+    /// call); the entry goes once the call starts.
+    pub slow_calls: Arc<Mutex<BTreeMap<String, Duration>>>,
+    /// While set, the next take of the leader item that lands has its answer lost: it
+    /// comes after the call deadline. The worker that sent it is then noted in
+    /// [`Running::lost_claim_answers`].
+    pub lose_next_claim_answer: Arc<AtomicBool>,
+    /// The workers whose take of the leader item had its answer lost (see
+    /// [`Running::lose_next_claim_answer`]).
+    pub lost_claim_answers: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
     workers: Vec<Worker>,
+}
+
+/// How the coordinator-state table fails (see [`Running::coordinator_fault`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoordinatorFault {
+    /// Every call is refused for lack of permission.
+    Denied,
+    /// The table does not exist.
+    Deleted,
 }
 
 /// One started worker: its id, its shutdown handle, its task and whether it was killed.
@@ -123,10 +145,24 @@ struct Killable {
     failing_leader_writes: Arc<Mutex<Vec<String>>>,
     failing_lists: Arc<Mutex<Vec<String>>>,
     failing_lease_writes: Arc<Mutex<Vec<String>>>,
+    coordinator_fault: Arc<Mutex<Option<CoordinatorFault>>>,
+    lose_next_claim_answer: Arc<AtomicBool>,
+    lost_claim_answers: Arc<Mutex<Vec<String>>>,
 }
 
 #[async_trait]
 impl Hooks for Killable {
+    async fn after_lease(&self, op: &'static str, _key: Option<&str>, _row: Option<&Lease>) {
+        if op == "leader_claim" && self.lose_next_claim_answer.swap(false, Ordering::SeqCst) {
+            self.lost_claim_answers
+                .lock()
+                .unwrap()
+                .push(self.worker.clone());
+            // Longer than any call deadline: the caller gives up first.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+    }
+
     async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
@@ -162,6 +198,21 @@ impl Hooks for Killable {
                     .lock()
                     .unwrap()
                     .contains(&self.worker));
+        if op.starts_with("leader_") {
+            match *self.coordinator_fault.lock().unwrap() {
+                Some(CoordinatorFault::Denied) => {
+                    return Err(LeaseError::AccessDenied(
+                        "injected: not authorized to use the coordinator-state table".into(),
+                    ))
+                }
+                Some(CoordinatorFault::Deleted) => {
+                    return Err(LeaseError::TableMissing {
+                        table: format!("{GROUP}-coordinator"),
+                    })
+                }
+                None => {}
+            }
+        }
         if failing {
             return Err(LeaseError::TimedOut {
                 op,
@@ -231,6 +282,10 @@ pub async fn start(fleet: Fleet) -> Running {
         failing_leader_writes: Arc::default(),
         failing_lists: Arc::default(),
         failing_lease_writes: Arc::default(),
+        coordinator_fault: Arc::default(),
+        slow_calls: Arc::default(),
+        lose_next_claim_answer: Arc::default(),
+        lost_claim_answers: Arc::default(),
         feed,
         workers: Vec::new(),
     };
@@ -289,6 +344,9 @@ impl Running {
                         failing_leader_writes: self.failing_leader_writes.clone(),
                         failing_lists: self.failing_lists.clone(),
                         failing_lease_writes: self.failing_lease_writes.clone(),
+                        coordinator_fault: self.coordinator_fault.clone(),
+                        lose_next_claim_answer: self.lose_next_claim_answer.clone(),
+                        lost_claim_answers: self.lost_claim_answers.clone(),
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
@@ -299,9 +357,14 @@ impl Running {
                 self.handled.clone(),
                 dead.clone(),
             );
+            let (slow, me) = (self.slow_calls.clone(), id.clone());
             let handler = tower::service_fn(move |msg: Message| {
                 let (last, counts, gone) = (last.clone(), counts.clone(), gone.clone());
+                let slow = slow.lock().unwrap().remove(&me);
                 async move {
+                    if let Some(slow) = slow {
+                        tokio::time::sleep(slow).await;
+                    }
                     // A killed process handles nothing more (and acknowledges nothing).
                     if gone.load(Ordering::SeqCst) {
                         std::future::pending::<()>().await;
@@ -365,6 +428,17 @@ impl Running {
         }
         worker.dead.store(true, Ordering::SeqCst);
         held
+    }
+
+    /// Asks worker `i` to stop gracefully without waiting for it (it drains,
+    /// checkpoints and releases meanwhile; [`Running::stop`] waits for it).
+    pub fn ask_to_stop(&self, i: usize) {
+        self.workers[i].shutdown.shutdown();
+    }
+
+    /// The index of the worker named `id`.
+    pub fn index_of(&self, id: &str) -> Option<usize> {
+        self.workers.iter().position(|w| w.id == id)
     }
 
     /// Stops the workers `which` gracefully all at once (a deploy stopping several

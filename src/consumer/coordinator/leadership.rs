@@ -10,8 +10,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::consumer::config::Config;
 use crate::lease::{CoordinatorState, LeaderItem, LeaseError, LEADER_KEY};
+use crate::metrics::LEADER_UNKNOWN;
 
-use super::Coordinator;
+use super::{lock, Coordinator, HeldSet};
 
 /// Fleets of up to this many live workers: every worker lists the whole table every
 /// round, as it always did (every worker's plan deals out what is free or expired).
@@ -32,8 +33,35 @@ impl Coordinator {
     /// coordinator-state table, every worker does; in a larger one the leader (the
     /// holder of the leader item), which covers for the workers that do not (it takes
     /// expired leases at once and hands its surplus to the workers below their share).
+    ///
+    /// So does every worker while no leader can be known (the coordinator-state table
+    /// refuses its calls or is gone, see `leader_unknown`): each then lists and takes the
+    /// expired leases the shared plan deals it, as in a small fleet, so a crashed
+    /// worker's shards are read again within the crash bound with or without a leader.
     pub(super) fn lists_every_round(&self) -> bool {
-        self.coordination.is_none() || self.live.len() <= SMALL_FLEET || self.is_leading()
+        self.coordination.is_none()
+            || self.live.len() <= SMALL_FLEET
+            || self.is_leading()
+            || self.leader_unknown.is_some()
+            || self.leader_suspect
+    }
+
+    /// Notes that the leader cannot be known (`cause`): warned once (and the
+    /// [`LEADER_UNKNOWN`](crate::metrics::LEADER_UNKNOWN) gauge set) when it starts.
+    fn leader_unknown(&mut self, cause: String) {
+        if self.leader_unknown.is_none() {
+            tracing::warn!(%cause, "the group's leader cannot be known (the coordinator-state table fails); listing the lease table and taking expired leases every round");
+            self.labels.gauge(LEADER_UNKNOWN).set(1.0);
+        }
+        self.leader_unknown = Some(cause);
+    }
+
+    /// Notes that the leader is known again (this worker leads, or read a leader item).
+    fn leader_known(&mut self) {
+        if self.leader_unknown.take().is_some() {
+            tracing::info!("the group's leader can be known again");
+            self.labels.gauge(LEADER_UNKNOWN).set(0.0);
+        }
     }
 
     /// Whether this worker holds the leader item.
@@ -59,33 +87,56 @@ impl Coordinator {
         }
     }
 
-    /// Reads the leader item (one small read a round; none while this worker leads) and
-    /// takes it over when it is absent, released (no owner), or its counter stood still
-    /// for a lease duration since this worker first saw it so (its holder stopped
-    /// renewing it: crashed, or its writes fail). The take is conditional on the item
-    /// as read, so of the workers that decide together one wins. A worker that finds
-    /// itself the holder (a take whose answer was lost) leads.
-    pub(super) async fn watch_leader(&mut self) {
+    /// Whether this worker reads the leader item on its own timer (every renew
+    /// interval): it does not lead, and the group has a coordinator-state table.
+    pub(super) fn watches_leader(&self) -> bool {
+        self.coordination.is_some() && !self.is_leading()
+    }
+
+    /// Reads the leader item (one small read a renew interval, the leader's renewal
+    /// pace; none while this worker leads) and takes it over when it is absent,
+    /// released (no owner), or its counter stood still for a lease duration since this
+    /// worker first saw it so (its holder stopped renewing it: crashed, or its writes
+    /// fail). The take is conditional on the item as read, so of the workers that
+    /// decide together one wins. A worker that finds itself the holder (a take whose
+    /// answer was lost) leads.
+    ///
+    /// An item that did not move between two reads a renew interval apart makes this
+    /// worker a watcher (`leader_suspect`): it lists the table every round from then on
+    /// until the item moves again, so that when it takes the leadership over it has
+    /// already watched every lease's counter (the old leader's included) for most of a
+    /// lease duration, and takes the crashed workers' leases as they expire rather than
+    /// a lease duration after its first listing. Returns whether a full round should
+    /// run now: this worker just became a watcher or the leader.
+    pub(super) async fn watch_leader(&mut self) -> bool {
         let Some(state) = self.coordination.clone() else {
-            return;
+            return false;
         };
         if self.is_leading() {
-            return;
+            return false;
         }
+        // Lease writes failing: this worker could not cover for anyone.
         if self
             .no_claim_until
             .is_some_and(|until| Instant::now() < until)
+            || lease_writes_failing(&self.config, &self.held)
         {
-            return;
+            return false;
         }
+        self.leader_read_at = Some(Instant::now());
+        let was_suspect = self.leader_suspect;
         let key = self.leader_key();
         let item = match state.get(&key).await {
             Ok(item) => item,
             Err(e) => {
-                tracing::debug!(error = %e, "could not read the leader item");
-                return;
+                // Refused, gone or failing: nobody can tell who leads, so this worker
+                // lists and takes for itself until a read answers again.
+                self.leader_unknown(format!("reading the leader item failed: {e}"));
+                return false;
             }
         };
+        // A claim whose outcome was unknown is settled by this read.
+        self.claim_unsettled = false;
         let now = Instant::now();
         let me = self.config.owner.as_str();
         let standing_still = match (&self.leader_seen, &item) {
@@ -102,17 +153,27 @@ impl Coordinator {
                 tracing::info!(leader_counter = current.counter, "leading the group");
                 *lock_leading(&self.leading) = Some((current.clone(), now));
                 self.took_lead = true;
-                return;
+                self.leader_known();
+                self.leader_suspect = false;
+                return true;
             }
             Some(current) => current.owner.is_none() || standing_still,
         };
         if !claim {
-            let moved = !matches!(&self.leader_seen, Some((seen, _)) if *seen == item);
-            if moved {
-                self.leader_seen = Some((item, now));
+            self.leader_known();
+            match &self.leader_seen {
+                Some((seen, since)) if *seen == item => {
+                    self.leader_suspect = item.as_ref().is_some_and(|i| i.owner.is_some())
+                        && now.duration_since(*since) >= self.config.renew_interval;
+                }
+                _ => {
+                    self.leader_seen = Some((item, now));
+                    self.leader_suspect = false;
+                }
             }
-            return;
+            return self.leader_suspect && !was_suspect;
         }
+        self.leader_suspect = false;
         let sent = Instant::now();
         match state.claim(&key, item.as_ref(), me).await {
             Ok(taken) => {
@@ -125,11 +186,81 @@ impl Coordinator {
                 *lock_leading(&self.leading) = Some((taken, sent));
                 self.took_lead = true;
                 self.leader_seen = None;
+                self.leader_known();
+                return true;
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "did not take the leadership (another worker did, or the write failed)");
+            Err(LeaseError::Conflict(_)) => {
+                tracing::debug!("did not take the leadership: another worker did");
                 // Read again next round: the winner's item differs from what we saw.
                 self.leader_seen = None;
+            }
+            Err(e) => {
+                // The outcome is unknown: the write may have landed with its answer
+                // lost. Settled now by a read, so that this worker neither leads
+                // without knowing it nor stops holding an item nobody releases.
+                self.leader_seen = None;
+                self.claim_unsettled = true;
+                match self.settle_claim(state.as_ref(), &key, sent).await {
+                    Ok(true) => return true,
+                    Ok(false) => {
+                        // Nobody could take the item over (the write was refused):
+                        // until a leader is seen again this worker lists for itself.
+                        self.leader_unknown(format!("taking the leader item over failed: {e}"))
+                    }
+                    Err(read) => self.leader_unknown(format!(
+                        "taking the leader item over failed ({e}), and reading it too: {read}"
+                    )),
+                }
+            }
+        }
+        false
+    }
+
+    /// Settles a claim of the leader item whose answer was lost (`claim_unsettled`):
+    /// reads the item and, if it names this worker, leads from then on (`sent`: when
+    /// the claim was sent). Returns whether this worker leads; an error if the read
+    /// failed too (the claim stays unsettled).
+    async fn settle_claim(
+        &mut self,
+        state: &dyn CoordinatorState,
+        key: &str,
+        sent: Instant,
+    ) -> Result<bool, LeaseError> {
+        let item = state.get(key).await?;
+        self.claim_unsettled = false;
+        match item {
+            Some(current) if current.owner.as_deref() == Some(self.config.owner.as_str()) => {
+                tracing::info!(
+                    leader_counter = current.counter,
+                    "leading the group (the take's answer was lost; it landed)"
+                );
+                *lock_leading(&self.leading) = Some((current, sent));
+                self.took_lead = true;
+                self.leader_known();
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// At a stop, before giving the leadership up: a claim whose outcome is still
+    /// unknown is settled (a few reads, each under the call deadline), so that an
+    /// item this worker took without hearing so is released rather than left to stand
+    /// still for a lease duration.
+    pub(super) async fn settle_claim_at_stop(&mut self) {
+        let Some(state) = self.coordination.clone() else {
+            return;
+        };
+        let key = self.leader_key();
+        for _ in 0..3 {
+            if !self.claim_unsettled {
+                return;
+            }
+            if let Err(e) = self
+                .settle_claim(state.as_ref(), &key, Instant::now())
+                .await
+            {
+                tracing::warn!(error = %e, "could not find out whether this worker leads");
             }
         }
     }
@@ -158,10 +289,9 @@ impl Coordinator {
         self.resign().await;
     }
 
-    /// Releases the leader item at a graceful stop, once every lease is released, so
-    /// that the next worker to read it leads at once (within a round) instead of a
-    /// lease duration later. A renewal that landed just before is looked up and the
-    /// release sent again.
+    /// Releases the leader item (at a graceful stop, before the drain), so that the
+    /// next worker to read it leads at once instead of a lease duration later. A
+    /// renewal that landed just before is looked up and the release sent again.
     pub(super) async fn resign(&self) {
         let Some(state) = self.coordination.clone() else {
             return;
@@ -194,10 +324,16 @@ impl Coordinator {
 /// the item changed (another worker took it over) ends the leadership; so does a lease
 /// duration without a renewal landing (the writes fail): by then the others may have
 /// taken it over, and a worker that is not sure it leads stops covering for others.
+///
+/// A leader whose lease writes fail (none of its lease renewals landed for two renew
+/// intervals while it holds leases) releases the item: it could take nothing for the
+/// others, and its own leases are about to expire. The next worker to read the item
+/// leads within a renew interval.
 pub(super) async fn renew_leadership(
     config: Arc<Config>,
     state: Arc<dyn CoordinatorState>,
     leading: Leading,
+    held: HeldSet,
     shutdown: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(config.renew_interval);
@@ -207,9 +343,20 @@ pub(super) async fn renew_leadership(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Some((held, renewed_at)) = lock_leading(&leading).clone() else {
+        let Some((item, renewed_at)) = lock_leading(&leading).clone() else {
             continue;
         };
+        if lease_writes_failing(&config, &held) {
+            let Some((item, _)) = lock_leading(&leading).take() else {
+                continue;
+            };
+            tracing::warn!("no lease renewal of this worker landed for two renew intervals; giving the leadership up");
+            if let Err(e) = state.release(&item).await {
+                tracing::warn!(error = %e, "could not release the leadership; another worker takes it over once it stops moving");
+            }
+            continue;
+        }
+        let held = item;
         let sent = Instant::now();
         let renewed = state.renew(&held).await;
         let mut slot = lock_leading(&leading);
@@ -230,4 +377,13 @@ pub(super) async fn renew_leadership(
             Err(e) => tracing::warn!(error = %e, "renewing the leader item failed; will retry"),
         }
     }
+}
+
+/// Whether this worker's lease writes fail: it holds leases and none of their renewals
+/// (or takes) landed for two renew intervals (each lease is renewed once an interval).
+/// Such a worker neither keeps nor takes the leadership: it could cover for nobody.
+fn lease_writes_failing(config: &Config, held: &HeldSet) -> bool {
+    let held = lock(held);
+    let newest = held.values().map(|lease| lease.renewed_at()).max();
+    newest.is_some_and(|at| at.elapsed() >= config.renew_interval * 2)
 }

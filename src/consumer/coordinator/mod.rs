@@ -149,6 +149,18 @@ pub(crate) struct Coordinator {
     /// Until when this worker does not take the leadership (it gave it up because its
     /// listings failed): another worker takes it meanwhile.
     no_claim_until: Option<Instant>,
+    /// Why the group's leader cannot be known (the coordinator-state table refused a
+    /// read or a take-over, or is gone), while it cannot: every worker then lists and
+    /// takes for itself (see `lists_every_round`).
+    leader_unknown: Option<String>,
+    /// The leader item did not move between two of this worker's reads: it lists every
+    /// round until it moves again or this worker takes it over (see `watch_leader`).
+    leader_suspect: bool,
+    /// When this worker last read the leader item.
+    leader_read_at: Option<Instant>,
+    /// A take of the leader item whose answer was lost and not yet settled by a read
+    /// (see `settle_claim_at_stop`).
+    claim_unsettled: bool,
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
@@ -247,6 +259,10 @@ impl Coordinator {
             leading: Arc::default(),
             leader_listing_failed_since: None,
             no_claim_until: None,
+            leader_unknown: None,
+            leader_suspect: false,
+            leader_read_at: None,
+            claim_unsettled: false,
             took_lead: false,
             follow_up: None,
             handed: BTreeSet::new(),
@@ -313,11 +329,20 @@ impl Coordinator {
                     self.config.clone(),
                     state,
                     self.leading.clone(),
+                    self.held.clone(),
                     renewing.clone(),
                 ))
             });
             let mut take_tick = tokio::time::interval(self.config.take_interval);
             take_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            // A worker that does not lead reads the leader item at the leader's renewal
+            // pace (see `watch_leader`); the first tick is the first round's.
+            let mut leader_tick = tokio::time::interval_at(
+                Instant::now() + self.config.renew_interval,
+                self.config.renew_interval,
+            );
+            leader_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            let mut settle_from = Instant::now();
             let outcome = loop {
                 // Right after the start (workers started together only see each other
                 // once each took something), while hand-offs we asked for are under way
@@ -327,11 +352,16 @@ impl Coordinator {
                 // The second round comes sooner (a quarter of that): the first was a
                 // race for free leases, and a worker that lost it everywhere makes
                 // itself known with a request before the owners' first renewal.
-                let settle = tokio::time::sleep(if self.rounds == 1 {
-                    self.config.renew_interval / 4
-                } else {
-                    self.config.renew_interval
-                });
+                // Counted from the last pass that did more than read the leader item.
+                let settle = tokio::time::sleep_until(
+                    settle_from
+                        + if self.rounds == 1 {
+                            self.config.renew_interval / 4
+                        } else {
+                            self.config.renew_interval
+                        },
+                );
+                let mut watched_only = false;
                 let settling = self.rounds < 2 || self.short || !self.steals.is_empty();
                 let round = tokio::select! {
                     biased;
@@ -348,12 +378,23 @@ impl Coordinator {
                         self.round().await
                     }
                     _ = take_tick.tick() => self.round().await,
+                    _ = leader_tick.tick(), if self.watches_leader() => {
+                        if self.watch_leader().await {
+                            self.round().await
+                        } else {
+                            watched_only = true;
+                            Ok(())
+                        }
+                    }
                     _ = settle, if settling => self.round().await,
                     _ = sleep_until_some(self.follow_up), if self.follow_up.is_some() => {
                         self.follow_up = None;
                         self.round().await
                     }
                 };
+                if !watched_only {
+                    settle_from = Instant::now();
+                }
                 if let Err(e) = round {
                     break Err(e);
                 }
@@ -372,11 +413,18 @@ impl Coordinator {
                     }
                 }
             };
+            // Leadership first, as soon as this worker stops taking work and before it
+            // drains (a slow handler call may take up to the shutdown timeout): a
+            // stopping worker covers for nobody, so the next worker to read the
+            // released item leads and covers for any worker that crashes meanwhile,
+            // and takes this worker's leases as they are released. A take of the item
+            // whose answer was lost is settled first, so an item taken unheard is
+            // released too.
+            self.settle_claim_at_stop().await;
+            self.resign().await;
             self.shutdown().await;
             renewing.cancel();
             renewer.abort();
-            // Leadership last, once every lease is released: the worker that takes it
-            // over (at its next round) finds them all free and takes them at once.
             if let Some(task) = leadership {
                 task.abort();
                 let _ = task.await;
@@ -545,7 +593,14 @@ impl Coordinator {
     /// The first round runs right after start-up, before any lease is taken.
     async fn round(&mut self) -> Result<(), ConsumerError> {
         self.rounds += 1;
-        self.watch_leader().await;
+        // The leader item is read on its own timer; here only when that read is not
+        // fresh (the first round, or a round run for an event).
+        if self
+            .leader_read_at
+            .is_none_or(|t| t.elapsed() >= self.config.renew_interval / 2)
+        {
+            self.watch_leader().await;
+        }
         // The periodic shard sync (which lists the table too) is the leader's; every
         // worker syncs at start-up and when one of its shards ended.
         let steering = self.lists_every_round();

@@ -199,8 +199,21 @@ impl Coordinator {
         // that stood still since then (a crashed worker's, perhaps the old leader's) are
         // expired at that moment, and taken then rather than at a take tick that may
         // fall a few milliseconds short of it and leave them a round more.
+        // The rows that stood still since before (a worker that watched the leader
+        // item stand still listed every round meanwhile) expire sooner: at the first of
+        // those moments.
         if std::mem::take(&mut self.took_lead) && leads {
-            self.follow_up = Some(now + self.config.lease_duration);
+            let lease = self.config.lease_duration;
+            let first_expiry = rows
+                .iter()
+                .filter(|r| {
+                    r.owner.as_deref().is_some_and(|o| o != me)
+                        && !self.slots.contains_key(&r.key)
+                        && !self.expired(r, now)
+                })
+                .filter_map(|r| self.seen.get(&r.key).map(|(_, t)| *t + lease))
+                .min();
+            self.follow_up = Some(first_expiry.unwrap_or(now + lease));
         }
         self.last_listing = Some(now);
         self.handed.clear();

@@ -307,6 +307,10 @@ where
             describe_sdk_error(op, &err),
             aws_error_of(op, &err),
         )),
+        (Some("AccessDeniedException"), _) => LeaseError::AccessDenied(ErrorDetail::from_aws(
+            describe_sdk_error(op, &err),
+            aws_error_of(op, &err),
+        )),
         _ => LeaseError::Other(ErrorDetail::from_aws(
             describe_sdk_error(op, &err),
             aws_error_of(op, &err),
