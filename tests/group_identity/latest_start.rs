@@ -1,10 +1,11 @@
 //! A LATEST start resolved by one owner and never written is not resolved again by the
-//! next (embedded backend, paused clock, wall-clock arrival times).
+//! next, and a start resolved on a clock that runs ahead is not in Kinesis' future
+//! (embedded backend, paused clock, wall-clock arrival times).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
-use shardflow::lease::LeaseError;
+use shardflow::lease::{Checkpoint, LeaseError};
 use shardflow::{InitialPosition, Memory};
 use testkit::hooks::{Hooked, Hooks};
 use testkit::*;
@@ -76,4 +77,52 @@ async fn a_latest_start_not_yet_written_is_not_resolved_again_later() {
     recorder.wait_for_values(&sentinels, LIMIT).await;
     b_run.stop().await;
     assert_exactly_once_in_order(&recorder.snapshot(), 21, &shards);
+}
+
+/// Regression: a worker whose clock ran a minute ahead put LATEST's start a minute into Kinesis' future.
+///
+/// The first worker resolved LATEST on its own clock into `AT_TIMESTAMP` of its "now"
+/// less the 2 s margin and made that durable; it then stopped before any record
+/// came. Records written right after arrived (on Kinesis' clock) before that start,
+/// so the next worker, continuing from the row, skipped every one of them (0 of 100).
+/// The start is now confirmed by Kinesis, which refuses a time in its future.
+#[tokio::test(start_paused = true)]
+async fn a_latest_start_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("skew", 2).await.unwrap();
+    let table = memory.table("skew-group");
+    let a = test_consumer(memory.clone(), "skew", "skew-group", "a")
+        .initial_position(InitialPosition::Latest)
+        .wall_clock(|| SystemTime::now() + Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let recorder = Recorder::default();
+    let a_run = start(a, &recorder);
+    within(LIMIT, "A created the rows with their durable start", async {
+        loop {
+            let rows = table.rows();
+            if rows.len() == 2
+                && rows
+                    .iter()
+                    .all(|r| matches!(r.checkpoint, Checkpoint::AtTimestamp(Some(_))))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    a_run.stop().await;
+    // Written after the group started, on Kinesis' clock.
+    produce(kinesis.as_ref(), "skew", 0..100).await;
+    let b = test_consumer(memory.clone(), "skew", "skew-group", "b")
+        .initial_position(InitialPosition::Latest)
+        .build()
+        .unwrap();
+    let b_run = start(b, &recorder);
+    recorder.wait_for(100, LIMIT).await;
+    b_run.stop().await;
+    let shards = kinesis.list_shards("skew").await.unwrap();
+    assert_exactly_once_in_order(&recorder.snapshot(), 100, &shards);
 }

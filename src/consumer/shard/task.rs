@@ -3,7 +3,7 @@
 //! (records handed out and none handled for `stuck_after`).
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -20,6 +20,7 @@ use super::reader::ShardReader;
 use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
 use crate::consumer::context::WorkerContext;
 use crate::consumer::events::ShardEvent;
+use crate::consumer::latest::resolve_latest;
 use crate::consumer::health::HealthState;
 
 /// How a shard task ended.
@@ -225,7 +226,8 @@ impl ShardTask {
     }
 
     /// The start every owner of the shard continues from, written into the lease row
-    /// before anything is read: LATEST becomes AT_TIMESTAMP of now minus a clock margin,
+    /// before anything is read: LATEST becomes AT_TIMESTAMP of now minus a clock margin
+    /// (moved back while Kinesis calls it in its future, see `resolve_latest`),
     /// and an `AT_TIMESTAMP` row without a time gets the configured one. Nothing else
     /// needs resolving. A failed write is retried (nothing is delivered meanwhile) until
     /// it lands, the lease is lost or the task is stopped.
@@ -234,34 +236,47 @@ impl ShardTask {
         stored: Checkpoint,
         backoff: &mut Backoff,
     ) -> Result<Checkpoint, ShardExit> {
-        let resolved = match (&stored, &self.config.initial_position) {
+        let now = self.config.wall_clock.now();
+        let mut resolved = match (&stored, &self.config.initial_position) {
             // A row with the LATEST sentinel (a KCL table; shardflow itself resolves
-            // LATEST when it creates the row).
-            (Checkpoint::Latest, _) => Checkpoint::latest_from(SystemTime::now()),
+            // LATEST when it creates the row): confirmed on this shard below.
+            (Checkpoint::Latest, _) => None,
             (Checkpoint::AtTimestamp(None), InitialPosition::AtTimestamp(t)) => {
-                Checkpoint::AtTimestamp(Some(*t))
+                Some(Checkpoint::AtTimestamp(Some(*t)))
             }
             _ => return Ok(stored),
         };
         loop {
-            match self.lease.checkpoint(&resolved).await {
-                Ok(row) => {
-                    tracing::info!(from = %stored, start = %row.checkpoint, "wrote the shard's durable start");
-                    return Ok(row.checkpoint);
-                }
-                Err(LeaseError::Conflict(key)) => {
-                    tracing::info!(lease = %key, "lease lost before the start was written");
-                    return Err(ShardExit::Lost);
-                }
-                Err(e) => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(error = %e, ?delay, "could not write the shard's start; retrying before reading");
-                    tokio::select! {
-                        _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
-                        _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
-                        _ = tokio::time::sleep(delay) => {}
+            let failure = match &resolved {
+                Some(start) => match self.lease.checkpoint(start).await {
+                    Ok(row) => {
+                        tracing::info!(from = %stored, start = %row.checkpoint, "wrote the shard's durable start");
+                        return Ok(row.checkpoint);
+                    }
+                    Err(LeaseError::Conflict(key)) => {
+                        tracing::info!(lease = %key, "lease lost before the start was written");
+                        return Err(ShardExit::Lost);
+                    }
+                    Err(e) => format!("could not write the shard's start: {e}"),
+                },
+                None => {
+                    let shard: &str = &self.shard_id;
+                    match resolve_latest(self.kinesis.as_ref(), &self.stream, &[shard], now).await
+                    {
+                        Ok(start) => {
+                            resolved = Some(start);
+                            continue;
+                        }
+                        Err(e) => format!("could not check LATEST's start against Kinesis: {e}"),
                     }
                 }
+            };
+            let delay = backoff.next_delay();
+            tracing::warn!(error = %failure, ?delay, "the shard's start is not durable yet; retrying before reading");
+            tokio::select! {
+                _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
+                _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
+                _ = tokio::time::sleep(delay) => {}
             }
         }
     }
