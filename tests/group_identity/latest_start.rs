@@ -5,7 +5,7 @@
 use std::time::{Duration, SystemTime};
 
 use shardflow::kinesis::{KinesisApi, StreamAdmin};
-use shardflow::lease::{Checkpoint, LeaseError};
+use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{InitialPosition, Memory};
 use testkit::hooks::{Hooked, Hooks};
 use testkit::*;
@@ -79,30 +79,35 @@ async fn a_latest_start_not_yet_written_is_not_resolved_again_later() {
     assert_exactly_once_in_order(&recorder.snapshot(), 21, &shards);
 }
 
-/// Regression: a worker whose clock ran a minute ahead put LATEST's start a minute into Kinesis' future.
-///
-/// The first worker resolved LATEST on its own clock into `AT_TIMESTAMP` of its "now"
-/// less the 2 s margin and made that durable; it then stopped before any record
-/// came. Records written right after arrived (on Kinesis' clock) before that start,
-/// so the next worker, continuing from the row, skipped every one of them (0 of 100).
-/// The start is now confirmed by Kinesis, which refuses a time in its future.
-#[tokio::test(start_paused = true)]
-async fn a_latest_start_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
+/// A worker whose clock runs a minute ahead resolves LATEST (in the rows it creates,
+/// or, with `kcl_rows`, in rows a KCL table left at the `LATEST` sentinel) and stops
+/// before any record comes; 100 records are written; the next worker, with a right
+/// clock, continues from the rows and must handle all of them.
+async fn a_start_resolved_on_a_clock_a_minute_ahead(stream: &str, kcl_rows: bool) {
     let memory = Memory::new();
     let kinesis = memory.streams().clone();
-    kinesis.create_stream("skew", 2).await.unwrap();
-    let table = memory.table("skew-group");
-    let a = test_consumer(memory.clone(), "skew", "skew-group", "a")
+    kinesis.create_stream(stream, 2).await.unwrap();
+    let shards = kinesis.list_shards(stream).await.unwrap();
+    let group = format!("{stream}-group");
+    let table = memory.table(&group);
+    if kcl_rows {
+        table.ensure_table().await.unwrap();
+        for shard in &shards {
+            let row = Lease::new(shard.shard_id.clone(), Vec::new(), Checkpoint::Latest);
+            assert!(table.create(&row).await.unwrap());
+        }
+    }
+    let a = test_consumer(memory.clone(), stream, &group, "a")
         .initial_position(InitialPosition::Latest)
         .wall_clock(|| SystemTime::now() + Duration::from_secs(60))
         .build()
         .unwrap();
     let recorder = Recorder::default();
     let a_run = start(a, &recorder);
-    within(LIMIT, "A created the rows with their durable start", async {
+    within(LIMIT, "A made the start of every shard durable", async {
         loop {
             let rows = table.rows();
-            if rows.len() == 2
+            if rows.len() == shards.len()
                 && rows
                     .iter()
                     .all(|r| matches!(r.checkpoint, Checkpoint::AtTimestamp(Some(_))))
@@ -115,14 +120,34 @@ async fn a_latest_start_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
     .await;
     a_run.stop().await;
     // Written after the group started, on Kinesis' clock.
-    produce(kinesis.as_ref(), "skew", 0..100).await;
-    let b = test_consumer(memory.clone(), "skew", "skew-group", "b")
+    produce(kinesis.as_ref(), stream, 0..100).await;
+    let b = test_consumer(memory.clone(), stream, &group, "b")
         .initial_position(InitialPosition::Latest)
         .build()
         .unwrap();
     let b_run = start(b, &recorder);
     recorder.wait_for(100, LIMIT).await;
     b_run.stop().await;
-    let shards = kinesis.list_shards("skew").await.unwrap();
     assert_exactly_once_in_order(&recorder.snapshot(), 100, &shards);
+}
+
+/// Regression: a worker whose clock ran a minute ahead put LATEST's start a minute into Kinesis' future.
+///
+/// The first worker resolved LATEST on its own clock into `AT_TIMESTAMP` of its "now"
+/// less the 2 s margin and made that durable; it then stopped before any record
+/// came. Records written right after arrived (on Kinesis' clock) before that start,
+/// so the next worker, continuing from the row, skipped every one of them (0 of 100).
+/// The start is now confirmed by Kinesis, which refuses a time in its future.
+#[tokio::test(start_paused = true)]
+async fn a_latest_start_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
+    a_start_resolved_on_a_clock_a_minute_ahead("skew", false).await;
+}
+
+/// Regression: a KCL table's LATEST sentinel resolved on a clock a minute ahead skipped that minute.
+///
+/// The task that first takes such a row resolves it before reading, on its own clock,
+/// the same way the rows shardflow creates were resolved.
+#[tokio::test(start_paused = true)]
+async fn a_kcl_latest_sentinel_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
+    a_start_resolved_on_a_clock_a_minute_ahead("kcl-skew", true).await;
 }
