@@ -34,7 +34,9 @@ pub enum InitialPosition {
     /// Only records written after the group started. The worker that creates the
     /// lease rows (on a new table) resolves "now" once into a durable start: it writes
     /// `AT_TIMESTAMP` with the moment it started minus a clock margin of a few seconds
-    /// (Kinesis arrival times are the service's clock) into every row, closed shards
+    /// (Kinesis arrival times are the service's clock; a time Kinesis calls in its
+    /// future, from a host clock that runs ahead, is moved back until Kinesis accepts
+    /// it, so the start is never later than Kinesis' "now") into every row, closed shards
     /// included (a shard closed by a reshard since the start still holds records
     /// written since then; one closed before yields nothing and ends at once). A shard
     /// that appears later (a reshard) is read from its start, after its parents. A row
