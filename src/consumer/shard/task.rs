@@ -19,7 +19,7 @@ use crate::metrics::{Labels, ShardMetrics};
 use super::reader::ShardReader;
 use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
 use crate::consumer::context::WorkerContext;
-use crate::consumer::events::ShardEvent;
+use crate::consumer::events::{EventHook, ShardEvent};
 use crate::consumer::latest::resolve_latest;
 use crate::consumer::health::HealthState;
 
@@ -99,6 +99,7 @@ impl ShardTask {
         let mut stuck = StuckWatch {
             shard_id: shard_id.clone(),
             metrics: metrics.clone(),
+            events: self.worker.events.clone(),
             since: None,
             tick,
         };
@@ -362,10 +363,13 @@ impl ShardTask {
 }
 
 /// Whether a shard is stuck, as last reported (event and gauge): each transition is
-/// reported once. Dropped with the shard task, when a stuck shard stops counting.
+/// reported once. Dropped with the shard task, when a stuck shard stops counting and
+/// says so: every `Stuck` is followed by one `Unstuck`, whether the shard made progress
+/// again or its task ended (the shard ended, was handed off, released or lost).
 struct StuckWatch {
     shard_id: Arc<str>,
     metrics: Arc<ShardMetrics>,
+    events: EventHook,
     /// When the shard was reported stuck; `None` while it is not.
     since: Option<Instant>,
     /// When to look next.
@@ -405,8 +409,15 @@ impl StuckWatch {
 
 impl Drop for StuckWatch {
     fn drop(&mut self) {
-        if self.since.is_some() {
+        if let Some(since) = self.since.take() {
+            let stuck_for = since.elapsed();
+            tracing::info!(shard = %self.shard_id, ?stuck_for, "a stuck shard is no longer read here");
             self.metrics.stuck.decrement(1.0);
+            // Before the event of the task's exit, which the coordinator sends after.
+            self.events.emit(|| ShardEvent::Unstuck {
+                shard: self.shard_id.to_string(),
+                stuck_for,
+            });
         }
     }
 }
