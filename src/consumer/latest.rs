@@ -66,7 +66,9 @@ pub(crate) async fn resolve_latest(
                 tracing::debug!(start = %start, %why, "Kinesis refused LATEST's start as in its future; moving it back");
                 let earlier = at.checked_sub(step).unwrap_or(SystemTime::UNIX_EPOCH);
                 start = Checkpoint::latest_from(earlier + LATEST_CLOCK_MARGIN);
-                step = step.saturating_mul(2).min(Duration::from_secs(u32::MAX.into()));
+                step = step
+                    .saturating_mul(2)
+                    .min(Duration::from_secs(u32::MAX.into()));
             }
             Err(KinesisError::NotFound(why)) => {
                 tracing::debug!(shard = %shard, %why, "a shard to check LATEST's start on was not found; trying another");
@@ -83,8 +85,8 @@ pub(crate) async fn resolve_latest(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::MemoryKinesis;
     use crate::kinesis::StreamAdmin;
+    use crate::memory::MemoryKinesis;
 
     fn millis(c: &Checkpoint) -> u64 {
         c.timestamp_millis().expect("a timestamp")
@@ -106,7 +108,10 @@ mod tests {
                 .as_millis() as u64
         };
         // At or before the service's clock, and no more than twice the skew back.
-        assert!(millis(&start) <= to_millis(after), "{start} is in Kinesis' future");
+        assert!(
+            millis(&start) <= to_millis(after),
+            "{start} is in Kinesis' future"
+        );
         assert!(
             millis(&start) + 2 * 62_000 >= to_millis(before),
             "{start} moved back further than twice the skew"

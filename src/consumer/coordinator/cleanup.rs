@@ -143,7 +143,8 @@ impl Coordinator {
     /// GetShardIterator, a third answer from another call, says NotFound too.
     pub(super) async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let progressed = |l: &Lease| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd);
+        let progressed =
+            |l: &Lease| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd);
         let children = |row: &'_ Lease, fresh: &[ShardInfo]| -> BTreeSet<String> {
             children_of(&self.shards, &row.key)
                 .chain(children_of(fresh, &row.key))

@@ -92,15 +92,13 @@ impl Coordinator {
                 if shards.iter().any(|s| !keys.contains(s.shard_id.as_str())) =>
             {
                 // Open shards first: any shard tells Kinesis' clock.
-                let mut probes: Vec<&str> = shards
+                let probes: Vec<&str> = shards
                     .iter()
                     .filter(|s| !s.is_closed())
                     .chain(shards.iter().filter(|s| s.is_closed()))
                     .map(|s| s.shard_id.as_str())
                     .collect();
-                probes.dedup();
-                resolve_latest(self.kinesis.as_ref(), &self.stream, &probes, self.started)
-                    .await?
+                resolve_latest(self.kinesis.as_ref(), &self.stream, &probes, self.started).await?
             }
             InitialPosition::Latest => Checkpoint::latest_from(self.started),
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),

@@ -20,8 +20,8 @@ use super::reader::ShardReader;
 use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
 use crate::consumer::context::WorkerContext;
 use crate::consumer::events::{EventHook, ShardEvent};
-use crate::consumer::latest::resolve_latest;
 use crate::consumer::health::HealthState;
+use crate::consumer::latest::resolve_latest;
 
 /// How a shard task ended.
 #[derive(Debug)]
@@ -262,8 +262,7 @@ impl ShardTask {
                 },
                 None => {
                     let shard: &str = &self.shard_id;
-                    match resolve_latest(self.kinesis.as_ref(), &self.stream, &[shard], now).await
-                    {
+                    match resolve_latest(self.kinesis.as_ref(), &self.stream, &[shard], now).await {
                         Ok(start) => {
                             resolved = Some(start);
                             continue;
