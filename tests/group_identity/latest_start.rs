@@ -151,3 +151,66 @@ async fn a_latest_start_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
 async fn a_kcl_latest_sentinel_resolved_on_a_clock_a_minute_ahead_skips_nothing() {
     a_start_resolved_on_a_clock_a_minute_ahead("kcl-skew", true).await;
 }
+
+/// A KCL table's LATEST row for a shard already past retention (Kinesis answers
+/// NotFound for it) does not hold its children back: checking its start against
+/// Kinesis' clock gives up after a few NotFound answers, the reader finds the shard
+/// gone and ends it, and its children are read.
+#[tokio::test(start_paused = true)]
+async fn a_kcl_latest_row_of_a_shard_past_retention_does_not_hold_its_children_back() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("gone", 1).await.unwrap();
+    let parent = kinesis.list_shards("gone").await.unwrap().remove(0);
+    kinesis
+        .split_shard("gone", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    let children: Vec<_> = kinesis
+        .list_shards("gone")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| !s.is_closed())
+        .collect();
+    let table = memory.table("gone-group");
+    table.ensure_table().await.unwrap();
+    let row = Lease::new(parent.shard_id.clone(), Vec::new(), Checkpoint::Latest);
+    assert!(table.create(&row).await.unwrap());
+    for child in &children {
+        let row = Lease::new(
+            child.shard_id.clone(),
+            vec![parent.shard_id.clone()],
+            Checkpoint::Latest,
+        );
+        assert!(table.create(&row).await.unwrap());
+    }
+    kinesis.remove_shard("gone", &parent.shard_id);
+    let recorder = Recorder::default();
+    let run = start(
+        test_consumer(memory.clone(), "gone", "gone-group", "w1")
+            .initial_position(InitialPosition::Latest)
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    within(LIMIT, "the children have their durable start", async {
+        loop {
+            let rows = table.rows();
+            let started = children.iter().all(|c| {
+                rows.iter().any(|r| {
+                    r.key == c.shard_id && matches!(r.checkpoint, Checkpoint::AtTimestamp(Some(_)))
+                })
+            });
+            if started {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), "gone", &children, 20).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    run.stop().await;
+    assert_no_value_twice(&recorder.snapshot());
+}

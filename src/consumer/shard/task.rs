@@ -11,12 +11,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::ack::ShardProgress;
 use crate::backoff::Backoff;
-use crate::kinesis::KinesisApi;
+use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
 use crate::metrics::{Labels, ShardMetrics};
 
-use super::reader::ShardReader;
+use super::reader::{ShardReader, GONE_CONFIRMATIONS};
 use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
 use crate::consumer::context::WorkerContext;
 use crate::consumer::events::{EventHook, ShardEvent};
@@ -247,6 +247,7 @@ impl ShardTask {
             }
             _ => return Ok(stored),
         };
+        let mut not_found: u32 = 0;
         loop {
             let failure = match &resolved {
                 Some(start) => match self.lease.checkpoint(start).await {
@@ -267,7 +268,20 @@ impl ShardTask {
                             resolved = Some(start);
                             continue;
                         }
-                        Err(e) => format!("could not check LATEST's start against Kinesis: {e}"),
+                        // A shard Kinesis keeps answering NotFound for is gone (past
+                        // retention): nothing can be skipped in it, and the reader
+                        // finds it gone and ends it, so its children are not held back.
+                        Err(KinesisError::NotFound(why)) if not_found + 1 >= GONE_CONFIRMATIONS => {
+                            tracing::info!(shard = %self.shard_id, %why, "the shard was not found; its LATEST start is this host's guess");
+                            resolved = Some(Checkpoint::latest_from(now));
+                            continue;
+                        }
+                        Err(e) => {
+                            if matches!(e, KinesisError::NotFound(_)) {
+                                not_found += 1;
+                            }
+                            format!("could not check LATEST's start against Kinesis: {e}")
+                        }
                     }
                 }
             };
