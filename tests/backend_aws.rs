@@ -269,6 +269,18 @@ async fn every_starting_position_starts_where_it_says() {
         );
         assert!(got.iter().all(|r| r.approximate_arrival.is_some()));
 
+        // An AT_TIMESTAMP later than the service's clock is refused (so LATEST's start,
+        // which a worker's clock guesses, can be confirmed); the same call works later.
+        let ahead = SystemTime::now() + Duration::from_secs(60);
+        let refused = kinesis
+            .shard_iterator(&stream, &shard, &StartingPosition::AtTimestamp(ahead))
+            .await
+            .expect_err("GetShardIterator AT_TIMESTAMP a minute ahead");
+        assert!(
+            matches!(refused, KinesisError::FutureTimestamp(_)) && refused.is_transient(),
+            "{refused}"
+        );
+
         // LATEST: only what is written after the iterator was taken.
         let latest = kinesis
             .shard_iterator(&stream, &shard, &StartingPosition::Latest)

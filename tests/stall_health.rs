@@ -444,3 +444,87 @@ fn a_shard_starved_by_a_hung_shard_is_read_or_named() {
         drop(running);
     });
 }
+
+/// Regression: a stuck shard handed off to another worker never sent `Unstuck`.
+///
+/// Every handler call hangs, so both shards of the first worker get stuck. A second
+/// worker joins and one shard is handed over to it (its drain times out): the first
+/// worker no longer reads that shard, but its `Stuck` was never followed by an
+/// `Unstuck`, so a user pairing the two events counted it stuck for ever.
+#[test]
+fn a_stuck_shard_that_is_handed_off_sends_unstuck() {
+    with_metrics(|m| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 2).await.unwrap();
+        produce(memory.streams().as_ref(), "orders", 0..20).await;
+        let handler = tower::service_fn(|_: Message| async {
+            std::future::pending::<()>().await;
+            Ok::<_, &str>(())
+        });
+        let events = Events::default();
+        let first = testkit::test_consumer(memory.clone(), "orders", "billing", "w1")
+            .stuck_after(STUCK_AFTER)
+            .shutdown_timeout(Duration::from_secs(2))
+            .on_event(events.hook())
+            .build()
+            .unwrap()
+            .run(handler)
+            .spawn();
+        eventually(LIMIT, "both shards of the first worker are stuck", || {
+            events.stuck().len() == 2
+        })
+        .await;
+        assert_eq!(gauge(&m, names::SHARDS_STUCK), 2.0);
+        assert!(events.unstuck().is_empty());
+
+        let second = testkit::test_consumer(memory.clone(), "orders", "billing", "w2")
+            .stuck_after(Duration::from_secs(300))
+            .shutdown_timeout(Duration::from_secs(2))
+            .build()
+            .unwrap()
+            .run(handler)
+            .spawn();
+        let left = || -> Vec<String> {
+            events
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter_map(|e| match e {
+                    ShardEvent::HandedOff { shard, .. }
+                    | ShardEvent::LeaseLost { shard }
+                    | ShardEvent::Released { shard } => Some(shard.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        eventually(LIMIT, "the first worker gives a shard up", || {
+            !left().is_empty()
+        })
+        .await;
+        let gone = left();
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        assert_eq!(
+            events.unstuck(),
+            gone,
+            "the shard no longer read here is no longer stuck here"
+        );
+        let order: Vec<bool> = events
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match e {
+                ShardEvent::Unstuck { .. } => Some(true),
+                ShardEvent::HandedOff { .. }
+                | ShardEvent::LeaseLost { .. }
+                | ShardEvent::Released { .. } => Some(false),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(order, vec![true, false], "Unstuck comes first");
+        assert_eq!(gauge(&m, names::SHARDS_STUCK), 1.0);
+        drop(second);
+        drop(first);
+    });
+}

@@ -34,7 +34,9 @@ pub enum InitialPosition {
     /// Only records written after the group started. The worker that creates the
     /// lease rows (on a new table) resolves "now" once into a durable start: it writes
     /// `AT_TIMESTAMP` with the moment it started minus a clock margin of a few seconds
-    /// (Kinesis arrival times are the service's clock) into every row, closed shards
+    /// (Kinesis arrival times are the service's clock; a time Kinesis calls in its
+    /// future, from a host clock that runs ahead, is moved back until Kinesis accepts
+    /// it, so the start is never later than Kinesis' "now") into every row, closed shards
     /// included (a shard closed by a reshard since the start still holds records
     /// written since then; one closed before yields nothing and ends at once). A shard
     /// that appears later (a reshard) is read from its start, after its parents. A row
@@ -198,6 +200,31 @@ pub struct Config {
     pub(crate) max_concurrent_calls: usize,
     pub(crate) header_format: HeaderFormat,
     pub(crate) misplaced_user_records: MisplacedUserRecords,
+    pub(crate) wall_clock: WallClock,
+}
+
+/// The wall clock a worker reads where it needs the time of day (see
+/// [`ConsumerBuilder::wall_clock`]).
+#[derive(Clone)]
+pub(crate) struct WallClock(Arc<dyn Fn() -> SystemTime + Send + Sync>);
+
+impl WallClock {
+    /// The time of day now, on this worker's clock.
+    pub(crate) fn now(&self) -> SystemTime {
+        (self.0)()
+    }
+}
+
+impl Default for WallClock {
+    fn default() -> Self {
+        WallClock(Arc::new(SystemTime::now))
+    }
+}
+
+impl std::fmt::Debug for WallClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<wall clock>")
+    }
 }
 
 impl Config {
@@ -304,6 +331,7 @@ pub struct ConsumerBuilder {
     max_concurrent_calls: usize,
     header_format: HeaderFormat,
     misplaced_user_records: MisplacedUserRecords,
+    wall_clock: WallClock,
     pub(crate) backend: Option<Arc<dyn Backend>>,
 }
 
@@ -341,6 +369,7 @@ impl Default for ConsumerBuilder {
             max_concurrent_calls: 1_024,
             header_format: HeaderFormat::Auto,
             misplaced_user_records: MisplacedUserRecords::Deliver,
+            wall_clock: WallClock::default(),
             backend: None,
         }
     }
@@ -664,6 +693,28 @@ impl ConsumerBuilder {
         self
     }
 
+    /// The wall clock this worker reads for the time of day (default: the system
+    /// clock). Only [`InitialPosition::Latest`] reads it, for the first guess of "now"
+    /// that Kinesis then confirms (a guess later than Kinesis' own clock is moved back
+    /// until Kinesis accepts it), so a host whose clock is wrong cannot skip records.
+    /// Tests and simulations set it to play a host whose clock is off:
+    ///
+    /// ```
+    /// # use std::time::{Duration, SystemTime};
+    /// # use shardflow::{Consumer, Memory};
+    /// let consumer = Consumer::builder()
+    ///     .stream("orders")
+    ///     .group("billing")
+    ///     .backend(Memory::new())
+    ///     .wall_clock(|| SystemTime::now() + Duration::from_secs(60))
+    ///     .build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn wall_clock(mut self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        self.wall_clock = WallClock(Arc::new(clock));
+        self
+    }
+
     /// Calls `hook` with what happens to this worker's shards: leases taken, lost,
     /// handed off and released, shards ended, handler failures (see [`ShardEvent`]).
     /// The hook runs on the worker's tasks: keep it quick, it must not block.
@@ -945,6 +996,7 @@ impl ConsumerBuilder {
             max_concurrent_calls: self.max_concurrent_calls,
             header_format: self.header_format,
             misplaced_user_records: self.misplaced_user_records,
+            wall_clock: self.wall_clock.clone(),
         })
     }
 

@@ -92,8 +92,10 @@ pub enum ShardEvent {
         /// call or a held batch has not returned.
         reason: Option<String>,
     },
-    /// A stuck shard makes progress again: a record was handled, or nothing waits any
-    /// more. A stuck shard that is released or lost instead sends only that event.
+    /// A stuck shard makes progress again (a record was handled, or nothing waits any
+    /// more), or is no longer read by this worker: it ended, was handed off, released
+    /// or lost (this event comes before that one). Every `Stuck` is followed by one
+    /// `Unstuck`.
     Unstuck {
         /// The shard.
         shard: String,

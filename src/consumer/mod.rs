@@ -46,6 +46,7 @@ mod coordinator;
 mod deadline;
 mod events;
 mod health;
+mod latest;
 #[cfg(test)]
 mod lease_tests;
 mod panics;

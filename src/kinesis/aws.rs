@@ -9,6 +9,7 @@
 //! | on SubscribeToShard: `ResourceInUseException` (another subscription of the same consumer to the shard is still open, e.g. during a hand-off) | [`Throttled`](KinesisError::Throttled) |
 //! | `ExpiredIteratorException`; on GetRecords also `InvalidArgumentException` whose message names the iterator | [`ExpiredIterator`](KinesisError::ExpiredIterator) |
 //! | `ResourceNotFoundException` | [`NotFound`](KinesisError::NotFound) |
+//! | `InvalidArgumentException` saying an `AT_TIMESTAMP` "cannot be greater than the currentTimestampInMillis" (a time later than the service's clock) | [`FutureTimestamp`](KinesisError::FutureTimestamp) |
 //! | `InvalidArgumentException`, `ValidationException` | [`Invalid`](KinesisError::Invalid) |
 //! | anything else: other service errors, HTTP 5xx, dispatch failures, timeouts | [`Other`](KinesisError::Other) |
 //!
@@ -241,6 +242,16 @@ fn classify_code(op: &str, code: &str, message: &str, text: ErrorDetail) -> Kine
             KinesisError::ExpiredIterator(text)
         }
         "ResourceNotFoundException" => KinesisError::NotFound(text),
+        // An AT_TIMESTAMP later than the service's clock ("The timestampInMillis
+        // parameter cannot be greater than the currentTimestampInMillis", from Kinesis
+        // and kinesalite alike).
+        "InvalidArgumentException"
+            if message
+                .to_ascii_lowercase()
+                .contains("cannot be greater than the currenttimestamp") =>
+        {
+            KinesisError::FutureTimestamp(text)
+        }
         "InvalidArgumentException" | "ValidationException" => KinesisError::Invalid(text),
         _ => KinesisError::Other(text),
     }
@@ -769,6 +780,17 @@ mod tests {
         assert!(matches!(
             kind("GetRecords", "InvalidArgumentException", "Limit too large"),
             KinesisError::Invalid(_)
+        ));
+        // An AT_TIMESTAMP ahead of the service's clock: the same call works later.
+        assert!(matches!(
+            kind(
+                "GetShardIterator",
+                "InvalidArgumentException",
+                "The timestampInMillis parameter cannot be greater than the \
+                 currentTimestampInMillis. timestampInMillis: 1700000060000, \
+                 currentTimestampInMillis: 1700000000000"
+            ),
+            KinesisError::FutureTimestamp(_)
         ));
         assert!(matches!(
             kind("ListShards", "ResourceNotFoundException", ""),

@@ -258,6 +258,11 @@ pub enum KinesisError {
     NotFound(ErrorDetail),
     /// The request was refused as invalid.
     Invalid(ErrorDetail),
+    /// An `AT_TIMESTAMP` position later than the service's own clock: Kinesis refuses
+    /// it (`InvalidArgumentException`: the timestamp "cannot be greater than the
+    /// current timestamp"). The same request succeeds once that time has come; a
+    /// refusal also proves that the clock which chose the time runs ahead of Kinesis'.
+    FutureTimestamp(ErrorDetail),
     /// The backend does not offer this call (for example enhanced fan-out on an emulator).
     Unsupported(String),
     /// A network, service or other transient failure: retry with backoff.
@@ -271,6 +276,9 @@ impl std::fmt::Display for KinesisError {
             KinesisError::ExpiredIterator(d) => write!(f, "shard iterator expired: {d}"),
             KinesisError::NotFound(d) => write!(f, "not found: {d}"),
             KinesisError::Invalid(d) => write!(f, "invalid request: {d}"),
+            KinesisError::FutureTimestamp(d) => {
+                write!(f, "the timestamp is later than Kinesis' clock: {d}")
+            }
             KinesisError::Unsupported(what) => write!(f, "not supported: {what}"),
             KinesisError::Other(d) => write!(f, "kinesis call failed: {d}"),
         }
@@ -284,6 +292,7 @@ impl std::error::Error for KinesisError {
             | KinesisError::ExpiredIterator(d)
             | KinesisError::NotFound(d)
             | KinesisError::Invalid(d)
+            | KinesisError::FutureTimestamp(d)
             | KinesisError::Other(d) => d.source(),
             KinesisError::Unsupported(_) => None,
         }
@@ -291,9 +300,13 @@ impl std::error::Error for KinesisError {
 }
 
 impl KinesisError {
-    /// Whether the same call may succeed later (throttling, network, service errors).
+    /// Whether the same call may succeed later (throttling, network, service errors, a
+    /// timestamp the service's clock has not reached yet).
     pub fn is_transient(&self) -> bool {
-        matches!(self, KinesisError::Throttled(_) | KinesisError::Other(_))
+        matches!(
+            self,
+            KinesisError::Throttled(_) | KinesisError::Other(_) | KinesisError::FutureTimestamp(_)
+        )
     }
 }
 

@@ -297,21 +297,46 @@ impl MemoryKinesis {
         Some((stream, shard, index, issued))
     }
 
-    /// The index of the first record at or after `from`.
-    fn start_index(s: &KinesisState, records: &[Record], from: &StartingPosition) -> usize {
-        match from {
+    /// The index of the first record at or after `from`. An `AT_TIMESTAMP` later than
+    /// the service's clock (this host's wall clock, which also stamps arrivals) is
+    /// refused, as Kinesis refuses it with `InvalidArgumentException`.
+    fn start_index(
+        s: &KinesisState,
+        records: &[Record],
+        from: &StartingPosition,
+    ) -> Result<usize, KinesisError> {
+        Ok(match from {
             StartingPosition::TrimHorizon => s.first_retained(records),
             StartingPosition::Latest => records.len(),
-            StartingPosition::AtTimestamp(t) => records
-                .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
-                .max(s.first_retained(records)),
+            StartingPosition::AtTimestamp(t) => {
+                let now = SystemTime::now();
+                if *t > now {
+                    let millis = |t: SystemTime| {
+                        t.duration_since(SystemTime::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_millis())
+                    };
+                    return Err(KinesisError::FutureTimestamp(
+                        format!(
+                            "The timestampInMillis parameter cannot be greater than the \
+                             currentTimestampInMillis. timestampInMillis: {}, \
+                             currentTimestampInMillis: {}",
+                            millis(*t),
+                            millis(now)
+                        )
+                        .into(),
+                    ));
+                }
+                records
+                    .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
+                    .max(s.first_retained(records))
+            }
             StartingPosition::AtSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number < *seq)
             }
             StartingPosition::AfterSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number <= *seq)
             }
-        }
+        })
     }
 }
 
@@ -374,9 +399,8 @@ impl KinesisApi for MemoryKinesis {
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
         let index = Self::start_index(&s, &records, from);
-        let iterator = Self::iterator(&s, stream, shard_id, index);
         Self::shard_mut(&mut s, stream, shard_id)?.records = records;
-        Ok(iterator)
+        Ok(Self::iterator(&s, stream, shard_id, index?))
     }
 
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
@@ -589,7 +613,7 @@ impl KinesisApi for MemoryKinesis {
             .ok_or_else(|| {
                 KinesisError::NotFound(format!("shard {shard_id} of {stream}").into())
             })?;
-        let next = Self::start_index(&s, &shard.records, from);
+        let next = Self::start_index(&s, &shard.records, from)?;
         let now = Instant::now();
         let subscription = MemSubscription {
             state: self.state.clone(),

@@ -3,6 +3,8 @@
 //! users' own handlers. It behaves like the real services where shardflow relies on
 //! them: sequence numbers, hash-key routing (MD5 of the partition key), splits and
 //! merges that close shards, iterators that expire, retention, and conditional writes.
+//! Its clock is this host's wall clock: it stamps arrival times with it, and refuses an
+//! `AT_TIMESTAMP` later than it ([`crate::kinesis::KinesisError::FutureTimestamp`]) as Kinesis does.
 //! Faults can be switched on with a fixed seed ([`KinesisFaults`], [`LeaseFaults`]) so
 //! throttling, expired iterators and failed writes are reproducible.
 //!

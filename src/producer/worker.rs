@@ -1179,6 +1179,7 @@ fn call_error_code(error: &KinesisError) -> &'static str {
         KinesisError::ExpiredIterator(_) => "ExpiredIterator",
         KinesisError::NotFound(_) => "NotFound",
         KinesisError::Invalid(_) => "Invalid",
+        KinesisError::FutureTimestamp(_) => "FutureTimestamp",
         KinesisError::Unsupported(_) => "Unsupported",
         KinesisError::Other(_) => "ServiceError",
     }

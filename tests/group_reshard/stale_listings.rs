@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use shardflow::kinesis::ShardInfo;
+use shardflow::kinesis::{ShardInfo, StreamAdmin};
 use shardflow::lease::Checkpoint;
 use shardflow::Memory;
 use testkit::*;
@@ -118,6 +118,75 @@ async fn a_finished_parent_is_not_read_again_after_a_stale_list_shards() {
     assert!(
         back.is_err(),
         "the finished parent's row was removed or moved back from SHARD_END"
+    );
+}
+
+/// Regression: two stale ListShards answers let a finished parent's row go, and the parent was read twice.
+///
+/// The parent is read to its end while every ListShards answer leaves its
+/// new children out (no child row exists yet, and the row names no child); then two
+/// answers in a row leave the parent out too. `clean_up` took the parent for past
+/// retention and deleted its row although the shard was still in the stream; once the
+/// answers were whole again, the parent (listed, closed, no row, children without rows)
+/// got a row again and was read a second time from its start. A row whose children are
+/// known nowhere now goes only when GetShardIterator also says the shard is gone.
+#[tokio::test(start_paused = true)]
+async fn a_finished_row_is_kept_while_stale_listings_leave_out_it_and_its_children() {
+    let memory = Memory::new();
+    let kinesis = memory.streams().clone();
+    kinesis.create_stream("f4", 1).await.unwrap();
+    let parent = open_shards(kinesis.as_ref(), "f4").await.remove(0);
+    produce(kinesis.as_ref(), "f4", 0..50).await;
+    let table = memory.table("f4-group");
+    let recorder = Recorder::default();
+    let run = start(
+        test_consumer(memory.clone(), "f4", "f4-group", "w1")
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    recorder.wait_for(50, LIMIT).await;
+    // The embedded backend numbers shards in creation order: the split's children are
+    // the next two ids. Every answer leaves them out until the test says otherwise.
+    let children = ["shardId-000000000001", "shardId-000000000002"];
+    for child in children {
+        kinesis.omit_from_list_shards(child, u32::MAX);
+    }
+    kinesis
+        .split_shard("f4", &parent.shard_id, u128::MAX / 2)
+        .await
+        .unwrap();
+    within(LIMIT, "the parent is read to its end and released", async {
+        while !table.rows().iter().any(|r| {
+            r.key == parent.shard_id && r.checkpoint == Checkpoint::ShardEnd && r.owner.is_none()
+        }) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // The next answers leave the parent out as well.
+    kinesis.omit_from_list_shards(&parent.shard_id, 4);
+    let deleted = tokio::time::timeout(Duration::from_secs(5), async {
+        while table.rows().iter().any(|r| r.key == parent.shard_id) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    for child in children {
+        kinesis.omit_from_list_shards(child, 0);
+    }
+    let open = open_shards(kinesis.as_ref(), "f4").await;
+    assert_eq!(
+        open.iter().map(|s| s.shard_id.as_str()).collect::<Vec<_>>(),
+        children
+    );
+    let sentinels = produce_sentinels(kinesis.as_ref(), "f4", &open, 50).await;
+    recorder.wait_for_values(&sentinels, LIMIT).await;
+    run.stop().await;
+    assert_no_value_twice(&recorder.snapshot());
+    assert!(
+        deleted.is_err(),
+        "the finished parent's row was deleted while its shard was still in the stream"
     );
 }
 

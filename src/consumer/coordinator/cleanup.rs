@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::Instant;
 
 use crate::consumer::events::ShardEvent;
-use crate::kinesis::ShardInfo;
+use crate::kinesis::{KinesisError, ShardInfo, StartingPosition};
 use crate::lease::{Checkpoint, HeldLease, Lease, LeaseStore};
 
 use super::discovery::{children_of, listed};
@@ -124,7 +124,10 @@ impl Coordinator {
     }
 
     /// Deletes rows of finished shards once Kinesis no longer lists the shard (it is
-    /// past retention) and every child still listed has started (its checkpoint moved).
+    /// past retention) and, as the KCL's `LeaseCleanupManager` asks, every child has a
+    /// row that moved past its start (its checkpoint is a record or SHARD_END, not a
+    /// start sentinel) and no parent of the shard still has a row (parents go first,
+    /// so a child's row is there whenever its parent's is judged).
     ///
     /// Until then the row stays as a tombstone: SHARD_END says the shard was read. A
     /// worker that decided to create a shard's row from an older listing and was paused
@@ -133,18 +136,31 @@ impl Coordinator {
     /// time; the create is conditional on the row's absence, so a tombstone refuses it.
     /// Once the shard is past retention, a row created again that way finds nothing to
     /// read. The cost is one small row per finished shard for the retention period.
+    ///
+    /// ListShards answers may be stale, and two in a row may leave out the shard and
+    /// its children alike. So a shard whose children are known nowhere (neither in the
+    /// row, nor in either answer), and a child that has no row, count as gone only when
+    /// GetShardIterator, a third answer from another call, says NotFound too.
     pub(super) async fn clean_up(&self, rows: &[Lease]) {
         let by_key: BTreeMap<&str, &Lease> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let started = |child: &str| {
-            by_key
-                .get(child)
-                .is_some_and(|l| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd))
-        };
-        let waits = |row: &Lease, fresh: &[ShardInfo]| {
+        let progressed =
+            |l: &Lease| matches!(l.checkpoint, Checkpoint::At(_) | Checkpoint::ShardEnd);
+        let children = |row: &'_ Lease, fresh: &[ShardInfo]| -> BTreeSet<String> {
             children_of(&self.shards, &row.key)
                 .chain(children_of(fresh, &row.key))
                 .chain(row.children.iter().map(String::as_str))
-                .any(|c| (listed(fresh, c) || listed(&self.shards, c)) && !started(c))
+                .map(str::to_owned)
+                .collect()
+        };
+        let waits = |row: &Lease, fresh: &[ShardInfo]| {
+            row.parents.iter().any(|p| by_key.contains_key(p.as_str()))
+                || children(row, fresh)
+                    .iter()
+                    .any(|c| match by_key.get(c.as_str()) {
+                        Some(child) => !progressed(child),
+                        // Its row is still to be created.
+                        None => listed(fresh, c) || listed(&self.shards, c),
+                    })
         };
         let finished: Vec<&Lease> = rows
             .iter()
@@ -174,6 +190,26 @@ impl Coordinator {
             if waits(row, &fresh) {
                 continue;
             }
+            let known = children(row, &fresh);
+            let mut unconfirmed: Vec<&str> = known
+                .iter()
+                .map(String::as_str)
+                .filter(|c| !by_key.contains_key(c))
+                .collect();
+            if known.is_empty() {
+                unconfirmed.push(row.key.as_str());
+            }
+            let mut confirmed = true;
+            for shard in unconfirmed {
+                if !self.shard_gone(shard).await {
+                    tracing::debug!(lease = %row.key, %shard, "a shard missing from ListShards is still found; keeping the finished lease");
+                    confirmed = false;
+                    break;
+                }
+            }
+            if !confirmed {
+                continue;
+            }
             match self.store.delete(row).await {
                 Ok(()) => {
                     tracing::debug!(lease = %row.key, "removed the lease of a shard past retention")
@@ -183,6 +219,17 @@ impl Coordinator {
                 }
             }
         }
+    }
+
+    /// Whether GetShardIterator says the shard does not exist (any other answer, an
+    /// error included, counts as "not known to be gone").
+    async fn shard_gone(&self, shard: &str) -> bool {
+        matches!(
+            self.kinesis
+                .shard_iterator(&self.stream, shard, &StartingPosition::TrimHorizon)
+                .await,
+            Err(KinesisError::NotFound(_))
+        )
     }
 }
 

@@ -12,6 +12,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::consumer::config::InitialPosition;
+use crate::consumer::latest::resolve_latest;
 use crate::consumer::ConsumerError;
 use crate::kinesis::{KinesisError, ShardInfo, StreamIdentity};
 use crate::lease::{Checkpoint, Lease, LeaseError, StreamScopedStore};
@@ -37,7 +38,7 @@ impl Coordinator {
     ///
     /// At the first sync (no rows yet) every shard gets a row, closed or not. LATEST
     /// is read as AT_TIMESTAMP of the moment this worker started (less the clock
-    /// margin), not of the sync: a first sync delayed by failing calls or a stale
+    /// margin, and moved back while Kinesis calls it in its future), not of the sync: a first sync delayed by failing calls or a stale
     /// ListShards answer, during which a shard was closed by a reshard, must still read
     /// that shard's records written since the start. At a timestamp a parent closed
     /// after it still holds records to read, and one closed before it yields nothing
@@ -82,8 +83,23 @@ impl Coordinator {
         // clock margin) and written in the rows it creates: every owner, the first
         // included, continues from that time, so no change of owner before the first
         // checkpoint can skip a record.
+        // The time is this worker's clock's, confirmed by Kinesis' (see
+        // `resolve_latest`): a host clock ahead must not put the start in Kinesis'
+        // future. Checked only when a row may be created.
         let initial = match &self.config.initial_position {
             InitialPosition::TrimHorizon => Checkpoint::TrimHorizon,
+            InitialPosition::Latest
+                if shards.iter().any(|s| !keys.contains(s.shard_id.as_str())) =>
+            {
+                // Open shards first: any shard tells Kinesis' clock.
+                let probes: Vec<&str> = shards
+                    .iter()
+                    .filter(|s| !s.is_closed())
+                    .chain(shards.iter().filter(|s| s.is_closed()))
+                    .map(|s| s.shard_id.as_str())
+                    .collect();
+                resolve_latest(self.kinesis.as_ref(), &self.stream, &probes, self.started).await?
+            }
             InitialPosition::Latest => Checkpoint::latest_from(self.started),
             InitialPosition::AtTimestamp(t) => Checkpoint::AtTimestamp(Some(*t)),
         };

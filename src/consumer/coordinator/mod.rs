@@ -211,6 +211,7 @@ impl Coordinator {
         multi_stream: bool,
     ) -> Self {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let started = config.wall_clock.now();
         // Every remote call the worker and its shards make has a deadline.
         let kinesis: Arc<dyn KinesisApi> = Arc::new(BoundedKinesis::new(
             kinesis,
@@ -270,7 +271,7 @@ impl Coordinator {
             last_listing: None,
             covered: BTreeSet::new(),
             table_missing_since: None,
-            started: SystemTime::now(),
+            started,
             events_tx,
             events_rx,
             tasks: CancellationToken::new(),

@@ -61,7 +61,7 @@ pub(super) enum Flow {
 
 /// How many times in a row a shard must be both refused as NotFound and left out of
 /// ListShards before it counts as gone (see [`ShardReader::gone_or`]).
-const GONE_CONFIRMATIONS: u32 = 3;
+pub(super) const GONE_CONFIRMATIONS: u32 = 3;
 
 impl ShardReader {
     /// Reads from just after `start` until the shard ends (then registers the end with

@@ -3,7 +3,7 @@
 //! (records handed out and none handled for `stuck_after`).
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -11,16 +11,17 @@ use tokio_util::sync::CancellationToken;
 
 use super::ack::ShardProgress;
 use crate::backoff::Backoff;
-use crate::kinesis::KinesisApi;
+use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{Checkpoint, HeldLease, LeaseError};
 use crate::message::Batch;
 use crate::metrics::{Labels, ShardMetrics};
 
-use super::reader::ShardReader;
+use super::reader::{ShardReader, GONE_CONFIRMATIONS};
 use crate::consumer::config::{CheckpointPolicy, Config, InitialPosition};
 use crate::consumer::context::WorkerContext;
-use crate::consumer::events::ShardEvent;
+use crate::consumer::events::{EventHook, ShardEvent};
 use crate::consumer::health::HealthState;
+use crate::consumer::latest::resolve_latest;
 
 /// How a shard task ended.
 #[derive(Debug)]
@@ -98,6 +99,7 @@ impl ShardTask {
         let mut stuck = StuckWatch {
             shard_id: shard_id.clone(),
             metrics: metrics.clone(),
+            events: self.worker.events.clone(),
             since: None,
             tick,
         };
@@ -225,7 +227,8 @@ impl ShardTask {
     }
 
     /// The start every owner of the shard continues from, written into the lease row
-    /// before anything is read: LATEST becomes AT_TIMESTAMP of now minus a clock margin,
+    /// before anything is read: LATEST becomes AT_TIMESTAMP of now minus a clock margin
+    /// (moved back while Kinesis calls it in its future, see `resolve_latest`),
     /// and an `AT_TIMESTAMP` row without a time gets the configured one. Nothing else
     /// needs resolving. A failed write is retried (nothing is delivered meanwhile) until
     /// it lands, the lease is lost or the task is stopped.
@@ -234,34 +237,60 @@ impl ShardTask {
         stored: Checkpoint,
         backoff: &mut Backoff,
     ) -> Result<Checkpoint, ShardExit> {
-        let resolved = match (&stored, &self.config.initial_position) {
+        let now = self.config.wall_clock.now();
+        let mut resolved = match (&stored, &self.config.initial_position) {
             // A row with the LATEST sentinel (a KCL table; shardflow itself resolves
-            // LATEST when it creates the row).
-            (Checkpoint::Latest, _) => Checkpoint::latest_from(SystemTime::now()),
+            // LATEST when it creates the row): confirmed on this shard below.
+            (Checkpoint::Latest, _) => None,
             (Checkpoint::AtTimestamp(None), InitialPosition::AtTimestamp(t)) => {
-                Checkpoint::AtTimestamp(Some(*t))
+                Some(Checkpoint::AtTimestamp(Some(*t)))
             }
             _ => return Ok(stored),
         };
+        let mut not_found: u32 = 0;
         loop {
-            match self.lease.checkpoint(&resolved).await {
-                Ok(row) => {
-                    tracing::info!(from = %stored, start = %row.checkpoint, "wrote the shard's durable start");
-                    return Ok(row.checkpoint);
-                }
-                Err(LeaseError::Conflict(key)) => {
-                    tracing::info!(lease = %key, "lease lost before the start was written");
-                    return Err(ShardExit::Lost);
-                }
-                Err(e) => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(error = %e, ?delay, "could not write the shard's start; retrying before reading");
-                    tokio::select! {
-                        _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
-                        _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
-                        _ = tokio::time::sleep(delay) => {}
+            let failure = match &resolved {
+                Some(start) => match self.lease.checkpoint(start).await {
+                    Ok(row) => {
+                        tracing::info!(from = %stored, start = %row.checkpoint, "wrote the shard's durable start");
+                        return Ok(row.checkpoint);
+                    }
+                    Err(LeaseError::Conflict(key)) => {
+                        tracing::info!(lease = %key, "lease lost before the start was written");
+                        return Err(ShardExit::Lost);
+                    }
+                    Err(e) => format!("could not write the shard's start: {e}"),
+                },
+                None => {
+                    let shard: &str = &self.shard_id;
+                    match resolve_latest(self.kinesis.as_ref(), &self.stream, &[shard], now).await {
+                        Ok(start) => {
+                            resolved = Some(start);
+                            continue;
+                        }
+                        // A shard Kinesis keeps answering NotFound for is gone (past
+                        // retention): nothing can be skipped in it, and the reader
+                        // finds it gone and ends it, so its children are not held back.
+                        Err(KinesisError::NotFound(why)) if not_found + 1 >= GONE_CONFIRMATIONS => {
+                            tracing::info!(shard = %self.shard_id, %why, "the shard was not found; its LATEST start is this host's guess");
+                            resolved = Some(Checkpoint::latest_from(now));
+                            continue;
+                        }
+                        Err(e) => {
+                            if matches!(e, KinesisError::NotFound(_)) {
+                                not_found += 1;
+                            }
+                            format!("could not check LATEST's start against Kinesis: {e}")
+                        }
                     }
                 }
+            };
+            let delay = backoff.next_delay();
+            tracing::warn!(error = %failure, ?delay, "the shard's start is not durable yet; retrying before reading");
+            tokio::select! {
+                _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
+                _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
+                _ = tokio::time::sleep(delay) => {}
             }
         }
     }
@@ -347,10 +376,13 @@ impl ShardTask {
 }
 
 /// Whether a shard is stuck, as last reported (event and gauge): each transition is
-/// reported once. Dropped with the shard task, when a stuck shard stops counting.
+/// reported once. Dropped with the shard task, when a stuck shard stops counting and
+/// says so: every `Stuck` is followed by one `Unstuck`, whether the shard made progress
+/// again or its task ended (the shard ended, was handed off, released or lost).
 struct StuckWatch {
     shard_id: Arc<str>,
     metrics: Arc<ShardMetrics>,
+    events: EventHook,
     /// When the shard was reported stuck; `None` while it is not.
     since: Option<Instant>,
     /// When to look next.
@@ -390,8 +422,15 @@ impl StuckWatch {
 
 impl Drop for StuckWatch {
     fn drop(&mut self) {
-        if self.since.is_some() {
+        if let Some(since) = self.since.take() {
+            let stuck_for = since.elapsed();
+            tracing::info!(shard = %self.shard_id, ?stuck_for, "a stuck shard is no longer read here");
             self.metrics.stuck.decrement(1.0);
+            // Before the event of the task's exit, which the coordinator sends after.
+            self.events.emit(|| ShardEvent::Unstuck {
+                shard: self.shard_id.to_string(),
+                stuck_for,
+            });
         }
     }
 }

@@ -79,10 +79,13 @@ pub enum Feature {
     /// dead-letter sink refuses each poison record once: every record of a batch is
     /// handled or dead-lettered exactly once per delivery, none skipped.
     PoisonBatches,
+    /// Every worker's wall clock off by a drawn amount, up to 90 s ahead or behind
+    /// (see `simulation/clock_skew.rs`): LATEST's start must skip nothing all the same.
+    ClockSkew,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 28] = [
+    pub const ALL: [Feature; 29] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
@@ -111,6 +114,7 @@ impl Feature {
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
         Feature::PoisonBatches,
+        Feature::ClockSkew,
     ];
 
     pub fn name(self) -> &'static str {
@@ -143,14 +147,16 @@ impl Feature {
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
             Feature::PoisonBatches => "poison-batches",
+            Feature::ClockSkew => "clock-skew",
         }
     }
 }
 
 /// The features on by default: every one but `per-key-concurrency`,
-/// `multi-stream-keys` and `poison-batches` (the last three of [`Feature::ALL`]), which
-/// their own tests run, so the default histories stay those the seeds always named.
-pub const DEFAULT_FEATURES: &[Feature] = Feature::ALL.split_at(Feature::ALL.len() - 3).0;
+/// `multi-stream-keys`, `poison-batches` and `clock-skew` (the last four of
+/// [`Feature::ALL`]), which their own tests run, so the default histories stay those
+/// the seeds always named.
+pub const DEFAULT_FEATURES: &[Feature] = Feature::ALL.split_at(Feature::ALL.len() - 4).0;
 
 /// A set of features.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

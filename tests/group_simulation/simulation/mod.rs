@@ -13,6 +13,7 @@
 //! history runs: no shard stalls in silence (see [`watch_progress`]).
 
 pub mod backend;
+pub mod clock_skew;
 pub mod history;
 pub mod invariants;
 pub mod log;
@@ -209,6 +210,8 @@ struct Sim {
     probes: Arc<Mutex<Vec<Probe>>>,
     /// The start, for the progress invariant once it is decided.
     decided_start: Arc<Mutex<Option<Start>>>,
+    /// The workers' wall clocks (feature `clock-skew`).
+    clock_skews: clock_skew::ClockSkews,
 }
 
 /// The messages of the panics the generator's handlers and hooks raise on purpose.
@@ -316,6 +319,7 @@ impl Sim {
             checkpoint,
             next_value: 0,
             incarnations: 0,
+            clock_skews: clock_skew::ClockSkews::new(seed),
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
@@ -449,6 +453,13 @@ impl Sim {
             Consumer::builder().streams([STREAM])
         } else {
             Consumer::builder().stream(STREAM)
+        };
+        let builder = if self.features.has(Feature::ClockSkew) {
+            let (skew, clock) = self.clock_skews.next_clock();
+            self.note(format!("{incarnation}'s wall clock is {skew} ms off"));
+            builder.wall_clock(clock)
+        } else {
+            builder
         };
         // Decided without the generator's random numbers: the histories stay the same.
         let builder = if self.features.has(Feature::HookPanics) && self.incarnations % 2 == 1 {
