@@ -1,7 +1,9 @@
 //! Hands a shard's batches to the user's service in `run` mode: record by record (in
 //! sequence order, each awaited), records concurrently (per partition key or unordered,
 //! see [`Concurrency`](crate::consumer::Concurrency)), or batch by batch, turning the outcome into
-//! acknowledgements.
+//! acknowledgements. Every call starts only on a lease proven fresh right before it
+//! (see [`AckHandle::lease_held_for_call`]): a process paused mid-batch resumes without
+//! handling another record of a lease it may have lost.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
