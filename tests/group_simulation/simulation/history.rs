@@ -158,7 +158,8 @@ impl Feature {
 
 /// The features on by default: every one but `per-key-concurrency`,
 /// `multi-stream-keys` and `poison-batches` (the last three of [`Feature::ALL`]), which
-/// their own tests run, so the default histories stay those the seeds always named.
+/// their own tests run. (A history's draws depend on its features: a seed names one
+/// history per feature set.)
 pub const DEFAULT_FEATURES: &[Feature] = Feature::ALL.split_at(Feature::ALL.len() - 3).0;
 
 /// A set of features.

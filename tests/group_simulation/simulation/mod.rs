@@ -4,7 +4,8 @@
 //! A history: a stream of 1–3 shards resharded (splits, merges, 1 → 2 → 1) to several
 //! generations with records written in every generation; an initial position
 //! (TRIM_HORIZON, LATEST, AT_TIMESTAMP); workers in `run` or `stream()` mode joining,
-//! leaving, killed, frozen past their lease and woken, restarted under the same id;
+//! leaving, killed, frozen past their lease and woken, stopped in the middle of handling
+//! (a process freeze), restarted under the same id;
 //! faults on both services (see [`backend`]); workers in multi-stream mode (the KCL's
 //! multi-stream keys); handlers that hang on a record. Each part is a
 //! [`history::Feature`].
