@@ -362,6 +362,8 @@ pub(crate) trait Acknowledge: fmt::Debug + Send + Sync {
     fn should_start(&self) -> bool;
     fn is_current(&self) -> bool;
     fn wait_start(&self) -> BoxFuture<'_, bool>;
+    fn lease_is_fresh(&self) -> bool;
+    fn wait_fresh(&self) -> BoxFuture<'_, bool>;
 }
 
 impl AckHandle {
@@ -424,6 +426,16 @@ impl AckHandle {
     /// lease meanwhile.
     pub(crate) async fn wait_start(&self) -> bool {
         self.0.wait_start().await
+    }
+
+    /// The check before each handler call on the batch's records: true at once while
+    /// the lease is not lost and its last successful renewal is younger than the
+    /// renewal margin (the common case, without an allocation); otherwise waits until a
+    /// renewal proves the lease is still ours (true) or it is lost (false). A process
+    /// paused past its lease (a stop signal, a long GC-like pause, a VM migration) so
+    /// starts no call on a lease another worker may hold by now.
+    pub(crate) async fn lease_held_for_call(&self) -> bool {
+        self.0.lease_is_fresh() || self.0.wait_fresh().await
     }
 }
 

@@ -228,8 +228,10 @@ impl std::fmt::Debug for WallClock {
 }
 
 impl Config {
-    /// How old the last lease renewal may be when records are handed out or a queued
-    /// batch starts: past it, the lease may already be someone else's.
+    /// How old the last successful lease renewal (counted from when it was sent) may be
+    /// when records are handed out, a queued batch starts or a handler call starts: the
+    /// lease duration less one renew interval, the margin. Past it, the lease may
+    /// already be someone else's.
     pub(crate) fn lease_fresh_for(&self) -> Duration {
         self.lease_duration.saturating_sub(self.renew_interval)
     }

@@ -18,8 +18,11 @@
 //! Beside this fixed scenario, `generated_histories_keep_the_invariants` runs the
 //! history generator of `simulation/` (random reshard trees, every initial
 //! position, workers joining, leaving, dying, freezing and coming back under the same
-//! name, stream-mode consumers, ambiguous writes, hung calls). `SHARDFLOW_SIM_SEED=K`
-//! replays one seed, `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
+//! name, processes stopped in the middle of handling, stream-mode consumers, ambiguous
+//! writes, hung calls), checking beside the invariants above that no handler call starts
+//! on a lease another worker has taken since. `SHARDFLOW_SIM_SEED=K`
+//! replays one seed (`SHARDFLOW_SIM_FIRST_SEED=K` starts the range of
+//! `SHARDFLOW_SIM_SEEDS` there), `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `simulation/history.rs`).
 
 mod simulation;
@@ -252,6 +255,23 @@ fn generated_histories_keep_the_invariants() {
     );
 }
 
+/// Seeds of the default features whose histories, when the lease was checked only once
+/// per batch, had a worker resume from a process freeze in the middle of a batch and
+/// start handler calls on a lease another worker had taken meanwhile (seed 76: a
+/// handler pausing for 8 s, then the process stopping for 8 s; the next record's call
+/// started after the take).
+const FROZEN_MID_BATCH_SEEDS: &[u64] = &[76];
+
+/// A process stopped in the middle of a batch starts no handler call on its lease once
+/// another worker took it: the seeds that broke this, replayed.
+#[test]
+fn a_process_frozen_mid_batch_starts_no_call_on_a_taken_lease() {
+    run_seeds(
+        simulation::history::Features::of(simulation::history::DEFAULT_FEATURES),
+        FROZEN_MID_BATCH_SEEDS,
+    );
+}
+
 /// The default features plus `run`-mode workers with per-key concurrency.
 #[test]
 fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
@@ -297,9 +317,19 @@ fn run_generated(features: simulation::history::Features, default_seeds: u64) {
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(default_seeds);
-            (0..n).collect()
+            let first: u64 = std::env::var("SHARDFLOW_SIM_FIRST_SEED")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            (first..first + n).collect()
         }
     };
+    run_seeds(features, &seeds);
+}
+
+/// Runs the generated histories of `features` for `seeds`; fails naming each failing
+/// seed and how to replay it.
+fn run_seeds(features: simulation::history::Features, seeds: &[u64]) {
     let verbose = seeds.len() == 1;
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failures = Mutex::new(Vec::new());

@@ -605,6 +605,25 @@ impl ShardAck {
         self.should_start() && !self.progress.lease.lost().is_cancelled()
     }
 
+    /// Whether a handler call on the batch's records may start now as far as the lease
+    /// goes: not lost, and its last successful renewal (counted from when it was sent)
+    /// younger than the renewal margin. Checked before every handler call; cheap (a
+    /// lock-free load and a clock read under an uncontended lock).
+    pub(crate) fn lease_is_fresh(&self) -> bool {
+        let lease = &self.progress.lease;
+        !lease.lost().is_cancelled() && lease.is_fresh(self.progress.fresh_for)
+    }
+
+    /// Waits until the lease is fresh again (see [`ShardAck::lease_is_fresh`]): true once
+    /// a renewal proved it is still ours, false when it was lost meanwhile.
+    pub(crate) async fn wait_fresh(&self) -> bool {
+        let lease = &self.progress.lease;
+        lease
+            .hold_until_fresh(self.progress.fresh_for, "handler calls")
+            .await
+            && lease.is_fresh(self.progress.fresh_for)
+    }
+
     /// Gives the batch up: whatever was not acknowledged (see [`ShardAck::ack_through`])
     /// stays unhandled and is delivered again later.
     pub(crate) fn abandon(&self) {
@@ -663,6 +682,12 @@ impl Acknowledge for ShardAck {
     }
     fn wait_start(&self) -> BoxFuture<'_, bool> {
         Box::pin(ShardAck::wait_start(self))
+    }
+    fn lease_is_fresh(&self) -> bool {
+        ShardAck::lease_is_fresh(self)
+    }
+    fn wait_fresh(&self) -> BoxFuture<'_, bool> {
+        Box::pin(ShardAck::wait_fresh(self))
     }
 }
 

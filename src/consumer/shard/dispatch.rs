@@ -1,7 +1,9 @@
 //! Hands a shard's batches to the user's service in `run` mode: record by record (in
 //! sequence order, each awaited), records concurrently (per partition key or unordered,
 //! see [`Concurrency`](crate::consumer::Concurrency)), or batch by batch, turning the outcome into
-//! acknowledgements.
+//! acknowledgements. Every call starts only on a lease proven fresh right before it
+//! (see [`AckHandle::lease_held_for_call`]): a process paused mid-batch resumes without
+//! handling another record of a lease it may have lost.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
@@ -60,7 +62,15 @@ pub(crate) async fn records<S>(
             }
             let position = message.position();
             let result = match service.ready().await {
-                Ok(ready) => ready.call(message).await,
+                Ok(ready) => {
+                    // Checked once the service is ready, right before the call: waiting
+                    // for readiness may have taken long.
+                    if !ack.lease_held_for_call().await || !ack.should_start() {
+                        outcome = Err(None);
+                        break;
+                    }
+                    ready.call(message).await
+                }
                 Err(e) => Err(e),
             };
             match result {
@@ -118,7 +128,15 @@ pub(crate) async fn batches<S>(
         let shard = events.shard_name(&batch.stream, &batch.shard_id);
         batch.ack = Some(ack.clone());
         let result = match service.ready().await {
-            Ok(ready) => ready.call(batch).await,
+            // The batch is the unit of a batch handler: the lease is checked once the
+            // service is ready, right before the call.
+            Ok(ready) => {
+                if !ack.lease_held_for_call().await || !ack.should_start() {
+                    ack.abandon();
+                    continue;
+                }
+                ready.call(batch).await
+            }
             Err(e) => Err(e),
         };
         match result {
@@ -558,10 +576,18 @@ where
         let outcome = match worker.acquire_owned().await {
             // The permit is held until the call returned.
             Ok(_permit) if may_call(&ack, &message) => match service.ready().await {
-                Ok(ready) => match ready.call(message).await {
-                    Ok(_) => Outcome::Handled,
-                    Err(e) => Outcome::Failed(e.to_string()),
-                },
+                // Checked again right before the call: the lease must be fresh (the
+                // wait for a place or for readiness may have been long).
+                Ok(ready) => {
+                    if ack.lease_held_for_call().await && may_call(&ack, &message) {
+                        match ready.call(message).await {
+                            Ok(_) => Outcome::Handled,
+                            Err(e) => Outcome::Failed(e.to_string()),
+                        }
+                    } else {
+                        Outcome::NotStarted
+                    }
+                }
                 Err(e) => Outcome::Failed(e.to_string()),
             },
             _ => Outcome::NotStarted,

@@ -68,6 +68,13 @@ pub enum Feature {
     /// their owners still read them: applied by the owner or, once the shard ended, by
     /// whoever lists the finished row.
     ResetAtShardEnd,
+    /// A process freeze in the middle of handling: records arrive, and while a worker
+    /// handles them (handlers then take a few milliseconds per record) it stops for a
+    /// drawn time, from half a lease to three, then resumes. Its calls and handler calls
+    /// wait at its gate meanwhile; its lease calls keep the longest deadline the
+    /// configuration allows, so it often resumes after another worker took its lease
+    /// but before it noticed (the zombie's window).
+    ProcessFreeze,
     /// `run`-mode workers with `Concurrency::PerKey` (2..16 per shard), a handler that
     /// takes 0..20 ms and fails the first attempt of about one record in 40.
     PerKeyConcurrency,
@@ -111,6 +118,7 @@ impl Feature {
         Feature::CorrelatedCrashes,
         Feature::UnreadableRows,
         Feature::ResetAtShardEnd,
+        Feature::ProcessFreeze,
         Feature::PerKeyConcurrency,
         Feature::MultiStreamKeys,
         Feature::PoisonBatches,
@@ -144,6 +152,7 @@ impl Feature {
             Feature::CorrelatedCrashes => "correlated-crashes",
             Feature::UnreadableRows => "unreadable-rows",
             Feature::ResetAtShardEnd => "reset-at-shard-end",
+            Feature::ProcessFreeze => "process-freeze",
             Feature::PerKeyConcurrency => "per-key-concurrency",
             Feature::MultiStreamKeys => "multi-stream-keys",
             Feature::PoisonBatches => "poison-batches",

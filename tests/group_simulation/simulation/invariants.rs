@@ -11,6 +11,8 @@
 //!   worker that took a lease last commits it;
 //! - every checkpoint covers only required records some handler finished before it
 //!   was written;
+//! - no handler call on a lease another worker has taken since: the last take of a
+//!   shard's lease that landed before a call was by the calling incarnation;
 //! - in batch mode with a poison record, each delivery's records are each handled or
 //!   dead-lettered exactly once (a failed delivery: a prefix of them), none skipped.
 
@@ -90,7 +92,9 @@ pub fn missing(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, Sequen
 }
 
 pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
-    // The checkpoint invariants first: when records are lost, they usually say how.
+    // A zombie's calls first: the order and checkpoint invariants it breaks follow.
+    check_calls_on_held_leases(log)?;
+    // The checkpoint invariants next: when records are lost, they usually say how.
     check_commits(memory, log, start)?;
     check_order(log)?;
     for (incarnation, by) in log.dropped_runs.lock().unwrap().iter() {
@@ -117,6 +121,42 @@ pub fn check(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
             lost.len(),
             &lost[..lost.len().min(5)]
         ));
+    }
+    Ok(())
+}
+
+/// No handler call on a lease another worker has taken since: for every call, the last
+/// take of its shard's lease that landed before it was by the calling incarnation. (A
+/// take is logged once its call answered, a little after it landed: a call in between
+/// is not caught, never wrongly blamed.)
+fn check_calls_on_held_leases(log: &Log) -> Result<(), String> {
+    let owners = log.owners.lock().unwrap().clone();
+    let takes = log.takes.lock().unwrap().clone();
+    let mut by_shard: HashMap<&str, Vec<(u64, &str)>> = HashMap::new();
+    for t in &takes {
+        by_shard
+            .entry(t.key.as_str())
+            .or_default()
+            .push((t.at, t.owner.as_str()));
+    }
+    for list in by_shard.values_mut() {
+        list.sort();
+    }
+    for call in log.calls.lock().unwrap().iter() {
+        let Some(list) = by_shard.get(call.shard.as_str()) else {
+            continue;
+        };
+        let before = list.partition_point(|(at, _)| *at < call.at);
+        let Some((taken_at, owner)) = before.checked_sub(1).and_then(|i| list.get(i)) else {
+            continue;
+        };
+        let taker = owners.get(*owner).map_or(*owner, String::as_str);
+        if taker != call.incarnation {
+            return Err(format!(
+                "invariant no-call-on-a-lost-lease: {} started a handler call on {} {} at tick {} although {taker} took the lease at tick {taken_at}",
+                call.incarnation, call.shard, call.sequence, call.at
+            ));
+        }
     }
     Ok(())
 }

@@ -50,6 +50,11 @@ pub struct Commit {
 #[derive(Default)]
 pub struct Log {
     ticks: AtomicU64,
+    /// Handler calls as the library started them (before the handler's own gate): a
+    /// record (run mode), a batch (`run_batches`, stream mode: handed out).
+    pub calls: Mutex<Vec<Event>>,
+    /// The lease owner name of each incarnation (worker id and nonce).
+    pub owners: Mutex<HashMap<String, String>>,
     pub delivered: Mutex<Vec<Event>>,
     pub handled: Mutex<Vec<Event>>,
     pub takes: Mutex<Vec<Take>>,
@@ -105,6 +110,12 @@ impl Log {
             sequence: msg.metadata.sequence_number.clone(),
             partition_key: msg.metadata.partition_key.clone(),
         }
+    }
+
+    /// The library starts a handler call on `msg` (the first record of a batch).
+    pub fn call(&self, incarnation: &str, msg: &Message) {
+        let e = self.event(incarnation, msg);
+        self.calls.lock().unwrap().push(e);
     }
 
     pub fn deliver(&self, incarnation: &str, msg: &Message) {

@@ -4,7 +4,8 @@
 //! A history: a stream of 1–3 shards resharded (splits, merges, 1 → 2 → 1) to several
 //! generations with records written in every generation; an initial position
 //! (TRIM_HORIZON, LATEST, AT_TIMESTAMP); workers in `run` or `stream()` mode joining,
-//! leaving, killed, frozen past their lease and woken, restarted under the same id;
+//! leaving, killed, frozen past their lease and woken, stopped in the middle of handling
+//! (a process freeze), restarted under the same id;
 //! faults on both services (see [`backend`]); workers in multi-stream mode (the KCL's
 //! multi-stream keys); handlers that hang on a record. Each part is a
 //! [`history::Feature`].
@@ -467,7 +468,7 @@ impl Sim {
         } else {
             builder
         };
-        builder
+        let builder = builder
             .group(GROUP)
             .worker_id(backend.worker.clone())
             .backend(backend)
@@ -483,9 +484,17 @@ impl Sim {
             .stuck_after(STUCK_AFTER)
             .on_event(stuck_hook(self.log.clone(), incarnation.to_owned()))
             .seed(self.rng.gen())
-            .concurrency(concurrency)
-            .build()
-            .unwrap()
+            .concurrency(concurrency);
+        // With process freezes, lease calls get the longest deadline the configuration
+        // allows (just under the renewal margin): a frozen worker's renewals, waiting at
+        // its gate, are cut later, so it notices a lost lease later than another worker
+        // takes it over, as a really frozen process (whose timers stop too) would.
+        let builder = if self.features.has(Feature::ProcessFreeze) {
+            builder.lease_call_timeout(LEASE * 2 / 3 - Duration::from_millis(100))
+        } else {
+            builder
+        };
+        builder.build().unwrap()
     }
 
     /// Starts a worker called `name` (a new incarnation), in run or stream mode.
@@ -527,7 +536,15 @@ impl Sim {
         } else {
             None
         };
+        // Drawn only with the feature on, so the other histories stay as they were.
+        let pace = (!stream_mode && self.features.has(Feature::ProcessFreeze))
+            .then(|| Duration::from_millis(self.rng.gen_range(1..5)));
         let consumer = self.consumer(backend, concurrency, &incarnation);
+        self.log
+            .owners
+            .lock()
+            .unwrap()
+            .insert(consumer.config().owner().to_owned(), incarnation.clone());
         let shutdown = consumer.shutdown_handle();
         let log = self.log.clone();
         let health: Arc<Mutex<Option<Health>>> = Arc::default();
@@ -567,6 +584,7 @@ impl Sim {
                 concurrent,
                 hang,
                 panics,
+                pace,
             );
             // Drawn only with the feature on, so the other histories stay as they were.
             let batches = self.features.has(Feature::PoisonBatches) && self.rng.gen_bool(0.5);
@@ -699,6 +717,10 @@ impl Sim {
         }
         if self.features.has(Feature::ResetAtShardEnd) && self.rng.gen_bool(0.5) {
             events.push(11);
+        }
+        if self.features.has(Feature::ProcessFreeze) {
+            let n = self.rng.gen_range(1..=2);
+            events.extend(std::iter::repeat_n(12, n));
         }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
@@ -867,6 +889,14 @@ impl Sim {
             9 => self.correlated(),
             10 => self.unreadable_row_for_a_while(),
             11 => self.reset_as_a_shard_ends().await,
+            12 => {
+                // Records arrive, and while a worker handles them its process stops.
+                let n = self.rng.gen_range(100..300);
+                self.produce(n).await;
+                let after = Duration::from_millis(self.rng.gen_range(10..300));
+                tokio::time::sleep(after).await;
+                self.process_freeze();
+            }
             _ => {
                 // A quiet period longer than a lease.
                 tokio::time::sleep(LEASE).await;
@@ -986,6 +1016,30 @@ impl Sim {
                 self.stats.leaves += 1;
             }
         }
+    }
+
+    /// A worker's process stops for half a lease to three (see
+    /// [`Feature::ProcessFreeze`]), then resumes.
+    fn process_freeze(&mut self) {
+        let alive = self.alive();
+        if alive.len() < 2 {
+            return;
+        }
+        let i = alive[self.rng.gen_range(0..alive.len())];
+        let lease = LEASE.as_millis() as u64;
+        let millis = self.rng.gen_range(lease / 2..lease * 3);
+        let w = &self.workers[i];
+        w.control.freeze(true);
+        let control = w.control.clone();
+        let log = self.log.clone();
+        let incarnation = w.incarnation.clone();
+        log.note(format!("process of {incarnation} stops for {millis} ms"));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(millis)).await;
+            control.freeze(false);
+            log.note(format!("process of {incarnation} resumes"));
+        });
+        self.stats.freezes += 1;
     }
 
     fn freeze_one(&mut self) {
@@ -1200,6 +1254,7 @@ fn handler(
     concurrent: bool,
     hang: Option<(u64, Option<Duration>)>,
     panics: bool,
+    pace: Option<Duration>,
 ) -> impl tower::Service<Message, Response = (), Error = &'static str, Future = impl Send> + Clone + Send
 {
     // Records whose first attempt failed (concurrent workers only).
@@ -1210,6 +1265,8 @@ fn handler(
     type Panicked = std::collections::HashMap<(Arc<str>, SequenceNumber), u32>;
     let panicked: Arc<std::sync::Mutex<Panicked>> = Arc::default();
     tower::service_fn(move |msg: Message| {
+        // The library starts the call now, whether or not the process is frozen.
+        log.call(&incarnation, &msg);
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
@@ -1218,6 +1275,9 @@ fn handler(
         let panicked = panicked.clone();
         async move {
             control.gate().await;
+            if let Some(pace) = pace {
+                tokio::time::sleep(pace).await;
+            }
             log.deliver(&incarnation, &msg);
             let n = received.fetch_add(1, Ordering::SeqCst) + 1;
             if let Some((_, pause)) = hang.filter(|(at, _)| *at == n) {
@@ -1400,6 +1460,9 @@ fn batch_handler(
     };
     let bisect = tower::ServiceBuilder::new().bisect(sink).service(bulk);
     tower::service_fn(move |batch: shardflow::Batch| {
+        if let Some(first) = batch.messages.first() {
+            log.call(&incarnation, first);
+        }
         let (log, incarnation, finished) = (log.clone(), incarnation.clone(), finished.clone());
         let expected: Vec<RecordId> = batch.messages.iter().map(record_id).collect();
         let shard = batch.shard_id.clone();
@@ -1451,6 +1514,10 @@ async fn stream_worker(
         if !ended {
             match tokio::time::timeout(Duration::from_millis(100), stream.next()).await {
                 Ok(Some(Ok(mut batch))) => {
+                    // Handed out: the stream's unit of a handler call.
+                    if let Some(first) = batch.messages.first() {
+                        log.call(&incarnation, first);
+                    }
                     control.gate().await;
                     for m in &batch.messages {
                         log.deliver(&incarnation, m);
