@@ -516,6 +516,15 @@ impl Acknowledge for AckLog {
     fn wait_start(&self) -> BoxFuture<'_, bool> {
         Box::pin(std::future::ready(true))
     }
+
+    // A test batch has no lease: it is always held.
+    fn lease_is_fresh(&self) -> bool {
+        true
+    }
+
+    fn wait_fresh(&self) -> BoxFuture<'_, bool> {
+        Box::pin(std::future::ready(true))
+    }
 }
 
 impl fmt::Debug for AckHandle {
