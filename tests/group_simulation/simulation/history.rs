@@ -92,7 +92,7 @@ pub enum Feature {
 }
 
 impl Feature {
-    pub const ALL: [Feature; 29] = [
+    pub const ALL: [Feature; 30] = [
         Feature::Reshard,
         Feature::DeepReshard,
         Feature::MergeBack,
