@@ -15,7 +15,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use shardflow::headers::spring::{read_json, read_legacy, write_json, write_legacy};
 use shardflow::kinesis::StreamAdmin;
-use shardflow::producer::{Producer, ProducerRecord};
+use shardflow::producer::{InvalidRecord, ProduceError, Producer, ProducerRecord};
 use shardflow::{HeaderFormat, HeaderValue, Headers, Memory, Message};
 use shardflow_middleware::produce::Output;
 use shardflow_middleware::ServiceBuilderExt;
@@ -107,7 +107,7 @@ fn spring_legacy_headers_are_read_and_the_framing_stripped() {
 }
 
 #[test]
-fn auto_reads_every_fixture_and_none_reads_none() {
+fn auto_reads_the_json_fixtures_and_none_reads_none() {
     for name in [
         "json_content_type_traceparent.bin",
         "json_typed_id_timestamp.bin",
@@ -116,16 +116,17 @@ fn auto_reads_every_fixture_and_none_reads_none() {
         "legacy_content_type_traceparent.bin",
     ] {
         let data = fixture(name);
-        let (_, payload) = HeaderFormat::Auto
+        let legacy = name.starts_with("legacy");
+        let (_, payload) = HeaderFormat::SpringJsonAndLegacy
             .read(&data)
             .unwrap_or_else(|| panic!("{name}"));
         assert_eq!(payload.as_ref(), PAYLOAD, "{name}");
+        // The maintained Spring binder never reads the legacy framing; neither does Auto.
+        assert_eq!(HeaderFormat::Auto.read(&data).is_some(), !legacy, "{name}");
+        assert_eq!(HeaderFormat::SpringJson.read(&data).is_some(), !legacy, "{name}");
+        assert_eq!(HeaderFormat::SpringLegacy.read(&data).is_some(), legacy, "{name}");
         assert!(HeaderFormat::None.read(&data).is_none(), "{name}");
     }
-    let legacy = fixture("legacy_content_type_traceparent.bin");
-    assert!(HeaderFormat::SpringJson.read(&legacy).is_none());
-    let json = fixture("json_content_type_traceparent.bin");
-    assert!(HeaderFormat::SpringLegacy.read(&json).is_none());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -178,6 +179,185 @@ fn our_legacy_framing_is_the_spring_fixture_byte_for_byte() {
         write_legacy(&h, PAYLOAD).unwrap(),
         fixture("legacy_content_type_traceparent.bin")
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Payloads that look like frames, and headers that look like types
+
+/// 16 binary bytes that read as a legacy frame with one header named "" (value `7`).
+fn legacy_lookalike() -> Bytes {
+    let mut v = vec![0xff, 0x01, 0x00, 0x00, 0x00, 0x00, 0x01, b'7'];
+    v.extend_from_slice(&[0xde, 0xad, 0xbe, 0xef, 0x00, 0x01, 0x02, 0x03]);
+    Bytes::from(v)
+}
+
+/// Two length-prefixed JSON messages (50 bytes): the shape of the JSON framing.
+fn two_json_messages() -> Bytes {
+    let mut v = Vec::new();
+    for message in [&br#"{"order":1,"qty":10}"#[..], br#"{"order":2,"qty":20}"#] {
+        v.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        v.extend_from_slice(message);
+    }
+    assert_eq!(v.len(), 48);
+    v.extend_from_slice(b"\n\n");
+    let len = v.len() - 4 - 4 - 20;
+    v[24..28].copy_from_slice(&(len as u32).to_be_bytes());
+    Bytes::from(v)
+}
+
+/// Regression: the default reader took records that Spring's maintained binder, in its
+/// default configuration, delivers whole for frames: a legacy-looking binary payload
+/// lost 8 bytes to a header named "", and two length-prefixed JSON messages lost the
+/// first one to headers.
+#[test]
+fn records_spring_delivers_whole_are_delivered_whole_by_default() {
+    let two = two_json_messages();
+    assert_eq!(two.len(), 50);
+    for (what, data) in [("legacy look-alike", legacy_lookalike()), ("two JSON messages", two)] {
+        assert!(HeaderFormat::Auto.read(&data).is_none(), "{what}");
+    }
+    // A JSON frame is one when its header object carries the Java map type Spring's
+    // reader needs, wherever that member stands.
+    let mut typed_later = Vec::new();
+    let json = br#"{"contentType":"text/plain","@class":"java.util.HashMap"}"#;
+    typed_later.extend_from_slice(&(json.len() as u32).to_be_bytes());
+    typed_later.extend_from_slice(json);
+    typed_later.extend_from_slice(&2u32.to_be_bytes());
+    typed_later.extend_from_slice(b"hi");
+    let (headers, payload) = HeaderFormat::Auto.read(&Bytes::from(typed_later)).unwrap();
+    assert_eq!(headers.get_str("contentType"), Some("text/plain"));
+    assert_eq!(payload.as_ref(), b"hi");
+}
+
+/// Regression: a payload sent without headers that a reader could take for a frame
+/// arrived short (and with made-up headers); the producer now frames it with an empty
+/// header map, so every reader gets it back byte for byte.
+#[tokio::test(start_paused = true)]
+async fn payloads_that_look_like_frames_arrive_byte_for_byte() {
+    let memory = Memory::new();
+    memory.streams().create_stream("look", 1).await.unwrap();
+    let producer = Producer::builder()
+        .stream("look")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    let payloads = [
+        legacy_lookalike(),
+        two_json_messages(),
+        fixture("json_typed_id_timestamp.bin"),
+        fixture("json_message_document.json"),
+        fixture("legacy_content_type_traceparent.bin"),
+        Bytes::from_static(b"plain"),
+    ];
+    for payload in &payloads {
+        producer
+            .send(ProducerRecord::new(payload.clone(), "k"))
+            .limited()
+            .await
+            .unwrap();
+    }
+    producer.close().limited().await;
+    // Every reader of the JSON framing, which is how the producer writes headers.
+    for format in [
+        HeaderFormat::Auto,
+        HeaderFormat::SpringJson,
+        HeaderFormat::SpringJsonAndLegacy,
+    ] {
+        let messages = first_batch(&memory, "look", format).await;
+        assert_eq!(messages.len(), payloads.len(), "{format:?}");
+        for (i, (message, sent)) in messages.iter().zip(&payloads).enumerate() {
+            assert_eq!(&message.payload, sent, "{format:?} payload {i}");
+            assert!(message.headers.is_empty(), "{format:?} payload {i}");
+        }
+    }
+    // Only the look-alikes pay for a frame; a plain payload goes bare.
+    let raw = first_batch(&memory, "look", HeaderFormat::None).await;
+    assert_eq!(raw[5].payload.as_ref(), b"plain");
+    assert!(raw[..5].iter().zip(&payloads).all(|(m, p)| m.payload.len() > p.len()));
+}
+
+/// Headers that look like Jackson's type information, and typed values of an
+/// application's own classes.
+fn type_like_headers() -> Headers {
+    let mut h = Headers::new();
+    h.insert("@class", "com.example.NotAType");
+    h.insert(
+        "document",
+        serde_json::json!({"@class": "com.example.Member", "n": 1, "inner": {"@class": 2}}),
+    );
+    h.insert(
+        "price",
+        HeaderValue::Typed {
+            class: "com.example.Money".into(),
+            value: serde_json::json!({"amount": 12.5, "currency": "EUR"}),
+        },
+    );
+    h.insert(
+        "code",
+        HeaderValue::Typed {
+            class: "com.example.Code".into(),
+            value: "A-1".into(),
+        },
+    );
+    h.insert(
+        "list",
+        HeaderValue::Typed {
+            class: "java.util.LinkedList".into(),
+            value: serde_json::json!(["a.b", 1]),
+        },
+    );
+    h.insert("", "an empty name");
+    h
+}
+
+/// Regression: a header named `@class` and a JSON member named `@class` vanished, and a
+/// typed value of an application class came back untyped.
+#[test]
+fn headers_that_look_like_types_come_back_equal() {
+    let bytes = write_json(&type_like_headers(), PAYLOAD).unwrap();
+    let (read, payload) = HeaderFormat::Auto.read(&bytes).expect("an envelope");
+    assert_eq!(read, type_like_headers());
+    assert_eq!(payload.as_ref(), PAYLOAD);
+}
+
+#[tokio::test(start_paused = true)]
+async fn headers_that_look_like_types_travel_through_the_producer() {
+    let memory = Memory::new();
+    memory.streams().create_stream("types", 1).await.unwrap();
+    let producer = Producer::builder()
+        .stream("types")
+        .backend(memory.clone())
+        .linger(Duration::ZERO)
+        .build()
+        .unwrap();
+    producer
+        .send(ProducerRecord::new(PAYLOAD, "k").headers(type_like_headers()))
+        .limited()
+        .await
+        .unwrap();
+    // A class no Java reader could load is refused before anything is sent.
+    let refused = producer
+        .send(ProducerRecord::new(PAYLOAD, "k").with_header(
+            "bad",
+            HeaderValue::Typed {
+                class: "not a class".into(),
+                value: 1.into(),
+            },
+        ))
+        .limited()
+        .await;
+    assert_eq!(
+        refused,
+        Err(ProduceError::InvalidRecord(InvalidRecord::HeaderClass(
+            "not a class".into()
+        )))
+    );
+    producer.close().limited().await;
+    let messages = first_batch(&memory, "types", HeaderFormat::Auto).await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].headers, type_like_headers());
+    assert_eq!(messages[0].payload.as_ref(), PAYLOAD);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -306,7 +486,7 @@ fn records_that_are_not_envelopes_arrive_unchanged() {
         .run(&plain_payload(), |payload| {
             let data = Bytes::from(payload);
             prop_assert!(
-                HeaderFormat::Auto.read(&data).is_none(),
+                HeaderFormat::SpringJsonAndLegacy.read(&data).is_none(),
                 "{:02x?}",
                 &data[..]
             );
@@ -332,7 +512,9 @@ fn truncated_envelopes_arrive_raw() {
                 continue;
             }
             assert!(
-                HeaderFormat::Auto.read(&truncated).is_none(),
+                HeaderFormat::SpringJsonAndLegacy
+                    .read(&truncated)
+                    .is_none(),
                 "{name} cut at {cut}"
             );
         }
@@ -396,6 +578,7 @@ async fn headers_go_from_producer_to_consumer_and_spring_records_are_read() {
         "legacy_content_type_traceparent.bin",
     ] {
         producer
+            .raw()
             .send(ProducerRecord::new(fixture(name), "k"))
             .limited()
             .await
@@ -411,11 +594,15 @@ async fn headers_go_from_producer_to_consumer_and_spring_records_are_read() {
     assert!(messages[1].headers.is_empty());
     assert_eq!(messages[2].headers, typed_headers());
     assert_eq!(messages[2].payload.as_ref(), PAYLOAD);
+    // The legacy framing only when asked for, as Spring's maintained binder reads it.
+    assert!(messages[3].headers.is_empty());
     assert_eq!(
-        messages[3].headers.get_str("traceparent"),
-        Some(TRACEPARENT)
+        messages[3].payload,
+        fixture("legacy_content_type_traceparent.bin")
     );
-    assert_eq!(messages[3].payload.as_ref(), PAYLOAD);
+    let both = first_batch(&memory, "s", HeaderFormat::SpringJsonAndLegacy).await;
+    assert_eq!(both[3].headers.get_str("traceparent"), Some(TRACEPARENT));
+    assert_eq!(both[3].payload.as_ref(), PAYLOAD);
     // Debug shows the headers' names, never the payload.
     let shown = format!("{:?}", messages[0]);
     assert!(
