@@ -13,7 +13,9 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use shardflow::headers::spring::{read_json, read_legacy, write_json, write_legacy};
+use shardflow::headers::spring::{
+    read_json, read_legacy, write_embedded, write_json, write_legacy,
+};
 use shardflow::kinesis::StreamAdmin;
 use shardflow::producer::{InvalidRecord, ProduceError, Producer, ProducerRecord};
 use shardflow::{HeaderFormat, HeaderValue, Headers, Memory, Message};
@@ -370,38 +372,71 @@ fn runner(seed: u8, cases: u32) -> TestRunner {
     )
 }
 
-fn header_value() -> impl Strategy<Value = HeaderValue> {
-    let leaf = prop_oneof![
-        any::<i64>().prop_map(serde_json::Value::from),
-        any::<bool>().prop_map(serde_json::Value::from),
-        "\\PC{0,12}".prop_map(serde_json::Value::from),
-        Just(serde_json::Value::Null),
-        // Quarters: exact in binary, so their text round-trips whatever the parser's
-        // last-digit precision.
-        (-1_000_000i32..1_000_000).prop_map(|q| serde_json::Value::from(f64::from(q) / 4.0)),
-    ];
-    let json = leaf.prop_recursive(3, 16, 4, |inner| {
-        prop_oneof![
-            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
-            proptest::collection::btree_map("[a-z@]{1,6}", inner, 0..4).prop_map(|m| {
-                serde_json::Value::Object(m.into_iter().filter(|(k, _)| k != "@class").collect())
-            }),
-        ]
-    });
+/// Names of every kind: `@class`, empty, any Unicode (control characters included).
+fn header_name() -> impl Strategy<Value = String> {
     prop_oneof![
-        "\\PC{0,40}".prop_map(HeaderValue::from),
-        json.prop_map(HeaderValue::from),
-        ("java\\.[a-z]{2,6}\\.[A-Z][a-z]{1,8}", "[a-z0-9-]{1,12}").prop_map(|(class, v)| {
-            HeaderValue::Typed {
-                class,
-                value: v.into(),
-            }
-        }),
+        Just("@class".to_owned()),
+        Just(String::new()),
+        "[a-zA-Z@]{1,8}",
+        "\\PC{0,12}",
+        any::<String>(),
+    ]
+}
+
+/// JSON of every kind: integers of any size, floats (any finite, and in [0, 1)),
+/// strings of any Unicode, nested arrays and objects whose members may be named
+/// `@class` or look like Jackson's type wrappers.
+fn json() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::Value;
+    let leaf = prop_oneof![
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<i32>().prop_map(Value::from),
+        any::<bool>().prop_map(Value::from),
+        any::<String>().prop_map(Value::from),
+        Just(Value::Null),
+        (0.0f64..1.0).prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("JSON has no NaN or infinity", |f| f.is_finite())
+            .prop_map(Value::from),
+        class_name().prop_map(Value::from),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            (class_name(), inner.clone()).prop_map(|(class, v)| Value::from(vec![
+                Value::from(class),
+                v
+            ])),
+            proptest::collection::btree_map(header_name(), inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+/// Java class names: an application's, the JDK's, the ones the writer implies, Unicode.
+fn class_name() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("com.example.Money".to_owned()),
+        Just("java.lang.Long".to_owned()),
+        Just("java.util.ArrayList".to_owned()),
+        Just("java.util.LinkedHashMap".to_owned()),
+        "java\\.(util|lang|time)\\.[A-Z][a-z]{1,8}",
+        "[a-zé_$][a-z0-9é_$]{0,6}(\\.[a-zA-Zé_$][a-zA-Z0-9_$]{0,6}){1,3}",
+    ]
+}
+
+/// Header values of every kind: strings, any JSON (a JSON string too), typed values.
+fn header_value() -> impl Strategy<Value = HeaderValue> {
+    prop_oneof![
+        any::<String>().prop_map(HeaderValue::String),
+        json().prop_map(HeaderValue::Json),
+        (class_name(), json()).prop_map(|(class, value)| HeaderValue::Typed { class, value }),
     ]
 }
 
 fn headers() -> impl Strategy<Value = Headers> {
-    proptest::collection::vec(("\\PC{1,16}", header_value()), 0..6)
+    proptest::collection::vec((header_name(), header_value()), 0..6)
         .prop_map(|pairs| pairs.into_iter().collect())
 }
 
@@ -445,6 +480,159 @@ fn float_header_values_come_back_unchanged() {
         changed.len(),
         &changed[..changed.len().min(3)]
     );
+}
+
+/// Payloads a reader could take for a frame: legacy-shaped bytes, JSON-frame-shaped
+/// bytes (with or without a typed header object), real envelopes, Spring's fixtures.
+fn look_alike_payload() -> impl Strategy<Value = Vec<u8>> {
+    let legacy = (
+        1u8..4,
+        "\\PC{0,8}",
+        json(),
+        proptest::collection::vec(any::<u8>(), 0..40),
+    )
+        .prop_map(|(count, name, value, tail)| {
+            let value = serde_json::to_vec(&value).unwrap();
+            let mut v = vec![0xff, count, name.len() as u8];
+            v.extend_from_slice(name.as_bytes());
+            v.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            v.extend_from_slice(&value);
+            v.extend(tail);
+            v
+        });
+    let json_frame = (
+        any::<bool>(),
+        proptest::collection::btree_map(header_name(), json(), 0..4),
+        proptest::collection::vec(any::<u8>(), 0..40),
+    )
+        .prop_map(|(typed, members, tail)| {
+            let mut object: serde_json::Map<_, _> = members.into_iter().collect();
+            if typed {
+                object.insert("@class".into(), "java.util.HashMap".into());
+            }
+            let section = serde_json::to_vec(&object).unwrap();
+            let mut v = (section.len() as u32).to_be_bytes().to_vec();
+            v.extend_from_slice(&section);
+            v.extend_from_slice(&(tail.len() as u32).to_be_bytes());
+            v.extend(tail);
+            v
+        });
+    let envelope = (headers(), proptest::collection::vec(any::<u8>(), 0..40))
+        .prop_map(|(h, payload)| write_json(&h, &payload).unwrap().to_vec());
+    let spring = (0usize..FIXTURES.len()).prop_map(|i| fixture(FIXTURES[i]).to_vec());
+    prop_oneof![legacy, json_frame, envelope, spring]
+}
+
+const FIXTURES: [&str; 5] = [
+    "json_content_type_traceparent.bin",
+    "json_typed_id_timestamp.bin",
+    "json_empty_headers.bin",
+    "json_message_document.json",
+    "legacy_content_type_traceparent.bin",
+];
+
+/// Any payload: arbitrary bytes, or one that looks like a frame.
+fn any_payload() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        proptest::collection::vec(any::<u8>(), 0..300),
+        look_alike_payload(),
+    ]
+}
+
+/// The generator of the header codec: for any payload and any headers, what a producer
+/// writes, every reader of the JSON framing (the default one first) reads back equal —
+/// the payload byte for byte, the headers equal.
+#[test]
+fn what_the_producer_writes_a_default_consumer_reads_back() {
+    runner(4, 1024)
+        .run(&(headers(), any_payload()), |(headers, payload)| {
+            let payload = Bytes::from(payload);
+            let written = write_embedded(&headers, &payload).expect("valid headers");
+            for format in [
+                HeaderFormat::Auto,
+                HeaderFormat::SpringJson,
+                HeaderFormat::SpringJsonAndLegacy,
+            ] {
+                // As the consumer makes a message of a record.
+                let (read, body) = format
+                    .read(&written)
+                    .unwrap_or_else(|| (Headers::new(), written.clone()));
+                prop_assert_eq!(&body, &payload, "{:?}", format);
+                prop_assert_eq!(&read, &headers, "{:?}", format);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The same property end to end: generated records through a producer and a default
+/// consumer on the embedded backend.
+#[test]
+fn generated_records_travel_through_the_producer_and_the_consumer_unchanged() {
+    let records = proptest::collection::vec((headers(), any_payload()), 1..6);
+    runner(5, 24)
+        .run(&records, |records| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            let messages = runtime.block_on(async {
+                let memory = Memory::new();
+                memory.streams().create_stream("gen", 1).await.unwrap();
+                let producer = Producer::builder()
+                    .stream("gen")
+                    .backend(memory.clone())
+                    .linger(Duration::ZERO)
+                    .ordered_per_key(true)
+                    .build()
+                    .unwrap();
+                for (headers, payload) in &records {
+                    producer
+                        .send(ProducerRecord::new(payload.clone(), "k").headers(headers.clone()))
+                        .limited()
+                        .await
+                        .unwrap();
+                }
+                producer.close().limited().await;
+                all_messages(&memory, "gen", HeaderFormat::Auto, records.len()).await
+            });
+            prop_assert_eq!(messages.len(), records.len());
+            for (message, (headers, payload)) in messages.iter().zip(&records) {
+                prop_assert_eq!(message.payload.as_ref(), &payload[..]);
+                prop_assert_eq!(&message.headers, headers);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[path = "../fuzz/fuzz_targets/read_headers_check.rs"]
+mod read_headers_check;
+
+/// The fuzz target's rules (`fuzz/fuzz_targets/read_headers_check.rs`) on generated
+/// records: arbitrary bytes, look-alikes, and Spring's fixtures with one byte changed or
+/// cut short.
+#[test]
+fn the_readers_keep_their_rules_on_generated_records() {
+    let mutated = (0usize..FIXTURES.len(), any::<usize>(), any::<u8>(), any::<bool>()).prop_map(
+        |(i, at, byte, cut)| {
+            let mut data = fixture(FIXTURES[i]).to_vec();
+            let at = at % data.len();
+            if cut {
+                data.truncate(at);
+            } else {
+                data[at] = byte;
+            }
+            data
+        },
+    );
+    runner(6, 2048)
+        .run(&prop_oneof![any_payload(), mutated], |data| {
+            read_headers_check::check(&data);
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// Payloads that are not envelopes: random bytes, JSON documents, and bytes starting
@@ -546,6 +734,33 @@ async fn first_batch(memory: &Memory, stream: &str, format: HeaderFormat) -> Vec
     })
     .await;
     batch.messages
+}
+
+/// Every message of `stream` up to `n`, read by a consumer with `format`.
+async fn all_messages(memory: &Memory, stream: &str, format: HeaderFormat, n: usize) -> Vec<Message> {
+    let consumer = test_consumer(memory.clone(), stream, &unique("g"), "w1")
+        .header_format(format)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let shutdown = batches.shutdown_handle();
+    let mut messages = Vec::new();
+    within(LIMIT, "every message", async {
+        while messages.len() < n {
+            let batch = batches.next().await.unwrap().unwrap();
+            messages.extend(batch.messages.iter().cloned());
+            batch.ack();
+        }
+    })
+    .await;
+    shutdown.shutdown();
+    within(STOP_LIMIT, "the stream ends", async {
+        while let Some(batch) = batches.next().await {
+            batch.unwrap().ack();
+        }
+    })
+    .await;
+    messages
 }
 
 #[tokio::test(start_paused = true)]

@@ -258,6 +258,20 @@ pub fn write_json(headers: &Headers, payload: &[u8]) -> Option<Bytes> {
     Some(Bytes::from(out))
 }
 
+/// What a producer that embeds headers writes for `payload` with `headers`: the
+/// JSON-headers framing ([`write_json`]) when there are headers, or when a reader could
+/// take the bare payload for a frame ([`may_be_taken_for_a_frame`]; it is then framed
+/// with an empty header map); otherwise the bare payload. Every reader of the JSON
+/// framing ([`HeaderFormat::Auto`], [`HeaderFormat::SpringJson`],
+/// [`HeaderFormat::SpringJsonAndLegacy`]) reads back exactly `headers` and `payload`.
+/// Fails as [`write_json`] does.
+pub fn write_embedded(headers: &Headers, payload: &Bytes) -> Option<Bytes> {
+    if headers.is_empty() && !may_be_taken_for_a_frame(payload) {
+        return Some(payload.clone());
+    }
+    write_json(headers, payload)
+}
+
 /// Writes `payload` with `headers` in Spring Cloud Stream's legacy framing (for
 /// consumers on binders older than 4.0). Values are written as plain JSON, as the
 /// legacy writer's untyped Jackson mapper does. Fails when there are more than 255

@@ -108,8 +108,7 @@ impl ProducerRecord {
         if embed {
             crate::trace::inject_current(&mut self.headers);
         }
-        if !embed || (self.headers.is_empty() && !spring::may_be_taken_for_a_frame(&self.payload))
-        {
+        if !embed {
             self.headers = Headers::new();
             return Ok(self);
         }
@@ -123,7 +122,7 @@ impl ProducerRecord {
             )));
         }
         self.payload =
-            spring::write_json(&headers, &self.payload).ok_or(ProduceError::TooLarge {
+            spring::write_embedded(&headers, &self.payload).ok_or(ProduceError::TooLarge {
                 size: self.size(),
                 limit: MAX_RECORD_BYTES,
             })?;
