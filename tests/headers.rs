@@ -125,8 +125,16 @@ fn auto_reads_the_json_fixtures_and_none_reads_none() {
         assert_eq!(payload.as_ref(), PAYLOAD, "{name}");
         // The maintained Spring binder never reads the legacy framing; neither does Auto.
         assert_eq!(HeaderFormat::Auto.read(&data).is_some(), !legacy, "{name}");
-        assert_eq!(HeaderFormat::SpringJson.read(&data).is_some(), !legacy, "{name}");
-        assert_eq!(HeaderFormat::SpringLegacy.read(&data).is_some(), legacy, "{name}");
+        assert_eq!(
+            HeaderFormat::SpringJson.read(&data).is_some(),
+            !legacy,
+            "{name}"
+        );
+        assert_eq!(
+            HeaderFormat::SpringLegacy.read(&data).is_some(),
+            legacy,
+            "{name}"
+        );
         assert!(HeaderFormat::None.read(&data).is_none(), "{name}");
     }
 }
@@ -215,7 +223,10 @@ fn two_json_messages() -> Bytes {
 fn records_spring_delivers_whole_are_delivered_whole_by_default() {
     let two = two_json_messages();
     assert_eq!(two.len(), 50);
-    for (what, data) in [("legacy look-alike", legacy_lookalike()), ("two JSON messages", two)] {
+    for (what, data) in [
+        ("legacy look-alike", legacy_lookalike()),
+        ("two JSON messages", two),
+    ] {
         assert!(HeaderFormat::Auto.read(&data).is_none(), "{what}");
     }
     // A JSON frame is one when its header object carries the Java map type Spring's
@@ -276,7 +287,10 @@ async fn payloads_that_look_like_frames_arrive_byte_for_byte() {
     // Only the look-alikes pay for a frame; a plain payload goes bare.
     let raw = first_batch(&memory, "look", HeaderFormat::None).await;
     assert_eq!(raw[5].payload.as_ref(), b"plain");
-    assert!(raw[..5].iter().zip(&payloads).all(|(m, p)| m.payload.len() > p.len()));
+    assert!(raw[..5]
+        .iter()
+        .zip(&payloads)
+        .all(|(m, p)| m.payload.len() > p.len()));
 }
 
 /// Headers that look like Jackson's type information, and typed values of an
@@ -404,10 +418,8 @@ fn json() -> impl Strategy<Value = serde_json::Value> {
     leaf.prop_recursive(3, 24, 4, |inner| {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
-            (class_name(), inner.clone()).prop_map(|(class, v)| Value::from(vec![
-                Value::from(class),
-                v
-            ])),
+            (class_name(), inner.clone())
+                .prop_map(|(class, v)| Value::from(vec![Value::from(class), v])),
             proptest::collection::btree_map(header_name(), inner, 0..4)
                 .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
@@ -615,8 +627,13 @@ mod read_headers_check;
 /// cut short.
 #[test]
 fn the_readers_keep_their_rules_on_generated_records() {
-    let mutated = (0usize..FIXTURES.len(), any::<usize>(), any::<u8>(), any::<bool>()).prop_map(
-        |(i, at, byte, cut)| {
+    let mutated = (
+        0usize..FIXTURES.len(),
+        any::<usize>(),
+        any::<u8>(),
+        any::<bool>(),
+    )
+        .prop_map(|(i, at, byte, cut)| {
             let mut data = fixture(FIXTURES[i]).to_vec();
             let at = at % data.len();
             if cut {
@@ -625,8 +642,7 @@ fn the_readers_keep_their_rules_on_generated_records() {
                 data[at] = byte;
             }
             data
-        },
-    );
+        });
     runner(6, 2048)
         .run(&prop_oneof![any_payload(), mutated], |data| {
             read_headers_check::check(&data);
@@ -700,9 +716,7 @@ fn truncated_envelopes_arrive_raw() {
                 continue;
             }
             assert!(
-                HeaderFormat::SpringJsonAndLegacy
-                    .read(&truncated)
-                    .is_none(),
+                HeaderFormat::SpringJsonAndLegacy.read(&truncated).is_none(),
                 "{name} cut at {cut}"
             );
         }
@@ -737,7 +751,12 @@ async fn first_batch(memory: &Memory, stream: &str, format: HeaderFormat) -> Vec
 }
 
 /// Every message of `stream` up to `n`, read by a consumer with `format`.
-async fn all_messages(memory: &Memory, stream: &str, format: HeaderFormat, n: usize) -> Vec<Message> {
+async fn all_messages(
+    memory: &Memory,
+    stream: &str,
+    format: HeaderFormat,
+    n: usize,
+) -> Vec<Message> {
     let consumer = test_consumer(memory.clone(), stream, &unique("g"), "w1")
         .header_format(format)
         .build()

@@ -430,7 +430,10 @@ async fn dead_letters(memory: &Memory, stream: &str, n: usize) -> Vec<DeadLetter
             for message in &batch.messages {
                 let envelope = DeadLetterEnvelope::from_bytes(&message.payload)
                     .expect("a dead-letter record is an envelope, not framed");
-                assert!(message.payload.len() + message.metadata.partition_key.len() <= MAX_RECORD_BYTES);
+                assert!(
+                    message.payload.len() + message.metadata.partition_key.len()
+                        <= MAX_RECORD_BYTES
+                );
                 letters.extend(parts.push(envelope));
             }
             batch.ack();
@@ -457,7 +460,11 @@ async fn a_dead_letter_keeps_its_trace_context_inside_its_envelope() {
     exporter();
     let memory = Memory::new();
     memory.streams().create_stream("payments", 1).await.unwrap();
-    memory.streams().create_stream("payments-dlq", 1).await.unwrap();
+    memory
+        .streams()
+        .create_stream("payments-dlq", 1)
+        .await
+        .unwrap();
     let payments = producer(&memory, "payments");
     let sent = application_span("send payment");
     let trace = sent.span().span_context().trace_id();

@@ -231,10 +231,9 @@ pub fn read_legacy(data: &Bytes) -> Option<(Headers, Bytes)> {
 /// type and read back as data. Fails when a length does not fit the 4-byte fields, or a
 /// typed value's class is not a Java class name (see [`is_class_name`]).
 pub fn write_json(headers: &Headers, payload: &[u8]) -> Option<Bytes> {
-    if headers
-        .iter()
-        .any(|(_, value)| matches!(value, HeaderValue::Typed { class, .. } if !is_class_name(class)))
-    {
+    if headers.iter().any(
+        |(_, value)| matches!(value, HeaderValue::Typed { class, .. } if !is_class_name(class)),
+    ) {
         return None;
     }
     let mut map = Vec::with_capacity(64);
