@@ -15,7 +15,9 @@
 //!   carry one of the propagator's fields (a record read elsewhere and written again —
 //!   a dead-letter replay — keeps its own). An application that uses `tracing` with
 //!   `tracing-opentelemetry` hands a span's context over the same way:
-//!   `.with_context(span.context())` on the send.
+//!   `.with_context(span.context())` on the send. A [`Producer::raw`](crate::Producer::raw)
+//!   handle adds nothing: a dead-letter sink puts the context inside its envelope instead
+//!   ([`Headers::insert_current_trace_context`]), never in a frame around it.
 //! - **[`Consumer::run`](crate::Consumer::run)**: each handler call runs in a
 //!   `process` span of kind `Consumer` whose **parent** is the record's context (a
 //!   record without one starts a new trace). The span is the current context while the

@@ -19,9 +19,12 @@ use opentelemetry::{global, Context};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use shardflow::kinesis::StreamAdmin;
-use shardflow::producer::{Producer, ProducerRecord};
+use shardflow::producer::{Producer, ProducerRecord, MAX_RECORD_BYTES};
 use shardflow::{Aws, Backend, Batch, HeaderFormat, Memory, Message};
+use shardflow_middleware::dead_letter::envelope::Reassembly;
+use shardflow_middleware::dead_letter::DeadLetterEnvelope;
 use shardflow_middleware::produce::Output;
+use shardflow_middleware::ProducerSink;
 use shardflow_middleware::ServiceBuilderExt;
 use testkit::*;
 use tokio::sync::mpsc;
@@ -408,4 +411,97 @@ async fn a_failed_call_marks_its_span_failed_and_the_redelivery_is_in_the_same_t
         Status::error("declined by the handler")
     );
     assert_eq!(status_of(&handled[1]), Status::Unset);
+}
+
+/// Reads the dead-letter stream raw until `n` dead letters are complete; every record in
+/// it must be an envelope.
+async fn dead_letters(memory: &Memory, stream: &str, n: usize) -> Vec<DeadLetterEnvelope> {
+    let consumer = test_consumer(memory.clone(), stream, "dlq-reader", "r1")
+        .header_format(HeaderFormat::None)
+        .build()
+        .unwrap();
+    let mut batches = consumer.stream();
+    let shutdown = batches.shutdown_handle();
+    let letters = within(LIMIT, "every dead letter", async {
+        let mut parts = Reassembly::new();
+        let mut letters = Vec::new();
+        while letters.len() < n {
+            let batch = batches.next().await.unwrap().unwrap();
+            for message in &batch.messages {
+                let envelope = DeadLetterEnvelope::from_bytes(&message.payload)
+                    .expect("a dead-letter record is an envelope, not framed");
+                assert!(
+                    message.payload.len() + message.metadata.partition_key.len()
+                        <= MAX_RECORD_BYTES
+                );
+                letters.extend(parts.push(envelope));
+            }
+            batch.ack();
+        }
+        letters
+    })
+    .await;
+    shutdown.shutdown();
+    within(LIMIT, "the reader stops", async {
+        while let Some(batch) = batches.next().await {
+            batch.unwrap().ack();
+        }
+    })
+    .await;
+    letters
+}
+
+/// Regression: the dead-letter sink's producer framed each envelope with a `traceparent`
+/// like any other record, so no reader of the dead-letter stream could read it, and a
+/// record at the size limit could never be dead-lettered once the frame was added (its
+/// shard retried it for ever). The trace context goes inside the envelope.
+#[tokio::test(start_paused = true)]
+async fn a_dead_letter_keeps_its_trace_context_inside_its_envelope() {
+    exporter();
+    let memory = Memory::new();
+    memory.streams().create_stream("payments", 1).await.unwrap();
+    memory
+        .streams()
+        .create_stream("payments-dlq", 1)
+        .await
+        .unwrap();
+    let payments = producer(&memory, "payments");
+    let sent = application_span("send payment");
+    let trace = sent.span().span_context().trace_id();
+    send_in(&payments, ProducerRecord::new("p-1", "k"), sent.clone()).await;
+    sent.span().end();
+    // Sent outside any span, so that it is exactly at the limit as written.
+    let largest: bytes::Bytes = (0..MAX_RECORD_BYTES - 1).map(|i| (i % 251) as u8).collect();
+    payments
+        .send(ProducerRecord::new(largest.clone(), "k"))
+        .limited()
+        .await
+        .unwrap();
+    payments.close().limited().await;
+
+    let dlq = producer(&memory, "payments-dlq");
+    let handler = ServiceBuilder::new()
+        .dead_letter(ProducerSink::new(dlq.clone()))
+        .service_fn(|_msg: Message| async { Err::<(), _>(std::io::Error::other("declined")) });
+    let consumer = test_consumer(memory.clone(), "payments", "payments-group", "w1")
+        .build()
+        .unwrap();
+    let running = start_service(consumer, handler);
+    let letters = dead_letters(&memory, "payments-dlq", 2).await;
+    running.stop().await;
+    dlq.close().limited().await;
+
+    assert_eq!(letters[0].payload.as_ref(), b"p-1");
+    assert_eq!(letters[1].payload, largest);
+    for letter in &letters {
+        assert_eq!(letter.error, "declined");
+        assert!(
+            letter.headers.contains("traceparent"),
+            "the trace context is inside the envelope: {:?}",
+            letter.headers
+        );
+    }
+    // The record's own context is kept: its trace goes on into the dead letter.
+    let own = shardflow::trace::extract(&letters[0].headers);
+    assert_eq!(own.span().span_context().trace_id(), trace);
 }

@@ -658,8 +658,11 @@ impl ConsumerBuilder {
     }
 
     /// Which header framings the consumer recognises in the records it reads (default
-    /// [`HeaderFormat::Auto`]: both of Spring Cloud Stream's; [`HeaderFormat::None`] for
-    /// raw records).
+    /// [`HeaderFormat::Auto`]: what Spring's maintained Kinesis binder reads by default,
+    /// the JSON-headers framing with a typed header map and the whole-message document;
+    /// [`HeaderFormat::SpringJsonAndLegacy`] adds the legacy `0xff` framing of binders
+    /// 1.x-3.x; [`HeaderFormat::None`] for a stream of binary or foreign records). See
+    /// [`headers::spring`](crate::headers::spring) for which records each unwraps, and why.
     ///
     /// Recognition happens where a record becomes a [`Message`](crate::message::Message), before
     /// anything else sees it, so `stream()`, `run` and every layer (a decode layer

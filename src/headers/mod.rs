@@ -14,7 +14,13 @@ pub use spring::HeaderFormat;
 
 /// One header value: a string (the common case, e.g. `contentType`), any JSON value, or
 /// a value that carries the Java type a Spring application gave it.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Two values are equal when they say the same to a reader: a JSON string equals the
+/// same [`String`](HeaderValue::String), and a [`Typed`](HeaderValue::Typed) value whose
+/// class is the one its plain value is written with anyway (`java.lang.Long` for an
+/// integer beyond `i32`, `java.util.ArrayList` for an array, `java.util.LinkedHashMap`
+/// for an object) equals the plain value; the two are the same bytes in a record.
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum HeaderValue {
     /// A string, e.g. `application/json` or a W3C `traceparent`.
@@ -26,7 +32,9 @@ pub enum HeaderValue {
     /// `["java.lang.Long",1700000000000]` for a `timestamp`). Kept so that a record read
     /// from Spring and written again gives Spring back the same types.
     Typed {
-        /// The Java class name, e.g. `java.util.UUID`.
+        /// The Java class name, e.g. `java.util.UUID` or `com.example.Money`: dot-separated
+        /// identifiers ([`spring::is_class_name`]); a producer refuses a record whose
+        /// typed header has another.
         class: String,
         /// The value without its type.
         value: serde_json::Value,
@@ -53,6 +61,39 @@ impl HeaderValue {
             HeaderValue::String(s) => serde_json::Value::String(s.clone()),
             HeaderValue::Json(v) | HeaderValue::Typed { value: v, .. } => v.clone(),
         }
+    }
+}
+
+/// What a header value says, for equality: its type when it is not implied by the value,
+/// and the value, a string whichever way it was given.
+#[derive(PartialEq)]
+enum Meaning<'a> {
+    Text(Option<&'a str>, &'a str),
+    Json(Option<&'a str>, &'a serde_json::Value),
+}
+
+impl HeaderValue {
+    fn meaning(&self) -> Meaning<'_> {
+        match self {
+            HeaderValue::String(s) | HeaderValue::Json(serde_json::Value::String(s)) => {
+                Meaning::Text(None, s)
+            }
+            HeaderValue::Json(value) => Meaning::Json(None, value),
+            HeaderValue::Typed { class, value } => {
+                let class = (spring::implied_class(value) != Some(class.as_str()))
+                    .then_some(class.as_str());
+                match value {
+                    serde_json::Value::String(s) => Meaning::Text(class, s),
+                    value => Meaning::Json(class, value),
+                }
+            }
+        }
+    }
+}
+
+impl PartialEq for HeaderValue {
+    fn eq(&self, other: &Self) -> bool {
+        self.meaning() == other.meaning()
     }
 }
 
@@ -179,6 +220,17 @@ impl Headers {
     /// The names in order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// Adds the current trace context, as a producer that embeds headers does to every
+    /// record: with the `opentelemetry` feature, through the globally installed
+    /// propagator, unless one of its fields is present already (a record's own context is
+    /// kept); without the feature, nothing. For a writer of its own format that carries
+    /// headers inside (the dead-letter envelope), whose records a [raw](crate::Producer::raw)
+    /// producer writes.
+    pub fn insert_current_trace_context(&mut self) {
+        #[cfg(feature = "opentelemetry")]
+        crate::trace::inject_current(self);
     }
 }
 

@@ -277,8 +277,12 @@ impl ProducerBuilder {
     /// Kinesis consumer with its defaults read them back; the framing counts against
     /// the 1 MiB record limit.
     ///
-    /// A record without headers is written as its bare payload either way, so the
-    /// default costs nothing to applications that set none. It is on because Spring's
+    /// A record without headers is written as its bare payload, so the default costs
+    /// nothing to applications that set none, unless a reader could take that payload
+    /// for a frame ([`may_be_taken_for_a_frame`](crate::headers::spring::may_be_taken_for_a_frame)):
+    /// it is then framed with an empty header map, so that it comes back byte for byte.
+    /// A typed header whose class is not a Java class name is refused
+    /// ([`InvalidRecord::HeaderClass`](crate::producer::InvalidRecord::HeaderClass)). It is on because Spring's
     /// Kinesis binders embed headers by default too, and because headers an application
     /// set should not vanish silently. Turn it off when the stream's readers are not
     /// Spring or shardflow (a Lambda function, Firehose, Flink) and must see the

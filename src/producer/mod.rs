@@ -193,6 +193,8 @@ pub struct Producer {
     /// Becomes true (or its sender is dropped) when the background task has stopped.
     done: watch::Receiver<bool>,
     settings: Arc<Settings>,
+    /// Whether this handle writes payloads exactly as given ([`Producer::raw`]).
+    raw: bool,
 }
 
 impl Producer {
@@ -211,7 +213,29 @@ impl Producer {
             sender,
             done,
             settings,
+            raw: false,
         }
+    }
+
+    /// A handle to this producer (the same buffer, task and settings) that writes each
+    /// record's payload exactly as given: no headers framed into it and no trace context
+    /// added, whatever [`embed_headers`](ProducerBuilder::embed_headers) says (a record's
+    /// headers are not written). For data in a format of its own that carries its
+    /// headers inside, such as a dead-letter envelope: a frame around it would hide the
+    /// format from its readers and push a record at the size limit over it. Such data
+    /// must not look like a Spring frame to the stream's readers (see
+    /// [`may_be_taken_for_a_frame`](crate::headers::spring::may_be_taken_for_a_frame)),
+    /// or they read it with [`HeaderFormat::None`](crate::HeaderFormat::None).
+    pub fn raw(&self) -> Producer {
+        Producer {
+            raw: true,
+            ..self.clone()
+        }
+    }
+
+    /// Whether this handle writes payloads exactly as given ([`Producer::raw`]).
+    pub fn is_raw(&self) -> bool {
+        self.raw
     }
 
     /// The stream this producer writes to.
@@ -237,10 +261,11 @@ impl Producer {
 
     /// What every way in does to a record before it enters the producer: its headers
     /// framed into the payload (and, with the `opentelemetry` feature, the current trace
-    /// context added), then its size checked against Kinesis' limits. Returns the record
+    /// context added) unless this handle is [`raw`](Producer::raw), then its size checked
+    /// against Kinesis' limits. Returns the record
     /// as sent and its size.
     fn prepare(&self, record: ProducerRecord) -> Result<(PutRecord, usize), ProduceError> {
-        let record = record.embedded(self.settings.embed_headers)?;
+        let record = record.embedded(self.settings.embed_headers && !self.raw)?;
         let size = record.validate()?;
         Ok((record.into_put_record(), size))
     }

@@ -98,24 +98,34 @@ impl ProducerRecord {
 
     /// The record as it goes on the wire: with `embed` and headers, the payload framed
     /// with them in Spring's JSON-headers format (with the `opentelemetry` feature, the
-    /// current trace context added first, see [`crate::trace`]); otherwise the bare payload.
+    /// current trace context added first, see [`crate::trace`]); with `embed` and no
+    /// headers, the bare payload, unless a reader could take it for a frame: then it is
+    /// framed with an empty header map, so that it reads back byte for byte. Without
+    /// `embed`, the bare payload.
     pub(crate) fn embedded(mut self, embed: bool) -> Result<ProducerRecord, ProduceError> {
+        use crate::headers::spring;
         #[cfg(feature = "opentelemetry")]
         if embed {
             crate::trace::inject_current(&mut self.headers);
         }
-        if self.headers.is_empty() {
+        if !embed {
+            self.headers = Headers::new();
             return Ok(self);
         }
         let headers = std::mem::take(&mut self.headers);
-        if embed {
-            self.payload = crate::headers::spring::write_json(&headers, &self.payload).ok_or(
-                ProduceError::TooLarge {
-                    size: self.size(),
-                    limit: MAX_RECORD_BYTES,
-                },
-            )?;
+        if let Some(class) = headers.iter().find_map(|(_, value)| match value {
+            HeaderValue::Typed { class, .. } if !spring::is_class_name(class) => Some(class),
+            _ => None,
+        }) {
+            return Err(ProduceError::InvalidRecord(InvalidRecord::HeaderClass(
+                class.clone(),
+            )));
         }
+        self.payload =
+            spring::write_embedded(&headers, &self.payload).ok_or(ProduceError::TooLarge {
+                size: self.size(),
+                limit: MAX_RECORD_BYTES,
+            })?;
         Ok(self)
     }
 
@@ -177,6 +187,11 @@ pub enum InvalidRecord {
     /// The explicit hash key is not a decimal number in `0..2^128` (without leading zeros).
     #[error("the explicit hash key {0:?} is not a decimal number in 0..2^128")]
     ExplicitHashKey(String),
+    /// A [`HeaderValue::Typed`] header's class is not a Java class name (dot-separated
+    /// identifiers, see [`is_class_name`](crate::headers::spring::is_class_name)): no
+    /// reader could take it for one.
+    #[error("a typed header's class {0:?} is not a Java class name")]
+    HeaderClass(String),
 }
 
 /// How a produce call failed.

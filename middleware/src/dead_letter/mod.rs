@@ -47,6 +47,12 @@
 //! [`Reassembly`](envelope::Reassembly) puts back together. Envelopes of the earlier
 //! JSON format (payload in base64) are still read.
 //!
+//! The envelope is written as it is, through a [raw](shardflow::producer::Producer::raw)
+//! handle of the producer: no header frame and no trace context around it. The record's
+//! headers, with the current trace context added when it carries none (the
+//! `opentelemetry` feature), travel inside the envelope, and the parts are cut counting
+//! every byte that is written.
+//!
 //! `shardflow stream tail` shows envelopes decoded, and `shardflow dlq replay` writes
 //! their payloads back to the original stream with their original partition keys. A
 //! sink of your own can use [`DeadLetterEnvelope::from_record`] as well.

@@ -37,12 +37,21 @@ pub struct ProducerSink {
 }
 
 impl ProducerSink {
-    /// Writes dead letters through `producer`, to the stream it writes to.
+    /// Writes dead letters through `producer`, to the stream it writes to. The envelope
+    /// is written as it is ([`Producer::raw`]): the record's headers, with the current
+    /// trace context added (see [`Headers::insert_current_trace_context`]), travel inside
+    /// it, never in a frame around it, so every byte written counts against the record
+    /// limit where the envelope's parts are cut, and `dlq replay` reads every dead letter.
+    ///
+    /// [`Headers::insert_current_trace_context`]: shardflow::Headers::insert_current_trace_context
     pub fn new(producer: Producer) -> Self {
-        Self { producer }
+        Self {
+            producer: producer.raw(),
+        }
     }
 
-    /// The producer the dead letters are written through (to flush or close it).
+    /// The producer the dead letters are written through (to flush or close it): a
+    /// [raw](Producer::raw) handle of the one given.
     pub fn producer(&self) -> &Producer {
         &self.producer
     }
@@ -63,7 +72,9 @@ impl Service<DeadLetterRecord> for ProducerSink {
         Service::<ProducerRecord>::poll_ready(&mut self.producer, cx)
     }
 
-    fn call(&mut self, record: DeadLetterRecord) -> Self::Future {
+    fn call(&mut self, mut record: DeadLetterRecord) -> Self::Future {
+        // The trace context goes inside the envelope, with the record's other headers.
+        record.headers.insert_current_trace_context();
         let envelope = DeadLetterEnvelope::from_record(&record);
         let key = record.metadata.partition_key;
         let mut parts = match envelope.to_records() {
