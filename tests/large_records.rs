@@ -138,7 +138,11 @@ async fn a_9_mib_record_is_produced_consumed_dead_lettered_and_replayed_byte_exa
         // The dead letter: as many records as the dead-letter stream's limit needs, each
         // within it, put back together byte for byte.
         let letters = stored(&memory, DLQ);
-        assert_eq!(letters.len(), parts, "dead-letter records ({dlq_kib} KiB stream)");
+        assert_eq!(
+            letters.len(),
+            parts,
+            "dead-letter records ({dlq_kib} KiB stream)"
+        );
         let mut reassembly = Reassembly::new();
         let mut complete = Vec::new();
         for r in &letters {
@@ -195,10 +199,7 @@ async fn records_above_the_streams_limit_are_refused_with_that_limit() {
 
     // The stream set for 10 MiB: read from the stream, at the limit stored, above refused.
     let large = build(STREAM);
-    assert_eq!(
-        large.max_record_size().await,
-        Ok(MAX_LARGE_RECORD_BYTES)
-    );
+    assert_eq!(large.max_record_size().await, Ok(MAX_LARGE_RECORD_BYTES));
     let over = MAX_LARGE_RECORD_BYTES + 1;
     assert_eq!(
         large.send(record(over)).await,
@@ -233,9 +234,7 @@ async fn records_above_the_streams_limit_are_refused_with_that_limit() {
     assert!(two_mib.send(record(2 * MIB)).await.is_ok());
 
     // `send_all` refuses the large one and sends none after it.
-    let answers = plain
-        .send_all([record(10), record(over), record(10)])
-        .await;
+    let answers = plain.send_all([record(10), record(over), record(10)]).await;
     assert!(answers[0].is_ok());
     assert_eq!(answers[1], too_large(over, MAX_RECORD_BYTES));
     assert!(matches!(answers[2], Err(ProduceError::AfterFailure(_))));
@@ -260,8 +259,14 @@ async fn the_embedded_stream_refuses_what_kinesis_refuses() {
             .put_records(DLQ, &[put(10), put(MAX_RECORD_BYTES + 1)])
             .await
     ));
-    assert!(memory.streams().records(DLQ, "shardId-000000000000").is_empty());
-    assert_eq!(kinesis.max_record_size(DLQ).await.unwrap(), MAX_RECORD_BYTES);
+    assert!(memory
+        .streams()
+        .records(DLQ, "shardId-000000000000")
+        .is_empty());
+    assert_eq!(
+        kinesis.max_record_size(DLQ).await.unwrap(),
+        MAX_RECORD_BYTES
+    );
     // The large stream takes 10 MiB in a call, not one byte more, and 500 records.
     assert_eq!(
         kinesis.max_record_size(STREAM).await.unwrap(),
@@ -315,7 +320,10 @@ async fn a_large_record_uses_up_its_shards_write_rate_for_as_long_as_it_takes() 
     })
     .await
     .unwrap();
-    assert!(start.elapsed() < Duration::from_secs(1), "a full shard takes it at once");
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "a full shard takes it at once"
+    );
     let after = Instant::now();
     within(LIMIT, "the next record", async {
         producer.send(ProducerRecord::new("next", "k")).await

@@ -13,8 +13,8 @@ use tokio::time::Instant;
 
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
-    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription,
-    MAX_LARGE_RECORD_BYTES, MAX_PUT_RECORDS_BYTES, MAX_PUT_RECORDS_ENTRIES, MAX_RECORD_BYTES,
+    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, MAX_LARGE_RECORD_BYTES,
+    MAX_PUT_RECORDS_BYTES, MAX_PUT_RECORDS_ENTRIES, MAX_RECORD_BYTES,
 };
 use crate::sequence::SequenceNumber;
 

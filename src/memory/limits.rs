@@ -367,13 +367,19 @@ mod tests {
         m.set_limits(KinesisLimits::aws());
         let large = 9 * MIB;
         assert!(m.admit_write("s", "shard", large), "a full budget takes it");
-        assert!(!m.admit_write("s", "shard", 1), "the burst is paid back first");
+        assert!(
+            !m.admit_write("s", "shard", 1),
+            "the burst is paid back first"
+        );
         // 9 MiB at 1 MiB per second: still in debt after 7.9 s, even again after 8 s.
         tokio::time::advance(Duration::from_millis(7_900)).await;
         assert!(!m.admit_write("s", "shard", 1));
         tokio::time::advance(Duration::from_millis(200)).await;
         assert!(m.admit_write("s", "shard", 50 * 1024));
-        assert!(!m.admit_write("s", "shard", large), "not before the budget is full");
+        assert!(
+            !m.admit_write("s", "shard", large),
+            "not before the budget is full"
+        );
     }
 
     #[tokio::test(start_paused = true)]

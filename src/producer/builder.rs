@@ -412,8 +412,7 @@ impl ProducerBuilder {
             seed: self.seed.unwrap_or_else(rand::random),
             max_record_size: match self.max_record_size {
                 Some(bytes) => {
-                    if !(crate::kinesis::MAX_RECORD_BYTES
-                        ..=crate::kinesis::MAX_LARGE_RECORD_BYTES)
+                    if !(crate::kinesis::MAX_RECORD_BYTES..=crate::kinesis::MAX_LARGE_RECORD_BYTES)
                         .contains(&bytes)
                     {
                         return Err(ConfigError::Invalid {
@@ -509,7 +508,10 @@ mod tests {
         assert_eq!(field(base().max_record_size(10 * mib)), "ok");
         assert_eq!(field(base().max_record_size(mib)), "ok");
         assert_eq!(field(base().max_record_size(mib - 1)), "max_record_size");
-        assert_eq!(field(base().max_record_size(10 * mib + 1)), "max_record_size");
+        assert_eq!(
+            field(base().max_record_size(10 * mib + 1)),
+            "max_record_size"
+        );
     }
 
     #[test]

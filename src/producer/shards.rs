@@ -253,10 +253,11 @@ mod budget_tests {
         let mut budget = ShardBudget::new(&limit, start);
         let nine_mib = 9.0 * SHARD_BYTES_PER_SECOND;
         assert!(budget.take(&limit, 1.0, nine_mib, start).is_ok());
-        // Nine seconds of the rate: after 8.9 s the next record still waits.
-        let later = start + Duration::from_millis(8_900);
+        // A full bucket paid one second of it: eight more seconds of the rate, and the
+        // next record waits until they have passed.
+        let later = start + Duration::from_millis(7_900);
         assert!(budget.take(&limit, 1.0, 100.0, later).is_err());
-        let paid = start + Duration::from_millis(9_100);
+        let paid = start + Duration::from_millis(8_100);
         assert!(budget.take(&limit, 1.0, 100.0, paid).is_ok());
     }
 }

@@ -96,10 +96,7 @@ impl Service<DeadLetterRecord> for ProducerSink {
                 let producer = self.producer.clone();
                 Box::pin(async move {
                     // Unreadable now: parts of 1 MiB fit every stream.
-                    producer
-                        .max_record_size()
-                        .await
-                        .unwrap_or(MAX_RECORD_BYTES)
+                    producer.max_record_size().await.unwrap_or(MAX_RECORD_BYTES)
                 })
             });
             let limit = ready!(lookup.as_mut().poll(cx));
