@@ -588,8 +588,9 @@ fn run_one(w: &Workload) -> Result<(), TestCaseError> {
     check(w, &records, &out)
 }
 
-/// A workload that overflowed calls, kept as a regression: aggregated records of 900 to
-/// 999 bytes, each with an explicit hash key, enough of them for full calls of 5 MiB.
+/// A workload that overflowed a call, kept as a regression: 6,000 aggregated records of
+/// 900 to 999 bytes, each with an explicit hash key, make a full call of 106 aggregates
+/// that the producer's size estimate put 25 bytes past 5 MiB.
 #[test]
 fn aggregated_records_with_explicit_hash_keys_fill_calls_within_5_mib() {
     let w = Workload {
@@ -598,8 +599,8 @@ fn aggregated_records_with_explicit_hash_keys_fill_calls_within_5_mib() {
         size_low: 900,
         size_span: 99,
         large_every: None,
-        keys: 64,
-        key_len: 4,
+        keys: 6_000,
+        key_len: 3,
         explicit_hash_keys: 100,
         aggregate: true,
         rate_limit: false,
@@ -611,7 +612,7 @@ fn aggregated_records_with_explicit_hash_keys_fill_calls_within_5_mib() {
         max_attempts: 10,
         reshard: None,
         end: End::Drop,
-        records_seed: 1,
+        records_seed: 21,
     };
     if let Err(failure) = run_one(&w) {
         panic!("{failure}");
