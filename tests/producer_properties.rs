@@ -1,12 +1,15 @@
 //! Properties of the producer over generated workloads, on the embedded backend with
-//! Kinesis' limits on and tokio's paused clock: record sizes from 0 to the record limit,
+//! Kinesis' limits on and tokio's paused clock: record sizes from a few bytes (each
+//! payload starts with its record's 8-byte index) to the record limit,
 //! partition keys and explicit hash keys, aggregation on or off, the per-shard rate limit
 //! on or off, ordered or not, partial failures and throttled calls, a split or a merge
 //! while records flow, and a `close` or the last handle dropped while calls are in
 //! flight. Whatever the workload:
 //!
 //! * every PutRecords call holds at most 500 entries and 5 MiB (data plus partition
-//!   keys), and every entry fits the stream's record limit;
+//!   keys), and no more than the producer's `max_batch_records` and `max_batch_bytes`
+//!   (also generated) allow, a single larger record alone excepted; every entry fits
+//!   the stream's record limit;
 //! * every KPL aggregate sent fits the aggregation's size limit, and every aggregate an
 //!   answer points at holds only records of the shard it is stored in;
 //! * every record answered `Ok` is stored where its answer says (shard, sequence number,
@@ -17,10 +20,11 @@
 //!   key that finally failed (they are answered `AfterFailure`, unsent);
 //! * nothing hangs: every answer comes within a bound on tokio's clock.
 //!
-//! The cases are drawn from a fixed seed; `PRODUCER_PROPERTIES_CASES` sets how many
-//! (default 24, a few seconds), e.g. `PRODUCER_PROPERTIES_CASES=2000` for a long run.
-//! A failing case is shrunk to a small workload and printed; `PROPTEST_SEED`-style
-//! replays are not needed: the same build and count always draw the same cases.
+//! The cases are drawn from a fixed seed, so the same build and case count always draw
+//! the same cases; `PRODUCER_PROPERTIES_CASES` sets how many (default 24, about 5 s of
+//! CPU), e.g. `PRODUCER_PROPERTIES_CASES=2000` for a long run. A failing case is shrunk
+//! and printed as a `Workload`; one worth keeping becomes a named test like
+//! `aggregated_records_with_explicit_hash_keys_fill_calls_within_5_mib`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
