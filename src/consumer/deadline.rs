@@ -337,6 +337,11 @@ impl KinesisApi for BoundedKinesis {
             .await
     }
 
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        self.bound("DescribeStreamSummary", self.inner.max_record_size(stream))
+            .await
+    }
+
     async fn shard_iterator(
         &self,
         stream: &str,

@@ -48,6 +48,7 @@ use aws_sdk_kinesis::types::{
 use super::{
     KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage, ShardInfo,
     StartingPosition, StreamAdmin, StreamIdentity, Subscription, SubscriptionEvent,
+    MAX_LARGE_RECORD_BYTES, MAX_RECORD_BYTES,
 };
 use crate::sequence::SequenceNumber;
 
@@ -431,6 +432,19 @@ impl KinesisApi for AwsKinesis {
             KinesisError::Other(format!("stream {stream}: creation time: {e}").into())
         })?;
         StreamIdentity::from_description(stream, &summary.stream_arn, created)
+    }
+
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        let summary = self.describe_summary(stream).await?;
+        // Absent from answers of services (and emulators) older than large records: the
+        // default then holds. A figure outside the documented range is taken within it.
+        Ok(match summary.max_record_size_in_kib() {
+            Some(kib) => usize::try_from(kib)
+                .unwrap_or(0)
+                .saturating_mul(1024)
+                .clamp(MAX_RECORD_BYTES, MAX_LARGE_RECORD_BYTES),
+            None => MAX_RECORD_BYTES,
+        })
     }
 
     async fn shard_iterator(

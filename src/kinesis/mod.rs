@@ -310,8 +310,23 @@ impl KinesisError {
     }
 }
 
-/// The largest record Kinesis accepts: data plus partition key, 1 MiB.
+/// A stream's maximum record size unless it was raised, and the least any stream
+/// accepts: data plus partition key, 1 MiB. A stream set for larger records
+/// (`UpdateMaxRecordSize`) takes up to [`MAX_LARGE_RECORD_BYTES`]; see
+/// [`KinesisApi::max_record_size`].
 pub const MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// The largest maximum record size a stream can be set to (`UpdateMaxRecordSize`,
+/// `MaxRecordSizeInKiB` up to 10,240): data plus partition key, 10 MiB.
+pub const MAX_LARGE_RECORD_BYTES: usize = 10 * 1024 * 1024;
+
+/// The most bytes (data plus partition keys) one PutRecords request carries: 10 MiB
+/// since Kinesis takes records of up to 10 MiB, so that a record at the largest limit
+/// goes in a call of its own. At most 500 records per request either way.
+pub const MAX_PUT_RECORDS_BYTES: usize = 10 * 1024 * 1024;
+
+/// The most records one PutRecords request carries.
+pub const MAX_PUT_RECORDS_ENTRIES: usize = 500;
 
 /// The longest partition key Kinesis accepts, in Unicode characters.
 pub const MAX_PARTITION_KEY_CHARS: usize = 256;
@@ -339,6 +354,19 @@ pub trait KinesisApi: Send + Sync + 'static {
         let _ = stream;
         Err(KinesisError::Unsupported(
             "stream identity (multi-stream mode)".into(),
+        ))
+    }
+
+    /// The largest record the stream accepts, in bytes of data plus partition key
+    /// (DescribeStreamSummary's `MaxRecordSizeInKiB`, set with `UpdateMaxRecordSize`):
+    /// [`MAX_RECORD_BYTES`] unless the stream was set for larger records, at most
+    /// [`MAX_LARGE_RECORD_BYTES`]. A backend that cannot tell (the default) answers
+    /// `Unsupported`; callers then take the default, [`MAX_RECORD_BYTES`], which every
+    /// stream accepts.
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        let _ = stream;
+        Err(KinesisError::Unsupported(
+            "the stream's maximum record size".into(),
         ))
     }
 

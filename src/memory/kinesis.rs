@@ -13,7 +13,8 @@ use tokio::time::Instant;
 
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
-    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription,
+    ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, MAX_LARGE_RECORD_BYTES,
+    MAX_PUT_RECORDS_BYTES, MAX_PUT_RECORDS_ENTRIES, MAX_RECORD_BYTES,
 };
 use crate::sequence::SequenceNumber;
 
@@ -65,6 +66,44 @@ impl Default for MemoryKinesis {
 }
 
 const MAX_HASH: u128 = u128::MAX;
+
+/// What Kinesis validates in a PutRecords request before it stores anything: 1 to 500
+/// records, at most [`MAX_PUT_RECORDS_BYTES`] of data and partition keys in all, none
+/// larger than the stream's maximum record size. A request that breaks one is refused
+/// whole (`ValidationException` / `InvalidArgumentException`).
+fn check_put_records(records: &[PutRecord], max_record_bytes: usize) -> Result<(), KinesisError> {
+    if records.is_empty() || records.len() > MAX_PUT_RECORDS_ENTRIES {
+        return Err(KinesisError::Invalid(
+            format!(
+                "a PutRecords request holds {} records, 1 to {MAX_PUT_RECORDS_ENTRIES} are allowed",
+                records.len()
+            )
+            .into(),
+        ));
+    }
+    let mut total = 0usize;
+    for (index, r) in records.iter().enumerate() {
+        let size = r.data.len().saturating_add(r.partition_key.len());
+        if size > max_record_bytes {
+            return Err(KinesisError::Invalid(
+                format!(
+                    "record {index} is {size} bytes (data and partition key), the stream takes at most {max_record_bytes}"
+                )
+                .into(),
+            ));
+        }
+        total = total.saturating_add(size);
+    }
+    if total > MAX_PUT_RECORDS_BYTES {
+        return Err(KinesisError::Invalid(
+            format!(
+                "a PutRecords request of {total} bytes (data and partition keys), at most {MAX_PUT_RECORDS_BYTES} are allowed"
+            )
+            .into(),
+        ));
+    }
+    Ok(())
+}
 
 impl MemoryKinesis {
     /// Waits for the configured call latency ([`KinesisFaults::latency`]).
@@ -179,6 +218,28 @@ impl MemoryKinesis {
             }
             _ => false,
         }
+    }
+
+    /// Sets the largest record `stream` takes, in KiB of data plus partition key, as
+    /// Kinesis' `UpdateMaxRecordSize` does: 1,024 (1 MiB, every stream's default) to
+    /// 10,240 (10 MiB); anything else is refused as invalid. From then on a PutRecords
+    /// call holding a larger record is refused whole, as Kinesis refuses it
+    /// (`ValidationException`), and [`KinesisApi::max_record_size`] answers the new
+    /// figure. The shards' throughput limits stay as they are (see [`KinesisLimits`]).
+    pub fn update_max_record_size(&self, stream: &str, kib: u32) -> Result<(), KinesisError> {
+        let bytes = kib as usize * 1024;
+        if !(MAX_RECORD_BYTES..=MAX_LARGE_RECORD_BYTES).contains(&bytes) {
+            return Err(KinesisError::Invalid(
+                format!("MaxRecordSizeInKiB {kib} is outside 1024..=10240").into(),
+            ));
+        }
+        let mut s = lock(&self.state);
+        let st = s
+            .streams
+            .get_mut(stream)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
+        st.max_record_bytes = bytes;
+        Ok(())
     }
 
     /// Deletes a stream with its shards and records. Created again, the stream has a
@@ -380,6 +441,14 @@ impl KinesisApi for MemoryKinesis {
         })
     }
 
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        let s = lock(&self.state);
+        s.streams
+            .get(stream)
+            .map(|st| st.max_record_bytes)
+            .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))
+    }
+
     async fn shard_iterator(
         &self,
         stream: &str,
@@ -499,6 +568,11 @@ impl KinesisApi for MemoryKinesis {
         records: &[PutRecord],
     ) -> Result<Vec<PutOutcome>, KinesisError> {
         let mut s = lock(&self.state);
+        let max_record_bytes = s
+            .streams
+            .get(stream)
+            .map_or(MAX_RECORD_BYTES, |st| st.max_record_bytes);
+        check_put_records(records, max_record_bytes)?;
         if s.draw(|f| f.throttle) {
             return Err(KinesisError::Throttled("injected throttle".into()));
         }
@@ -665,6 +739,7 @@ impl StreamAdmin for MemoryKinesis {
                 shards: Vec::new(),
                 updating: false,
                 created,
+                max_record_bytes: MAX_RECORD_BYTES,
             },
         );
         let width = MAX_HASH / shards as u128;

@@ -6,7 +6,10 @@
 //!
 //! * **Writes**: each shard takes up to 1,000 records and 1 MiB (data plus partition key)
 //!   per second. A PutRecords entry over the shard's budget is refused in the answer with
-//!   `ProvisionedThroughputExceededException` while the other entries are stored.
+//!   `ProvisionedThroughputExceededException` while the other entries are stored. A
+//!   stream set for records larger than 1 MiB keeps these figures: AWS describes a
+//!   shard taking an occasional large record (up to 10 MiB) as a burst past its rate,
+//!   paid back at the steady rate afterwards, so that it still averages 1 MiB per second.
 //! * **GetRecords**: up to 5 calls and 2 MiB per second per shard, up to 10 MiB in one
 //!   answer. A call over 5 per second is refused with
 //!   `ProvisionedThroughputExceededException`. The bytes are charged *after* the answer:
@@ -25,7 +28,10 @@
 //! through across a window boundary and reward writers that fire in step with the
 //! boundaries, neither of which a real shard does. A refused call or entry takes
 //! nothing from any budget. The read budget may go negative (the bytes of an answer
-//! are charged in full); calls are refused until it is positive again.
+//! are charged in full); calls are refused until it is positive again. So may the
+//! write bytes budget: a record larger than one second's quota is taken when the
+//! budget is full and charged in full, and the shard takes nothing more until it has
+//! earned those bytes back.
 //!
 //! All times are tokio's ([`tokio::time::Instant`]), so tests can run the meters on the
 //! paused clock.
@@ -136,6 +142,18 @@ impl Bucket {
         }
     }
 
+    /// Takes `n` tokens if the bucket holds them, or, for more than one second's quota,
+    /// if it is full; the bucket may then go negative (a burst paid back over time).
+    fn take_burst(&mut self, rate: u64, n: u64, now: Instant) -> bool {
+        self.refill(rate, now);
+        if self.tokens >= n.min(rate) as f64 {
+            self.tokens -= n as f64;
+            true
+        } else {
+            false
+        }
+    }
+
     /// How long until the bucket holds `n` tokens (capped at one second's quota, so
     /// that a single item larger than the quota still passes once the bucket is full).
     fn wait_for(&mut self, rate: u64, n: u64, now: Instant) -> Duration {
@@ -225,7 +243,7 @@ impl Meters {
         let mut r = meter.write_records;
         let mut b = meter.write_bytes;
         let fits = (records == 0 || r.take(records, 1, now))
-            && (per_second == 0 || b.take(per_second, bytes, now));
+            && (per_second == 0 || b.take_burst(per_second, bytes, now));
         if fits {
             meter.write_records = r;
             meter.write_bytes = b;
@@ -341,6 +359,27 @@ mod tests {
         let much_later = later + Duration::from_secs(60);
         assert!(b.take(10, 10, much_later));
         assert!(!b.take(10, 1, much_later));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_record_above_a_seconds_write_quota_takes_a_full_budget_and_is_paid_back() {
+        let mut m = Meters::default();
+        m.set_limits(KinesisLimits::aws());
+        let large = 9 * MIB;
+        assert!(m.admit_write("s", "shard", large), "a full budget takes it");
+        assert!(
+            !m.admit_write("s", "shard", 1),
+            "the burst is paid back first"
+        );
+        // 9 MiB at 1 MiB per second: still in debt after 7.9 s, even again after 8 s.
+        tokio::time::advance(Duration::from_millis(7_900)).await;
+        assert!(!m.admit_write("s", "shard", 1));
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert!(m.admit_write("s", "shard", 50 * 1024));
+        assert!(
+            !m.admit_write("s", "shard", large),
+            "not before the budget is full"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -25,6 +25,9 @@ pub(super) struct MemStream {
     /// Creation time, epoch seconds (see
     /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).
     pub(super) created: u64,
+    /// The largest record (data plus partition key) the stream takes (see
+    /// [`MemoryKinesis::update_max_record_size`](super::MemoryKinesis::update_max_record_size)).
+    pub(super) max_record_bytes: usize,
 }
 
 pub(super) struct KinesisState {

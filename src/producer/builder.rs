@@ -38,6 +38,9 @@ pub(crate) struct Settings {
     pub(crate) rate_limit: Option<u32>,
     pub(crate) embed_headers: bool,
     pub(crate) seed: u64,
+    /// The stream's maximum record size when set on the builder; else read from the
+    /// stream when a record needs it.
+    pub(crate) max_record_size: Option<usize>,
 }
 
 /// How the producer packs user records into KPL aggregated records
@@ -111,6 +114,7 @@ impl Aggregation {
 /// | [`aggregate`](Self::aggregate) | off | pack records into KPL aggregates per shard |
 /// | [`rate_limit`](Self::rate_limit) | 150 % | percent of a shard's write quota to use |
 /// | [`embed_headers`](Self::embed_headers) | on | write a record's headers in Spring's JSON framing |
+/// | [`max_record_size`](Self::max_record_size) | the stream's | the largest record the stream takes |
 pub struct ProducerBuilder {
     stream: Option<String>,
     kinesis: Option<Arc<dyn KinesisApi>>,
@@ -127,6 +131,7 @@ pub struct ProducerBuilder {
     rate_limit: Option<u32>,
     embed_headers: bool,
     seed: Option<u64>,
+    max_record_size: Option<usize>,
 }
 
 impl Default for ProducerBuilder {
@@ -147,6 +152,7 @@ impl Default for ProducerBuilder {
             rate_limit: Some(DEFAULT_RATE_LIMIT),
             embed_headers: true,
             seed: None,
+            max_record_size: None,
         }
     }
 }
@@ -275,7 +281,7 @@ impl ProducerBuilder {
     /// [`headers::spring`](crate::headers::spring)). A shardflow consumer with the
     /// default [`HeaderFormat::Auto`](crate::HeaderFormat) and a Spring Cloud Stream
     /// Kinesis consumer with its defaults read them back; the framing counts against
-    /// the 1 MiB record limit.
+    /// the stream's record limit.
     ///
     /// A record without headers is written as its bare payload, so the default costs
     /// nothing to applications that set none, unless a reader could take that payload
@@ -289,6 +295,25 @@ impl ProducerBuilder {
     /// payload alone: the headers are then not written at all.
     pub fn embed_headers(mut self, embed: bool) -> Self {
         self.embed_headers = embed;
+        self
+    }
+
+    /// The largest record the stream takes, in bytes of payload plus partition key
+    /// (headers' framing included), `1 MiB..=10 MiB`. Kinesis takes records of up to
+    /// 1 MiB on every stream, and up to 10 MiB on a stream set for large records
+    /// (`UpdateMaxRecordSize`; its `MaxRecordSizeInKiB` × 1,024 goes here).
+    ///
+    /// Unset (the default), the producer reads the stream's figure from
+    /// DescribeStreamSummary once, the first time a record above 1 MiB needs it (which
+    /// needs `kinesis:DescribeStreamSummary`); a backend that cannot tell (an emulator)
+    /// gets 1 MiB. A record above the limit is refused before it is sent
+    /// ([`ProduceError::TooLarge`](super::ProduceError::TooLarge)). Set it when the
+    /// stream's figure cannot be read, or to refuse large records sooner. Records above
+    /// [`max_batch_bytes`](Self::max_batch_bytes) go in a PutRecords call of their own
+    /// (Kinesis takes 10 MiB per call); the shard's write rate (1 MiB per second) does not
+    /// change, so a large record uses up its shard's budget for several seconds.
+    pub fn max_record_size(mut self, bytes: usize) -> Self {
+        self.max_record_size = Some(bytes);
         self
     }
 
@@ -389,6 +414,24 @@ impl ProducerBuilder {
             },
             embed_headers: self.embed_headers,
             seed: self.seed.unwrap_or_else(rand::random),
+            max_record_size: match self.max_record_size {
+                Some(bytes) => {
+                    if !(crate::kinesis::MAX_RECORD_BYTES..=crate::kinesis::MAX_LARGE_RECORD_BYTES)
+                        .contains(&bytes)
+                    {
+                        return Err(ConfigError::Invalid {
+                            field: "max_record_size",
+                            reason: format!(
+                                "{bytes} is not in {}..={} (1 MiB to 10 MiB)",
+                                crate::kinesis::MAX_RECORD_BYTES,
+                                crate::kinesis::MAX_LARGE_RECORD_BYTES
+                            ),
+                        });
+                    }
+                    Some(bytes)
+                }
+                None => None,
+            },
         })
     }
 }
@@ -464,6 +507,14 @@ mod tests {
         assert_eq!(
             aggregation(Aggregation::new().max_count(0)),
             "aggregation.max_count"
+        );
+        let mib = 1024 * 1024;
+        assert_eq!(field(base().max_record_size(10 * mib)), "ok");
+        assert_eq!(field(base().max_record_size(mib)), "ok");
+        assert_eq!(field(base().max_record_size(mib - 1)), "max_record_size");
+        assert_eq!(
+            field(base().max_record_size(10 * mib + 1)),
+            "max_record_size"
         );
     }
 

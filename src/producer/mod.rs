@@ -39,10 +39,24 @@
 //! Every handle (the `Producer` is `Clone`) feeds one background task through a bounded
 //! channel. `poll_ready` reserves a slot in that channel, so a caller that goes faster
 //! than Kinesis is held back instead of growing a queue without bound. `call` checks
-//! the record first — at most 1 MiB of payload plus partition key
-//! ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters, an explicit
-//! hash key that is a decimal number below 2^128 ([`ProduceError::InvalidRecord`]) — so
-//! a record Kinesis would refuse is never sent.
+//! the record first — at most the stream's maximum record size of payload plus
+//! partition key ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters,
+//! an explicit hash key that is a decimal number below 2^128
+//! ([`ProduceError::InvalidRecord`]) — so a record Kinesis would refuse is never sent.
+//!
+//! # Large records
+//!
+//! Every stream takes records of up to 1 MiB ([`MAX_RECORD_BYTES`]); a stream set for
+//! larger ones (`UpdateMaxRecordSize`) up to 10 MiB ([`MAX_LARGE_RECORD_BYTES`]). The
+//! producer takes the stream's figure from
+//! [`ProducerBuilder::max_record_size`] or, unset, reads it from the stream
+//! (DescribeStreamSummary) the first time a record above 1 MiB needs it
+//! ([`Producer::max_record_size`]). A record above the batch byte limit goes in a
+//! PutRecords call of its own (a call takes up to 10 MiB), never in an aggregate. The
+//! shard's write rate does not grow with the record size: Kinesis lets a shard take an
+//! occasional large record as a burst and then holds it to 1 MiB per second on
+//! average, and the producer's per-shard budget does the same (a 9 MiB record uses up
+//! about nine seconds of a shard's writes).
 //!
 //! The task groups records into PutRecords calls of at most 500 records and 5 MiB
 //! (both configurable downwards). A call goes as soon as a batch is full, or when its
@@ -102,7 +116,7 @@
 //! when a record falls in no known range or an aggregate lands in another shard than
 //! predicted (the stream was resharded); a record that cannot be placed goes alone.
 //! A record too large to share an aggregate goes alone as a plain record; nothing
-//! larger than Kinesis' 1 MiB record limit is ever sent (the framing counts).
+//! larger than the stream's record limit is ever sent (the framing counts).
 //!
 //! Every call still resolves with where its record is: the shard, the sequence number
 //! of the Kinesis record holding it and its [`sub_sequence_number`](Stored) in it (0
@@ -156,6 +170,7 @@
 
 mod builder;
 mod future;
+mod limit;
 mod record;
 mod shards;
 mod worker;
@@ -176,10 +191,12 @@ pub use builder::{
 };
 pub use future::ResponseFuture;
 pub use record::{
-    InvalidRecord, ProduceError, ProducerRecord, Stored, MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES,
+    InvalidRecord, ProduceError, ProducerRecord, Stored, MAX_LARGE_RECORD_BYTES,
+    MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES,
 };
 
 use builder::Settings;
+use limit::RecordLimit;
 use worker::{Command, Worker};
 
 /// Writes records to one Kinesis stream in batches; a `tower::Service` whose calls
@@ -195,6 +212,8 @@ pub struct Producer {
     settings: Arc<Settings>,
     /// Whether this handle writes payloads exactly as given ([`Producer::raw`]).
     raw: bool,
+    /// The largest record the stream takes (shared by the clones).
+    limit: Arc<RecordLimit>,
 }
 
 impl Producer {
@@ -207,6 +226,11 @@ impl Producer {
         let (sender, rx) = mpsc::channel(settings.buffer);
         let (done_tx, done) = watch::channel(false);
         let settings = Arc::new(settings);
+        let limit = Arc::new(RecordLimit::new(
+            settings.stream.clone(),
+            settings.kinesis.clone(),
+            settings.max_record_size,
+        ));
         runtime.spawn(Worker::new(Settings::clone(&settings), rx).run(done_tx));
         Producer {
             slot: PollSender::new(sender.clone()),
@@ -214,6 +238,7 @@ impl Producer {
             done,
             settings,
             raw: false,
+            limit,
         }
     }
 
@@ -245,7 +270,9 @@ impl Producer {
 
     /// A producer with the same backend and settings for another stream (e.g. a
     /// dead-letter stream), with its own buffer and background task. Must be called
-    /// inside a tokio runtime.
+    /// inside a tokio runtime. The other stream's maximum record size is its own: read
+    /// from it when needed, not taken from
+    /// [`ProducerBuilder::max_record_size`].
     pub fn for_stream(&self, stream: impl Into<String>) -> Result<Producer, ConfigError> {
         let stream = stream.into();
         builder::validate_stream_name(&stream)?;
@@ -256,17 +283,28 @@ impl Producer {
         let mut settings = Settings::clone(&self.settings);
         settings.stream = stream.into();
         settings.seed = rand::random();
+        settings.max_record_size = None;
         Ok(Producer::spawn(settings, &runtime))
+    }
+
+    /// The largest record the stream takes, in bytes of payload plus partition key:
+    /// [`ProducerBuilder::max_record_size`] when set, else the stream's own figure,
+    /// read once (DescribeStreamSummary; [`MAX_RECORD_BYTES`] from a backend that
+    /// cannot tell). Records up to [`MAX_RECORD_BYTES`] never wait for it; calling this
+    /// first makes a larger record's check immediate. Fails
+    /// ([`ProduceError::Failed`]) when the stream's figure cannot be read now.
+    pub async fn max_record_size(&self) -> Result<usize, ProduceError> {
+        self.limit.get().await
     }
 
     /// What every way in does to a record before it enters the producer: its headers
     /// framed into the payload (and, with the `opentelemetry` feature, the current trace
     /// context added) unless this handle is [`raw`](Producer::raw), then its size checked
-    /// against Kinesis' limits. Returns the record
-    /// as sent and its size.
+    /// against Kinesis' limits, up to the largest any stream takes (the stream's own limit
+    /// is [`RecordLimit`]'s to check). Returns the record as sent and its size.
     fn prepare(&self, record: ProducerRecord) -> Result<(PutRecord, usize), ProduceError> {
         let record = record.embedded(self.settings.embed_headers && !self.raw)?;
-        let size = record.validate()?;
+        let size = record.validate(MAX_LARGE_RECORD_BYTES)?;
         Ok((record.into_put_record(), size))
     }
 
@@ -274,6 +312,7 @@ impl Producer {
     /// same as `ready().await?.call(record).await`, without needing `&mut self`.
     pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
         let (record, size) = self.prepare(record)?;
+        self.limit.admit(size).await?;
         let (reply, answer) = oneshot::channel();
         let command = Command::Record {
             record,
@@ -309,7 +348,11 @@ impl Producer {
                 answers.push(Err(ProduceError::AfterFailure(Box::new(cause.clone()))));
                 continue;
             }
-            match self.prepare(record) {
+            let prepared = match self.prepare(record) {
+                Ok((record, size)) => self.limit.admit(size).await.map(|()| (record, size)),
+                Err(error) => Err(error),
+            };
+            match prepared {
                 Ok((record, size)) => {
                     let (reply, answer) = oneshot::channel();
                     commands.push((record, size, reply));
@@ -409,6 +452,28 @@ impl tower::Service<ProducerRecord> for Producer {
             size,
             reply,
         };
+        match self.limit.admit_now(size) {
+            Some(Ok(())) => {}
+            Some(Err(refused)) => {
+                self.slot.abort_send();
+                return ResponseFuture::failed(refused);
+            }
+            None => {
+                // Above 1 MiB before the stream's limit is known: the record enters once
+                // it is (records handed over meanwhile may go first).
+                self.slot.abort_send();
+                let sender = self.sender.clone();
+                let limit = self.limit.clone();
+                return ResponseFuture::sending(async move {
+                    limit.admit(size).await?;
+                    sender
+                        .send(command)
+                        .await
+                        .map_err(|_| ProduceError::Closed)?;
+                    answer.await.unwrap_or(Err(ProduceError::Closed))
+                });
+            }
+        }
         // Normally `poll_ready` reserved a slot and this returns at once. A `call`
         // without it (against the tower contract, but it should not panic) takes a
         // slot if one is free, or else waits for one inside the response future.

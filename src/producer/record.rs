@@ -10,7 +10,7 @@ use crate::headers::{HeaderValue, Headers};
 use crate::kinesis::PutRecord;
 use crate::sequence::SequenceNumber;
 
-pub use crate::kinesis::{MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES};
+pub use crate::kinesis::{MAX_LARGE_RECORD_BYTES, MAX_PARTITION_KEY_CHARS, MAX_RECORD_BYTES};
 
 /// A record to write: a payload, the partition key that picks its shard, optionally an
 /// explicit hash key that picks the shard instead, and the application's [`Headers`]
@@ -66,8 +66,9 @@ impl ProducerRecord {
         self.payload.len().saturating_add(self.partition_key.len())
     }
 
-    /// Checks the record against Kinesis' limits; returns its size.
-    pub(crate) fn validate(&self) -> Result<usize, ProduceError> {
+    /// Checks the record against Kinesis' limits, with `limit` the largest record the
+    /// stream takes; returns its size.
+    pub(crate) fn validate(&self, limit: usize) -> Result<usize, ProduceError> {
         let chars = self.partition_key.chars().count();
         if chars == 0 {
             return Err(ProduceError::InvalidRecord(
@@ -87,11 +88,8 @@ impl ProducerRecord {
             }
         }
         let size = self.size();
-        if size > MAX_RECORD_BYTES {
-            return Err(ProduceError::TooLarge {
-                size,
-                limit: MAX_RECORD_BYTES,
-            });
+        if size > limit {
+            return Err(ProduceError::TooLarge { size, limit });
         }
         Ok(size)
     }
@@ -122,9 +120,10 @@ impl ProducerRecord {
             )));
         }
         self.payload =
+            // Fails only for lengths past the framing's 4 GiB: above every stream's limit.
             spring::write_embedded(&headers, &self.payload).ok_or(ProduceError::TooLarge {
                 size: self.size(),
-                limit: MAX_RECORD_BYTES,
+                limit: MAX_LARGE_RECORD_BYTES,
             })?;
         Ok(self)
     }
@@ -198,13 +197,15 @@ pub enum InvalidRecord {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProduceError {
-    /// The record (payload plus partition key) is larger than Kinesis accepts. Refused
-    /// before anything was sent.
+    /// The record (payload plus partition key) is larger than its stream accepts.
+    /// Refused before anything was sent.
     #[error("the record is {size} bytes (payload and partition key), the limit is {limit}")]
     TooLarge {
         /// The record's size in bytes.
         size: usize,
-        /// The limit, [`MAX_RECORD_BYTES`].
+        /// The stream's maximum record size: [`MAX_RECORD_BYTES`] unless the stream was
+        /// set for larger records (see
+        /// [`ProducerBuilder::max_record_size`](crate::ProducerBuilder::max_record_size)).
         limit: usize,
     },
     /// The record breaks another Kinesis rule. Refused before anything was sent.
@@ -305,10 +306,10 @@ mod tests {
         let r = ProducerRecord::new(vec![0u8; 10], "ключ");
         assert_eq!(r.size(), 10 + "ключ".len());
         let exact = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES - 1], "k");
-        assert_eq!(exact.validate(), Ok(MAX_RECORD_BYTES));
+        assert_eq!(exact.validate(MAX_RECORD_BYTES), Ok(MAX_RECORD_BYTES));
         let over = ProducerRecord::new(vec![0u8; MAX_RECORD_BYTES], "k");
         assert_eq!(
-            over.validate(),
+            over.validate(MAX_RECORD_BYTES),
             Err(ProduceError::TooLarge {
                 size: MAX_RECORD_BYTES + 1,
                 limit: MAX_RECORD_BYTES
@@ -318,15 +319,17 @@ mod tests {
 
     #[test]
     fn partition_keys_are_counted_in_characters() {
-        assert!(ProducerRecord::new("x", "é".repeat(256)).validate().is_ok());
+        assert!(ProducerRecord::new("x", "é".repeat(256))
+            .validate(MAX_RECORD_BYTES)
+            .is_ok());
         assert_eq!(
-            ProducerRecord::new("x", "é".repeat(257)).validate(),
+            ProducerRecord::new("x", "é".repeat(257)).validate(MAX_RECORD_BYTES),
             Err(ProduceError::InvalidRecord(
                 InvalidRecord::PartitionKeyTooLong { chars: 257 }
             ))
         );
         assert_eq!(
-            ProducerRecord::new("x", "").validate(),
+            ProducerRecord::new("x", "").validate(MAX_RECORD_BYTES),
             Err(ProduceError::InvalidRecord(
                 InvalidRecord::EmptyPartitionKey
             ))

@@ -179,8 +179,11 @@ impl ShardBudget {
         self.at = now;
     }
 
-    /// Takes `records` and `bytes` if the bucket holds them (a cost above a full
-    /// bucket's needs a full bucket); else returns when it will.
+    /// Takes `records` and `bytes` if the bucket holds them; else returns when it
+    /// will. A cost above a full bucket's (a record larger than a second's bytes, on a
+    /// stream set for large records) needs a full bucket and is taken in full: the
+    /// bucket goes below zero and the shard waits until the burst is paid back, as
+    /// Kinesis itself averages a shard's writes to its rate.
     pub(crate) fn take(
         &mut self,
         limit: &RateLimit,
@@ -189,11 +192,12 @@ impl ShardBudget {
         now: Instant,
     ) -> Result<(), Instant> {
         self.refill(limit, now);
+        let (cost_records, cost_bytes) = (records, bytes);
         let records = records.min(limit.records);
         let bytes = bytes.min(limit.bytes);
         if self.records >= records && self.bytes >= bytes {
-            self.records -= records;
-            self.bytes -= bytes;
+            self.records -= cost_records;
+            self.bytes -= cost_bytes;
             return Ok(());
         }
         let wait = ((records - self.records) / limit.records)
@@ -240,5 +244,20 @@ mod budget_tests {
             .take(&RateLimit::percent(50), 0.0, 1.0, start)
             .is_err());
         budget.drain(&RateLimit::percent(50), start);
+    }
+
+    #[test]
+    fn a_record_above_a_seconds_bytes_is_paid_back_before_the_next() {
+        let limit = RateLimit::percent(100);
+        let start = Instant::now();
+        let mut budget = ShardBudget::new(&limit, start);
+        let nine_mib = 9.0 * SHARD_BYTES_PER_SECOND;
+        assert!(budget.take(&limit, 1.0, nine_mib, start).is_ok());
+        // A full bucket paid one second of it: eight more seconds of the rate, and the
+        // next record waits until they have passed.
+        let later = start + Duration::from_millis(7_900);
+        assert!(budget.take(&limit, 1.0, 100.0, later).is_err());
+        let paid = start + Duration::from_millis(8_100);
+        assert!(budget.take(&limit, 1.0, 100.0, paid).is_ok());
     }
 }

@@ -1173,7 +1173,7 @@ async fn sleep_until(deadline: Option<Instant>) {
 }
 
 /// The `code` of [`ProduceError::Failed`] when the whole call failed.
-fn call_error_code(error: &KinesisError) -> &'static str {
+pub(super) fn call_error_code(error: &KinesisError) -> &'static str {
     match error {
         KinesisError::Throttled(_) => "Throttled",
         KinesisError::ExpiredIterator(_) => "ExpiredIterator",

@@ -338,6 +338,10 @@ impl<H: Hooks> KinesisApi for HookedKinesis<H> {
         self.call("stream_identity", self.inner.stream_identity(stream))
             .await
     }
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        self.call("max_record_size", self.inner.max_record_size(stream))
+            .await
+    }
     async fn shard_iterator(
         &self,
         stream: &str,
@@ -403,6 +407,10 @@ pub trait ForwardKinesis: Send + Sync + 'static {
     /// [`KinesisApi::stream_identity`].
     async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
         self.inner().stream_identity(stream).await
+    }
+    /// [`KinesisApi::max_record_size`].
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        self.inner().max_record_size(stream).await
     }
     /// [`KinesisApi::shard_iterator`].
     async fn shard_iterator(
@@ -547,6 +555,9 @@ impl<T: ForwardKinesis> KinesisApi for Forward<T> {
     }
     async fn stream_identity(&self, stream: &str) -> Result<StreamIdentity, KinesisError> {
         self.0.stream_identity(stream).await
+    }
+    async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
+        self.0.max_record_size(stream).await
     }
     async fn shard_iterator(
         &self,

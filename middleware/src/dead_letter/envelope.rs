@@ -3,8 +3,9 @@
 //!
 //! # Format (version 2)
 //!
-//! One dead letter is one Kinesis record, or two when the original record was close to
-//! the 1 MiB limit (see *Parts* below). Each record's data is:
+//! One dead letter is one Kinesis record, or several when the original record was close
+//! to the dead-letter stream's record limit or above it (see *Parts* below). Each
+//! record's data is:
 //!
 //! | bytes | what |
 //! |---|---|
@@ -28,12 +29,17 @@
 //!
 //! # Parts
 //!
-//! Kinesis counts a record's data *and* its partition key against the 1 MiB limit, so
-//! a record of exactly 1 MiB leaves no room for any header: such a payload cannot fit in
-//! one record with its metadata. When the payload, the header and the partition key do
-//! not fit in [`MAX_RECORD_BYTES`], the payload is split into parts whose headers are equal
-//! (every field the same except `part` and `offset`), each a full record of the layout
-//! above; for any record Kinesis accepted that is at most two parts.
+//! Kinesis counts a record's data *and* its partition key against a stream's maximum
+//! record size (1 MiB unless the stream was set for up to 10 MiB), so a record at its
+//! stream's limit leaves no room for any header: such a payload cannot fit in one
+//! record with its metadata. When the payload, the header and the partition key do not
+//! fit in the dead-letter stream's limit ([`MAX_RECORD_BYTES`] with
+//! [`to_records`](DeadLetterEnvelope::to_records), any other with
+//! [`to_records_within`](DeadLetterEnvelope::to_records_within)), the payload is split
+//! into parts whose headers are equal (every field the same except `part` and
+//! `offset`), each a full record of the layout above. A record from a stream with the
+//! same limit as the dead-letter stream takes at most two parts; a 10 MiB record
+//! dead-lettered into a stream of 1 MiB records takes eleven.
 //!
 //! Reassembly: collect the parts of one dead letter — the same `stream`, `shard`,
 //! `sequence_number`, `sub_sequence`, `failed_at_ms`, `payload_len` and `parts` — in any
@@ -82,8 +88,9 @@ pub const MAX_ERROR_BYTES: usize = 4096;
 const PREFIX_LEN: usize = MAGIC.len() + 1 + 4;
 
 /// The most parts a dead letter read back may have. Any record Kinesis accepted takes
-/// at most two; a header that claims more is refused, so that a corrupt or hostile
-/// record cannot make a reader reserve room for millions of parts.
+/// at most eleven (a 10 MiB record in 1 MiB parts); a header that claims more is
+/// refused, so that a corrupt or hostile record cannot make a reader reserve room for
+/// millions of parts.
 pub const MAX_PARTS: u32 = 16;
 
 /// A dead letter as written to a stream (see the [module docs](self)): where the record
@@ -151,7 +158,7 @@ pub enum EnvelopeError {
         header: usize,
         /// The partition key's size in bytes.
         partition_key: usize,
-        /// The record limit, [`MAX_RECORD_BYTES`].
+        /// The dead-letter stream's record limit the parts were cut for.
         limit: usize,
     },
 }
@@ -355,26 +362,36 @@ impl DeadLetterEnvelope {
     }
 
     /// The data of the record(s) that carry this dead letter, each of which fits in
-    /// [`MAX_RECORD_BYTES`] together with the partition key: one record when it fits,
-    /// else the payload split into parts (module docs). Written in the current
-    /// version, with the payload of this envelope taken as the whole payload.
+    /// [`MAX_RECORD_BYTES`] (the record limit of every stream) together with the
+    /// partition key: one record when it fits, else the payload split into parts
+    /// (module docs). Written in the current version, with the payload of this envelope
+    /// taken as the whole payload.
     pub fn to_records(&self) -> Result<Vec<Bytes>, EnvelopeError> {
+        self.to_records_within(MAX_RECORD_BYTES)
+    }
+
+    /// As [`to_records`](Self::to_records), for a dead-letter stream whose maximum
+    /// record size is `limit` bytes of data plus partition key (a stream set for large
+    /// records takes up to 10 MiB; see
+    /// [`Producer::max_record_size`](shardflow::Producer::max_record_size)): each record
+    /// fits in `limit`, so fewer parts are needed.
+    pub fn to_records_within(&self, limit: usize) -> Result<Vec<Bytes>, EnvelopeError> {
         let key = self.partition_key.len();
         let (body, headers_len) = self.body();
         let body_len = body.len() as u64;
         let whole = self.header(body_len, headers_len, 0, 1, 0);
         let json_len = serde_json::to_vec(&whole).map_or(0, |j| j.len());
-        if PREFIX_LEN + json_len + body.len() + key <= MAX_RECORD_BYTES {
+        if PREFIX_LEN + json_len + body.len() + key <= limit {
             return Ok(vec![Self::encode(&whole, &body)]);
         }
         // The largest header any part can have: the widest part numbers and offset.
         let widest = self.header(body_len, headers_len, u32::MAX, u32::MAX, body_len);
         let widest_len = PREFIX_LEN + serde_json::to_vec(&widest).map_or(0, |j| j.len());
-        let room = MAX_RECORD_BYTES.saturating_sub(widest_len + key);
+        let room = limit.saturating_sub(widest_len + key);
         let too_large = EnvelopeError::HeaderTooLarge {
             header: widest_len,
             partition_key: key,
-            limit: MAX_RECORD_BYTES,
+            limit,
         };
         if room == 0 {
             return Err(too_large);

@@ -43,8 +43,9 @@
 //! key — a short binary prefix, a JSON header that keeps where the record came from and
 //! why it failed, then the payload's raw bytes (see [`envelope`] for the format). Any
 //! record Kinesis accepted can be dead-lettered this way: a payload too close to the
-//! 1 MiB limit to fit with its header is written in two parts, which
-//! [`Reassembly`](envelope::Reassembly) puts back together. Envelopes of the earlier
+//! dead-letter stream's record limit (1 MiB, or up to 10 MiB on a stream set for large
+//! records) to fit with its header, or above it, is written in parts cut for that
+//! limit, which [`Reassembly`](envelope::Reassembly) puts back together. Envelopes of the earlier
 //! JSON format (payload in base64) are still read.
 //!
 //! The envelope is written as it is, through a [raw](shardflow::producer::Producer::raw)

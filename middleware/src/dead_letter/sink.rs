@@ -3,9 +3,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
-use shardflow::producer::{ProduceError, Producer, ProducerRecord};
+use shardflow::producer::{ProduceError, Producer, ProducerRecord, MAX_RECORD_BYTES};
 use tower::Service;
 
 use super::envelope::{DeadLetterEnvelope, EnvelopeError};
@@ -13,8 +13,13 @@ use super::DeadLetterRecord;
 
 /// A [`Producer`] as a dead-letter sink: each dead letter is written as a
 /// [`DeadLetterEnvelope`] under the record's own partition key, in one record or, for a
-/// payload close to the 1 MiB limit, in two parts (see [`envelope`](super::envelope)). The response is
-/// where the first part was stored.
+/// payload close to the dead-letter stream's record limit or above it, in parts (see
+/// [`envelope`](super::envelope)). The response is where the first part was stored.
+///
+/// The parts are cut for the dead-letter stream's own maximum record size
+/// ([`Producer::max_record_size`]: 1 MiB, or up to 10 MiB on a stream set for large
+/// records), read before the first dead letter; if it cannot be read, for the 1 MiB
+/// every stream takes.
 ///
 /// A named adapter rather than a second `Service` implementation on [`Producer`] itself:
 /// with two, `producer.ready()` would not know which request type is meant.
@@ -31,9 +36,31 @@ use super::DeadLetterRecord;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone, Debug)]
 pub struct ProducerSink {
     producer: Producer,
+    /// The dead-letter stream's maximum record size, once known.
+    limit: Option<usize>,
+    /// Reading it (in `poll_ready`, before the first dead letter).
+    lookup: Option<Pin<Box<dyn Future<Output = usize> + Send>>>,
+}
+
+impl Clone for ProducerSink {
+    fn clone(&self) -> Self {
+        Self {
+            producer: self.producer.clone(),
+            limit: self.limit,
+            lookup: None,
+        }
+    }
+}
+
+impl fmt::Debug for ProducerSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProducerSink")
+            .field("producer", &self.producer)
+            .field("limit", &self.limit)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ProducerSink {
@@ -47,6 +74,8 @@ impl ProducerSink {
     pub fn new(producer: Producer) -> Self {
         Self {
             producer: producer.raw(),
+            limit: None,
+            lookup: None,
         }
     }
 
@@ -69,6 +98,18 @@ impl Service<DeadLetterRecord> for ProducerSink {
     type Future = ProducerSinkFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
+        if self.limit.is_none() {
+            let lookup = self.lookup.get_or_insert_with(|| {
+                let producer = self.producer.clone();
+                Box::pin(async move {
+                    // Unreadable now: parts of 1 MiB fit every stream.
+                    producer.max_record_size().await.unwrap_or(MAX_RECORD_BYTES)
+                })
+            });
+            let limit = ready!(lookup.as_mut().poll(cx));
+            self.limit = Some(limit);
+            self.lookup = None;
+        }
         Service::<ProducerRecord>::poll_ready(&mut self.producer, cx)
     }
 
@@ -77,7 +118,9 @@ impl Service<DeadLetterRecord> for ProducerSink {
         record.headers.insert_current_trace_context();
         let envelope = DeadLetterEnvelope::from_record(&record);
         let key = record.metadata.partition_key;
-        let mut parts = match envelope.to_records() {
+        // Known after `poll_ready`; a call without it cuts parts that fit every stream.
+        let limit = self.limit.unwrap_or(MAX_RECORD_BYTES);
+        let mut parts = match envelope.to_records_within(limit) {
             Ok(parts) => parts.into_iter(),
             Err(e) => {
                 let EnvelopeError::HeaderTooLarge {
