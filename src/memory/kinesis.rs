@@ -481,6 +481,14 @@ impl KinesisApi for MemoryKinesis {
         if !s.streams.contains_key(stream) {
             return Err(KinesisError::NotFound(format!("stream {stream}").into()));
         }
+        let call_bytes = records
+            .iter()
+            .map(|r| metered_size(r.data.len(), &r.partition_key))
+            .sum();
+        if let Some(reason) = s.meters.refuse_call(records.len(), call_bytes) {
+            // As AWS answers a request over its limits: the whole call is invalid.
+            return Err(KinesisError::Invalid(reason.into()));
+        }
         let mut outcomes = Vec::with_capacity(records.len());
         for r in records {
             if s.draw(|f| f.put_entry_failure) {

@@ -15,6 +15,9 @@
 //!   calls made within the next 5 seconds throw ProvisionedThroughputExceededException").
 //! * **Enhanced fan-out**: each registered consumer gets up to 2 MiB per second per
 //!   shard. SubscribeToShard never refuses for throughput; it paces its events.
+//! * **One PutRecords call**: at most 500 entries and 5 MiB, counting the data and
+//!   partition key of every entry (not explicit hash keys). A call over either is
+//!   refused whole as invalid (`KinesisError::Invalid`), nothing of it stored.
 //!
 //! AWS speaks of per-second limits and allows "a small burst" without saying how large.
 //! Each limit here is a token bucket holding at most one second's quota, refilled
@@ -73,6 +76,13 @@ pub struct KinesisLimits {
     /// Bytes an enhanced fan-out subscription delivers per second, per consumer and
     /// shard (AWS: 2 MiB).
     pub fan_out_bytes_per_second: u64,
+    /// The most entries one PutRecords call may carry (AWS: 500); a call with more is
+    /// refused whole as invalid.
+    pub max_put_records_entries: u64,
+    /// The most bytes (data plus partition key of every entry; explicit hash keys do
+    /// not count) one PutRecords call may carry (AWS: 5 MiB); a call with more is
+    /// refused whole as invalid.
+    pub max_put_records_bytes: u64,
 }
 
 const MIB: u64 = 1024 * 1024;
@@ -80,7 +90,8 @@ const MIB: u64 = 1024 * 1024;
 impl KinesisLimits {
     /// AWS' figures for a provisioned-mode shard: 1,000 records and 1 MiB written per
     /// second; 5 GetRecords calls and 2 MiB read per second, at most 10 MiB per answer;
-    /// 2 MiB per second per enhanced fan-out consumer.
+    /// 2 MiB per second per enhanced fan-out consumer; and per PutRecords call at most
+    /// 500 entries and 5 MiB.
     pub fn aws() -> Self {
         KinesisLimits {
             write_records_per_second: 1_000,
@@ -89,12 +100,35 @@ impl KinesisLimits {
             read_bytes_per_second: 2 * MIB,
             max_get_records_bytes: 10 * MIB,
             fan_out_bytes_per_second: 2 * MIB,
+            max_put_records_entries: 500,
+            max_put_records_bytes: 5 * MIB,
         }
     }
 
     /// No limit at all (the default).
     pub fn none() -> Self {
         Self::default()
+    }
+}
+
+impl Meters {
+    /// Why a PutRecords call of `entries` entries and `bytes` bytes (data plus
+    /// partition keys) is invalid under the limits in force; `None` when it is not.
+    pub(super) fn refuse_call(&self, entries: usize, bytes: u64) -> Option<String> {
+        let max_entries = self.limits.max_put_records_entries;
+        let max_bytes = self.limits.max_put_records_bytes;
+        if max_entries != 0 && entries as u64 > max_entries {
+            return Some(format!(
+                "1 validation error detected: Value at 'records' failed to satisfy constraint: \
+                 Member must have length less than or equal to {max_entries} (it has {entries})"
+            ));
+        }
+        if max_bytes != 0 && bytes > max_bytes {
+            return Some(format!(
+                "Records size exceeds {max_bytes} bytes limit (the call has {bytes})"
+            ));
+        }
+        None
     }
 }
 

@@ -31,7 +31,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::aggregation::Aggregator;
+use crate::aggregation::{Aggregator, Fit};
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 use crate::sequence::SequenceNumber;
@@ -72,10 +72,6 @@ const LANDED_WAIT_MAX: Duration = Duration::from_secs(2);
 
 /// Times a record may land in a shard that does not own it before it fails.
 const MAX_MISPLACED: u32 = 5;
-
-/// What a user record may add to an aggregate beyond its own bytes (its protobuf
-/// field tags and lengths), to keep a call under its byte limit.
-const AGGREGATE_OVERHEAD: usize = 16;
 
 /// Where a caller waits for its record's fate.
 pub(crate) type Reply = oneshot::Sender<Result<Stored, ProduceError>>;
@@ -584,27 +580,43 @@ impl Worker {
         let mut bytes = 0usize;
         let mut pending = 0usize;
         while let Some(front) = self.ready.front() {
-            let entries = records.len() + open.len();
-            let taken = entries > 0;
-            if entries >= self.settings.max_batch_records
-                || (taken
-                    && bytes + pending + front.meta.size + AGGREGATE_OVERHEAD
-                        > self.settings.max_batch_bytes)
-            {
-                break;
-            }
             let predicted = hash_key(&front.record)
                 .and_then(|h| map.shard_of(h))
                 .map(|(index, shard)| (index, shard.clone()));
+            // What the record adds to the call, exactly: a new entry or not, and the
+            // bytes Kinesis counts (data plus partition key of each entry).
+            let fit = match &predicted {
+                Some((index, _)) if aggregating => Some(match open.get(index) {
+                    // A full aggregate is finished first: the record starts the next.
+                    Some(slot) if (slot.aggregator.len() as u64) < max_count => {
+                        slot.aggregator.fit(&front.record)
+                    }
+                    _ => Aggregator::with_max_size(max_size).fit(&front.record),
+                }),
+                _ => None,
+            };
+            let (new_entry, added) = match fit {
+                Some(Fit::Joins(size)) => {
+                    let before = predicted
+                        .as_ref()
+                        .and_then(|(index, _)| open.get(index))
+                        .map_or(0, |slot| slot.aggregator.wire_size());
+                    (false, size.saturating_sub(before))
+                }
+                Some(Fit::StartsNext(size)) => (true, size),
+                Some(Fit::Alone) | None => (true, front.meta.size),
+            };
+            let taken = records.len() + open.len() > 0;
+            if taken
+                && ((new_entry && records.len() + open.len() >= self.settings.max_batch_records)
+                    || bytes + pending + added > self.settings.max_batch_bytes)
+            {
+                break;
+            }
             if let (Some(limit), Some((index, shard))) = (&self.rate_limit, &predicted) {
                 // A new Kinesis record costs one record of the budget; every user
                 // record its bytes (with a little framing when aggregated).
-                let starts = open.get(index).is_none_or(|slot| {
-                    slot.aggregator.is_empty()
-                        || slot.aggregator.len() as u64 >= max_count
-                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD > max_size
-                });
-                let cost_records = if starts { 1.0 } else { 0.0 };
+                let cost_records = if new_entry { 1.0 } else { 0.0 };
                 let cost_bytes = front.meta.size as f64;
                 let over = waiting.contains(index) || {
                     let budget = self
@@ -664,7 +676,7 @@ impl Worker {
                 aggregator: Aggregator::with_max_size(max_size),
                 users: Vec::new(),
             });
-            let before = slot.aggregator.size();
+            let before = slot.aggregator.wire_size();
             if slot.aggregator.len() as u64 >= max_count {
                 if let Some(full) = slot.aggregator.flush() {
                     bytes += full.data.len() + full.partition_key.len();
@@ -699,7 +711,7 @@ impl Worker {
                     });
                 }
             }
-            pending = pending.saturating_sub(before) + slot.aggregator.size();
+            pending = pending.saturating_sub(before) + slot.aggregator.wire_size();
         }
         // Records over their shard's budget keep their place, ahead of newer ones.
         for entry in deferred.into_iter().rev() {
