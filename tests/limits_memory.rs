@@ -64,8 +64,16 @@ fn tally(outcomes: &[PutOutcome]) -> (usize, usize) {
     (stored, refused)
 }
 
+/// Puts the records in calls of at most 500 (all at the same instant), as Kinesis
+/// takes them; returns how many were stored and refused.
 async fn put(kinesis: &MemoryKinesis, records: &[PutRecord]) -> (usize, usize) {
-    tally(&kinesis.put_records(STREAM, records).await.unwrap())
+    let (mut stored, mut refused) = (0, 0);
+    for call in records.chunks(500) {
+        let (s, r) = tally(&kinesis.put_records(STREAM, call).await.unwrap());
+        stored += s;
+        refused += r;
+    }
+    (stored, refused)
 }
 
 async fn shard_iterator(kinesis: &MemoryKinesis) -> String {
@@ -160,6 +168,36 @@ async fn a_shard_takes_1_mib_per_second_counting_data_and_partition_key() {
     assert_eq!(put(kinesis, &big(11)).await, (5, 6));
     tokio::time::advance(Duration::from_secs(1)).await;
     assert_eq!(put(kinesis, &big(11)).await, (10, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_put_records_call_over_500_entries_or_5_mib_is_refused_whole() {
+    let memory = memory(2, KinesisLimits::aws()).await;
+    let kinesis = memory.streams();
+    let over_count = kinesis.put_records(STREAM, &records(501, 10)).await;
+    assert!(
+        matches!(over_count, Err(KinesisError::Invalid(_))),
+        "{over_count:?}"
+    );
+    // 5 MiB counts data and partition keys: six records of 1 MiB - 8 bytes with their
+    // keys are over it, five are not (and explicit hash keys do not count).
+    let mut big = records(6, MIB as usize - 8);
+    for r in &mut big {
+        r.explicit_hash_key = Some(u128::MAX.to_string());
+    }
+    let over_bytes = kinesis.put_records(STREAM, &big).await;
+    assert!(
+        matches!(over_bytes, Err(KinesisError::Invalid(_))),
+        "{over_bytes:?}"
+    );
+    assert_eq!(stored_count(kinesis), 0, "nothing of a refused call is stored");
+    memory.streams().set_limits(KinesisLimits {
+        write_bytes_per_second: 0,
+        ..KinesisLimits::aws()
+    });
+    let at_limit = kinesis.put_records(STREAM, &big[..5]).await.unwrap();
+    assert_eq!(tally(&at_limit), (5, 0));
+    assert_eq!(tally(&kinesis.put_records(STREAM, &records(500, 10)).await.unwrap()).0, 500);
 }
 
 #[tokio::test(start_paused = true)]

@@ -848,6 +848,63 @@ async fn a_shard_over_budget_does_not_hold_other_shards_records() {
     producer.close().limited().await;
 }
 
+/// Regression: with 12,000 records waiting for one shard (over its budget), a record
+/// for an idle shard waited 8.76 s: the task stopped taking from its first-in first-out
+/// channel at 2,500 held records and looked past at most 2,000 waiting ones. Now each
+/// shard has its own room and queue: whatever one shard's backlog (12,000 plain records,
+/// or 100,000 aggregated), another shard's record is stored within the linger, long
+/// before the backlog is.
+#[tokio::test(start_paused = true)]
+async fn a_hot_shards_backlog_never_holds_another_shards_record() {
+    for (aggregate, backlog) in [(false, 12_000), (true, 100_000)] {
+        let memory = memory_with_stream(2).await;
+        let producer = Producer::builder()
+            .stream(STREAM)
+            .backend(memory.clone())
+            .aggregate(aggregate)
+            .build()
+            .unwrap();
+        // Every record of the backlog for the first shard, handed over at once.
+        let hot = {
+            let producer = producer.clone();
+            let records: Vec<_> = (0..backlog)
+                .map(|i| record(i, format!("hot-{i}")).with_explicit_hash_key("0"))
+                .collect();
+            tokio::spawn(async move { producer.send_all(records).await })
+        };
+        // The backlog builds up (the shard takes 1,500 records/s at the default limit).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let start = tokio::time::Instant::now();
+        let idle = producer
+            .send(record(backlog, "idle").with_explicit_hash_key(u128::MAX.to_string()))
+            .limited()
+            .await
+            .unwrap();
+        let waited = start.elapsed();
+        assert!(
+            !hot.is_finished(),
+            "aggregate {aggregate}: the backlog was gone before the idle record was sent"
+        );
+        assert!(
+            waited <= Duration::from_millis(60),
+            "aggregate {aggregate}: a record of an idle shard waited {waited:?} behind \
+             {backlog} records of another"
+        );
+        let answers = hot.limited().await.unwrap();
+        let hot_shard = answers[0].as_ref().unwrap().shard_id.clone();
+        assert_ne!(idle.shard_id, hot_shard);
+        assert!(answers.iter().all(|a| a.is_ok()), "every hot record stored");
+        producer.close().limited().await;
+        let mut stored = 0;
+        for shard in memory.streams().list_shards(STREAM).await.unwrap() {
+            for r in memory.streams().records(STREAM, &shard.shard_id) {
+                stored += deaggregate(r).message_count();
+            }
+        }
+        assert_eq!(stored, backlog + 1, "aggregate {aggregate}: records stored");
+    }
+}
+
 /// The first ListShards holds every send of a rate-limited producer: one that never
 /// answers counts as failed after a while, and the records go (unlimited).
 #[tokio::test(start_paused = true)]

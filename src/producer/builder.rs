@@ -40,6 +40,19 @@ pub(crate) struct Settings {
     pub(crate) seed: u64,
 }
 
+impl Settings {
+    /// How many records of one shard the producer holds at once (taken, in flight or
+    /// waiting for a resend): the buffer, plus a batch per call in flight and one
+    /// filling (a hundred times that when aggregating: an entry then carries many).
+    pub(crate) fn room_per_shard(&self) -> usize {
+        let per_entry = if self.aggregation.is_some() { 100 } else { 1 };
+        self.max_batch_records
+            .saturating_mul(per_entry)
+            .saturating_mul(self.max_in_flight.saturating_add(1))
+            .saturating_add(self.buffer)
+    }
+}
+
 /// How the producer packs user records into KPL aggregated records
 /// ([`ProducerBuilder::aggregation`]). The defaults are the KPL's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,8 +19,6 @@ pub struct ResponseFuture {
 enum State {
     /// The record is with the background task; its answer comes here.
     Waiting(oneshot::Receiver<Answer>),
-    /// `call` without a reserved slot: the record still has to enter the channel.
-    Sending(Pin<Box<dyn Future<Output = Answer> + Send>>),
     /// Refused up front (or already answered).
     Done(Option<ProduceError>),
 }
@@ -29,12 +27,6 @@ impl ResponseFuture {
     pub(crate) fn waiting(answer: oneshot::Receiver<Answer>) -> Self {
         ResponseFuture {
             state: State::Waiting(answer),
-        }
-    }
-
-    pub(crate) fn sending(send: impl Future<Output = Answer> + Send + 'static) -> Self {
-        ResponseFuture {
-            state: State::Sending(Box::pin(send)),
         }
     }
 
@@ -56,10 +48,6 @@ impl Future for ResponseFuture {
                 Poll::Ready(answer) => answer.unwrap_or(Err(ProduceError::Closed)),
                 Poll::Pending => return Poll::Pending,
             },
-            State::Sending(send) => match send.as_mut().poll(cx) {
-                Poll::Ready(answer) => answer,
-                Poll::Pending => return Poll::Pending,
-            },
             State::Done(error) => Err(error.take().unwrap_or(ProduceError::Closed)),
         };
         self.state = State::Done(None);
@@ -71,7 +59,6 @@ impl fmt::Debug for ResponseFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Waiting(_) => "waiting",
-            State::Sending(_) => "sending",
             State::Done(_) => "done",
         };
         f.debug_struct("ResponseFuture")

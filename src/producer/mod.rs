@@ -156,16 +156,16 @@
 
 mod builder;
 mod future;
+mod gate;
 mod record;
 mod shards;
 mod worker;
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio_util::sync::PollSender;
 
 use crate::error::ConfigError;
 use crate::kinesis::PutRecord;
@@ -180,6 +180,7 @@ pub use record::{
 };
 
 use builder::Settings;
+use gate::{Gate, Handed, Line};
 use worker::{Command, Worker};
 
 /// Writes records to one Kinesis stream in batches; a `tower::Service` whose calls
@@ -187,12 +188,26 @@ use worker::{Command, Worker};
 /// share the buffer and the background task. See the [module docs](self).
 #[derive(Clone)]
 pub struct Producer {
-    /// Reserves a channel slot in `poll_ready` (each clone reserves its own).
-    slot: PollSender<Command>,
-    sender: mpsc::Sender<Command>,
+    /// Where records enter, each counted against its shard's room.
+    gate: Arc<Gate>,
+    /// Closes the producer when the last handle is dropped.
+    _handles: Arc<Handles>,
+    /// The line of this handle's last call: `poll_ready` waits while it has no room.
+    last_line: Option<Line>,
     /// Becomes true (or its sender is dropped) when the background task has stopped.
     done: watch::Receiver<bool>,
     settings: Arc<Settings>,
+}
+
+/// Shared by every clone of one producer; the last one dropped starts the stop.
+struct Handles {
+    gate: Arc<Gate>,
+}
+
+impl Drop for Handles {
+    fn drop(&mut self) {
+        self.gate.close();
+    }
 }
 
 impl Producer {
@@ -202,13 +217,19 @@ impl Producer {
     }
 
     pub(crate) fn spawn(settings: Settings, runtime: &tokio::runtime::Handle) -> Self {
-        let (sender, rx) = mpsc::channel(settings.buffer);
+        let (sender, rx) = mpsc::unbounded_channel();
         let (done_tx, done) = watch::channel(false);
-        let settings = Arc::new(settings);
-        runtime.spawn(Worker::new(Settings::clone(&settings), rx).run(done_tx));
-        Producer {
-            slot: PollSender::new(sender.clone()),
+        let gate = Arc::new(Gate::new(
             sender,
+            settings.room_per_shard(),
+            settings.ordered_per_key,
+        ));
+        let settings = Arc::new(settings);
+        runtime.spawn(Worker::new(Settings::clone(&settings), rx, gate.clone()).run(done_tx));
+        Producer {
+            _handles: Arc::new(Handles { gate: gate.clone() }),
+            gate,
+            last_line: None,
             done,
             settings,
         }
@@ -245,20 +266,29 @@ impl Producer {
         Ok((record.into_put_record(), size))
     }
 
+    /// A prepared record as the gate takes it, and where its answer comes.
+    fn handed(
+        &self,
+        record: PutRecord,
+        size: usize,
+    ) -> (Handed, oneshot::Receiver<Result<Stored, ProduceError>>) {
+        let (reply, answer) = oneshot::channel();
+        let key = self.gate.key_of(&record);
+        let handed = Handed {
+            record,
+            size,
+            reply,
+            key,
+        };
+        (handed, answer)
+    }
+
     /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
     /// same as `ready().await?.call(record).await`, without needing `&mut self`.
     pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
         let (record, size) = self.prepare(record)?;
-        let (reply, answer) = oneshot::channel();
-        let command = Command::Record {
-            record,
-            size,
-            reply,
-        };
-        self.sender
-            .send(command)
-            .await
-            .map_err(|_| ProduceError::Closed)?;
+        let (handed, answer) = self.handed(record, size);
+        self.gate.submit(vec![handed])?;
         answer.await.unwrap_or(Err(ProduceError::Closed))
     }
 
@@ -286,8 +316,8 @@ impl Producer {
             }
             match self.prepare(record) {
                 Ok((record, size)) => {
-                    let (reply, answer) = oneshot::channel();
-                    commands.push((record, size, reply));
+                    let (handed, answer) = self.handed(record, size);
+                    commands.push(handed);
                     answers.push(Ok(answer));
                 }
                 Err(error) => {
@@ -296,8 +326,7 @@ impl Producer {
                 }
             }
         }
-        let sent =
-            commands.is_empty() || self.sender.send(Command::Records(commands)).await.is_ok();
+        let sent = commands.is_empty() || self.gate.submit(commands).is_ok();
         let mut results = Vec::with_capacity(answers.len());
         for answer in answers {
             results.push(match answer {
@@ -313,7 +342,7 @@ impl Producer {
     /// every record handed over before this call has been answered, stored or failed.
     pub async fn flush(&self) {
         let (waiter, flushed) = oneshot::channel();
-        if self.sender.send(Command::Flush(waiter)).await.is_ok() && flushed.await.is_ok() {
+        if self.gate.flush(Command::Flush(waiter)).is_ok() && flushed.await.is_ok() {
             return;
         }
         // Closed: the task answers everything it took before it stops.
@@ -324,8 +353,8 @@ impl Producer {
     /// [`ProduceError::Closed`]), writes everything buffered and returns once all of
     /// it was answered and the background task stopped.
     pub async fn close(&self) {
-        // An error means the channel is closed already: just wait for the end.
-        let _ = self.sender.send(Command::Close).await;
+        // Closed already: just wait for the end.
+        self.gate.close();
         self.stopped().await;
     }
 
@@ -339,7 +368,7 @@ impl Producer {
 
     /// Whether the producer no longer accepts records.
     pub fn is_closed(&self) -> bool {
-        self.sender.is_closed()
+        self.gate.is_closed()
     }
 
     async fn stopped(&self) {
@@ -363,48 +392,33 @@ impl tower::Service<ProducerRecord> for Producer {
     type Error = ProduceError;
     type Future = ResponseFuture;
 
-    /// Ready when a slot in the buffer is reserved for the next call; pending while the
-    /// buffer is full; [`ProduceError::Closed`] once the producer is closed.
+    /// Ready unless the shard of this handle's last call has no room (its records
+    /// fill their share of the producer, or some wait for it): the next record most
+    /// likely goes there too. [`ProduceError::Closed`] once the producer is closed.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
-        self.slot.poll_reserve(cx).map_err(|_| ProduceError::Closed)
+        if self.gate.is_closed() {
+            return Poll::Ready(Err(ProduceError::Closed));
+        }
+        match &self.last_line {
+            Some(line) if !self.gate.has_room(line, cx.waker()) => Poll::Pending,
+            _ => Poll::Ready(Ok(())),
+        }
     }
 
+    /// Hands the record over at once: it goes on, or waits in line behind the earlier
+    /// records of its shard (never behind another shard's), inside the response future.
     fn call(&mut self, record: ProducerRecord) -> ResponseFuture {
         let (record, size) = match self.prepare(record) {
             Ok(ready) => ready,
-            Err(refused) => {
-                // Give the reserved slot back: nothing will be sent.
-                self.slot.abort_send();
-                return ResponseFuture::failed(refused);
-            }
+            Err(refused) => return ResponseFuture::failed(refused),
         };
-        let (reply, answer) = oneshot::channel();
-        let command = Command::Record {
-            record,
-            size,
-            reply,
-        };
-        // Normally `poll_ready` reserved a slot and this returns at once. A `call`
-        // without it (against the tower contract, but it should not panic) takes a
-        // slot if one is free, or else waits for one inside the response future.
-        let mut no_wait = Context::from_waker(Waker::noop());
-        match self.slot.poll_reserve(&mut no_wait) {
-            Poll::Ready(Ok(())) => match self.slot.send_item(command) {
-                Ok(()) => ResponseFuture::waiting(answer),
-                Err(_) => ResponseFuture::failed(ProduceError::Closed),
-            },
-            Poll::Ready(Err(_)) => ResponseFuture::failed(ProduceError::Closed),
-            Poll::Pending => {
-                self.slot.abort_send();
-                let sender = self.sender.clone();
-                ResponseFuture::sending(async move {
-                    sender
-                        .send(command)
-                        .await
-                        .map_err(|_| ProduceError::Closed)?;
-                    answer.await.unwrap_or(Err(ProduceError::Closed))
-                })
+        let (handed, answer) = self.handed(record, size);
+        match self.gate.submit(vec![handed]) {
+            Ok(line) => {
+                self.last_line = Some(line);
+                ResponseFuture::waiting(answer)
             }
+            Err(error) => ResponseFuture::failed(error),
         }
     }
 }
