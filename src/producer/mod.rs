@@ -36,16 +36,30 @@
 //!
 //! # How records travel
 //!
-//! Every handle (the `Producer` is `Clone`) feeds one background task through a bounded
-//! channel. `poll_ready` reserves a slot in that channel, so a caller that goes faster
-//! than Kinesis is held back instead of growing a queue without bound. `call` checks
+//! Every handle (the `Producer` is `Clone`) feeds one background task. `call` checks
 //! the record first — at most 1 MiB of payload plus partition key
 //! ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters, an explicit
 //! hash key that is a decimal number below 2^128 ([`ProduceError::InvalidRecord`]) — so
 //! a record Kinesis would refuse is never sent.
 //!
+//! The producer holds a bounded number of records *per shard* (taken, in flight or
+//! waiting for a resend): [`buffer`](ProducerBuilder::buffer) plus a batch per call in
+//! flight and one filling, by default 12,500 (260,000 when aggregating). It predicts each
+//! record's shard from the map it lists (see below); a record whose shard is full, or
+//! has records waiting already, waits in that shard's line, in the order it was handed
+//! over, and goes on as that shard's records are answered. A record of another shard
+//! never waits behind that line: a hot shard costs memory up to its bound, never
+//! latency elsewhere. A caller is held back through `poll_ready`, which is pending
+//! while the shard of the handle's last call has no room (the next record most likely
+//! goes there too; records of one line then wait in their callers' futures, a `send`
+//! in its caller). Without a shard map (no aggregation and no rate limit, or before
+//! the first listing) all records share one line.
+//!
 //! The task groups records into PutRecords calls of at most 500 records and 5 MiB
-//! (both configurable downwards). A call goes as soon as a batch is full, or when its
+//! (both configurable downwards), counted as Kinesis counts them (data plus partition
+//! key of each entry) and measured from the encoding as records are added, aggregated
+//! or not: a call never passes either limit, whatever the sizes, keys and explicit hash
+//! keys. A call goes as soon as a batch is full, or when its
 //! oldest record has waited the *linger* (50 ms by default), and up to `max_in_flight`
 //! calls run at once.
 //!
@@ -125,7 +139,8 @@
 //! [`no_rate_limit`](ProducerBuilder::no_rate_limit) turns it off): a token bucket of one
 //! second on tokio's clock, where an aggregate counts as one record. The records of a
 //! shard over budget wait in the producer, in their place, while other shards' records go
-//! on. An entry refused for throughput anyway (other producers write to the shard too)
+//! on: each shard has its own queue, and a call passes over a shard without budget in
+//! one step, however many records it holds. An entry refused for throughput anyway (other producers write to the shard too)
 //! empties that shard's budget only. 150 % is the KPL's default: above the quota, to
 //! absorb the imprecision of Kinesis' meter; 100 leaves a shard's only writer almost
 //! never refused. The budget needs the shard map, so the producer lists the stream's
@@ -283,8 +298,9 @@ impl Producer {
         (handed, answer)
     }
 
-    /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
-    /// same as `ready().await?.call(record).await`, without needing `&mut self`.
+    /// Writes one record: hands it over at once (it waits in its shard's line if that
+    /// shard has no room), then waits for Kinesis' answer. Like
+    /// `ready().await?.call(record).await`, without needing `&mut self`.
     pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
         let (record, size) = self.prepare(record)?;
         let (handed, answer) = self.handed(record, size);
@@ -293,8 +309,8 @@ impl Producer {
     }
 
     /// Writes several records handed over together (a processor's outputs) and returns
-    /// each one's answer, in order. They take one place in the buffer and enter the
-    /// producer in one step. A record refused before sending (too large, invalid) is
+    /// each one's answer, in order. They are handed over in one step: those whose shard
+    /// has room enter the producer together, the others wait in their shards' lines. A record refused before sending (too large, invalid) is
     /// answered with its error and every record after it with
     /// [`ProduceError::AfterFailure`], none of those sent. With
     /// [`ordered_per_key(true)`](ProducerBuilder::ordered_per_key) each key's records are

@@ -1,11 +1,12 @@
 //! The background task behind every [`Producer`](super::Producer) handle: it takes
-//! records from the bounded channel, groups them into PutRecords calls, answers each
-//! caller, and resends only what failed.
+//! records from the channel the [gate](super::gate) feeds (which bounds each shard's
+//! records), keeps them in one ready queue per shard, groups them into PutRecords calls,
+//! answers each caller (giving its shard's room back), and resends only what failed.
 //!
 //! Where a record can be, while the task holds it:
 //!
 //! ```text
-//!   channel ──> blocked[key] ──(key free)──> ready ──launch──> in flight ──stored──> answered
+//!   gate ──> channel ──> blocked[key] ──(key free)──> ready[shard] ──launch──> in flight ──stored──> answered
 //!      │        (ordered mode)                 ▲                   │
 //!      └───────────────(unordered)─────────────┤                   │ failed, attempts left
 //!                                              └──(backoff over)── retries
