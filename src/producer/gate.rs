@@ -306,3 +306,119 @@ impl Gate {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kinesis::ShardInfo;
+    use bytes::Bytes;
+    use tokio::sync::oneshot;
+
+    fn shard(id: &str, start: u128, end: u128) -> ShardInfo {
+        ShardInfo {
+            shard_id: id.into(),
+            parent_shard_id: None,
+            adjacent_parent_shard_id: None,
+            starting_hash_key: start,
+            ending_hash_key: end,
+            starting_sequence_number: "1".parse().unwrap(),
+            ending_sequence_number: None,
+        }
+    }
+
+    /// A record of `key` for the shard owning hash `hash`.
+    fn handed(
+        gate: &Gate,
+        key: &str,
+        hash: u128,
+    ) -> (Handed, oneshot::Receiver<Result<super::super::Stored, ProduceError>>) {
+        let record = PutRecord {
+            data: Bytes::from_static(b"x"),
+            partition_key: key.into(),
+            explicit_hash_key: Some(hash.to_string()),
+        };
+        let (reply, answer) = oneshot::channel();
+        let key = gate.key_of(&record);
+        (
+            Handed {
+                record,
+                size: 1,
+                reply,
+                key,
+            },
+            answer,
+        )
+    }
+
+    /// The partition keys of the records the channel holds, and whether a flush or a
+    /// close came, in order.
+    fn taken(rx: &mut mpsc::UnboundedReceiver<Command>) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(command) = rx.try_recv() {
+            match command {
+                Command::Record { record, .. } => out.push(record.partition_key),
+                Command::Records(records) => {
+                    out.extend(records.into_iter().map(|r| r.0.partition_key))
+                }
+                Command::Flush(_) => out.push("flush".into()),
+                Command::Close => out.push("close".into()),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_full_shard_makes_only_its_own_records_wait_in_order() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let gate = Gate::new(tx, 2, true);
+        let map = ShardMap::new(&[shard("a", 0, 99), shard("b", 100, 199)], tokio::time::Instant::now());
+        gate.set_map(Arc::new(map));
+        let mut answers = Vec::new();
+        for key in ["a1", "a2", "a3", "a4"] {
+            let (h, answer) = handed(&gate, key, 5);
+            answers.push(answer);
+            assert_eq!(gate.submit(vec![h]).unwrap().as_deref(), Some("a"));
+        }
+        let (b, _b_answer) = handed(&gate, "b1", 150);
+        gate.submit(vec![b]).unwrap();
+        gate.flush(Command::Flush(oneshot::channel().0)).unwrap();
+        // Room for two of "a"; "b" is not held back; the flush waits for a3 and a4.
+        assert_eq!(taken(&mut rx), ["a1", "a2", "b1"]);
+        let line_a: Line = Some(Arc::from("a"));
+        let waker = Waker::noop().clone();
+        assert!(!gate.has_room(&line_a, &waker));
+        assert!(gate.has_room(&Some(Arc::from("b")), &waker));
+        gate.release(&line_a);
+        assert_eq!(taken(&mut rx), ["a3"]);
+        gate.release(&line_a);
+        assert_eq!(taken(&mut rx), ["a4", "flush"]);
+        gate.release(&line_a);
+        assert!(gate.has_room(&line_a, &waker));
+        gate.close();
+        assert_eq!(taken(&mut rx), ["close"]);
+        assert!(matches!(
+            gate.submit(vec![handed(&gate, "late", 5).0]),
+            Err(ProduceError::Closed)
+        ));
+    }
+
+    #[test]
+    fn a_final_failure_fails_the_waiting_records_of_its_key() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let gate = Gate::new(tx, 1, true);
+        let (first, _) = handed(&gate, "k", 5);
+        let (second, mut second_answer) = handed(&gate, "k", 5);
+        let (other, mut other_answer) = handed(&gate, "j", 5);
+        gate.submit(vec![first, second, other]).unwrap();
+        assert_eq!(taken(&mut rx), ["k"]);
+        let cause = ProduceError::Closed;
+        gate.fail_key(gate.key_of(&handed(&gate, "k", 5).0.record), &cause);
+        assert!(matches!(
+            second_answer.try_recv(),
+            Ok(Err(ProduceError::AfterFailure(_)))
+        ));
+        assert!(other_answer.try_recv().is_err(), "another key still waits");
+        gate.release(&None);
+        assert_eq!(taken(&mut rx), ["j"]);
+    }
+}

@@ -7,9 +7,9 @@
 //!
 //! ```text
 //!   gate ──> channel ──> blocked[key] ──(key free)──> ready[shard] ──launch──> in flight ──stored──> answered
-//!      │        (ordered mode)                 ▲                   │
-//!      └───────────────(unordered)─────────────┤                   │ failed, attempts left
-//!                                              └──(backoff over)── retries
+//!               │        (ordered mode)                    ▲                       │
+//!               └───────────────(unordered)────────────────┤                       │ failed, attempts left
+//!                                                          └──(backoff over)── retries
 //! ```
 //!
 //! In ordered mode a partition key is *owned* by at most one record at a time: the one
