@@ -928,7 +928,9 @@ mod tests {
             let pending = agg.clone().flush();
             assert_eq!(
                 agg.wire_size(),
-                pending.as_ref().map_or(0, |r| r.data.len() + r.partition_key.len()),
+                pending
+                    .as_ref()
+                    .map_or(0, |r| r.data.len() + r.partition_key.len()),
                 "before {n}"
             );
             match agg.add(p) {

@@ -190,14 +190,27 @@ async fn a_put_records_call_over_500_entries_or_5_mib_is_refused_whole() {
         matches!(over_bytes, Err(KinesisError::Invalid(_))),
         "{over_bytes:?}"
     );
-    assert_eq!(stored_count(kinesis), 0, "nothing of a refused call is stored");
+    assert_eq!(
+        stored_count(kinesis),
+        0,
+        "nothing of a refused call is stored"
+    );
     memory.streams().set_limits(KinesisLimits {
         write_bytes_per_second: 0,
         ..KinesisLimits::aws()
     });
     let at_limit = kinesis.put_records(STREAM, &big[..5]).await.unwrap();
     assert_eq!(tally(&at_limit), (5, 0));
-    assert_eq!(tally(&kinesis.put_records(STREAM, &records(500, 10)).await.unwrap()).0, 500);
+    assert_eq!(
+        tally(
+            &kinesis
+                .put_records(STREAM, &records(500, 10))
+                .await
+                .unwrap()
+        )
+        .0,
+        500
+    );
 }
 
 #[tokio::test(start_paused = true)]

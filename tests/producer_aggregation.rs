@@ -710,7 +710,11 @@ async fn calls_stay_within_their_byte_limit_whatever_explicit_hash_keys_add() {
                 stored.sequence_number.clone(),
                 stored.sub_sequence_number,
             );
-            assert_eq!(found.get(&at), Some(i), "record {i} is not where its answer says");
+            assert_eq!(
+                found.get(&at),
+                Some(i),
+                "record {i} is not where its answer says"
+            );
         }
     }
 }

@@ -331,7 +331,10 @@ mod tests {
         gate: &Gate,
         key: &str,
         hash: u128,
-    ) -> (Handed, oneshot::Receiver<Result<super::super::Stored, ProduceError>>) {
+    ) -> (
+        Handed,
+        oneshot::Receiver<Result<super::super::Stored, ProduceError>>,
+    ) {
         let record = PutRecord {
             data: Bytes::from_static(b"x"),
             partition_key: key.into(),
@@ -371,7 +374,10 @@ mod tests {
     fn a_full_shard_makes_only_its_own_records_wait_in_order() {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let gate = Gate::new(tx, 2, true);
-        let map = ShardMap::new(&[shard("a", 0, 99), shard("b", 100, 199)], tokio::time::Instant::now());
+        let map = ShardMap::new(
+            &[shard("a", 0, 99), shard("b", 100, 199)],
+            tokio::time::Instant::now(),
+        );
         gate.set_map(Arc::new(map));
         let mut answers = Vec::new();
         for key in ["a1", "a2", "a3", "a4"] {
