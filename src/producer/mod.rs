@@ -18,7 +18,7 @@
 //!     .ordered_per_key(true)        // keep each customer's records in order
 //!     .build()?;
 //!
-//! // As a tower Service (poll_ready waits while the buffer is full) ...
+//! // As a tower Service (poll_ready waits while the last call's shard is full) ...
 //! let stored = producer
 //!     .ready()
 //!     .await?
