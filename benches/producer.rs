@@ -40,6 +40,15 @@
 //! writes 100-byte records at the limit while a consumer at its default settings reads
 //! the same stream in the same process: both rates.
 //!
+//! **Hot shard** (`hot`, limits on, real clock): one shard gets a backlog of
+//! `BENCH_HOT_BACKLOG` records (default 100,000) handed over at once (`send_all`), far
+//! more than its budget (1,500 records/s at the default rate limit) lets go; 200 ms
+//! later, 20 records for the other shards are sent one after the other. Printed, with
+//! and without aggregation: how long each of those took from `send` to its answer
+//! (stored), median, maximum and the first's, and whether the backlog was still draining
+//! after them.
+//! The target: under 100 ms. `BENCH_ONLY=hot` runs this mode alone.
+//!
 //! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
 //! --all-targets` runs this binary without), it makes a smoke run instead: the memory
 //! backend only (never the emulator, even when its endpoint is set), 1,000 records, one
@@ -431,6 +440,68 @@ async fn producer_and_consumer(records: usize) -> (f64, f64, Duration) {
     (written_rate, handled_rate, lag)
 }
 
+/// A backlog for one shard, then records for the others one by one: how long each of
+/// those took to be stored (in sending order), and whether the backlog was still draining after
+/// the last.
+async fn hot_shard(backlog: usize, aggregate: bool) -> (Vec<Duration>, bool) {
+    let memory = limited_memory().await;
+    let producer = Producer::builder()
+        .stream("bench")
+        .backend(memory.clone())
+        .aggregate(aggregate)
+        .build()
+        .expect("config");
+    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
+    // The first shard's range starts at 0, the others' above 2^128 / 4 apart.
+    let quarter = u128::MAX / u128::from(SHARDS);
+    let records: Vec<_> = (0..backlog)
+        .map(|i| ProducerRecord::new(data.clone(), format!("hot-{i}")).with_explicit_hash_key("0"))
+        .collect();
+    let hot = {
+        let producer = producer.clone();
+        tokio::spawn(async move { producer.send_all(records).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut waits = Vec::new();
+    for i in 0..20u128 {
+        let shard = 1 + i % (u128::from(SHARDS) - 1);
+        let record = ProducerRecord::new(data.clone(), format!("idle-{i}"))
+            .with_explicit_hash_key((quarter * shard + 1 + i).to_string());
+        let start = Instant::now();
+        producer.send(record).await.expect("stored");
+        waits.push(start.elapsed());
+    }
+    let draining = !hot.is_finished();
+    // The backlog drains at the shard's rate: not worth waiting for here.
+    hot.abort();
+    (waits, draining)
+}
+
+/// Runs [`hot_shard`] without and with aggregation and prints the figures.
+async fn hot_shard_report(backlog: usize) {
+    for aggregate in [false, true] {
+        let (mut waits, draining) = hot_shard(backlog, aggregate).await;
+        let first = waits[0];
+        waits.sort();
+
+        println!(
+            "{:>16} {RECORD_BYTES:>5} B: a backlog of {backlog} records for one shard \
+             ({}aggregated, {}); 20 records for the other shards stored in {:.1?} \
+             (median), {:.1?} (max), the first in {:.1?}",
+            "hot",
+            if aggregate { "" } else { "not " },
+            if draining {
+                "still draining after them"
+            } else {
+                "drained before them"
+            },
+            waits[waits.len() / 2],
+            waits[waits.len() - 1],
+            first,
+        );
+    }
+}
+
 fn main() {
     let measure = measuring();
     let (iters, records): (usize, usize) = if measure {
@@ -455,7 +526,13 @@ fn main() {
         Mode::AggregateRateLimited,
     ];
 
+    let only_hot = std::env::var("BENCH_ONLY").is_ok_and(|only| only == "hot");
     runtime.block_on(async {
+        if only_hot {
+            let backlog = env_or("BENCH_HOT_BACKLOG", 100_000);
+            hot_shard_report(if measure { backlog } else { 1_000 }).await;
+            return;
+        }
         println!(
             "producer: {RECORD_BYTES} B records, {KEYS} partition keys, {SHARDS} shards; \
              {threads} CPUs, tokio multi-thread runtime; {iters} iterations, medians"
@@ -501,6 +578,12 @@ fn main() {
                 report_limited(mode.name, bytes, records, runs);
             }
         }
+        let backlog = if measure {
+            env_or("BENCH_HOT_BACKLOG", 100_000)
+        } else {
+            1_000
+        };
+        hot_shard_report(backlog).await;
         let records = if measure { 20_000 } else { 1_000 };
         let (written, handled, lag) = producer_and_consumer(records).await;
         println!(

@@ -671,6 +671,45 @@ impl Aggregator {
         Ok(finished)
     }
 
+    /// What [`add`](Self::add) would do with `record`, and the exact size (as Kinesis
+    /// counts it) of the Kinesis record it would end up in, without adding it.
+    pub(crate) fn fit(&self, record: &PutRecord) -> Fit {
+        if let Some(ehk) = &record.explicit_hash_key {
+            if parse_hash_key(ehk).is_none() {
+                return Fit::Alone;
+            }
+        }
+        let alone = framed_len(self.growth(record, true)) + record.partition_key.len();
+        if alone > self.max_size {
+            return Fit::Alone;
+        }
+        if !self.is_empty() {
+            let joined = self.size() + self.growth(record, false);
+            if joined <= self.max_size {
+                return Fit::Joins(joined);
+            }
+        }
+        // A lone user record goes as it is (see `flush`), unless it carries the magic.
+        let lone = if has_magic(&record.data) {
+            alone
+        } else {
+            record.data.len() + record.partition_key.len()
+        };
+        Fit::StartsNext(lone)
+    }
+
+    /// The exact size, as Kinesis counts it (data plus partition key), of the record
+    /// [`flush`](Self::flush) would return now; 0 when empty. Unlike [`size`](Self::size)
+    /// it counts a lone user record as the plain record it is sent as.
+    pub(crate) fn wire_size(&self) -> usize {
+        match &self.first {
+            Some(first) if self.len() == 1 && !has_magic(&first.data) => {
+                first.data.len() + first.partition_key.len()
+            }
+            _ => self.size(),
+        }
+    }
+
     /// Returns the pending user records as one Kinesis record (plain if there is just
     /// one, see [`Aggregator`]), and empties the aggregator; `None` when empty.
     pub fn flush(&mut self) -> Option<PutRecord> {
@@ -771,6 +810,19 @@ impl Aggregator {
     }
 }
 
+/// Where [`Aggregator::add`] would put a user record ([`Aggregator::fit`]), with the
+/// exact size of the Kinesis record it would make.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fit {
+    /// It joins the pending aggregate, which then has this size.
+    Joins(usize),
+    /// The pending aggregate (if any) is finished as it is, and the record starts the
+    /// next, which then has this size.
+    StartsNext(usize),
+    /// Refused: it goes on its own, as the plain record it is.
+    Alone,
+}
+
 /// The index of `key` in a key table, adding it when new.
 fn index_of(index: &mut HashMap<String, u64>, table: &mut Vec<String>, key: &str) -> u64 {
     if let Some(&i) = index.get(key) {
@@ -850,6 +902,56 @@ mod tests {
             if n > 0 {
                 assert!(out.data.starts_with(&MAGIC));
                 assert_eq!(out.data.len() + out.partition_key.len(), size, "after {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn fit_tells_the_exact_size_of_the_record_a_user_record_ends_up_in() {
+        // Keys and explicit hash keys new and repeated, a payload with the magic, and a
+        // small limit so that aggregates finish and records go alone.
+        let big: &'static [u8] = &[7; 150];
+        let magic: &'static [u8] = &[0xF3, 0x89, 0x9A, 0xC2, 1];
+        let inputs = [
+            put("a", Some("340282366920938463463374607431768211455"), b"x"),
+            put("bb", Some("17"), big),
+            put("a", Some("17"), b"yy"),
+            put("c", None, magic),
+            put("dddd", Some("99999999999999999999999999999999"), big),
+            put("e", None, &[1; 400]),
+            put("f", Some("not a number"), b"z"),
+            put("a", None, b""),
+        ];
+        let mut agg = Aggregator::with_max_size(300);
+        for (n, p) in inputs.into_iter().enumerate() {
+            let fit = agg.fit(&p);
+            let pending = agg.clone().flush();
+            assert_eq!(
+                agg.wire_size(),
+                pending
+                    .as_ref()
+                    .map_or(0, |r| r.data.len() + r.partition_key.len()),
+                "before {n}"
+            );
+            match agg.add(p) {
+                Err(_) => assert_eq!(fit, Fit::Alone, "input {n}"),
+                Ok(finished) => {
+                    let now = agg.clone().flush().unwrap();
+                    let size = now.data.len() + now.partition_key.len();
+                    assert_eq!(agg.wire_size(), size, "after {n}");
+                    match fit {
+                        Fit::Joins(s) => {
+                            assert!(finished.is_none(), "input {n}");
+                            assert_eq!(s, size, "input {n}");
+                        }
+                        Fit::StartsNext(s) => {
+                            assert_eq!(finished.is_some(), pending.is_some(), "input {n}");
+                            assert_eq!(s, size, "input {n}");
+                        }
+                        Fit::Alone => panic!("input {n} was added"),
+                    }
+                    assert!(size <= 300);
+                }
             }
         }
     }

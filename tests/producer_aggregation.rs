@@ -577,6 +577,148 @@ async fn records_too_large_to_share_an_aggregate_go_alone() {
     }
 }
 
+/// Forwards to the memory backend and keeps the size of every PutRecords call it is
+/// asked to make: entries, and bytes as Kinesis counts them (data plus partition key).
+struct CallSizes {
+    memory: Memory,
+    calls: Mutex<Vec<(usize, usize)>>,
+}
+
+#[async_trait]
+impl ForwardKinesis for CallSizes {
+    fn inner(&self) -> &dyn KinesisApi {
+        self.memory.streams().as_ref()
+    }
+    async fn put_records(
+        &self,
+        stream: &str,
+        records: &[PutRecord],
+    ) -> Result<Vec<PutOutcome>, KinesisError> {
+        let bytes = records
+            .iter()
+            .map(|r| r.data.len() + r.partition_key.len())
+            .sum();
+        self.calls.lock().unwrap().push((records.len(), bytes));
+        self.memory.streams().put_records(stream, records).await
+    }
+}
+
+/// A splitmix64 step: the test's fixed-seed generator.
+fn next_random(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Regression: with aggregation on and records carrying explicit hash keys (sizes
+/// 900-999 bytes), a call grew past 5 MiB and Kinesis refused it whole: most records
+/// ended `Failed`. The call's size was estimated per user record (its size plus 16),
+/// while a record with an explicit hash key adds about 52 bytes to its aggregate (and
+/// the first of an aggregate more). Now every call stays within its entries and bytes
+/// by construction. The same records go at Kinesis' own 5 MiB per call (which the
+/// embedded backend enforces with its limits on) and at smaller configured limits,
+/// where many more calls are put together and each one is checked.
+#[tokio::test(start_paused = true)]
+async fn calls_stay_within_their_byte_limit_whatever_explicit_hash_keys_add() {
+    for (max_batch_bytes, seed) in [(5 * 1024 * 1024, 28), (10_000, 29), (100_000, 30)] {
+        let n = 6_000;
+        let memory = Memory::builder().limits(KinesisLimits::aws()).build();
+        memory.streams().create_stream(STREAM, 8).await.unwrap();
+        let api = Arc::new(Forward(CallSizes {
+            memory: memory.clone(),
+            calls: Mutex::default(),
+        }));
+        let producer = Producer::builder()
+            .stream(STREAM)
+            .kinesis(api.clone())
+            .aggregate(true)
+            .max_batch_bytes(max_batch_bytes)
+            .max_attempts(1_000)
+            .seed(seed)
+            .build()
+            .unwrap();
+        let mut random = seed;
+        let records: Vec<ProducerRecord> = (0..n)
+            .map(|i| {
+                let size = 900 + (next_random(&mut random) % 100) as usize;
+                let hash_key = (u128::from(next_random(&mut random)) << 64)
+                    | u128::from(next_random(&mut random));
+                ProducerRecord::new(format!("{i:<size$}"), format!("k{i}"))
+                    .with_explicit_hash_key(hash_key.to_string())
+            })
+            .collect();
+        let answers = futures_util::stream::iter(records.into_iter().enumerate())
+            .map(|(i, record)| {
+                let p = producer.clone();
+                async move { (i, p.oneshot(record).await) }
+            })
+            .buffer_unordered(n)
+            .collect::<Vec<_>>()
+            .limited()
+            .await;
+        producer.close().limited().await;
+
+        let failed: Vec<_> = answers.iter().filter(|(_, a)| a.is_err()).collect();
+        assert!(
+            failed.is_empty(),
+            "limit {max_batch_bytes}: {} of {n} records failed, the first: {:?}",
+            failed.len(),
+            failed.first()
+        );
+        let calls = api.0.calls.lock().unwrap().clone();
+        for (entries, bytes) in &calls {
+            assert!(*entries <= 500, "a call of {entries} entries");
+            assert!(
+                *bytes <= max_batch_bytes,
+                "limit {max_batch_bytes}: a call of {bytes} bytes"
+            );
+        }
+        let largest = calls.iter().map(|c| c.1).max().unwrap_or(0);
+        assert!(
+            largest * 5 > max_batch_bytes * 4,
+            "limit {max_batch_bytes}: the workload never filled a call ({largest} bytes)"
+        );
+        // Every value once in the stream, at the place its answer names.
+        let mut found: HashMap<(String, SequenceNumber, u64), usize> = HashMap::new();
+        for shard in memory.streams().list_shards(STREAM).await.unwrap() {
+            for r in memory.streams().records(STREAM, &shard.shard_id) {
+                let sequence = r.sequence_number.clone();
+                match deaggregate(r) {
+                    Deaggregated::Plain(r) => {
+                        found.insert((shard.shard_id.clone(), sequence, 0), value_of(&r.data));
+                    }
+                    Deaggregated::Aggregated { user_records, .. } => {
+                        for u in user_records {
+                            assert!(u.data.len() >= 900, "a payload lost bytes");
+                            let at = (shard.shard_id.clone(), sequence.clone(), u.sub_sequence);
+                            found.insert(at, value_of(&u.data));
+                        }
+                    }
+                    Deaggregated::Corrupt { reason, .. } => {
+                        panic!("corrupt aggregate: {reason}")
+                    }
+                }
+            }
+        }
+        assert_eq!(found.len(), n, "user records in the stream");
+        for (i, answer) in &answers {
+            let stored = answer.as_ref().unwrap();
+            let at = (
+                stored.shard_id.clone(),
+                stored.sequence_number.clone(),
+                stored.sub_sequence_number,
+            );
+            assert_eq!(
+                found.get(&at),
+                Some(i),
+                "record {i} is not where its answer says"
+            );
+        }
+    }
+}
+
 /// Writes `n` 100-byte records as fast as the producer takes them into a 4-shard
 /// stream with Kinesis' limits on; returns the entries Kinesis refused.
 async fn refused_at_the_limit(
@@ -708,6 +850,63 @@ async fn a_shard_over_budget_does_not_hold_other_shards_records() {
         "a record of another shard waited {waited:?}"
     );
     producer.close().limited().await;
+}
+
+/// Regression: with 12,000 records waiting for one shard (over its budget), a record
+/// for an idle shard waited 8.76 s: the task stopped taking from its first-in first-out
+/// channel at 2,500 held records and looked past at most 2,000 waiting ones. Now each
+/// shard has its own room and queue: whatever one shard's backlog (12,000 plain records,
+/// or 100,000 aggregated), another shard's record is stored within the linger, long
+/// before the backlog is.
+#[tokio::test(start_paused = true)]
+async fn a_hot_shards_backlog_never_holds_another_shards_record() {
+    for (aggregate, backlog) in [(false, 12_000), (true, 100_000)] {
+        let memory = memory_with_stream(2).await;
+        let producer = Producer::builder()
+            .stream(STREAM)
+            .backend(memory.clone())
+            .aggregate(aggregate)
+            .build()
+            .unwrap();
+        // Every record of the backlog for the first shard, handed over at once.
+        let hot = {
+            let producer = producer.clone();
+            let records: Vec<_> = (0..backlog)
+                .map(|i| record(i, format!("hot-{i}")).with_explicit_hash_key("0"))
+                .collect();
+            tokio::spawn(async move { producer.send_all(records).await })
+        };
+        // The backlog builds up (the shard takes 1,500 records/s at the default limit).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let start = tokio::time::Instant::now();
+        let idle = producer
+            .send(record(backlog, "idle").with_explicit_hash_key(u128::MAX.to_string()))
+            .limited()
+            .await
+            .unwrap();
+        let waited = start.elapsed();
+        assert!(
+            !hot.is_finished(),
+            "aggregate {aggregate}: the backlog was gone before the idle record was sent"
+        );
+        assert!(
+            waited <= Duration::from_millis(60),
+            "aggregate {aggregate}: a record of an idle shard waited {waited:?} behind \
+             {backlog} records of another"
+        );
+        let answers = hot.limited().await.unwrap();
+        let hot_shard = answers[0].as_ref().unwrap().shard_id.clone();
+        assert_ne!(idle.shard_id, hot_shard);
+        assert!(answers.iter().all(|a| a.is_ok()), "every hot record stored");
+        producer.close().limited().await;
+        let mut stored = 0;
+        for shard in memory.streams().list_shards(STREAM).await.unwrap() {
+            for r in memory.streams().records(STREAM, &shard.shard_id) {
+                stored += deaggregate(r).message_count();
+            }
+        }
+        assert_eq!(stored, backlog + 1, "aggregate {aggregate}: records stored");
+    }
 }
 
 /// The first ListShards holds every send of a rate-limited producer: one that never

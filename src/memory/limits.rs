@@ -18,6 +18,9 @@
 //!   calls made within the next 5 seconds throw ProvisionedThroughputExceededException").
 //! * **Enhanced fan-out**: each registered consumer gets up to 2 MiB per second per
 //!   shard. SubscribeToShard never refuses for throughput; it paces its events.
+//! * **One PutRecords call**: at most 500 entries and 5 MiB, counting the data and
+//!   partition key of every entry (not explicit hash keys). A call over either is
+//!   refused whole as invalid (`KinesisError::Invalid`), nothing of it stored.
 //!
 //! AWS speaks of per-second limits and allows "a small burst" without saying how large.
 //! Each limit here is a token bucket holding at most one second's quota, refilled
@@ -103,6 +106,7 @@ impl KinesisLimits {
         Self::default()
     }
 }
+
 
 /// The size Kinesis meters for a record: its data plus its partition key.
 pub(super) fn metered_size(data: usize, partition_key: &str) -> u64 {

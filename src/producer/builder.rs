@@ -43,6 +43,19 @@ pub(crate) struct Settings {
     pub(crate) max_record_size: Option<usize>,
 }
 
+impl Settings {
+    /// How many records of one shard the producer holds at once (taken, in flight or
+    /// waiting for a resend): the buffer, plus a batch per call in flight and one
+    /// filling (a hundred times that when aggregating: an entry then carries many).
+    pub(crate) fn room_per_shard(&self) -> usize {
+        let per_entry = if self.aggregation.is_some() { 100 } else { 1 };
+        self.max_batch_records
+            .saturating_mul(per_entry)
+            .saturating_mul(self.max_in_flight.saturating_add(1))
+            .saturating_add(self.buffer)
+    }
+}
+
 /// How the producer packs user records into KPL aggregated records
 /// ([`ProducerBuilder::aggregation`]). The defaults are the KPL's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,7 +119,7 @@ impl Aggregation {
 /// | [`linger`](Self::linger) | 50 ms | how long a record may wait for its batch to fill |
 /// | [`max_batch_records`](Self::max_batch_records) | 500 | records per PutRecords call (1..=500) |
 /// | [`max_batch_bytes`](Self::max_batch_bytes) | 5 MiB | bytes per call (1..=5 MiB) |
-/// | [`buffer`](Self::buffer) | 10,000 | records waiting for the background task |
+/// | [`buffer`](Self::buffer) | 10,000 | records of one shard the producer holds, beyond its batches |
 /// | [`max_in_flight`](Self::max_in_flight) | 4 | PutRecords calls at once |
 /// | [`max_attempts`](Self::max_attempts) | 10 | sends of one record before it fails |
 /// | [`retry_backoff`](Self::retry_backoff) | 100 ms .. 5 s | delay before a resend |
@@ -199,11 +212,13 @@ impl ProducerBuilder {
         self
     }
 
-    /// How many records may wait in the channel to the background task (default
-    /// 10,000). The task itself holds at most `max_batch_records × (max_in_flight + 1)`
-    /// records (100 times that when aggregating: an entry then carries many) (in
-    /// flight, filling a batch, or waiting to be resent); when both are full
-    /// `poll_ready` is pending: that is the backpressure.
+    /// How many records of one shard the producer holds beyond its batches (default
+    /// 10,000): each shard's room is this plus `max_batch_records × (max_in_flight +
+    /// 1)` records (100 times that when aggregating: an entry then carries many), taken,
+    /// in flight or waiting to be resent. A record of a full shard waits in that shard's
+    /// line without holding any other shard's records, and `poll_ready` is pending
+    /// while the shard of the handle's last call is full: that is the backpressure.
+    /// See the [module docs](super#how-records-travel).
     pub fn buffer(mut self, capacity: usize) -> Self {
         self.buffer = capacity;
         self

@@ -18,7 +18,7 @@
 //!     .ordered_per_key(true)        // keep each customer's records in order
 //!     .build()?;
 //!
-//! // As a tower Service (poll_ready waits while the buffer is full) ...
+//! // As a tower Service (poll_ready waits while the last call's shard is full) ...
 //! let stored = producer
 //!     .ready()
 //!     .await?
@@ -36,13 +36,11 @@
 //!
 //! # How records travel
 //!
-//! Every handle (the `Producer` is `Clone`) feeds one background task through a bounded
-//! channel. `poll_ready` reserves a slot in that channel, so a caller that goes faster
-//! than Kinesis is held back instead of growing a queue without bound. `call` checks
-//! the record first — at most the stream's maximum record size of payload plus
-//! partition key ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters,
-//! an explicit hash key that is a decimal number below 2^128
-//! ([`ProduceError::InvalidRecord`]) — so a record Kinesis would refuse is never sent.
+//! Every handle (the `Producer` is `Clone`) feeds one background task. `call` checks
+//! the record first — at most the stream's maximum record size of payload
+//! plus partition key ([`ProduceError::TooLarge`]), a partition key of 1 to 256 characters, an explicit
+//! hash key that is a decimal number below 2^128 ([`ProduceError::InvalidRecord`]) — so
+//! a record Kinesis would refuse is never sent.
 //!
 //! # Large records
 //!
@@ -58,8 +56,24 @@
 //! average, and the producer's per-shard budget does the same (a 9 MiB record uses up
 //! about nine seconds of a shard's writes).
 //!
+//! The producer holds a bounded number of records *per shard* (taken, in flight or
+//! waiting for a resend): [`buffer`](ProducerBuilder::buffer) plus a batch per call in
+//! flight and one filling, by default 12,500 (260,000 when aggregating). It predicts each
+//! record's shard from the map it lists (see below); a record whose shard is full, or
+//! has records waiting already, waits in that shard's line, in the order it was handed
+//! over, and goes on as that shard's records are answered. A record of another shard
+//! never waits behind that line: a hot shard costs memory up to its bound, never
+//! latency elsewhere. A caller is held back through `poll_ready`, which is pending
+//! while the shard of the handle's last call has no room (the next record most likely
+//! goes there too; records of one line then wait in their callers' futures, a `send`
+//! in its caller). Without a shard map (no aggregation and no rate limit, or before
+//! the first listing) all records share one line.
+//!
 //! The task groups records into PutRecords calls of at most 500 records and 5 MiB
-//! (both configurable downwards). A call goes as soon as a batch is full, or when its
+//! (both configurable downwards), counted as Kinesis counts them (data plus partition
+//! key of each entry) and measured from the encoding as records are added, aggregated
+//! or not: a call never passes either limit, whatever the sizes, keys and explicit hash
+//! keys. A call goes as soon as a batch is full, or when its
 //! oldest record has waited the *linger* (50 ms by default), and up to `max_in_flight`
 //! calls run at once.
 //!
@@ -139,7 +153,8 @@
 //! [`no_rate_limit`](ProducerBuilder::no_rate_limit) turns it off): a token bucket of one
 //! second on tokio's clock, where an aggregate counts as one record. The records of a
 //! shard over budget wait in the producer, in their place, while other shards' records go
-//! on. An entry refused for throughput anyway (other producers write to the shard too)
+//! on: each shard has its own queue, and a call passes over a shard without budget in
+//! one step, however many records it holds. An entry refused for throughput anyway (other producers write to the shard too)
 //! empties that shard's budget only. 150 % is the KPL's default: above the quota, to
 //! absorb the imprecision of Kinesis' meter; 100 leaves a shard's only writer almost
 //! never refused. The budget needs the shard map, so the producer lists the stream's
@@ -170,6 +185,7 @@
 
 mod builder;
 mod future;
+mod gate;
 mod limit;
 mod record;
 mod shards;
@@ -177,10 +193,9 @@ mod worker;
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio_util::sync::PollSender;
 
 use crate::error::ConfigError;
 use crate::kinesis::PutRecord;
@@ -196,6 +211,7 @@ pub use record::{
 };
 
 use builder::Settings;
+use gate::{Gate, Handed, Line};
 use limit::RecordLimit;
 use worker::{Command, Worker};
 
@@ -204,9 +220,12 @@ use worker::{Command, Worker};
 /// share the buffer and the background task. See the [module docs](self).
 #[derive(Clone)]
 pub struct Producer {
-    /// Reserves a channel slot in `poll_ready` (each clone reserves its own).
-    slot: PollSender<Command>,
-    sender: mpsc::Sender<Command>,
+    /// Where records enter, each counted against its shard's room.
+    gate: Arc<Gate>,
+    /// Closes the producer when the last handle is dropped.
+    _handles: Arc<Handles>,
+    /// The line of this handle's last call: `poll_ready` waits while it has no room.
+    last_line: Option<Line>,
     /// Becomes true (or its sender is dropped) when the background task has stopped.
     done: watch::Receiver<bool>,
     settings: Arc<Settings>,
@@ -216,6 +235,17 @@ pub struct Producer {
     limit: Arc<RecordLimit>,
 }
 
+/// Shared by every clone of one producer; the last one dropped starts the stop.
+struct Handles {
+    gate: Arc<Gate>,
+}
+
+impl Drop for Handles {
+    fn drop(&mut self) {
+        self.gate.close();
+    }
+}
+
 impl Producer {
     /// Starts building a producer.
     pub fn builder() -> ProducerBuilder {
@@ -223,18 +253,24 @@ impl Producer {
     }
 
     pub(crate) fn spawn(settings: Settings, runtime: &tokio::runtime::Handle) -> Self {
-        let (sender, rx) = mpsc::channel(settings.buffer);
+        let (sender, rx) = mpsc::unbounded_channel();
         let (done_tx, done) = watch::channel(false);
+        let gate = Arc::new(Gate::new(
+            sender,
+            settings.room_per_shard(),
+            settings.ordered_per_key,
+        ));
         let settings = Arc::new(settings);
         let limit = Arc::new(RecordLimit::new(
             settings.stream.clone(),
             settings.kinesis.clone(),
             settings.max_record_size,
         ));
-        runtime.spawn(Worker::new(Settings::clone(&settings), rx).run(done_tx));
+        runtime.spawn(Worker::new(Settings::clone(&settings), rx, gate.clone()).run(done_tx));
         Producer {
-            slot: PollSender::new(sender.clone()),
-            sender,
+            _handles: Arc::new(Handles { gate: gate.clone() }),
+            gate,
+            last_line: None,
             done,
             settings,
             raw: false,
@@ -308,27 +344,37 @@ impl Producer {
         Ok((record.into_put_record(), size))
     }
 
-    /// Writes one record: waits for room in the buffer, then for Kinesis' answer. The
-    /// same as `ready().await?.call(record).await`, without needing `&mut self`.
-    pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
-        let (record, size) = self.prepare(record)?;
-        self.limit.admit(size).await?;
+    /// A prepared record as the gate takes it, and where its answer comes.
+    fn handed(
+        &self,
+        record: PutRecord,
+        size: usize,
+    ) -> (Handed, oneshot::Receiver<Result<Stored, ProduceError>>) {
         let (reply, answer) = oneshot::channel();
-        let command = Command::Record {
+        let key = self.gate.key_of(&record);
+        let handed = Handed {
             record,
             size,
             reply,
+            key,
         };
-        self.sender
-            .send(command)
-            .await
-            .map_err(|_| ProduceError::Closed)?;
+        (handed, answer)
+    }
+
+    /// Writes one record: hands it over at once (it waits in its shard's line if that
+    /// shard has no room), then waits for Kinesis' answer. Like
+    /// `ready().await?.call(record).await`, without needing `&mut self`.
+    pub async fn send(&self, record: ProducerRecord) -> Result<Stored, ProduceError> {
+        let (record, size) = self.prepare(record)?;
+        self.limit.admit(size).await?;
+        let (handed, answer) = self.handed(record, size);
+        self.gate.submit(vec![handed])?;
         answer.await.unwrap_or(Err(ProduceError::Closed))
     }
 
     /// Writes several records handed over together (a processor's outputs) and returns
-    /// each one's answer, in order. They take one place in the buffer and enter the
-    /// producer in one step. A record refused before sending (too large, invalid) is
+    /// each one's answer, in order. They are handed over in one step: those whose shard
+    /// has room enter the producer together, the others wait in their shards' lines. A record refused before sending (too large, invalid) is
     /// answered with its error and every record after it with
     /// [`ProduceError::AfterFailure`], none of those sent. With
     /// [`ordered_per_key(true)`](ProducerBuilder::ordered_per_key) each key's records are
@@ -354,8 +400,8 @@ impl Producer {
             };
             match prepared {
                 Ok((record, size)) => {
-                    let (reply, answer) = oneshot::channel();
-                    commands.push((record, size, reply));
+                    let (handed, answer) = self.handed(record, size);
+                    commands.push(handed);
                     answers.push(Ok(answer));
                 }
                 Err(error) => {
@@ -364,8 +410,7 @@ impl Producer {
                 }
             }
         }
-        let sent =
-            commands.is_empty() || self.sender.send(Command::Records(commands)).await.is_ok();
+        let sent = commands.is_empty() || self.gate.submit(commands).is_ok();
         let mut results = Vec::with_capacity(answers.len());
         for answer in answers {
             results.push(match answer {
@@ -381,7 +426,7 @@ impl Producer {
     /// every record handed over before this call has been answered, stored or failed.
     pub async fn flush(&self) {
         let (waiter, flushed) = oneshot::channel();
-        if self.sender.send(Command::Flush(waiter)).await.is_ok() && flushed.await.is_ok() {
+        if self.gate.flush(Command::Flush(waiter)).is_ok() && flushed.await.is_ok() {
             return;
         }
         // Closed: the task answers everything it took before it stops.
@@ -392,8 +437,8 @@ impl Producer {
     /// [`ProduceError::Closed`]), writes everything buffered and returns once all of
     /// it was answered and the background task stopped.
     pub async fn close(&self) {
-        // An error means the channel is closed already: just wait for the end.
-        let _ = self.sender.send(Command::Close).await;
+        // Closed already: just wait for the end.
+        self.gate.close();
         self.stopped().await;
     }
 
@@ -407,7 +452,7 @@ impl Producer {
 
     /// Whether the producer no longer accepts records.
     pub fn is_closed(&self) -> bool {
-        self.sender.is_closed()
+        self.gate.is_closed()
     }
 
     async fn stopped(&self) {
@@ -431,70 +476,48 @@ impl tower::Service<ProducerRecord> for Producer {
     type Error = ProduceError;
     type Future = ResponseFuture;
 
-    /// Ready when a slot in the buffer is reserved for the next call; pending while the
-    /// buffer is full; [`ProduceError::Closed`] once the producer is closed.
+    /// Ready unless the shard of this handle's last call has no room (its records
+    /// fill their share of the producer, or some wait for it): the next record most
+    /// likely goes there too. [`ProduceError::Closed`] once the producer is closed.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProduceError>> {
-        self.slot.poll_reserve(cx).map_err(|_| ProduceError::Closed)
+        if self.gate.is_closed() {
+            return Poll::Ready(Err(ProduceError::Closed));
+        }
+        match &self.last_line {
+            Some(line) if !self.gate.has_room(line, cx.waker()) => Poll::Pending,
+            _ => Poll::Ready(Ok(())),
+        }
     }
 
+    /// Hands the record over at once: it goes on, or waits in line behind the earlier
+    /// records of its shard (never behind another shard's), inside the response future.
     fn call(&mut self, record: ProducerRecord) -> ResponseFuture {
         let (record, size) = match self.prepare(record) {
             Ok(ready) => ready,
-            Err(refused) => {
-                // Give the reserved slot back: nothing will be sent.
-                self.slot.abort_send();
-                return ResponseFuture::failed(refused);
-            }
-        };
-        let (reply, answer) = oneshot::channel();
-        let command = Command::Record {
-            record,
-            size,
-            reply,
+            Err(refused) => return ResponseFuture::failed(refused),
         };
         match self.limit.admit_now(size) {
             Some(Ok(())) => {}
-            Some(Err(refused)) => {
-                self.slot.abort_send();
-                return ResponseFuture::failed(refused);
-            }
+            Some(Err(refused)) => return ResponseFuture::failed(refused),
             None => {
-                // Above 1 MiB before the stream's limit is known: the record enters once
-                // it is (records handed over meanwhile may go first).
-                self.slot.abort_send();
-                let sender = self.sender.clone();
-                let limit = self.limit.clone();
+                // Above 1 MiB before the stream's limit is known: the record is handed
+                // over once it is (records handed over meanwhile may go first).
+                let this = self.clone();
                 return ResponseFuture::sending(async move {
-                    limit.admit(size).await?;
-                    sender
-                        .send(command)
-                        .await
-                        .map_err(|_| ProduceError::Closed)?;
+                    this.limit.admit(size).await?;
+                    let (handed, answer) = this.handed(record, size);
+                    this.gate.submit(vec![handed])?;
                     answer.await.unwrap_or(Err(ProduceError::Closed))
                 });
             }
         }
-        // Normally `poll_ready` reserved a slot and this returns at once. A `call`
-        // without it (against the tower contract, but it should not panic) takes a
-        // slot if one is free, or else waits for one inside the response future.
-        let mut no_wait = Context::from_waker(Waker::noop());
-        match self.slot.poll_reserve(&mut no_wait) {
-            Poll::Ready(Ok(())) => match self.slot.send_item(command) {
-                Ok(()) => ResponseFuture::waiting(answer),
-                Err(_) => ResponseFuture::failed(ProduceError::Closed),
-            },
-            Poll::Ready(Err(_)) => ResponseFuture::failed(ProduceError::Closed),
-            Poll::Pending => {
-                self.slot.abort_send();
-                let sender = self.sender.clone();
-                ResponseFuture::sending(async move {
-                    sender
-                        .send(command)
-                        .await
-                        .map_err(|_| ProduceError::Closed)?;
-                    answer.await.unwrap_or(Err(ProduceError::Closed))
-                })
+        let (handed, answer) = self.handed(record, size);
+        match self.gate.submit(vec![handed]) {
+            Ok(line) => {
+                self.last_line = Some(line);
+                ResponseFuture::waiting(answer)
             }
+            Err(error) => ResponseFuture::failed(error),
         }
     }
 }

@@ -1,14 +1,15 @@
 //! The background task behind every [`Producer`](super::Producer) handle: it takes
-//! records from the bounded channel, groups them into PutRecords calls, answers each
-//! caller, and resends only what failed.
+//! records from the channel the [gate](super::gate) feeds (which bounds each shard's
+//! records), keeps them in one ready queue per shard, groups them into PutRecords calls,
+//! answers each caller (giving its shard's room back), and resends only what failed.
 //!
 //! Where a record can be, while the task holds it:
 //!
 //! ```text
-//!   channel ──> blocked[key] ──(key free)──> ready ──launch──> in flight ──stored──> answered
-//!      │        (ordered mode)                 ▲                   │
-//!      └───────────────(unordered)─────────────┤                   │ failed, attempts left
-//!                                              └──(backoff over)── retries
+//!   gate ──> channel ──> blocked[key] ──(key free)──> ready[shard] ──launch──> in flight ──stored──> answered
+//!               │        (ordered mode)                    ▲                       │
+//!               └───────────────(unordered)────────────────┤                       │ failed, attempts left
+//!                                                          └──(backoff over)── retries
 //! ```
 //!
 //! In ordered mode a partition key is *owned* by at most one record at a time: the one
@@ -19,9 +20,8 @@
 //! key.
 
 use std::cmp::Reverse;
-use std::collections::hash_map::{DefaultHasher, Entry as MapEntry};
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,12 +31,13 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::aggregation::Aggregator;
+use crate::aggregation::{Aggregator, Fit};
 use crate::backoff::Backoff;
 use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 use crate::sequence::SequenceNumber;
 
 use super::builder::Settings;
+use super::gate::{Gate, Line};
 use super::record::{entry_error_is_transient, ProduceError, Stored};
 use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
 
@@ -61,10 +62,6 @@ const RATE_WAIT_MIN: Duration = Duration::from_millis(10);
 /// may need most of a second of refill).
 const RATE_WAIT_MAX: Duration = Duration::from_millis(50);
 
-/// How many records over their shard's budget one call looks past for records of other
-/// shards.
-const MAX_DEFERRED_SCAN: usize = 2_000;
-
 /// How long an aggregate that landed in a shard the map does not know waits for a
 /// listing that knows it; then its records are sent again without knowing whether they
 /// had to be.
@@ -72,10 +69,6 @@ const LANDED_WAIT_MAX: Duration = Duration::from_secs(2);
 
 /// Times a record may land in a shard that does not own it before it fails.
 const MAX_MISPLACED: u32 = 5;
-
-/// What a user record may add to an aggregate beyond its own bytes (its protobuf
-/// field tags and lengths), to keep a call under its byte limit.
-const AGGREGATE_OVERHEAD: usize = 16;
 
 /// Where a caller waits for its record's fate.
 pub(crate) type Reply = oneshot::Sender<Result<Stored, ProduceError>>;
@@ -87,13 +80,15 @@ pub(crate) enum Command {
         record: PutRecord,
         size: usize,
         reply: Reply,
+        /// The gate's line it is counted in, given back when it is answered.
+        line: Line,
     },
     /// Validated records handed over together ([`Producer::send_all`]): taken in one
     /// step, so that in ordered mode each is queued behind the one before it of its key
     /// before any of them can fail.
     ///
     /// [`Producer::send_all`]: super::Producer::send_all
-    Records(Vec<(PutRecord, usize, Reply)>),
+    Records(Vec<(PutRecord, usize, Reply, Line)>),
     /// Answer when every record sent before this command has been answered.
     Flush(oneshot::Sender<()>),
     /// Accept nothing more, write everything held, then stop.
@@ -116,6 +111,10 @@ struct Meta {
     enqueued: Instant,
     epoch: u64,
     reply: Reply,
+    /// The hash key Kinesis routes it by (computed once).
+    hash: Option<u128>,
+    /// The gate's line it is counted in.
+    line: Line,
 }
 
 struct Entry {
@@ -182,6 +181,80 @@ struct Open {
     users: Vec<Entry>,
 }
 
+/// Records that may go in the next call, in one queue per shard they are predicted to
+/// land in (`None`: no map, or no shard known for them), each oldest (or longest
+/// waiting) first. A call takes from the queues in the order of their fronts, and
+/// passes over a whole queue whose shard is over its budget in one step: however long
+/// one shard's queue, the records of the others are reached at once.
+#[derive(Default)]
+struct Ready {
+    queues: HashMap<Line, VecDeque<Entry>>,
+    len: usize,
+    bytes: usize,
+}
+
+impl Ready {
+    fn push_back(&mut self, queue: Line, entry: Entry) {
+        self.len += 1;
+        self.bytes += entry.meta.size;
+        self.queues.entry(queue).or_default().push_back(entry);
+    }
+
+    fn push_front(&mut self, queue: Line, entry: Entry) {
+        self.len += 1;
+        self.bytes += entry.meta.size;
+        self.queues.entry(queue).or_default().push_front(entry);
+    }
+
+    fn front(&self, queue: &Line) -> Option<&Entry> {
+        self.queues.get(queue).and_then(VecDeque::front)
+    }
+
+    fn pop(&mut self, queue: &Line) -> Option<Entry> {
+        let entries = self.queues.get_mut(queue)?;
+        let entry = entries.pop_front()?;
+        if entries.is_empty() {
+            self.queues.remove(queue);
+        }
+        self.len -= 1;
+        self.bytes -= entry.meta.size;
+        Some(entry)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// When the record that has waited longest among the queues' fronts arrived.
+    fn oldest(&self) -> Option<Instant> {
+        self.queues
+            .values()
+            .filter_map(|q| q.front().map(|e| e.meta.enqueued))
+            .min()
+    }
+
+    /// The queues with their fronts' ids, lowest (oldest) first out of the heap.
+    fn fronts(&self) -> BinaryHeap<Reverse<(u64, Line)>> {
+        self.queues
+            .iter()
+            .filter_map(|(queue, q)| q.front().map(|e| Reverse((e.meta.id, queue.clone()))))
+            .collect()
+    }
+
+    /// Puts every record in the queue `queue_of` names now (a new shard map), each
+    /// queue in the order the records came.
+    fn regroup(&mut self, queue_of: impl Fn(&Entry) -> Line) {
+        let mut entries: Vec<Entry> = self.queues.drain().flat_map(|(_, q)| q).collect();
+        entries.sort_by_key(|e| e.meta.id);
+        self.len = 0;
+        self.bytes = 0;
+        for entry in entries {
+            let queue = queue_of(&entry);
+            self.push_back(queue, entry);
+        }
+    }
+}
+
 /// Counts unanswered records per flush epoch, so that a flush waits only for the
 /// records that came before it, however they finish (retries answer out of order).
 struct Epochs {
@@ -233,10 +306,11 @@ impl Epochs {
 
 pub(crate) struct Worker {
     settings: Settings,
-    rx: mpsc::Receiver<Command>,
-    /// Records that may go in the next call, oldest (or longest waiting) first.
-    ready: VecDeque<Entry>,
-    ready_bytes: usize,
+    rx: mpsc::UnboundedReceiver<Command>,
+    /// Where records wait for room in their shard; told when one is answered.
+    gate: Arc<Gate>,
+    /// Records that may go in the next call.
+    ready: Ready,
     /// Ordered mode: the keys that are owned, each with the records waiting behind
     /// its owner.
     blocked: HashMap<u64, VecDeque<Entry>>,
@@ -245,7 +319,6 @@ pub(crate) struct Worker {
     in_flight: FuturesUnordered<BoxFuture<'static, Completed>>,
     /// Records taken from the channel and not answered yet.
     held: usize,
-    max_held: usize,
     next_id: u64,
     epochs: Epochs,
     flushes: VecDeque<(u64, oneshot::Sender<()>)>,
@@ -281,29 +354,22 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    pub(crate) fn new(settings: Settings, rx: mpsc::Receiver<Command>) -> Self {
-        // Aggregated, a call carries up to 500 aggregates of many records each.
-        let per_entry = if settings.aggregation.is_some() {
-            100
-        } else {
-            1
-        };
-        let max_held = settings
-            .max_batch_records
-            .saturating_mul(per_entry)
-            .saturating_mul(settings.max_in_flight.saturating_add(1));
+    pub(crate) fn new(
+        settings: Settings,
+        rx: mpsc::UnboundedReceiver<Command>,
+        gate: Arc<Gate>,
+    ) -> Self {
         let backoff = Backoff::new(settings.retry_min, settings.retry_max, settings.seed);
         let rate_limit = settings.rate_limit;
         Worker {
             settings,
             rx,
-            ready: VecDeque::new(),
-            ready_bytes: 0,
+            gate,
+            ready: Ready::default(),
             blocked: HashMap::new(),
             retries: Vec::new(),
             in_flight: FuturesUnordered::new(),
             held: 0,
-            max_held,
             next_id: 0,
             epochs: Epochs::new(),
             flushes: VecDeque::new(),
@@ -342,7 +408,8 @@ impl Worker {
                 break;
             }
             let deadline = self.next_deadline(now);
-            let can_receive = !self.rx_done && self.held < self.max_held;
+            // The gate bounds what each shard has in the channel and here.
+            let can_receive = !self.rx_done;
             tokio::select! {
                 biased;
                 // First: a busy producer would never come to it otherwise.
@@ -366,6 +433,8 @@ impl Worker {
                 }
             }
         }
+        // Nothing more gets in (a handle still alive sees the producer closed).
+        self.gate.close();
         // Everything taken was answered; a flush still waiting can only be one whose
         // records were all answered too.
         for (_, waiter) in self.flushes.drain(..) {
@@ -375,11 +444,11 @@ impl Worker {
         let _ = done.send(true);
     }
 
-    /// Takes what the channel holds without waiting, up to the holding limit. Returns
-    /// whether the channel was seen empty.
+    /// Takes what the channel holds without waiting. Returns whether the channel was
+    /// seen empty.
     fn drain_channel(&mut self) -> bool {
         let now = Instant::now();
-        while !self.rx_done && self.held < self.max_held {
+        while !self.rx_done {
             match self.rx.try_recv() {
                 Ok(command) => self.handle(command, now),
                 Err(TryRecvError::Empty) => return true,
@@ -395,10 +464,11 @@ impl Worker {
                 record,
                 size,
                 reply,
-            } => self.take(record, size, reply, now),
+                line,
+            } => self.take(record, size, reply, line, now),
             Command::Records(records) => {
-                for (record, size, reply) in records {
-                    self.take(record, size, reply, now);
+                for (record, size, reply, line) in records {
+                    self.take(record, size, reply, line, now);
                 }
             }
             Command::Flush(waiter) => {
@@ -415,14 +485,11 @@ impl Worker {
     }
 
     /// Holds a new record: ready to go, or (ordered mode) behind its key's owner.
-    fn take(&mut self, record: PutRecord, size: usize, reply: Reply, now: Instant) {
-        let key = if self.settings.ordered_per_key {
-            let mut hasher = DefaultHasher::new();
-            record.partition_key.hash(&mut hasher);
-            hasher.finish()
-        } else {
-            0
-        };
+    fn take(&mut self, record: PutRecord, size: usize, reply: Reply, line: Line, now: Instant) {
+        let key = self.gate.key_of(&record);
+        let hash = hash_key(&record);
+        // A new record may be of a shard with budget: look again.
+        self.rate_wait = None;
         let entry = Entry {
             record,
             meta: Meta {
@@ -434,6 +501,8 @@ impl Worker {
                 enqueued: now,
                 epoch: self.epochs.add(),
                 reply,
+                hash,
+                line,
             },
         };
         self.next_id += 1;
@@ -452,8 +521,18 @@ impl Worker {
     }
 
     fn push_ready(&mut self, entry: Entry) {
-        self.ready_bytes += entry.meta.size;
-        self.ready.push_back(entry);
+        let queue = self.queue_of(&entry);
+        self.ready.push_back(queue, entry);
+    }
+
+    /// The ready queue of a record: the shard the map predicts for it.
+    fn queue_of(&self, entry: &Entry) -> Line {
+        match (&self.shard_map, entry.meta.hash) {
+            (Some(map), Some(hash)) if self.uses_shard_map() => {
+                map.shard_of(hash).map(|(_, shard)| shard.clone())
+            }
+            _ => None,
+        }
     }
 
     /// Send without waiting for the linger: someone waits for a flush or close.
@@ -477,9 +556,10 @@ impl Worker {
         // Oldest first, ahead of everything newer.
         due.sort_unstable_by_key(|e| Reverse(e.meta.id));
         for entry in due {
-            self.ready_bytes += entry.meta.size;
-            self.ready.push_front(entry);
+            let queue = self.queue_of(&entry);
+            self.ready.push_front(queue, entry);
         }
+        self.rate_wait = None;
     }
 
     fn dispatch(&mut self, now: Instant) {
@@ -497,12 +577,12 @@ impl Worker {
             1
         };
         while self.in_flight.len() < self.settings.max_in_flight {
-            let Some(front) = self.ready.front() else {
+            let Some(oldest) = self.ready.oldest() else {
                 break;
             };
-            let full = self.ready.len() >= self.settings.max_batch_records * per_entry
-                || self.ready_bytes >= self.settings.max_batch_bytes;
-            let due = urgent || front.meta.enqueued + self.settings.linger <= now;
+            let full = self.ready.len >= self.settings.max_batch_records * per_entry
+                || self.ready.bytes >= self.settings.max_batch_bytes;
+            let due = urgent || oldest + self.settings.linger <= now;
             if !(full || due) {
                 break;
             }
@@ -536,22 +616,28 @@ impl Worker {
     }
 
     fn launch_plain(&mut self) {
-        let limit = self.ready.len().min(self.settings.max_batch_records);
+        let limit = self.ready.len.min(self.settings.max_batch_records);
         let mut records = Vec::with_capacity(limit);
         let mut metas = Vec::with_capacity(limit);
         let mut bytes = 0usize;
+        let mut fronts = self.ready.fronts();
         while records.len() < limit {
-            let Some(front) = self.ready.front() else {
+            let Some(Reverse((_, queue))) = fronts.pop() else {
                 break;
+            };
+            let Some(front) = self.ready.front(&queue) else {
+                continue;
             };
             if !records.is_empty() && bytes + front.meta.size > self.settings.max_batch_bytes {
                 break;
             }
-            let Some(Entry { record, meta }) = self.ready.pop_front() else {
-                break;
+            let Some(Entry { record, meta }) = self.ready.pop(&queue) else {
+                continue;
             };
+            if let Some(next) = self.ready.front(&queue) {
+                fronts.push(Reverse((next.meta.id, queue)));
+            }
             bytes += meta.size;
-            self.ready_bytes -= meta.size;
             records.push(record);
             metas.push(Part::Plain { meta, shard: None });
         }
@@ -573,7 +659,6 @@ impl Worker {
             None => (crate::kinesis::MAX_RECORD_BYTES, 1),
         };
         let aggregating = self.settings.aggregation.is_some();
-        let mut deferred: Vec<Entry> = Vec::new();
         // Shards over budget in this scan: their later records wait too.
         let mut waiting: HashSet<usize> = HashSet::new();
         let mut wake: Option<Instant> = None;
@@ -583,28 +668,50 @@ impl Worker {
         // Bytes of the finished entries, and of the open aggregates.
         let mut bytes = 0usize;
         let mut pending = 0usize;
-        while let Some(front) = self.ready.front() {
-            let entries = records.len() + open.len();
-            let taken = entries > 0;
-            if entries >= self.settings.max_batch_records
-                || (taken
-                    && bytes + pending + front.meta.size + AGGREGATE_OVERHEAD
-                        > self.settings.max_batch_bytes)
+        let mut fronts = self.ready.fronts();
+        while let Some(Reverse((_, queue))) = fronts.pop() {
+            let Some(front) = self.ready.front(&queue) else {
+                continue;
+            };
+            let predicted = front
+                .meta
+                .hash
+                .and_then(|h| map.shard_of(h))
+                .map(|(index, shard)| (index, shard.clone()));
+            // What the record adds to the call, exactly: a new entry or not, and the
+            // bytes Kinesis counts (data plus partition key of each entry).
+            let fit = match &predicted {
+                Some((index, _)) if aggregating => Some(match open.get(index) {
+                    // A full aggregate is finished first: the record starts the next.
+                    Some(slot) if (slot.aggregator.len() as u64) < max_count => {
+                        slot.aggregator.fit(&front.record)
+                    }
+                    _ => Aggregator::with_max_size(max_size).fit(&front.record),
+                }),
+                _ => None,
+            };
+            let (new_entry, added) = match fit {
+                Some(Fit::Joins(size)) => {
+                    let before = predicted
+                        .as_ref()
+                        .and_then(|(index, _)| open.get(index))
+                        .map_or(0, |slot| slot.aggregator.wire_size());
+                    (false, size.saturating_sub(before))
+                }
+                Some(Fit::StartsNext(size)) => (true, size),
+                Some(Fit::Alone) | None => (true, front.meta.size),
+            };
+            let taken = records.len() + open.len() > 0;
+            if taken
+                && ((new_entry && records.len() + open.len() >= self.settings.max_batch_records)
+                    || bytes + pending + added > self.settings.max_batch_bytes)
             {
                 break;
             }
-            let predicted = hash_key(&front.record)
-                .and_then(|h| map.shard_of(h))
-                .map(|(index, shard)| (index, shard.clone()));
             if let (Some(limit), Some((index, shard))) = (&self.rate_limit, &predicted) {
                 // A new Kinesis record costs one record of the budget; every user
                 // record its bytes (with a little framing when aggregated).
-                let starts = open.get(index).is_none_or(|slot| {
-                    slot.aggregator.is_empty()
-                        || slot.aggregator.len() as u64 >= max_count
-                        || slot.aggregator.size() + front.meta.size + AGGREGATE_OVERHEAD > max_size
-                });
-                let cost_records = if starts { 1.0 } else { 0.0 };
+                let cost_records = if new_entry { 1.0 } else { 0.0 };
                 let cost_bytes = front.meta.size as f64;
                 let over = waiting.contains(index) || {
                     let budget = self
@@ -624,21 +731,17 @@ impl Worker {
                     }
                 };
                 if over {
-                    if let Some(entry) = self.ready.pop_front() {
-                        self.ready_bytes -= entry.meta.size;
-                        deferred.push(entry);
-                    }
-                    if deferred.len() >= MAX_DEFERRED_SCAN {
-                        // Enough looking past waiting records for one call.
-                        break;
-                    }
+                    // The record and the rest of its queue keep their place; the
+                    // other queues go on.
                     continue;
                 }
             }
-            let Some(Entry { record, meta }) = self.ready.pop_front() else {
-                break;
+            let Some(Entry { record, meta }) = self.ready.pop(&queue) else {
+                continue;
             };
-            self.ready_bytes -= meta.size;
+            if let Some(next) = self.ready.front(&queue) {
+                fronts.push(Reverse((next.meta.id, queue)));
+            }
             let Some((index, shard)) = predicted else {
                 // Outside every known range: the map is stale. Sent alone, where
                 // Kinesis routes it.
@@ -664,7 +767,7 @@ impl Worker {
                 aggregator: Aggregator::with_max_size(max_size),
                 users: Vec::new(),
             });
-            let before = slot.aggregator.size();
+            let before = slot.aggregator.wire_size();
             if slot.aggregator.len() as u64 >= max_count {
                 if let Some(full) = slot.aggregator.flush() {
                     bytes += full.data.len() + full.partition_key.len();
@@ -699,12 +802,7 @@ impl Worker {
                     });
                 }
             }
-            pending = pending.saturating_sub(before) + slot.aggregator.size();
-        }
-        // Records over their shard's budget keep their place, ahead of newer ones.
-        for entry in deferred.into_iter().rev() {
-            self.ready_bytes += entry.meta.size;
-            self.ready.push_front(entry);
+            pending = pending.saturating_sub(before) + slot.aggregator.wire_size();
         }
         self.rate_wait = wake
             .map(|at| at.min(now + RATE_WAIT_MAX))
@@ -784,7 +882,16 @@ impl Worker {
                 tracing::debug!(stream = %self.settings.stream, shards = map.len(), "shard map listed");
                 // Closed shards take no more writes: their budgets go.
                 self.budgets.retain(|shard, _| map.is_open(shard));
-                self.shard_map = Some(Arc::new(map));
+                let map = Arc::new(map);
+                self.gate.set_map(map.clone());
+                self.shard_map = Some(map);
+                // Each record to the queue of the shard the new map predicts.
+                if !self.ready.is_empty() {
+                    let ready = std::mem::take(&mut self.ready);
+                    let mut regrouped = ready;
+                    regrouped.regroup(|entry| self.queue_of(entry));
+                    self.ready = regrouped;
+                }
                 self.map_unavailable = false;
                 self.listing_failures = 0;
             }
@@ -1072,6 +1179,7 @@ impl Worker {
         let _ = meta.reply.send(result);
         self.held = self.held.saturating_sub(1);
         self.epochs.answered(meta.epoch);
+        self.gate.release(&meta.line);
         if !self.settings.ordered_per_key {
             return;
         }
@@ -1080,16 +1188,19 @@ impl Worker {
                 if !waiting.is_empty() {
                     tracing::warn!(stream = %self.settings.stream, unsent = waiting.len(), "a record finally failed: failing the records of its key behind it");
                 }
-                let cause = Box::new(cause);
+                let after = Box::new(cause.clone());
                 for entry in waiting {
                     let _ = entry
                         .meta
                         .reply
-                        .send(Err(ProduceError::AfterFailure(cause.clone())));
+                        .send(Err(ProduceError::AfterFailure(after.clone())));
                     self.held = self.held.saturating_sub(1);
                     self.epochs.answered(entry.meta.epoch);
+                    self.gate.release(&entry.meta.line);
                 }
             }
+            // And those still waiting for room in the gate.
+            self.gate.fail_key(meta.key, &cause);
             return;
         }
         if let MapEntry::Occupied(mut waiting) = self.blocked.entry(meta.key) {
@@ -1132,8 +1243,8 @@ impl Worker {
             consider(until);
         }
         if self.in_flight.len() < self.settings.max_in_flight {
-            if let Some(front) = self.ready.front() {
-                consider(front.meta.enqueued + self.settings.linger);
+            if let Some(oldest) = self.ready.oldest() {
+                consider(oldest + self.settings.linger);
             }
         }
         for (at, _) in &self.retries {
