@@ -29,7 +29,7 @@
 
 use crate::kinesis::{KinesisApi, KinesisError, StartingPosition, StreamIdentity};
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
-use crate::SequenceNumber;
+use crate::sequence::SequenceNumber;
 
 /// How many times [`reset_checkpoint`] reads the row again after a conditional write
 /// lost to the owner's renewal.

@@ -98,6 +98,18 @@ pub fn inject_current(headers: &mut Headers) {
     });
 }
 
+impl Headers {
+    /// Adds the current trace context, as a producer that embeds headers does to every
+    /// record: through the globally installed propagator, unless one of its fields is
+    /// present already (a record's own context is kept). For a writer of its own format
+    /// that carries headers inside (the dead-letter envelope), whose records a
+    /// [raw](crate::Producer::raw) producer writes. Without the `opentelemetry` feature
+    /// the same method does nothing.
+    pub fn insert_current_trace_context(&mut self) {
+        inject_current(self);
+    }
+}
+
 /// The context a record's headers carry (through the global propagator); an empty
 /// context when they carry none.
 pub fn extract(headers: &Headers) -> Context {

@@ -301,7 +301,8 @@ pub async fn replay(cx: &Context, args: ReplayArgs, ctrl_c: &mut Interrupt) -> C
         .ordered_per_key(true)
         // One key's dead letters go one per round trip: do not wait to fill batches.
         .linger(Duration::from_millis(5))
-        .build()?;
+        .build()?
+        .raw();
     let bar = progress(Some(letters.len() as u64), "re-publishing");
     let save_interval = SAVE_INTERVAL.min(claim_for / 3);
     let outcome = publish(
@@ -497,11 +498,10 @@ async fn publish(
 ) -> Outcome {
     let send = |index: usize| {
         let letter = &letters[index].envelope;
-        let data = if letter.headers.is_empty() {
-            Some(letter.payload.clone())
-        } else {
-            spring::write_json(&letter.headers, &letter.payload)
-        };
+        // Framed here as a producer that embeds headers frames (a payload without
+        // headers that a reader could take for a frame gets an empty header map), and
+        // written through the raw handle so nothing frames it a second time.
+        let data = spring::write_embedded(&letter.headers, &letter.payload);
         let key = letter.partition_key.clone();
         async move {
             let result = match data {

@@ -15,13 +15,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::Waker;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::kinesis::PutRecord;
 
-use super::record::ProduceError;
+use super::record::{ProduceError, Stored};
 use super::shards::{hash_key, ShardMap};
-use super::worker::{Command, Reply};
 
 /// The line a record is counted in: the shard it is predicted to land in, or `None`
 /// while the shards are not known.
@@ -305,6 +304,31 @@ impl Gate {
             }
         }
     }
+}
+
+/// Where a caller waits for its record's fate.
+pub(crate) type Reply = oneshot::Sender<Result<Stored, ProduceError>>;
+
+/// What the handles send to the task.
+pub(crate) enum Command {
+    /// A validated record to write.
+    Record {
+        record: PutRecord,
+        size: usize,
+        reply: Reply,
+        /// The gate's line it is counted in, given back when it is answered.
+        line: Line,
+    },
+    /// Validated records handed over together ([`Producer::send_all`]): taken in one
+    /// step, so that in ordered mode each is queued behind the one before it of its key
+    /// before any of them can fail.
+    ///
+    /// [`Producer::send_all`]: super::Producer::send_all
+    Records(Vec<(PutRecord, usize, Reply, Line)>),
+    /// Answer when every record sent before this command has been answered.
+    Flush(oneshot::Sender<()>),
+    /// Accept nothing more, write everything held, then stop.
+    Close,
 }
 
 #[cfg(test)]

@@ -211,9 +211,9 @@ pub use record::{
 };
 
 use builder::Settings;
-use gate::{Gate, Handed, Line};
+use gate::{Command, Gate, Handed, Line};
 use limit::RecordLimit;
-use worker::{Command, Worker};
+use worker::Worker;
 
 /// Writes records to one Kinesis stream in batches; a `tower::Service` whose calls
 /// resolve to the shard and sequence number each record got. Cheap to clone: clones

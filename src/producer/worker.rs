@@ -37,7 +37,7 @@ use crate::kinesis::{KinesisError, PutOutcome, PutRecord, ShardInfo};
 use crate::sequence::SequenceNumber;
 
 use super::builder::Settings;
-use super::gate::{Gate, Line};
+use super::gate::{Command, Gate, Line, Reply};
 use super::record::{entry_error_is_transient, ProduceError, Stored};
 use super::shards::{hash_key, RateLimit, ShardBudget, ShardMap};
 
@@ -69,31 +69,6 @@ const LANDED_WAIT_MAX: Duration = Duration::from_secs(2);
 
 /// Times a record may land in a shard that does not own it before it fails.
 const MAX_MISPLACED: u32 = 5;
-
-/// Where a caller waits for its record's fate.
-pub(crate) type Reply = oneshot::Sender<Result<Stored, ProduceError>>;
-
-/// What the handles send to the task.
-pub(crate) enum Command {
-    /// A validated record to write.
-    Record {
-        record: PutRecord,
-        size: usize,
-        reply: Reply,
-        /// The gate's line it is counted in, given back when it is answered.
-        line: Line,
-    },
-    /// Validated records handed over together ([`Producer::send_all`]): taken in one
-    /// step, so that in ordered mode each is queued behind the one before it of its key
-    /// before any of them can fail.
-    ///
-    /// [`Producer::send_all`]: super::Producer::send_all
-    Records(Vec<(PutRecord, usize, Reply, Line)>),
-    /// Answer when every record sent before this command has been answered.
-    Flush(oneshot::Sender<()>),
-    /// Accept nothing more, write everything held, then stop.
-    Close,
-}
 
 /// Everything about a record except the record itself (which travels in the call).
 struct Meta {

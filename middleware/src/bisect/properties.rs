@@ -44,7 +44,7 @@ struct Scenario {
     splits: Splits,
     max_attempts: Option<u32>,
     max_age: bool,
-    /// The handler is a bulk handler behind batch-mode [`Batching`](crate::Batching)
+    /// The handler is a bulk handler behind batch-mode [`Batching`](crate::batch::Batching)
     /// with chunks of at most this many records (each chunk one bulk call).
     chunks: Option<usize>,
 }
@@ -243,7 +243,7 @@ fn whole(world: Shared, transient: Vec<bool>) -> Inner {
     }))
 }
 
-/// A bulk handler behind batch-mode [`Batching`](crate::Batching), chunks of at most
+/// A bulk handler behind batch-mode [`Batching`](crate::batch::Batching), chunks of at most
 /// `max` records: a piece is handled when all its chunks were.
 fn chunked(world: Shared, transient: Vec<bool>, max: usize) -> Inner {
     let kinds = Arc::new(lock(&world).kinds.clone());
@@ -253,7 +253,8 @@ fn chunked(world: Shared, transient: Vec<bool>, max: usize) -> Inner {
         let chunk: Vec<Kind> = indexes(&messages).iter().map(|&r| kinds[r]).collect();
         answer(verdict(&transient, call, &chunk), call)
     });
-    let batching = crate::Batching::new(bulk, crate::BatchConfig::new().max_count(max));
+    let batching =
+        crate::batch::Batching::new(bulk, crate::batch::BatchConfig::new().max_count(max));
     BoxCloneService::new(service_fn(move |batch: Batch<Bytes>| {
         let mut w = lock(&world);
         w.check_acks();

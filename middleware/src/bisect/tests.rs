@@ -429,7 +429,7 @@ async fn a_chunk_written_before_a_failing_chunk_is_not_written_again_in_the_deli
             }
         }
     });
-    let inner = crate::Batching::new(bulk, crate::BatchConfig::new().max_count(2));
+    let inner = crate::batch::Batching::new(bulk, crate::batch::BatchConfig::new().max_count(2));
     let svc = BisectLayer::new(sink).layer(inner);
     svc.oneshot(batch(0..8)).await.unwrap();
     assert_eq!(sunk_sequences(&sunk), [5]);
