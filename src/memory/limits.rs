@@ -107,7 +107,6 @@ impl KinesisLimits {
     }
 }
 
-
 /// The size Kinesis meters for a record: its data plus its partition key.
 pub(super) fn metered_size(data: usize, partition_key: &str) -> u64 {
     (data + partition_key.len()) as u64
