@@ -444,13 +444,10 @@ async fn a_chunk_written_before_a_failing_chunk_is_not_written_again_in_the_deli
 }
 
 /// The README's bulk handler (an insert that fails with an `io::Error`) behind the
-/// default `bisect` layer: while the database is down, every call fails, every record
-/// "fails alone", and the whole batch is dead-lettered, although the README says a
-/// store that is down is not split and the batch comes back.
+/// default `bisect` layer: while the database is down the batch is not split and nothing
+/// is dead-lettered; the whole batch comes back. Regression: every record "failed
+/// alone" and the whole batch was dead-lettered.
 #[tokio::test(start_paused = true)]
-#[ignore = "open: the default policy cannot tell a database that is down from a bad \
-            record (an io::Error is dead-lettered), so a store outage dead-letters every \
-            record as failed_alone; the README promises the opposite"]
 async fn a_database_that_is_down_dead_letters_nothing_with_the_default_policy() {
     let (sunk, sink) = sink(false);
     let inner = service_fn(|_: Batch<Bytes>| async {

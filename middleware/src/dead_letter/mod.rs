@@ -15,8 +15,15 @@
 //! ones: the [`dedup`](crate::dedup) layer's errors (store down, record in progress
 //! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
 //! not ready, a [`produce`](crate::produce) output that failed for a transient reason
-//! (throttling, a service error, the producer closing), and any error of a record whose
-//! lease was lost (its new owner handles it). Those go up so the consumer delivers the record again.
+//! (throttling, a service error, the producer closing), an I/O error that says the
+//! other side could not be reached or did not answer in time (a [`std::io::Error`] of
+//! kind `ConnectionRefused`, `ConnectionReset`, `TimedOut`, `HostUnreachable` and the
+//! like, anywhere in the error's chain: a database that is down), a tokio timeout
+//! (`tokio::time::error::Elapsed`), and any error of a record whose lease was lost (its
+//! new owner handles it). Those go up so the consumer delivers the record again; a
+//! shard that keeps failing so is reported as stuck with its last error, never
+//! dead-lettered record by record. A handler whose outage looks different (its client's
+//! own error type) passes a policy that names it.
 //!
 //! # Deadline and panics
 //!

@@ -31,7 +31,31 @@ impl DeadLetterPolicy for PermanentFailures {
             && !chain_any::<crate::dedup::DedupError>(error, |_| true)
             && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
             && !chain_any::<crate::produce::ProduceToError>(error, |e| e.is_transient())
+            && !chain_any::<std::io::Error>(error, |e| is_unreachable(e.kind()))
+            && !chain_any::<tokio::time::error::Elapsed>(error, |_| true)
     }
+}
+
+/// Whether an I/O error says the other side could not be reached or did not answer in
+/// time (a store or service that is down, restarting or overloaded), not that the record
+/// is bad: the same call can succeed later.
+fn is_unreachable(kind: std::io::ErrorKind) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        kind,
+        ConnectionRefused
+            | ConnectionReset
+            | ConnectionAborted
+            | NotConnected
+            | BrokenPipe
+            | TimedOut
+            | Interrupted
+            | WouldBlock
+            | AddrNotAvailable
+            | HostUnreachable
+            | NetworkUnreachable
+            | NetworkDown
+    )
 }
 
 impl<F> DeadLetterPolicy for F

@@ -501,3 +501,58 @@ async fn a_panicking_handler_is_dead_lettered_with_the_panic_message() {
         ]
     );
 }
+
+/// A store or service that cannot be reached is an outage, not a bad record: the default
+/// policy lets the error go up (the record comes back) whether the I/O error is the
+/// handler's own error or the source of another, and so does a tokio timeout; an I/O
+/// error about the data is dead-lettered as before.
+#[tokio::test]
+async fn an_outage_is_delivered_again_and_bad_data_is_dead_lettered() {
+    #[derive(Debug)]
+    struct Insert(std::io::Error);
+    impl std::fmt::Display for Insert {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("insert failed")
+        }
+    }
+    impl std::error::Error for Insert {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    let outages: [fn() -> BoxError; 3] = [
+        || std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+        || std::io::Error::from(std::io::ErrorKind::TimedOut).into(),
+        || Insert(std::io::Error::from(std::io::ErrorKind::ConnectionReset)).into(),
+    ];
+    for outage in outages {
+        let (sunk, sink) = recording_sink(false);
+        let svc = DeadLetterLayer::new(sink).layer(failing_with(outage));
+        let answer = svc.oneshot(message(4, b"x")).await;
+        assert!(answer.is_err(), "an outage comes back: {answer:?}");
+        assert!(
+            sunk.lock().unwrap().is_empty(),
+            "an outage is not dead-lettered"
+        );
+    }
+    // A handler whose call to its store ran out of time.
+    let (sunk, sink) = recording_sink(false);
+    let svc = DeadLetterLayer::new(sink).layer(service_fn(|_m: Message<Bytes>| async {
+        tokio::time::timeout(Duration::from_millis(1), std::future::pending::<()>()).await?;
+        Ok::<u8, BoxError>(0)
+    }));
+    assert!(svc.oneshot(message(6, b"x")).await.is_err());
+    assert!(
+        sunk.lock().unwrap().is_empty(),
+        "a timeout is not dead-lettered"
+    );
+    let (sunk, sink) = recording_sink(false);
+    let svc = DeadLetterLayer::new(sink).layer(failing_with(|| {
+        std::io::Error::from(std::io::ErrorKind::InvalidData).into()
+    }));
+    assert_eq!(
+        svc.oneshot(message(5, b"x")).await.unwrap(),
+        DeadLetterOutcome::DeadLettered
+    );
+    assert_eq!(sunk.lock().unwrap().len(), 1);
+}
