@@ -10,11 +10,11 @@
 //! `SHARDFLOW_BATCH_CASES=N` runs N cases instead.
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::TestCaseError;
 use shardflow::Metadata;
 
 use super::*;
-use crate::test_support::message;
+use crate::test_support::{message, run_property};
 
 /// What a message does to a bulk call that holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -245,30 +245,7 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn cases() -> u32 {
-    std::env::var("SHARDFLOW_BATCH_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(300)
-}
-
 #[test]
 fn every_message_is_answered_by_its_own_outcome() {
-    let config = Config {
-        cases: cases(),
-        failure_persistence: None,
-        ..Config::default()
-    };
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[13; 32]);
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    runner
-        .run(&scenario(), |scenario| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .start_paused(true)
-                .build()
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            runtime.block_on(run(scenario))
-        })
-        .unwrap();
+    run_property("SHARDFLOW_BATCH_CASES", 13, scenario(), run);
 }

@@ -12,13 +12,13 @@
 use std::collections::BTreeSet;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::TestCaseError;
 use shardflow::{AckEvent, AckLog};
 use tower::service_fn;
 use tower::util::BoxCloneService;
 
 use super::*;
-use crate::test_support::message;
+use crate::test_support::{message, run_property};
 
 /// What a record does to a call of the handler that holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -472,30 +472,7 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn cases() -> u32 {
-    std::env::var("SHARDFLOW_BISECT_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(300)
-}
-
 #[test]
 fn every_record_is_handled_or_dead_lettered_once_for_its_own_reason() {
-    let config = Config {
-        cases: cases(),
-        failure_persistence: None,
-        ..Config::default()
-    };
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[11; 32]);
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    runner
-        .run(&scenario(), |scenario| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .start_paused(true)
-                .build()
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            runtime.block_on(run(scenario))
-        })
-        .unwrap();
+    run_property("SHARDFLOW_BISECT_CASES", 11, scenario(), run);
 }
