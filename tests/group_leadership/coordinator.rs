@@ -13,33 +13,18 @@ use std::future::IntoFuture;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use fleet::{CoordinatorFault, Fleet, Running};
+use fleet::CoordinatorFault;
 use shardflow::kinesis::StreamAdmin;
 use shardflow::lease::LeaseError;
 use shardflow::{Consumer, ConsumerError, Memory, Message};
 use tokio::time::Instant;
 
-/// The default lease duration, and take round (both 10 s).
-const LEASE: Duration = Duration::from_secs(10);
-const ROUND: Duration = Duration::from_secs(10);
-/// What reading a shard again takes beyond its take (well under a second here).
-const READ: Duration = Duration::from_secs(2);
+use super::{balanced_fleet, LEASE, READ, ROUND};
+
 /// The bound after a crash while no leader can be known (every worker lists and takes
 /// for itself, without a leader's follow-up listing): two lease durations and a take
 /// round.
 const AFTER_CRASH: Duration = Duration::from_secs(30);
-
-/// A fed, balanced fleet of `workers` with four shards each, a few rounds after it
-/// balanced (roles settled: only the leader lists every round).
-async fn balanced_fleet(workers: usize) -> Running {
-    let running = fleet::start_balanced(Fleet {
-        feed_every: Some(Duration::from_secs(1)),
-        ..Fleet::new(workers as u32 * 4, workers)
-    })
-    .await;
-    tokio::time::sleep(ROUND * 3).await;
-    running
-}
 
 /// Eight workers, 32 shards; the coordinator-state table starts failing for every
 /// worker (`fault`), then a worker that does not lead crashes: its shards are read

@@ -9,33 +9,17 @@ use testkit::fleet;
 
 use std::time::Duration;
 
-use fleet::{leases_per_owner, Fleet, Running};
+use fleet::{leases_per_owner, Running};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tokio::time::Instant;
 
-/// The default lease duration, and take round (both 10 s).
-const LEASE: Duration = Duration::from_secs(10);
-const ROUND: Duration = Duration::from_secs(10);
-/// What reading a shard again takes beyond its take (an iterator, a read, a handler
-/// call: well under a second here), as the other fleet tests allow.
-const READ: Duration = Duration::from_secs(2);
+use super::{balanced_fleet, LEASE, READ, ROUND};
+
 /// The bound after a crash, the leader's included: a lease duration and a take round
 /// (the worker that takes the leadership over has watched every lease meanwhile).
 const AFTER_CRASH: Duration = Duration::from_secs(20);
-
-/// A fed, balanced fleet of `workers` with four shards each, a few rounds after it
-/// balanced (roles settled).
-async fn balanced_fleet(workers: usize) -> Running {
-    let running = fleet::start_balanced(Fleet {
-        feed_every: Some(Duration::from_secs(1)),
-        ..Fleet::new(workers as u32 * 4, workers)
-    })
-    .await;
-    tokio::time::sleep(ROUND * 3).await;
-    running
-}
 
 /// Crashes the workers `which` of a balanced fleet of `workers` at once and holds the
 /// fleet to the crash bound.
