@@ -617,9 +617,9 @@ fn next_random(state: &mut u64) -> u64 {
 /// ended `Failed`. The call's size was estimated per user record (its size plus 16),
 /// while a record with an explicit hash key adds about 52 bytes to its aggregate (and
 /// the first of an aggregate more). Now every call stays within its entries and bytes
-/// by construction. The same records go at Kinesis' own 5 MiB per call (which the
-/// embedded backend enforces with its limits on) and at smaller configured limits,
-/// where many more calls are put together and each one is checked.
+/// by construction. The same records go at the default 5 MiB per call and at smaller
+/// configured limits, where many more calls are put together, and each call is
+/// checked against its limit.
 #[tokio::test(start_paused = true)]
 async fn calls_stay_within_their_byte_limit_whatever_explicit_hash_keys_add() {
     for (max_batch_bytes, seed) in [(5 * 1024 * 1024, 28), (10_000, 29), (100_000, 30)] {
