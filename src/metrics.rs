@@ -3,10 +3,11 @@
 //! `metrics` recorder (Prometheus, OpenTelemetry, StatsD exporters) to collect them;
 //! without one every call is a no-op.
 //!
-//! Labels: `stream` and `group` on every series, `shard` only on the three per-shard
-//! series ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`]), so the
-//! number of series grows with the shards a worker held, not with records. Histograms
-//! are per worker (never per shard) because each costs a series per bucket.
+//! Labels: `stream` and `group` on every series, `shard` only on the per-shard series
+//! ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`],
+//! [`CHECKPOINT_AGE`], and the throughput gauges), so the number of series grows with the
+//! shards a worker held, not with records. Histograms are per worker (never per shard)
+//! because each costs a series per bucket.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -53,6 +54,29 @@ pub const RECORDS_IN_FLIGHT: &str = "shardflow_records_in_flight";
 /// Gauge: shards of this worker that are stuck (records handed out and none handled
 /// for `stuck_after`; see [`ShardHealth::stuck_for`](crate::consumer::ShardHealth::stuck_for)).
 pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
+
+/// Gauge, per shard, seconds: how long the shard's checkpoint has not been current on the
+/// worker that holds it. The clock restarts when a checkpoint write lands and whenever
+/// the worker finds nothing to commit (every record it read is handled and covered by
+/// the stored checkpoint: an idle shard caught up with the tip stays near 0, however
+/// long ago its last write was). It grows while handled records are not committed
+/// (checkpoint writes failing) or records wait to be handled (a hung or failing handler):
+/// those are the records a crash now would deliver again. Refreshed at least every
+/// checkpoint interval; 0 once the shard is no longer read here.
+pub const CHECKPOINT_AGE: &str = "shardflow_checkpoint_age_seconds";
+
+// The four throughput series below are recorded by the throughput measurement (per-shard
+// smoothed rates, the worker's load and the balancing plan's imbalance).
+
+/// Gauge, per shard: the shard's recent throughput in payload bytes per second.
+pub const SHARD_THROUGHPUT_BYTES: &str = "shardflow_shard_throughput_bytes_per_second";
+/// Gauge, per shard: the shard's recent throughput in records per second.
+pub const SHARD_THROUGHPUT_RECORDS: &str = "shardflow_shard_throughput_records_per_second";
+/// Gauge, per worker: the sum of the throughput (bytes per second) of the shards this
+/// worker holds.
+pub const WORKER_LOAD_BYTES: &str = "shardflow_worker_load_bytes_per_second";
+/// Gauge: the balancing plan's imbalance, the most-loaded worker's load over the mean.
+pub const BALANCE_IMBALANCE: &str = "shardflow_balance_imbalance_ratio";
 
 /// Gauge: 1 while this worker cannot know the group's leader (the coordinator-state
 /// table refuses its calls or is gone) and so lists the lease table and takes expired
@@ -158,6 +182,7 @@ impl Labels {
         };
         Arc::new(ShardMetrics {
             millis_behind: ::metrics::gauge!(MILLIS_BEHIND_LATEST, labels()),
+            checkpoint_age: ::metrics::gauge!(CHECKPOINT_AGE, labels()),
             records: ::metrics::counter!(RECORDS_HANDLED, labels()),
             bytes: ::metrics::counter!(BYTES_HANDLED, labels()),
             batch_records: self.histogram(BATCH_RECORDS),
@@ -173,6 +198,8 @@ impl Labels {
 #[derive(Debug)]
 pub(crate) struct ShardMetrics {
     pub(crate) millis_behind: Gauge,
+    /// The shard's [`CHECKPOINT_AGE`].
+    pub(crate) checkpoint_age: Gauge,
     records: Counter,
     bytes: Counter,
     batch_records: Histogram,

@@ -319,3 +319,96 @@ fn a_busy_shard_writes_a_checkpoint_at_most_every_five_seconds() {
         assert!(reads <= 1.01, "GetRecords per shard per second: {reads}");
     });
 }
+
+/// Refuses every checkpoint write while `refuse` is set (renewals and takes go through,
+/// so the worker keeps its lease and only stops committing).
+struct RefusedCheckpoints {
+    refuse: Arc<AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl testkit::hooks::Hooks for RefusedCheckpoints {
+    async fn before_lease(
+        &self,
+        op: &'static str,
+        _: Option<&str>,
+    ) -> Result<(), shardflow::lease::LeaseError> {
+        if op == "checkpoint" && self.refuse.load(Ordering::SeqCst) {
+            return Err(shardflow::lease::LeaseError::Other(
+                "checkpoint writes refused".to_owned().into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint age the worker reports for the stream's shards (the oldest).
+fn checkpoint_age(m: &PrometheusHandle) -> Option<f64> {
+    series(m)
+        .into_iter()
+        .filter(|(n, ..)| n == names::CHECKPOINT_AGE)
+        .map(|(.., v)| v)
+        .reduce(f64::max)
+}
+
+/// The checkpoint age an operator alerts on: an idle shard (nothing to commit for ten
+/// minutes) reports a current checkpoint, not ten minutes; a worker whose checkpoint
+/// writes fail while it handles records reports an age that keeps growing, which falls
+/// back once a write lands; a shard no longer read reports 0.
+#[test]
+fn checkpoint_age_ignores_idle_shards_and_grows_while_commits_fail() {
+    with_metrics(|m| async move {
+        let memory = Memory::new();
+        memory.streams().create_stream("orders", 1).await.unwrap();
+        let refuse = Arc::new(AtomicBool::new(false));
+        let recorder = Recorder::default();
+        let hooked = testkit::hooks::Hooked::new(
+            memory.clone(),
+            RefusedCheckpoints {
+                refuse: refuse.clone(),
+            },
+        );
+        // The defaults: a checkpoint at most every 5 s.
+        let running = Consumer::builder()
+            .stream("orders")
+            .group("billing")
+            .worker_id("w1")
+            .seed(5)
+            .backend(hooked)
+            .build()
+            .unwrap()
+            .run(testkit::recording_handler(recorder.clone()))
+            .spawn();
+        let interval = 5.0;
+        eventually(LIMIT, "the shard leased", || running.health().shards.len() == 1).await;
+        produce(memory.streams().as_ref(), "orders", 0..10).await;
+        recorder.wait_for(10, LIMIT).await;
+
+        // Ten idle minutes: nothing to commit, so the checkpoint is current.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        let idle = checkpoint_age(&m).expect("a checkpoint age per shard");
+        assert!(idle <= interval, "idle shard's checkpoint age: {idle} s");
+
+        // Records handled, every write refused: the age grows past the interval.
+        refuse.store(true, Ordering::SeqCst);
+        produce(memory.streams().as_ref(), "orders", 10..20).await;
+        recorder.wait_for(20, LIMIT).await;
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let stale = checkpoint_age(&m).unwrap();
+        assert!(
+            (60.0 - interval..=60.0 + 2.0 * interval).contains(&stale),
+            "checkpoint age while writes fail: {stale} s"
+        );
+        assert!(total(&m, names::CHECKPOINT_WRITES, &[("outcome", "error")]) >= 1.0);
+
+        // Writes land again: the age falls back within an interval or two.
+        refuse.store(false, Ordering::SeqCst);
+        eventually(Duration::from_secs(30), "a current checkpoint", || {
+            checkpoint_age(&m).is_some_and(|age| age <= interval)
+        })
+        .await;
+
+        within(LIMIT, "shutdown", running.shutdown()).await.unwrap();
+        assert_eq!(checkpoint_age(&m), Some(0.0), "no age for a shard not read");
+    });
+}

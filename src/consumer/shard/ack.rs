@@ -173,6 +173,12 @@ impl Watermark {
         self.waiting_since.is_none()
     }
 
+    /// Whether nothing of the shard's own waits to be handled: no delivered unit is
+    /// pending and no wait from before a restart goes on (see [`Watermark::idle`]).
+    pub(crate) fn settled(&self) -> bool {
+        self.pending.is_empty() && self.waiting_since.is_none()
+    }
+
     /// Marks a unit given up: not handled (beyond any `ack_through`), never going to be.
     pub(crate) fn abandon(&mut self, id: u64, generation: u64) {
         if let Some(unit) = self.unit(id, generation) {

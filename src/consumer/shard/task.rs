@@ -103,6 +103,11 @@ impl ShardTask {
             since: None,
             tick,
         };
+        let mut age = CheckpointAge {
+            gauge: metrics.checkpoint_age.clone(),
+            current_at: Instant::now(),
+            last_written: committed.clone(),
+        };
         let reader = ShardReader {
             metrics: metrics.clone(),
             health: self.health.clone(),
@@ -189,6 +194,7 @@ impl ShardTask {
                             }
                         }
                     }
+                    age.look(&progress, &committed);
                 }
             };
             // The reader is dropped here: nothing more is read in this generation. What
@@ -372,6 +378,44 @@ impl ShardTask {
                 Ok(())
             }
         }
+    }
+}
+
+/// The shard's [`CHECKPOINT_AGE`](crate::metrics::CHECKPOINT_AGE): since when its
+/// stored checkpoint has not been current. It is current right after a checkpoint write
+/// lands and whenever the task finds nothing to commit: the watermark is the committed
+/// checkpoint and nothing delivered waits to be handled (an idle shard caught up with
+/// the tip, so it never alarms for lack of writes). Dropped with the shard task: a shard
+/// no longer read here reports 0, not a stale age.
+struct CheckpointAge {
+    gauge: ::metrics::Gauge,
+    /// When the checkpoint was last known current.
+    current_at: Instant,
+    /// The committed checkpoint at the last look: a change is a write that landed.
+    last_written: Checkpoint,
+}
+
+impl CheckpointAge {
+    /// Looks at the shard after each event of its task (reads, acknowledgements, the
+    /// commit and stuck ticks, so at least every checkpoint interval) and sets the gauge.
+    fn look(&mut self, progress: &ShardProgress, committed: &Checkpoint) {
+        let written = *committed != self.last_written;
+        if written {
+            self.last_written = committed.clone();
+        }
+        if written || {
+            let w = progress.lock();
+            w.acked() == committed && w.settled()
+        } {
+            self.current_at = Instant::now();
+        }
+        self.gauge.set(self.current_at.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for CheckpointAge {
+    fn drop(&mut self) {
+        self.gauge.set(0.0);
     }
 }
 
