@@ -483,11 +483,18 @@ async fn leases_are_fenced_on_owner_and_counter() {
         // A 129-digit sequence number round-trips through the checkpoint.
         let big = SequenceNumber::new(format!("4{}", "9".repeat(128))).expect("129 digits");
         let position = Checkpoint::At(Position::new(big, 7));
+        let before = SystemTime::now() - Duration::from_millis(1);
         let checkpointed = store
             .checkpoint(&renewed, &position)
             .await
             .expect("checkpoint");
         assert_eq!(checkpointed.checkpoint, position);
+        // The write's time (`checkpointedAt`) is stored with it, as the table returns it.
+        let at = checkpointed.checkpointed_at.expect("checkpointedAt written");
+        assert!(
+            (before..=SystemTime::now()).contains(&at),
+            "checkpointedAt {at:?} is the time of the write"
+        );
         assert_eq!(checkpointed.counter, 2, "a checkpoint keeps the counter");
         assert_eq!(
             store.get(key).await.expect("get"),

@@ -412,3 +412,238 @@ fn checkpoint_age_ignores_idle_shards_and_grows_while_commits_fail() {
         assert_eq!(checkpoint_age(&m), Some(0.0), "no age for a shard not read");
     });
 }
+
+// The Grafana dashboard (docs/grafana/shardflow.json) queries only names the code records
+// and docs/metrics.md documents.
+
+/// PromQL words that are not metric names: aggregation modifiers, set operators and the
+/// like (functions are recognised by the `(` after them).
+const PROMQL_WORDS: &[&str] = &[
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+];
+
+/// The metric names a PromQL expression selects: every identifier outside label
+/// matchers (`{...}`), ranges (`[...]`), strings and label lists (`by (...)`), that is
+/// neither a function (followed by `(`), a PromQL word nor a `$variable`.
+fn promql_metric_names(expr: &str) -> Vec<String> {
+    let chars: Vec<char> = expr.chars().collect();
+    let mut names = Vec::new();
+    let mut i = 0;
+    // Set after a modifier whose parenthesised list holds label names.
+    let mut labels_follow = false;
+    while i < chars.len() {
+        let c = chars[i];
+        let skip_to = |close: char, from: usize| {
+            let mut j = from + 1;
+            while j < chars.len() && chars[j] != close {
+                j += 1;
+            }
+            j + 1
+        };
+        match c {
+            '{' => i = skip_to('}', i),
+            '[' => i = skip_to(']', i),
+            '"' | '\'' | '`' => i = skip_to(c, i),
+            '(' if labels_follow => {
+                labels_follow = false;
+                i = skip_to(')', i);
+            }
+            '$' => {
+                i += 1;
+                while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
+                    i += 1;
+                }
+            }
+            c if c.is_ascii_alphabetic() || c == '_' || c == ':' => {
+                let start = i;
+                while i < chars.len()
+                    && (chars[i].is_ascii_alphanumeric() || chars[i] == '_' || chars[i] == ':')
+                {
+                    i += 1;
+                }
+                let word: String = chars[start..i].iter().collect();
+                let next = chars[i..].iter().find(|c| !c.is_whitespace());
+                let lower = word.to_ascii_lowercase();
+                if ["by", "without", "on", "ignoring", "group_left", "group_right"]
+                    .contains(&lower.as_str())
+                {
+                    labels_follow = true;
+                } else if next != Some(&'(') && !PROMQL_WORDS.contains(&lower.as_str()) {
+                    names.push(word);
+                }
+            }
+            c if c.is_ascii_digit() || c == '.' => {
+                // A number (or a duration such as `5m`): not a name.
+                while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
+                    i += 1;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    names
+}
+
+/// Every PromQL expression of a dashboard: the `expr` of each panel's targets (rows
+/// included) and each query variable's query.
+fn dashboard_queries(dashboard: &serde_json::Value) -> Vec<String> {
+    fn walk(value: &serde_json::Value, out: &mut Vec<String>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, v) in map {
+                    match (key.as_str(), v) {
+                        ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                        ("query", serde_json::Value::String(q)) if q.contains('(') => {
+                            // A variable's `label_values(metric, label)`: the metric.
+                            let inner = q
+                                .strip_prefix("label_values(")
+                                .and_then(|q| q.rsplit_once(','))
+                                .map_or(q.as_str(), |(m, _)| m);
+                            out.push(inner.to_owned());
+                        }
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(dashboard, &mut out);
+    out
+}
+
+/// The metric names the code records: every `pub const NAME: &str = "..."` of the two
+/// modules where all names live (`shardflow::metrics`, `shardflow_middleware::metrics`).
+fn recorded_names() -> Vec<String> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut names = Vec::new();
+    for file in ["src/metrics.rs", "middleware/src/metrics.rs"] {
+        let source = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
+        for line in source.lines() {
+            let line = line.trim();
+            if let Some(rest) = line.strip_prefix("pub const ") {
+                if let Some((_, value)) = rest.split_once(": &str = \"") {
+                    names.push(value.trim_end_matches("\";").to_owned());
+                }
+            }
+        }
+    }
+    names
+}
+
+/// The names a dashboard queries that the code does not record or docs/metrics.md does
+/// not document (in its table, as `` `name` ``), each with what is missing. A histogram's
+/// `_sum`, `_count` and `_bucket` series count as the histogram.
+fn unknown_metrics(dashboard: &serde_json::Value, recorded: &[String], doc: &str) -> Vec<String> {
+    let mut unknown = Vec::new();
+    for query in dashboard_queries(dashboard) {
+        for name in promql_metric_names(&query) {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| {
+                    name.strip_suffix(suffix)
+                        .filter(|b| recorded.iter().any(|r| r == b))
+                })
+                .unwrap_or(&name)
+                .to_owned();
+            if !recorded.contains(&base) {
+                unknown.push(format!("{name}: not recorded by the code"));
+            } else if !doc.contains(&format!("| `{base}` |")) {
+                unknown.push(format!("{name}: not documented in docs/metrics.md"));
+            }
+        }
+    }
+    unknown.sort();
+    unknown.dedup();
+    unknown
+}
+
+fn dashboard() -> serde_json::Value {
+    let path = format!("{}/docs/grafana/shardflow.json", env!("CARGO_MANIFEST_DIR"));
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn metrics_doc() -> String {
+    std::fs::read_to_string(format!("{}/docs/metrics.md", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+#[test]
+fn promql_names_are_told_from_functions_labels_and_variables() {
+    assert_eq!(
+        promql_metric_names(
+            r#"sum by (stream, shard) (rate(shardflow_records_handled_total{stream=~"$stream", group="a b"}[$__rate_interval] offset 5m)) / on (shard) group_left max(up) > bool 0.5"#
+        ),
+        ["shardflow_records_handled_total", "up"]
+    );
+    assert_eq!(
+        promql_metric_names("histogram_quantile(0.99, sum by (le) (rate(x_bucket[5m])))"),
+        ["x_bucket"]
+    );
+    assert!(promql_metric_names("vector(1) * 2e3").is_empty());
+}
+
+#[test]
+fn every_metric_the_dashboard_queries_is_recorded_and_documented() {
+    let recorded = recorded_names();
+    // The parser found the names of both modules.
+    assert!(recorded.iter().any(|n| n == names::CHECKPOINT_AGE));
+    assert!(recorded
+        .iter()
+        .any(|n| n == shardflow_middleware::metrics::DEAD_LETTERS));
+    let dashboard = dashboard();
+    let queried: Vec<String> = dashboard_queries(&dashboard)
+        .iter()
+        .flat_map(|q| promql_metric_names(q))
+        .collect();
+    // What operators were promised on the dashboard.
+    for promised in [
+        names::MILLIS_BEHIND_LATEST,
+        names::CHECKPOINT_AGE,
+        names::SHARD_THROUGHPUT_BYTES,
+        names::WORKER_LOAD_BYTES,
+        names::BALANCE_IMBALANCE,
+        names::SHARDS_STUCK,
+        names::HANDLER_ERRORS,
+        names::LEADER_UNKNOWN,
+        shardflow_middleware::metrics::DEAD_LETTERS,
+    ] {
+        assert!(queried.iter().any(|q| q == promised), "{promised} is not on the dashboard");
+    }
+    assert_eq!(
+        unknown_metrics(&dashboard, &recorded, &metrics_doc()),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn a_dashboard_query_of_an_unknown_metric_is_reported() {
+    let mut dashboard = dashboard();
+    let first = &mut dashboard["panels"][1]["targets"][0]["expr"];
+    let expr = first.as_str().unwrap().to_owned();
+    assert!(expr.contains("shardflow_millis_behind_latest"), "{expr}");
+    *first = expr
+        .replace("shardflow_millis_behind_latest", "shardflow_milis_behind_latest")
+        .into();
+    let doc = metrics_doc().replace("| `shardflow_leader_unknown` |", "| leader unknown |");
+    assert_eq!(
+        unknown_metrics(&dashboard, &recorded_names(), &doc),
+        [
+            "shardflow_leader_unknown: not documented in docs/metrics.md",
+            "shardflow_milis_behind_latest: not recorded by the code",
+        ]
+    );
+}

@@ -1,12 +1,12 @@
-//! `group describe` (one row per shard with its owner, lease activity, checkpoint and
-//! lag; in a multi-stream table its stream too, and the lag per stream; the group's
+//! `group describe` (one row per shard with its owner, lease activity, checkpoint, the
+//! age of its last checkpoint write and lag; in a multi-stream table its stream too, and the lag per stream; the group's
 //! leader; a summary that counts the shards in error, unreadable or without an owner,
 //! and exit code 1 when a shard cannot be read) and `group delete` (the lease table,
 //! refused while leases are live).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use clap::Args;
 use serde_json::json;
@@ -86,16 +86,17 @@ fn state(row: &Lease, shard: Option<&ShardInfo>) -> &'static str {
     }
 }
 
-/// Lag of one shard: milliseconds behind the tip (a one-record read at the checkpoint)
-/// and, when asked, the records behind.
+/// Lag of one shard: milliseconds behind the tip (a one-record read at the checkpoint),
+/// when asked the records behind, and whether the checkpoint is at the tip (that read
+/// found no record after it).
 async fn lag(
     kinesis: &dyn KinesisApi,
     stream: &str,
     row: &TableRow,
     count: Option<&indicatif::ProgressBar>,
-) -> Result<(Option<i64>, Option<u64>), String> {
+) -> Result<(Option<i64>, Option<u64>, bool), String> {
     let Some(from) = after_checkpoint(&row.lease.checkpoint) else {
-        return Ok((Some(0), Some(0)));
+        return Ok((Some(0), Some(0), true));
     };
     let iterator = kinesis
         .shard_iterator(stream, &row.shard, &from)
@@ -106,8 +107,9 @@ async fn lag(
         .await
         .map_err(|e| e.to_string())?;
     let millis = page.millis_behind_latest;
+    let at_tip = page.records.is_empty() && millis.unwrap_or(0) == 0;
     let Some(bar) = count else {
-        return Ok((millis, None));
+        return Ok((millis, None, at_tip));
     };
     let mut behind = 0u64;
     read_to_tip(kinesis, stream, &row.shard, &from, |_| {
@@ -117,7 +119,27 @@ async fn lag(
     })
     .await
     .map_err(|e| e.to_string())?;
-    Ok((millis, Some(behind)))
+    Ok((millis, Some(behind), behind == 0))
+}
+
+/// How long ago the row's checkpoint was last written (`checkpointedAt`), `None` when
+/// no write recorded its time (a row the KCL wrote, or no checkpoint yet).
+fn checkpoint_age(lease: &Lease, now: SystemTime) -> Option<Duration> {
+    lease
+        .checkpointed_at
+        .map(|at| now.duration_since(at).unwrap_or(Duration::ZERO))
+}
+
+/// An age for people: `850 ms`, `42 s`, `12 min`, `3 h`, `2 d`.
+fn age_text(age: Duration) -> String {
+    let s = age.as_secs();
+    match s {
+        0 => format!("{} ms", age.as_millis()),
+        1..=119 => format!("{s} s"),
+        120..=7199 => format!("{} min", s / 60),
+        7200..=172_799 => format!("{} h", s / 3600),
+        _ => format!("{} d", s / 86_400),
+    }
 }
 
 /// The shards of the streams of `rows`, by stream (`None`: a single-stream table's
@@ -207,6 +229,9 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         .count
         .then(|| progress(None, "counting records behind"));
     let mut out: Vec<Described> = Vec::new();
+    // The rows whose checkpoint is at the shard's tip (nothing to commit: an old
+    // checkpoint write is no alarm there).
+    let mut at_tip: BTreeSet<&str> = BTreeSet::new();
     for row in &rows {
         let stream = single.or(row.stream_name()).unwrap_or_default();
         let shard = shards.get(&row.stream).and_then(|s| s.get(&row.shard));
@@ -215,7 +240,12 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             (None, None, None)
         } else {
             match lag(kinesis.as_ref(), stream, row, bar.as_ref()).await {
-                Ok((m, r)) => (m, r, None),
+                Ok((m, r, tip)) => {
+                    if tip {
+                        at_tip.insert(row.lease.key.as_str());
+                    }
+                    (m, r, None)
+                }
                 Err(e) => (None, None, Some(e)),
             }
         };
@@ -310,6 +340,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         ExitCode::FAILURE
     };
     let renewing = |key: &str| moved.as_ref().map(|m| m.contains(key));
+    let now = SystemTime::now();
     if cx.json {
         let shards_json: Vec<_> = out
             .iter()
@@ -327,6 +358,10 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                     "pending_owner": lease.pending_owner,
                     "reset_to": lease.reset_to.as_ref().map(show),
                     "checkpoint": lease.unreadable.is_none().then(|| show(&lease.checkpoint)),
+                    "checkpointed_at_ms": lease.checkpointed_at.map(epoch_millis),
+                    "checkpoint_age_ms": checkpoint_age(lease, now).map(|a| a.as_millis() as u64),
+                    "checkpoint_at_tip": (*state != "unreadable" && error.is_none())
+                        .then(|| at_tip.contains(lease.key.as_str())),
                     "unreadable": lease.unreadable,
                     "millis_behind_latest": millis,
                     "records_behind": records,
@@ -373,6 +408,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         "lease",
         "hand-off",
         "checkpoint",
+        "ckpt age",
         "lag ms",
         "behind",
     ];
@@ -403,6 +439,13 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             activity,
             lease.pending_owner.clone().unwrap_or_else(|| "-".into()),
             checkpoint,
+            match checkpoint_age(lease, now) {
+                None => "-".to_owned(),
+                Some(age) if at_tip.contains(lease.key.as_str()) => {
+                    format!("{} (at tip)", age_text(age))
+                }
+                Some(age) => age_text(age),
+            },
             match (millis, error) {
                 (_, Some(e)) => format!("error: {e}"),
                 (Some(m), None) => m.to_string(),
@@ -458,6 +501,12 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         },
     );
     Ok(code)
+}
+
+/// Epoch milliseconds of `at`.
+fn epoch_millis(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `n thing` or `n things`.
@@ -595,6 +644,17 @@ mod tests {
         assert_eq!(shorten("TRIM_HORIZON"), "TRIM_HORIZON");
         assert_eq!(shorten("SHARD_END"), "SHARD_END");
         assert_eq!(shorten("123456789012345"), "123456789012345");
+    }
+
+    #[test]
+    fn ages_read_in_the_unit_that_fits() {
+        let secs = Duration::from_secs;
+        assert_eq!(age_text(Duration::from_millis(850)), "850 ms");
+        assert_eq!(age_text(secs(42)), "42 s");
+        assert_eq!(age_text(secs(119)), "119 s");
+        assert_eq!(age_text(secs(12 * 60 + 30)), "12 min");
+        assert_eq!(age_text(secs(3 * 3600 + 10)), "3 h");
+        assert_eq!(age_text(secs(2 * 86_400 + 5)), "2 d");
     }
 
     #[test]

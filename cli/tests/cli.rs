@@ -162,6 +162,13 @@ async fn describe_shows_owners_checkpoints_and_lag() {
         assert!(s["owner"].as_str().unwrap().starts_with("w1#"), "{s}");
         assert_eq!(s["renewing"], true, "{s}");
         assert_eq!(s["millis_behind_latest"], 0, "{s}");
+        // Every record handled and committed: a checkpoint written moments ago, at the
+        // shard's tip.
+        let written = s["checkpointed_at_ms"].as_u64().expect("checkpointedAt");
+        assert!(written > 1_700_000_000_000, "{s}");
+        let age = s["checkpoint_age_ms"].as_u64().expect("age");
+        assert!(age < LIMIT.as_millis() as u64, "{s}");
+        assert_eq!(s["checkpoint_at_tip"], true, "{s}");
     }
     assert_eq!(described["workers"]["w1"], 2);
     running.stop().await;
@@ -185,6 +192,18 @@ async fn describe_shows_owners_checkpoints_and_lag() {
     let described = out.json();
     assert_eq!(described["records_behind"], 10, "{described}");
     assert_eq!(described["workers"], serde_json::json!({}));
+    // The shards that got new records have records after their checkpoint.
+    let behind: Vec<&Value> = described["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["records_behind"] != 0)
+        .collect();
+    assert!(!behind.is_empty(), "{described}");
+    for s in behind {
+        assert_eq!(s["checkpoint_at_tip"], false, "{s}");
+        assert!(s["checkpoint_age_ms"].is_u64(), "{s}");
+    }
     // The table for people names every shard and the summary.
     let out = run(&[
         "group",
@@ -206,6 +225,7 @@ async fn describe_shows_owners_checkpoints_and_lag() {
             out.stdout
         );
     }
+    assert!(out.stdout.contains("ckpt age"), "{}", out.stdout);
     assert!(out.stdout.contains("2 shards, 0 workers"), "{}", out.stdout);
     assert!(out.stdout.contains("10 records behind"), "{}", out.stdout);
     // A group without a table is an error (exit 1), a bad option a usage error (2).

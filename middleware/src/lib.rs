@@ -106,6 +106,10 @@
 //! | `shardflow.decode_failed` | [`decode`] | a payload did not decode |
 //! | `shardflow.batches` | [`batch`] | a batch was handed to the bulk handler (field `size`) |
 //! | `shardflow.batches_split` | [`bisect`], [`batch`] | a failed batch was split in two to find the record that fails alone (field `size`) |
+//!
+//! Dead letters are also counted through the [`metrics`](https://docs.rs/metrics) facade, as
+//! [`metrics::DEAD_LETTERS`] (`shardflow_dead_letters_total`, labels `stream` and `reason`),
+//! so the exporter that shows the consumer's `shardflow::metrics` shows them too.
 
 #![warn(missing_docs)]
 
@@ -114,6 +118,7 @@ pub mod bisect;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
+pub mod metrics;
 pub mod panic;
 pub mod produce;
 pub mod retry;

@@ -235,6 +235,12 @@ pub struct Lease {
     /// [`crate::admin`]): the owner stops the shard, drains, stores this checkpoint and
     /// lets the shard be read again from it. Kept by takes, so a new owner applies it.
     pub reset_to: Option<Checkpoint>,
+    /// When the checkpoint was last written (`checkpointedAt`, shardflow's, epoch
+    /// milliseconds of the writer's clock): set by every checkpoint write and reset,
+    /// with the write itself. `None` until the first one, and in a row the KCL wrote.
+    /// An idle shard has nothing to commit, so its time stays put while the shard is
+    /// healthy: read it together with the shard's lag (see `docs/metrics.md`).
+    pub checkpointed_at: Option<SystemTime>,
     /// `Some(reason)`: a row exists under this key but does not parse (an attribute of
     /// the wrong type or form, written by hand or by another tool). Only `key` is
     /// meaningful then; the other fields are placeholders. Such a row is never taken,
@@ -260,6 +266,7 @@ impl Lease {
             owner_switches: 0,
             checkpoint_owner: None,
             reset_to: None,
+            checkpointed_at: None,
             unreadable: None,
         }
     }
@@ -381,6 +388,15 @@ impl LeaseError {
 /// defaults).
 fn unsupported(expected: &Lease, what: &str) -> LeaseError {
     LeaseError::Other(format!("lease {}: this lease store cannot {what}", expected.key).into())
+}
+
+/// The time a checkpoint write records in [`Lease::checkpointed_at`]: now, to the
+/// millisecond the row keeps.
+pub(crate) fn checkpoint_time() -> SystemTime {
+    let millis = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(u64::MAX))
 }
 
 /// The keys of the rows `owner` holds, from a listing.

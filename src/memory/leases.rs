@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::lease::{Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore};
+use crate::lease::{checkpoint_time, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore};
 
 use super::MemoryCoordinatorState;
 
@@ -285,6 +285,7 @@ impl LeaseStore for MemoryLeaseStore {
             conditional(rows, expected, |row| {
                 row.checkpoint = checkpoint.clone();
                 row.owner_switches = 0;
+                row.checkpointed_at = Some(checkpoint_time());
             })
         })
         .await
@@ -354,6 +355,7 @@ impl LeaseStore for MemoryLeaseStore {
                 row.checkpoint = to.clone();
                 row.owner_switches = 0;
                 row.reset_to = None;
+                row.checkpointed_at = Some(checkpoint_time());
             })
         })
         .await

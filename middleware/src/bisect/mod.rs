@@ -658,6 +658,7 @@ where
                 reason = reason.as_str(),
                 "dead-lettered"
             );
+            crate::metrics::dead_lettered(&message.metadata.stream, reason);
             self.outcome.dead_lettered += 1;
             self.acknowledge_through(message.position());
         }

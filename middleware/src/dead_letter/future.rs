@@ -92,6 +92,7 @@ pin_project! {
             future: Pin<Box<tokio::time::Timeout<Oneshot<K, DeadLetterRecord>>>>,
             position: shardflow::Position,
             original: String,
+            stream: std::sync::Arc<str>,
         },
     }
 }
@@ -176,6 +177,7 @@ where
                     }
                     let text = error_chain(&*error);
                     let position = metadata.position();
+                    let stream = metadata.stream.clone();
                     let record = DeadLetterRecord {
                         metadata,
                         payload,
@@ -190,12 +192,14 @@ where
                         )),
                         position,
                         original: text,
+                        stream,
                     });
                 }
                 StateProj::Sinking {
                     future,
                     position,
                     original,
+                    stream,
                 } => {
                     let answer = match ready!(future.as_mut().poll(cx)) {
                         Ok(answer) => answer.map_err(Into::into),
@@ -213,6 +217,7 @@ where
                                 reason = Reason::FailedAlone.as_str(),
                                 "dead-lettered",
                             );
+                            crate::metrics::dead_lettered(stream, Reason::FailedAlone);
                             Ok(DeadLetterOutcome::DeadLettered)
                         }
                         Err(e) => Err(Box::new(DeadLetterError {

@@ -556,3 +556,40 @@ async fn an_outage_is_delivered_again_and_bad_data_is_dead_lettered() {
     );
     assert_eq!(sunk.lock().unwrap().len(), 1);
 }
+
+/// Every record a sink accepted is counted in `shardflow_dead_letters_total` by stream and
+/// reason, in the recorder the consumer's metrics use; a record the sink refused (it
+/// comes back) is not.
+#[test]
+fn dead_letters_are_counted_by_stream_and_reason() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    ::metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let (sunk, sink) = recording_sink(false);
+            let svc = DeadLetterLayer::new(sink).layer(failing_with(|| "boom".into()));
+            for sequence in 1..=2 {
+                let out = svc.clone().oneshot(message(sequence, b"x")).await.unwrap();
+                assert_eq!(out, DeadLetterOutcome::DeadLettered);
+            }
+            assert_eq!(sunk.lock().unwrap().len(), 2);
+            let (_, refusing) = recording_sink(true);
+            let svc = DeadLetterLayer::new(refusing).layer(failing_with(|| "boom".into()));
+            svc.oneshot(message(3, b"x")).await.unwrap_err();
+        })
+    });
+    let text = handle.render();
+    let counted: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(crate::metrics::DEAD_LETTERS))
+        .collect();
+    assert_eq!(
+        counted,
+        [r#"shardflow_dead_letters_total{stream="orders",reason="failed_alone"} 2"#],
+        "{text}"
+    );
+}

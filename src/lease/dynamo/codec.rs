@@ -23,6 +23,7 @@
 //! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
 //! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
 //! | `throughputKBps` | N | KCL 3: not used, kept |
+//! | `checkpointedAt` | N, optional | shardflow's: when the checkpoint was last written (epoch milliseconds of the writer's clock), set by every checkpoint write and reset in the same UpdateItem; absent until the first one and in rows the KCL wrote (the KCL neither reads nor updates it) |
 //! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
@@ -72,6 +73,8 @@ pub(super) const PENDING_CHECKPOINT: &str = "pendingCheckpoint";
 pub(super) const PENDING_SUB_SEQUENCE: &str = "pendingCheckpointSubSequenceNumber";
 /// The application state saved with a pending checkpoint (B; some KCL 3 versions write N).
 pub(super) const PENDING_STATE: &str = "pendingCheckpointState";
+/// When the checkpoint was last written, epoch milliseconds (shardflow's).
+pub(super) const CHECKPOINTED_AT: &str = "checkpointedAt";
 /// An operator's reset request: the checkpoint to move to (shardflow's).
 pub(super) const RESET: &str = "resetCheckpoint";
 /// The reset request's sub-sequence number.
@@ -141,6 +144,12 @@ pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> 
             AttributeValue::S(checkpoint_owner.clone()),
         );
     }
+    if let Some(at) = lease.checkpointed_at {
+        item.insert(
+            CHECKPOINTED_AT.to_owned(),
+            AttributeValue::N(epoch_millis(at).to_string()),
+        );
+    }
     if let Some(reset) = &lease.reset_to {
         let (value, sub_sequence) = reset.as_attribute();
         item.insert(RESET.to_owned(), AttributeValue::S(value));
@@ -207,8 +216,16 @@ pub(super) fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<
         }
         None => None,
     };
+    let checkpointed_at = match number(item, CHECKPOINTED_AT, &key)? {
+        Some(n) => Some(
+            std::time::SystemTime::UNIX_EPOCH
+                + std::time::Duration::from_millis(parse_number(&key, CHECKPOINTED_AT, &n)?),
+        ),
+        None => None,
+    };
     Ok(Lease {
         reset_to,
+        checkpointed_at,
         parents: string_set(item, PARENTS, &key)?,
         children: string_set(item, CHILDREN, &key)?,
         stream: string(item, STREAM, &key)?,
@@ -223,6 +240,12 @@ pub(super) fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<
         unreadable: None,
         key,
     })
+}
+
+/// Epoch milliseconds of `at` (0 before the epoch).
+pub(super) fn epoch_millis(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A string attribute, if present.
@@ -310,7 +333,14 @@ mod tests {
             SequenceNumber::new("9".repeat(129)).unwrap(),
             3,
         ));
+        lease.checkpointed_at =
+            Some(std::time::SystemTime::UNIX_EPOCH + Duration::from_millis(1_764_720_000_123));
         let item = item_from_lease(&lease);
+        assert_eq!(
+            item.get(CHECKPOINTED_AT),
+            Some(&AttributeValue::N("1764720000123".into()))
+        );
+        assert_kcl_reads(&item);
         assert_eq!(lease_from_item(&item).unwrap(), lease);
     }
 
@@ -432,7 +462,7 @@ mod tests {
                     matches!(value, AttributeValue::S(_))
                 }
                 COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
-                | "throughputKBps" => {
+                | CHECKPOINTED_AT | "throughputKBps" => {
                     matches!(value, AttributeValue::N(n) if n.parse::<f64>().is_ok())
                 }
                 PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),

@@ -59,7 +59,7 @@ use async_trait::async_trait;
 use aws_sdk_dynamodb::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 
-use super::{owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
+use super::{checkpoint_time, owner_switch, Checkpoint, Lease, LeaseError, LeaseStore};
 use crate::error::ErrorDetail;
 use crate::kinesis::aws::{aws_error_of, describe_sdk_error};
 
@@ -68,7 +68,7 @@ mod leader;
 mod table;
 
 use codec::{
-    item_from_lease, lease_from_item, CHECKPOINT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER,
+    epoch_millis, item_from_lease, lease_from_item, CHECKPOINT, CHECKPOINTED_AT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER,
     OWNER_SWITCHES, PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
     RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
@@ -111,12 +111,16 @@ impl DynamoLeaseStore {
         clear_reset: bool,
     ) -> Result<Lease, LeaseError> {
         let (value, sub_sequence) = to.as_attribute();
+        // The time of the write rides on the write itself: no extra call.
+        let at = checkpoint_time();
         let mut values = vec![
             (":checkpoint", AttributeValue::S(value)),
             (":sub", AttributeValue::N(sub_sequence.to_string())),
             (":zero", AttributeValue::N("0".into())),
+            (":at", AttributeValue::N(epoch_millis(at).to_string())),
         ];
-        let mut set = "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero".to_owned();
+        let mut set =
+            "SET #checkpoint = :checkpoint, #sub = :sub, #switches = :zero, #at = :at".to_owned();
         let mut remove = vec!["#pcp", "#pcp_sub", "#pcp_state"];
         match to.timestamp_millis() {
             Some(millis) => {
@@ -130,6 +134,7 @@ impl DynamoLeaseStore {
             ("#sub", SUB_SEQUENCE),
             ("#timestamp", TIMESTAMP),
             ("#switches", OWNER_SWITCHES),
+            ("#at", CHECKPOINTED_AT),
             ("#pcp", PENDING_CHECKPOINT),
             ("#pcp_sub", PENDING_SUB_SEQUENCE),
             ("#pcp_state", PENDING_STATE),
@@ -172,6 +177,7 @@ impl DynamoLeaseStore {
             || Lease {
                 checkpoint: to.clone(),
                 owner_switches: 0,
+                checkpointed_at: Some(at),
                 reset_to: if clear_reset {
                     None
                 } else {

@@ -1,0 +1,24 @@
+//! The middleware's metrics through the [`metrics`] facade, beside its `tracing`
+//! counters (see the crate docs): the series an operator alerts on, recorded into the
+//! same recorder as the consumer's [`shardflow::metrics`], so one Prometheus exporter
+//! shows both. Without a recorder every call is a no-op.
+//!
+//! Labels: `stream` (the record's stream) and `reason`; no `shard` and no record data, so
+//! the number of series stays with the streams and the three reasons.
+
+use crate::dead_letter::Reason;
+
+/// Counter, labels `stream` and `reason` (`failed_alone`, `too_old`,
+/// `attempts_exhausted`): records a dead-letter sink accepted, from the
+/// [`dead_letter`](crate::dead_letter) layer and [`bisect`](crate::bisect).
+pub const DEAD_LETTERS: &str = "shardflow_dead_letters_total";
+
+/// Counts one record a sink accepted.
+pub(crate) fn dead_lettered(stream: &std::sync::Arc<str>, reason: Reason) {
+    ::metrics::counter!(
+        DEAD_LETTERS,
+        "stream" => stream.clone(),
+        "reason" => reason.as_str(),
+    )
+    .increment(1);
+}
