@@ -474,13 +474,22 @@ fn promql_metric_names(expr: &str) -> Vec<String> {
                     i += 1;
                 }
                 let word: String = chars[start..i].iter().collect();
-                let next = chars[i..].iter().find(|c| !c.is_whitespace());
+                let rest: String = chars[i..].iter().collect();
+                let rest = rest.trim_start();
+                // A function or an aggregation (`sum(`, `sum by (..) (`) is no name.
+                let applied = rest.starts_with('(')
+                    || ["by", "without"].iter().any(|m| {
+                        rest.strip_prefix(m)
+                            .is_some_and(|r| r.trim_start().starts_with('('))
+                    });
                 let lower = word.to_ascii_lowercase();
+                // Only a list right after the modifier holds label names.
+                labels_follow = false;
                 if ["by", "without", "on", "ignoring", "group_left", "group_right"]
                     .contains(&lower.as_str())
                 {
                     labels_follow = true;
-                } else if next != Some(&'(') && !PROMQL_WORDS.contains(&lower.as_str()) {
+                } else if !applied && !PROMQL_WORDS.contains(&lower.as_str()) {
                     names.push(word);
                 }
             }
