@@ -62,7 +62,8 @@ pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
 /// long ago its last write was). It grows while handled records are not committed
 /// (checkpoint writes failing) or records wait to be handled (a hung or failing handler):
 /// those are the records a crash now would deliver again. Refreshed at least every
-/// checkpoint interval; 0 once the shard is no longer read here.
+/// checkpoint interval (every lease duration with `CheckpointPolicy::EveryBatch`); 0 once
+/// the shard is no longer read here.
 pub const CHECKPOINT_AGE: &str = "shardflow_checkpoint_age_seconds";
 
 // The four throughput series below are recorded by the throughput measurement (per-shard

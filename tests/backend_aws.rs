@@ -490,7 +490,9 @@ async fn leases_are_fenced_on_owner_and_counter() {
             .expect("checkpoint");
         assert_eq!(checkpointed.checkpoint, position);
         // The write's time (`checkpointedAt`) is stored with it, as the table returns it.
-        let at = checkpointed.checkpointed_at.expect("checkpointedAt written");
+        let at = checkpointed
+            .checkpointed_at
+            .expect("checkpointedAt written");
         assert!(
             (before..=SystemTime::now()).contains(&at),
             "checkpointedAt {at:?} is the time of the write"

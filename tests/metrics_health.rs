@@ -380,7 +380,10 @@ fn checkpoint_age_ignores_idle_shards_and_grows_while_commits_fail() {
             .run(testkit::recording_handler(recorder.clone()))
             .spawn();
         let interval = 5.0;
-        eventually(LIMIT, "the shard leased", || running.health().shards.len() == 1).await;
+        eventually(LIMIT, "the shard leased", || {
+            running.health().shards.len() == 1
+        })
+        .await;
         produce(memory.streams().as_ref(), "orders", 0..10).await;
         recorder.wait_for(10, LIMIT).await;
 
@@ -485,8 +488,15 @@ fn promql_metric_names(expr: &str) -> Vec<String> {
                 let lower = word.to_ascii_lowercase();
                 // Only a list right after the modifier holds label names.
                 labels_follow = false;
-                if ["by", "without", "on", "ignoring", "group_left", "group_right"]
-                    .contains(&lower.as_str())
+                if [
+                    "by",
+                    "without",
+                    "on",
+                    "ignoring",
+                    "group_left",
+                    "group_right",
+                ]
+                .contains(&lower.as_str())
                 {
                     labels_follow = true;
                 } else if !applied && !PROMQL_WORDS.contains(&lower.as_str()) {
@@ -630,7 +640,10 @@ fn every_metric_the_dashboard_queries_is_recorded_and_documented() {
         names::LEADER_UNKNOWN,
         shardflow_middleware::metrics::DEAD_LETTERS,
     ] {
-        assert!(queried.iter().any(|q| q == promised), "{promised} is not on the dashboard");
+        assert!(
+            queried.iter().any(|q| q == promised),
+            "{promised} is not on the dashboard"
+        );
     }
     assert_eq!(
         unknown_metrics(&dashboard, &recorded, &metrics_doc()),
@@ -645,7 +658,10 @@ fn a_dashboard_query_of_an_unknown_metric_is_reported() {
     let expr = first.as_str().unwrap().to_owned();
     assert!(expr.contains("shardflow_millis_behind_latest"), "{expr}");
     *first = expr
-        .replace("shardflow_millis_behind_latest", "shardflow_milis_behind_latest")
+        .replace(
+            "shardflow_millis_behind_latest",
+            "shardflow_milis_behind_latest",
+        )
         .into();
     let doc = metrics_doc().replace("| `shardflow_leader_unknown` |", "| leader unknown |");
     assert_eq!(

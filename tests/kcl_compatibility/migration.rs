@@ -106,6 +106,7 @@ fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
             | "checkpointSubSequenceNumber"
             | "pendingCheckpointSubSequenceNumber"
             | "checkpointTimestamp"
+            | "checkpointedAt"
             | "throughputKBps" => {
                 matches!(value, AttributeValue::N(v) if v.parse::<f64>().is_ok())
             }

@@ -548,3 +548,35 @@ async fn a_lease_lost_while_dead_lettering_stops_before_the_next_record() {
         "nothing sent to the sink once the lease was lost"
     );
 }
+
+/// Each record bisect dead-letters is counted in `shardflow_dead_letters_total`, by its
+/// stream and reason.
+#[test]
+fn dead_letters_are_counted_in_the_metrics() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    ::metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let (sunk, sink) = sink(false);
+            let (_, inner) = handler(|s| s == 2 || s == 11, bad);
+            let svc = BisectLayer::new(sink).layer(inner);
+            svc.oneshot(batch(0..16)).await.unwrap();
+            assert_eq!(sunk_sequences(&sunk), [2, 11]);
+        })
+    });
+    let text = handle.render();
+    let counted: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(crate::metrics::DEAD_LETTERS))
+        .collect();
+    assert_eq!(
+        counted,
+        [r#"shardflow_dead_letters_total{stream="orders",reason="failed_alone"} 2"#],
+        "{text}"
+    );
+}

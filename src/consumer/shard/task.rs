@@ -403,10 +403,11 @@ impl CheckpointAge {
         if written {
             self.last_written = committed.clone();
         }
-        if written || {
+        let nothing_to_commit = || {
             let w = progress.lock();
             w.acked() == committed && w.settled()
-        } {
+        };
+        if written || nothing_to_commit() {
             self.current_at = Instant::now();
         }
         self.gauge.set(self.current_at.elapsed().as_secs_f64());
