@@ -413,6 +413,12 @@ fn checkpoint_age_ignores_idle_shards_and_grows_while_commits_fail() {
 
         within(LIMIT, "shutdown", running.shutdown()).await.unwrap();
         assert_eq!(checkpoint_age(&m), Some(0.0), "no age for a shard not read");
+        // The row keeps the time of its last checkpoint write.
+        let rows = memory.table("billing").rows();
+        assert!(
+            rows.iter().all(|r| r.checkpointed_at.is_some()),
+            "checkpointedAt on every row: {rows:?}"
+        );
     });
 }
 
