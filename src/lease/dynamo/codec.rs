@@ -25,6 +25,8 @@
 //! | `throughputKBps` | N | KCL 3: not used, kept |
 //! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
+//! | `entityType` | S, optional | KCL 3.5: what the row is. Absent or `LEASE`: a lease; anything else is not a lease and is never parsed, written or deleted as one ([`crate::lease::entity`]). Written as `LEASE` on the rows shardflow creates in a table in the single-table format (one where a row carries `entityType`) |
+//!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
 //! DynamoDB Number holds. No condition compares them; fencing is on the counter.
 
@@ -33,6 +35,7 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use crate::kinesis::StreamIdentity;
+use crate::lease::entity::{EntityKind, EntityRow, RowKind, ENTITY_TYPE};
 use crate::lease::{Checkpoint, Lease, LeaseError};
 
 /// The hash key: the shard id.
@@ -78,6 +81,44 @@ pub(super) const RESET: &str = "resetCheckpoint";
 pub(super) const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
 /// The reset request's `AT_TIMESTAMP` time, epoch milliseconds.
 pub(super) const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
+
+/// What `item` is, from its `entityType` (see [`crate::lease::entity`]): a lease unless
+/// the attribute is present and not `LEASE`. An `entityType` that is not a string is
+/// not `LEASE` either.
+pub(super) fn row_kind(item: &HashMap<String, AttributeValue>) -> RowKind {
+    match item.get(ENTITY_TYPE) {
+        None => RowKind::Lease,
+        Some(AttributeValue::S(value)) => RowKind::of(Some(value)),
+        Some(other) => RowKind::of(Some(&format!("{other:?}"))),
+    }
+}
+
+/// Whether `item` carries an `entityType` (the KCL 3.5 single-table format).
+pub(super) fn has_entity_type(item: &HashMap<String, AttributeValue>) -> bool {
+    item.contains_key(ENTITY_TYPE)
+}
+
+/// What shardflow reads of a non-lease row of kind `kind`: its key, the KCL leader's
+/// owner, a migration's state. Nothing else of it is read, and a missing or odd
+/// attribute is not an error (the row is not ours).
+pub(super) fn entity_from_item(item: &HashMap<String, AttributeValue>, kind: EntityKind) -> EntityRow {
+    let text = |name: &str| match item.get(name) {
+        Some(AttributeValue::S(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let (owner, state) = match kind {
+        EntityKind::KclLeader => (text("ownerName"), None),
+        EntityKind::KclClientVersionMigration => (None, text("cv")),
+        EntityKind::KclTableMigration => (None, text("tm")),
+        _ => (None, None),
+    };
+    EntityRow {
+        key: text(KEY).unwrap_or_else(|| "?".to_owned()),
+        kind,
+        owner,
+        state,
+    }
+}
 
 /// The item that stores `lease`.
 pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {

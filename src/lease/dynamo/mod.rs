@@ -67,8 +67,9 @@ pub mod codec;
 mod leader;
 mod table;
 
+use super::entity::{EntityRow, RowKind, ENTITY_TYPE, LEASE_ENTITY};
 use codec::{
-    item_from_lease, lease_from_item, CHECKPOINT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER,
+    entity_from_item, has_entity_type, item_from_lease, lease_from_item, row_kind, CHECKPOINT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER,
     OWNER_SWITCHES, PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
     RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
@@ -82,6 +83,10 @@ pub struct DynamoLeaseStore {
     client: aws_sdk_dynamodb::Client,
     table: String,
     index: std::sync::Arc<std::sync::Mutex<IndexState>>,
+    /// Whether a row read from the table carried `entityType` (the KCL 3.5
+    /// single-table format): then the rows this store creates carry `entityType =
+    /// LEASE`, so a KCL 3.5 reading the table back finds them.
+    single_table: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl DynamoLeaseStore {
@@ -91,6 +96,69 @@ impl DynamoLeaseStore {
             client,
             table: table.to_owned(),
             index: Default::default(),
+            single_table: Default::default(),
+        }
+    }
+
+    /// Whether the table is in the KCL 3.5 single-table format, as far as this store
+    /// has read it: some row it listed or fetched carried `entityType`.
+    pub fn is_single_table(&self) -> bool {
+        self.single_table.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Notes the format `item` shows.
+    fn note_format(&self, item: &HashMap<String, AttributeValue>) {
+        if has_entity_type(item) {
+            self.single_table
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Every row of the table (a strongly consistent Scan), split by the rule of
+    /// [`crate::lease::entity`]: the leases (a row that does not parse listed as
+    /// [`Lease::unreadable`]) and the rows that are not leases. Unlike
+    /// [`LeaseStore::list`] it does not refuse a table in the middle of a KCL migration,
+    /// so tools can show such a table.
+    pub async fn rows(&self) -> Result<(Vec<Lease>, Vec<EntityRow>), LeaseError> {
+        let mut leases = Vec::new();
+        let mut others = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        loop {
+            let out = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| classify(&self.table, "Scan", None, e))?;
+            for item in out.items.unwrap_or_default() {
+                self.note_format(&item);
+                if let RowKind::Other(kind) = row_kind(&item) {
+                    others.push(entity_from_item(&item, kind));
+                    continue;
+                }
+                // One row that does not parse must not stop balancing for the whole
+                // group, nor vanish from it: it is listed as unreadable (see
+                // `Lease::unreadable`), so its shard and its children wait for a repair
+                // and workers report it.
+                match lease_from_item(&item) {
+                    Ok(lease) => leases.push(lease),
+                    Err(e) => {
+                        let key = match item.get(KEY) {
+                            Some(AttributeValue::S(k)) => k.as_str(),
+                            _ => "?",
+                        };
+                        tracing::warn!(table = %self.table, lease = %key, error = %e, "a lease row does not parse; it is left alone until repaired");
+                        leases.push(Lease::unreadable(key, e.to_string()));
+                    }
+                }
+            }
+            match out.last_evaluated_key {
+                Some(key) if !key.is_empty() => start = Some(key),
+                _ => return Ok((leases, others)),
+            }
         }
     }
 
@@ -343,40 +411,20 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        let mut leases = Vec::new();
-        let mut start: Option<HashMap<String, AttributeValue>> = None;
-        loop {
-            let out = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| classify(&self.table, "Scan", None, e))?;
-            for item in out.items.unwrap_or_default() {
-                // One row that does not parse must not stop balancing for the whole
-                // group, nor vanish from it: it is listed as unreadable (see
-                // `Lease::unreadable`), so its shard and its children wait for a repair
-                // and workers report it.
-                match lease_from_item(&item) {
-                    Ok(lease) => leases.push(lease),
-                    Err(e) => {
-                        let key = match item.get(KEY) {
-                            Some(AttributeValue::S(k)) => k.as_str(),
-                            _ => "?",
-                        };
-                        tracing::warn!(table = %self.table, lease = %key, error = %e, "a lease row does not parse; it is left alone until repaired");
-                        leases.push(Lease::unreadable(key, e.to_string()));
-                    }
-                }
-            }
-            match out.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => return Ok(leases),
-            }
+        let (leases, others) = self.rows().await?;
+        // A table in the middle of a KCL migration is the KCL's to finish.
+        if let Some((row, (migration, state))) = others
+            .iter()
+            .find_map(|row| row.unfinished_migration().map(|m| (row, m)))
+        {
+            return Err(LeaseError::KclMigrationInProgress {
+                table: self.table.clone(),
+                migration: migration.to_owned(),
+                state,
+                row: format!("{}/{}", self.table, row.key),
+            });
         }
+        Ok(leases)
     }
 
     async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
@@ -421,19 +469,33 @@ impl LeaseStore for DynamoLeaseStore {
             .await
             .map_err(|e| classify(&self.table, "GetItem", None, e))?;
         match out.item {
-            Some(item) if !item.is_empty() => Ok(Some(
-                lease_from_item(&item).unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
-            )),
+            Some(item) if !item.is_empty() => {
+                self.note_format(&item);
+                // A row that is not a lease is no lease under this key.
+                if let RowKind::Other(_) = row_kind(&item) {
+                    return Ok(None);
+                }
+                Ok(Some(lease_from_item(&item).unwrap_or_else(|e| {
+                    Lease::unreadable(key, e.to_string())
+                })))
+            }
             _ => Ok(None),
         }
     }
 
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        let mut item = item_from_lease(lease);
+        if self.is_single_table() {
+            item.insert(
+                ENTITY_TYPE.to_owned(),
+                AttributeValue::S(LEASE_ENTITY.to_owned()),
+            );
+        }
         let result = self
             .client
             .put_item()
             .table_name(&self.table)
-            .set_item(Some(item_from_lease(lease)))
+            .set_item(Some(item))
             .condition_expression("attribute_not_exists(#key)")
             .expression_attribute_names("#key", KEY)
             .send()
