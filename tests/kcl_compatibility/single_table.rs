@@ -1,0 +1,350 @@
+//! A KCL 3.5 application in the single-table format (its leader lock, worker metrics,
+//! stream metadata and migration states in the lease table, tagged by `entityType`)
+//! moves to shardflow in place and back, over real HTTP against the emulators
+//! (`scripts/test.sh --test kcl_compatibility single_table`).
+//!
+//! The table is built from `tests/fixtures/kcl/kcl35_*.json`, the rows exactly as the
+//! KCL 3.5 writes them, plus leases with checkpoints. shardflow handles exactly the
+//! records after each checkpoint (0 lost, 0 re-read); once it stopped, the KCL's own
+//! rows are byte for byte as they were and every lease reads as the KCL 3.5 reads it,
+//! the rows shardflow created carrying `entityType = LEASE`. A table in the middle of a
+//! KCL migration is refused with a typed error.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+    ScalarAttributeType,
+};
+use shardflow::consumer::{ConsumerError, InitialPosition};
+use shardflow::kinesis::ShardInfo;
+use shardflow::lease::LeaseError;
+use shardflow::Backend;
+use testkit::*;
+
+use super::migration::{assert_kcl_reads, read_shard};
+
+const TEST_LIMIT: Duration = Duration::from_secs(600);
+
+/// A nested DynamoDB-JSON value (`{"S": ".."}`, `{"M": {..}}`, ...).
+fn value(typed: &serde_json::Value) -> AttributeValue {
+    let (kind, v) = typed.as_object().unwrap().iter().next().unwrap();
+    match kind.as_str() {
+        "S" => AttributeValue::S(v.as_str().unwrap().to_owned()),
+        "N" => AttributeValue::N(v.as_str().unwrap().to_owned()),
+        "SS" => AttributeValue::Ss(
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect(),
+        ),
+        "L" => AttributeValue::L(v.as_array().unwrap().iter().map(value).collect()),
+        "M" => AttributeValue::M(
+            v.as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, x)| (k.clone(), value(x)))
+                .collect(),
+        ),
+        other => panic!("type {other} is not in the fixtures"),
+    }
+}
+
+/// A row of `tests/fixtures/kcl/`.
+fn fixture(name: &str) -> HashMap<String, AttributeValue> {
+    let path = format!("{}/tests/fixtures/kcl/{name}", env!("CARGO_MANIFEST_DIR"));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json.as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), value(v)))
+        .collect()
+}
+
+fn s(v: &str) -> AttributeValue {
+    AttributeValue::S(v.to_owned())
+}
+
+/// Creates `table` as the KCL does (hash key `leaseKey`) and waits until it is ACTIVE.
+async fn create_kcl_table(aws: &shardflow::Aws, table: &str) {
+    aws.dynamodb_client()
+        .create_table()
+        .table_name(table)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("leaseKey")
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("leaseKey")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .billing_mode(BillingMode::PayPerRequest)
+        .send()
+        .await
+        .unwrap();
+    // Waits until the table is ACTIVE (it exists, so it is not created again).
+    aws.lease_store(table).ensure_table().await.unwrap();
+}
+
+async fn put(aws: &shardflow::Aws, table: &str, rows: &[HashMap<String, AttributeValue>]) {
+    for row in rows {
+        aws.dynamodb_client()
+            .put_item()
+            .table_name(table)
+            .set_item(Some(row.clone()))
+            .send()
+            .await
+            .unwrap();
+    }
+}
+
+/// Every row of `table` by `leaseKey`.
+async fn scan(
+    aws: &shardflow::Aws,
+    table: &str,
+) -> BTreeMap<String, HashMap<String, AttributeValue>> {
+    aws.dynamodb_client()
+        .scan()
+        .table_name(table)
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .items
+        .unwrap_or_default()
+        .into_iter()
+        .map(|i| {
+            let Some(AttributeValue::S(k)) = i.get("leaseKey") else {
+                panic!("{i:?}")
+            };
+            (k.clone(), i)
+        })
+        .collect()
+}
+
+/// The KCL 3.5's own rows of a single-stream application reading `stream`: its leader
+/// lock, two workers' metrics, its stream metadata and both migration states, done.
+fn kcl_entities(stream: &str) -> Vec<HashMap<String, AttributeValue>> {
+    let metrics = fixture("kcl35_worker_metrics.json");
+    let mut other_worker = metrics.clone();
+    other_worker.insert("leaseKey".into(), s("worker-1"));
+    let mut stream_info = fixture("kcl35_stream.json");
+    // A single-stream application's stream identifier is the stream's name.
+    stream_info.insert("leaseKey".into(), s(stream));
+    vec![
+        fixture("kcl35_leader.json"),
+        metrics,
+        other_worker,
+        stream_info,
+        fixture("kcl35_client_version_migration.json"),
+        fixture("kcl35_table_migration_complete.json"),
+    ]
+}
+
+/// The KCL 3.5's row for `shard` at `checkpoint`, as `toDynamoRecord` writes it.
+fn kcl35_lease(shard: &ShardInfo, checkpoint: &str) -> HashMap<String, AttributeValue> {
+    let mut row = fixture("kcl35_lease.json");
+    row.insert("leaseKey".into(), s(&shard.shard_id));
+    row.insert("checkpoint".into(), s(checkpoint));
+    row.insert(
+        "startingHashKey".into(),
+        s(&shard.starting_hash_key.to_string()),
+    );
+    row.insert(
+        "endingHashKey".into(),
+        s(&shard.ending_hash_key.to_string()),
+    );
+    row
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kcl35_single_table_is_taken_over_and_read_back_as_the_kcl_reads_it() {
+    if !emulators_enabled() {
+        return;
+    }
+    within(TEST_LIMIT, "the KCL 3.5 single-table move", single_table()).await;
+}
+
+async fn single_table() {
+    let aws = shardflow::Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("kcl35");
+    let table = unique("kcl35-app");
+    kinesis.create_stream(&stream, 3).await.unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    produce(kinesis.as_ref(), &stream, 0..300).await;
+    let shards = open_shards(kinesis.as_ref(), &stream).await;
+    assert_eq!(shards.len(), 3);
+    create_kcl_table(&aws, &table).await;
+
+    // The KCL's entities, and leases: the first a 3.5 LEASE row held by a stopped KCL
+    // worker, the second a row an older KCL wrote (no entityType), released; the third
+    // shard has no row yet (shardflow creates it from TRIM_HORIZON).
+    let entities = kcl_entities(&stream);
+    let mut expected: BTreeSet<usize> = BTreeSet::new();
+    let mut leases = Vec::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let records = read_shard(kinesis.as_ref(), &stream, &shard.shard_id).await;
+        assert!(records.len() >= 4, "{} has {}", shard.shard_id, records.len());
+        if i == 2 {
+            expected.extend(records.iter().map(|(v, _)| *v));
+            continue;
+        }
+        let middle = records.len() / 2;
+        expected.extend(records[middle + 1..].iter().map(|(v, _)| *v));
+        let mut row = kcl35_lease(shard, &records[middle].1);
+        if i == 1 {
+            row.remove("entityType");
+            row.remove("leaseOwner");
+            row.remove("throughputKBps");
+        }
+        assert_kcl_reads(&row);
+        leases.push(row);
+    }
+    put(&aws, &table, &entities).await;
+    put(&aws, &table, &leases).await;
+    // As DynamoDB stores them (it writes a number in its own form: `14.0` reads `14`).
+    let stored = scan(&aws, &table).await;
+
+    // shardflow, pointed at the KCL application's table.
+    let recorder = Recorder::default();
+    let running = start(
+        test_consumer(aws.clone(), &stream, &unique("billing"), "w1")
+            .lease_table(&table)
+            .initial_position(InitialPosition::TrimHorizon)
+            .build()
+            .unwrap(),
+        &recorder,
+    );
+    recorder
+        .wait_for(expected.len(), Duration::from_secs(120))
+        .await;
+    let sentinels = produce_sentinels(kinesis.as_ref(), &stream, &shards, 1_000).await;
+    recorder
+        .wait_for_values(&sentinels, Duration::from_secs(120))
+        .await;
+    running.stop().await;
+
+    let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
+    for h in recorder.snapshot() {
+        *seen.entry(h.value).or_default() += 1;
+    }
+    let handled: BTreeSet<usize> = seen.keys().copied().filter(|v| *v < 1_000).collect();
+    let lost: Vec<&usize> = expected.difference(&handled).collect();
+    let re_read: Vec<&usize> = handled.difference(&expected).collect();
+    let twice: Vec<&usize> = seen.iter().filter(|(_, c)| **c > 1).map(|(v, _)| v).collect();
+    assert!(lost.is_empty(), "lost {} records: {lost:?}", lost.len());
+    assert!(re_read.is_empty(), "re-read {} records: {re_read:?}", re_read.len());
+    assert!(twice.is_empty(), "delivered twice: {twice:?}");
+
+    // The table as the KCL 3.5 reads it back.
+    let rows = scan(&aws, &table).await;
+    // Its own rows, byte for byte as they were stored.
+    for entity in &entities {
+        let Some(AttributeValue::S(key)) = entity.get("leaseKey") else {
+            unreachable!()
+        };
+        assert_eq!(rows.get(key), stored.get(key), "the KCL's row {key} changed");
+        assert_eq!(rows[key].len(), entity.len(), "{key}: {:?}", rows[key]);
+    }
+    // Nothing else than its rows and one lease per shard.
+    assert_eq!(rows.len(), entities.len() + shards.len(), "{rows:?}");
+    for (i, shard) in shards.iter().enumerate() {
+        let item = &rows[&shard.shard_id];
+        assert_kcl_reads(item);
+        let entity = item.get("entityType");
+        match i {
+            // The row an older KCL wrote stays without it (a lease to the KCL 3.5 too).
+            1 => assert_eq!(entity, None, "{item:?}"),
+            // A 3.5 row keeps it; the row shardflow created carries it.
+            _ => assert_eq!(entity, Some(&s("LEASE")), "{item:?}"),
+        }
+        assert!(!item.contains_key("leaseOwner"), "released: {item:?}");
+        let last = read_shard(kinesis.as_ref(), &stream, &shard.shard_id)
+            .await
+            .pop()
+            .unwrap();
+        assert_eq!(item["checkpoint"], s(&last.1), "{item:?}");
+    }
+    assert_eq!(
+        rows[&shards[0].shard_id].get("throughputKBps"),
+        Some(&AttributeValue::N("4.25".into()))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_in_the_middle_of_a_kcl_migration_is_refused() {
+    if !emulators_enabled() {
+        return;
+    }
+    within(TEST_LIMIT, "the refusal", refused()).await;
+}
+
+async fn refused() {
+    let aws = shardflow::Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let stream = unique("kcl35-mid");
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    produce(kinesis.as_ref(), &stream, 0..10).await;
+    let shard = open_shards(kinesis.as_ref(), &stream).await.remove(0);
+    for (migration, state) in [
+        (
+            "kcl35_client_version_upgrade_from_2x.json",
+            "CLIENT_VERSION_UPGRADE_FROM_2X",
+        ),
+        (
+            "kcl35_table_migration_pending.json",
+            "TABLE_MIGRATION_STATUS_PENDING",
+        ),
+    ] {
+        let table = unique("kcl35-mid-app");
+        create_kcl_table(&aws, &table).await;
+        let before = vec![fixture(migration), kcl35_lease(&shard, "TRIM_HORIZON")];
+        put(&aws, &table, &before).await;
+        let recorder = Recorder::default();
+        let consumer = test_consumer(aws.clone(), &stream, &unique("billing"), "w1")
+            .lease_table(&table)
+            .build()
+            .unwrap();
+        let result = within(
+            Duration::from_secs(120),
+            "the consumer refuses the table",
+            consumer
+                .run(recording_handler(recorder.clone()))
+                .into_future(),
+        )
+        .await;
+        match result {
+            Err(ConsumerError::Lease(LeaseError::KclMigrationInProgress {
+                table: t,
+                state: s,
+                ..
+            })) => {
+                assert_eq!(t, table);
+                assert_eq!(s, state);
+            }
+            other => panic!("expected KclMigrationInProgress, got {other:?}"),
+        }
+        assert_eq!(recorder.count(), 0, "nothing handled");
+        // Nothing written: the table is as the KCL left it.
+        let after = scan(&aws, &table).await;
+        assert_eq!(after.len(), before.len());
+        for row in &before {
+            let Some(AttributeValue::S(key)) = row.get("leaseKey") else {
+                unreachable!()
+            };
+            assert_eq!(after.get(key), Some(row), "{key} changed");
+        }
+    }
+}
