@@ -218,14 +218,13 @@ async fn single_table() {
 
     // shardflow, pointed at the KCL application's table.
     let recorder = Recorder::default();
-    let running = start(
-        test_consumer(aws.clone(), &stream, &unique("billing"), "w1")
-            .lease_table(&table)
-            .initial_position(InitialPosition::TrimHorizon)
-            .build()
-            .unwrap(),
-        &recorder,
-    );
+    let running = test_consumer(aws.clone(), &stream, &unique("billing"), "w1")
+        .lease_table(&table)
+        .initial_position(InitialPosition::TrimHorizon)
+        .build()
+        .unwrap()
+        .run(recording_handler(recorder.clone()))
+        .spawn();
     recorder
         .wait_for(expected.len(), Duration::from_secs(120))
         .await;
@@ -233,7 +232,13 @@ async fn single_table() {
     recorder
         .wait_for_values(&sentinels, Duration::from_secs(120))
         .await;
-    running.stop().await;
+    // The KCL's rows are no unreadable leases: the worker is ready.
+    let health = running.health();
+    assert!(health.unreadable_rows.is_empty(), "{health:?}");
+    assert!(health.is_ready(), "{health:?}");
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
 
     let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
     for h in recorder.snapshot() {
