@@ -28,41 +28,9 @@ use super::migration::{assert_kcl_reads, read_shard};
 
 const TEST_LIMIT: Duration = Duration::from_secs(600);
 
-/// A nested DynamoDB-JSON value (`{"S": ".."}`, `{"M": {..}}`, ...).
-fn value(typed: &serde_json::Value) -> AttributeValue {
-    let (kind, v) = typed.as_object().unwrap().iter().next().unwrap();
-    match kind.as_str() {
-        "S" => AttributeValue::S(v.as_str().unwrap().to_owned()),
-        "N" => AttributeValue::N(v.as_str().unwrap().to_owned()),
-        "SS" => AttributeValue::Ss(
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|s| s.as_str().unwrap().to_owned())
-                .collect(),
-        ),
-        "L" => AttributeValue::L(v.as_array().unwrap().iter().map(value).collect()),
-        "M" => AttributeValue::M(
-            v.as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, x)| (k.clone(), value(x)))
-                .collect(),
-        ),
-        other => panic!("type {other} is not in the fixtures"),
-    }
-}
-
 /// A row of `tests/fixtures/kcl/`.
 fn fixture(name: &str) -> HashMap<String, AttributeValue> {
-    let path = format!("{}/tests/fixtures/kcl/{name}", env!("CARGO_MANIFEST_DIR"));
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    json.as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), value(v)))
-        .collect()
+    testkit::kcl::kcl_fixture(name)
 }
 
 fn s(v: &str) -> AttributeValue {
