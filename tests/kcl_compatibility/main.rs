@@ -3,6 +3,7 @@
 //! single-table format.
 
 mod migration;
+mod kcl_rs;
 mod mixed_fleet;
 mod shard_end;
 mod single_table;
