@@ -17,8 +17,7 @@ use shardflow::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
 use shardflow::lease::dynamo::{DynamoCoordinatorState, DynamoLeaseStore};
 use shardflow::lease::entity::summarize;
 use shardflow::lease::{
-    worker_of, Checkpoint, CoordinatorState, EntityRow, Lease, LeaseError, LeaseStore,
-    LEADER_KEY,
+    worker_of, Checkpoint, CoordinatorState, EntityRow, Lease, LeaseError, LeaseStore, LEADER_KEY,
 };
 use shardflow::Backend;
 

@@ -704,7 +704,10 @@ async fn describe_lists_kcl35_rows_apart_and_delete_leaves_them() {
     let mut lease = kcl_fixture("kcl35_lease.json");
     lease.insert("leaseKey".into(), AttributeValue::S(shard.shard_id.clone()));
     lease.remove("leaseOwner");
-    lease.insert("checkpoint".into(), AttributeValue::S("TRIM_HORIZON".into()));
+    lease.insert(
+        "checkpoint".into(),
+        AttributeValue::S("TRIM_HORIZON".into()),
+    );
     for row in entities.iter().chain([&lease]) {
         aws.dynamodb_client()
             .put_item()
@@ -727,10 +730,18 @@ async fn describe_lists_kcl35_rows_apart_and_delete_leaves_them() {
         run(&a).await
     };
 
-    let out = run_args(args(&["--json", "group", "describe"], &["--sample-ms", "0"])).await;
+    let out = run_args(args(
+        &["--json", "group", "describe"],
+        &["--sample-ms", "0"],
+    ))
+    .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     let described = out.json();
-    assert_eq!(described["shards"].as_array().unwrap().len(), 1, "{described}");
+    assert_eq!(
+        described["shards"].as_array().unwrap().len(),
+        1,
+        "{described}"
+    );
     assert_eq!(described["shards"][0]["shard"], shard.shard_id.as_str());
     assert_eq!(described["shards_unreadable"], 0, "{described}");
     assert_eq!(
@@ -775,9 +786,10 @@ async fn describe_lists_kcl35_rows_apart_and_delete_leaves_them() {
     assert_eq!(left.len(), entities.len(), "{left:?}");
     for entity in &entities {
         assert!(
-            left.iter().any(|row| row.get("leaseKey") == entity.get("leaseKey")
-                && row.get("entityType") == entity.get("entityType")
-                && row.len() == entity.len()),
+            left.iter()
+                .any(|row| row.get("leaseKey") == entity.get("leaseKey")
+                    && row.get("entityType") == entity.get("entityType")
+                    && row.len() == entity.len()),
             "{entity:?} not left: {left:?}"
         );
     }

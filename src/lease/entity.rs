@@ -131,9 +131,10 @@ impl EntityRow {
     /// or either without a readable state), what it is and its state.
     pub fn unfinished_migration(&self) -> Option<(&'static str, String)> {
         let (what, done) = match self.kind {
-            EntityKind::KclClientVersionMigration => {
-                ("the KCL 2.x to 3.x client-version migration", CLIENT_VERSION_DONE)
-            }
+            EntityKind::KclClientVersionMigration => (
+                "the KCL 2.x to 3.x client-version migration",
+                CLIENT_VERSION_DONE,
+            ),
             EntityKind::KclTableMigration => {
                 ("the KCL 3.5 single-table migration", TABLE_MIGRATION_DONE)
             }
@@ -235,8 +236,11 @@ mod tests {
             assert!(r.unfinished_migration().is_some(), "{state}");
         }
         assert_eq!(
-            row(EntityKind::KclClientVersionMigration, Some(CLIENT_VERSION_DONE))
-                .unfinished_migration(),
+            row(
+                EntityKind::KclClientVersionMigration,
+                Some(CLIENT_VERSION_DONE)
+            )
+            .unfinished_migration(),
             None
         );
         assert!(row(EntityKind::KclTableMigration, None)

@@ -22,7 +22,13 @@ pub fn attribute_from_json(typed: &serde_json::Value) -> AttributeValue {
                 .map(|s| s.as_str().unwrap().to_owned())
                 .collect(),
         ),
-        "L" => AttributeValue::L(v.as_array().unwrap().iter().map(attribute_from_json).collect()),
+        "L" => AttributeValue::L(
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(attribute_from_json)
+                .collect(),
+        ),
         "M" => AttributeValue::M(
             v.as_object()
                 .unwrap()

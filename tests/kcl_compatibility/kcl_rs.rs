@@ -106,8 +106,16 @@ fn assert_exactly(seen: &BTreeMap<usize, usize>, expected: &BTreeSet<usize>, who
     let got: BTreeSet<usize> = seen.keys().copied().collect();
     let lost: Vec<&usize> = expected.difference(&got).collect();
     let re_read: Vec<&usize> = got.difference(expected).collect();
-    let twice: Vec<&usize> = seen.iter().filter(|(_, c)| **c > 1).map(|(v, _)| v).collect();
-    assert!(lost.is_empty(), "{who} lost {} records: {lost:?}", lost.len());
+    let twice: Vec<&usize> = seen
+        .iter()
+        .filter(|(_, c)| **c > 1)
+        .map(|(v, _)| v)
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{who} lost {} records: {lost:?}",
+        lost.len()
+    );
     assert!(
         re_read.is_empty(),
         "{who} re-read {} records: {re_read:?}",
@@ -121,7 +129,12 @@ async fn a_kcl_rs_application_moves_to_shardflow_and_back() {
     if !emulators_enabled() {
         return;
     }
-    within(TEST_LIMIT, "kcl-rs to shardflow and back", kcl_rs_round_trip()).await;
+    within(
+        TEST_LIMIT,
+        "kcl-rs to shardflow and back",
+        kcl_rs_round_trip(),
+    )
+    .await;
 }
 
 async fn kcl_rs_round_trip() {

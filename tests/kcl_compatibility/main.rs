@@ -2,8 +2,8 @@
 //! a mixed fleet, the rows of finished shards as the KCL writes them, and the KCL 3.5
 //! single-table format.
 
-mod migration;
 mod kcl_rs;
+mod migration;
 mod mixed_fleet;
 mod shard_end;
 mod single_table;

@@ -22,7 +22,11 @@ use testkit::*;
 const TEST_LIMIT: Duration = Duration::from_secs(600);
 
 /// Every record of a shard, in order: (value, sequence number).
-pub(super) async fn read_shard(kinesis: &dyn KinesisApi, stream: &str, shard: &str) -> Vec<(usize, String)> {
+pub(super) async fn read_shard(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    shard: &str,
+) -> Vec<(usize, String)> {
     let mut iterator = Some(
         kinesis
             .shard_iterator(stream, shard, &StartingPosition::TrimHorizon)

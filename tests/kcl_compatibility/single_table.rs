@@ -163,7 +163,12 @@ async fn single_table() {
     let mut leases = Vec::new();
     for (i, shard) in shards.iter().enumerate() {
         let records = read_shard(kinesis.as_ref(), &stream, &shard.shard_id).await;
-        assert!(records.len() >= 4, "{} has {}", shard.shard_id, records.len());
+        assert!(
+            records.len() >= 4,
+            "{} has {}",
+            shard.shard_id,
+            records.len()
+        );
         if i == 2 {
             expected.extend(records.iter().map(|(v, _)| *v));
             continue;
@@ -215,9 +220,17 @@ async fn single_table() {
     let handled: BTreeSet<usize> = seen.keys().copied().filter(|v| *v < 1_000).collect();
     let lost: Vec<&usize> = expected.difference(&handled).collect();
     let re_read: Vec<&usize> = handled.difference(&expected).collect();
-    let twice: Vec<&usize> = seen.iter().filter(|(_, c)| **c > 1).map(|(v, _)| v).collect();
+    let twice: Vec<&usize> = seen
+        .iter()
+        .filter(|(_, c)| **c > 1)
+        .map(|(v, _)| v)
+        .collect();
     assert!(lost.is_empty(), "lost {} records: {lost:?}", lost.len());
-    assert!(re_read.is_empty(), "re-read {} records: {re_read:?}", re_read.len());
+    assert!(
+        re_read.is_empty(),
+        "re-read {} records: {re_read:?}",
+        re_read.len()
+    );
     assert!(twice.is_empty(), "delivered twice: {twice:?}");
 
     // The table as the KCL 3.5 reads it back.
@@ -227,7 +240,11 @@ async fn single_table() {
         let Some(AttributeValue::S(key)) = entity.get("leaseKey") else {
             unreachable!()
         };
-        assert_eq!(rows.get(key), stored.get(key), "the KCL's row {key} changed");
+        assert_eq!(
+            rows.get(key),
+            stored.get(key),
+            "the KCL's row {key} changed"
+        );
         assert_eq!(rows[key].len(), entity.len(), "{key}: {:?}", rows[key]);
     }
     // Nothing else than its rows and one lease per shard.

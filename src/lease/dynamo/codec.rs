@@ -101,7 +101,10 @@ pub(super) fn has_entity_type(item: &HashMap<String, AttributeValue>) -> bool {
 /// What shardflow reads of a non-lease row of kind `kind`: its key, the KCL leader's
 /// owner, a migration's state. Nothing else of it is read, and a missing or odd
 /// attribute is not an error (the row is not ours).
-pub(super) fn entity_from_item(item: &HashMap<String, AttributeValue>, kind: EntityKind) -> EntityRow {
+pub(super) fn entity_from_item(
+    item: &HashMap<String, AttributeValue>,
+    kind: EntityKind,
+) -> EntityRow {
     let text = |name: &str| match item.get(name) {
         Some(AttributeValue::S(s)) => Some(s.clone()),
         _ => None,
@@ -676,8 +679,20 @@ mod tests {
         // Every other entity is told apart before anything else is read: most of them
         // have none of a lease's attributes and would not parse as one.
         let entities = [
-            ("kcl35_leader.json", EntityKind::KclLeader, "Leader", Some("worker-2"), None),
-            ("kcl35_worker_metrics.json", EntityKind::KclWorkerMetrics, "worker-2", None, None),
+            (
+                "kcl35_leader.json",
+                EntityKind::KclLeader,
+                "Leader",
+                Some("worker-2"),
+                None,
+            ),
+            (
+                "kcl35_worker_metrics.json",
+                EntityKind::KclWorkerMetrics,
+                "worker-2",
+                None,
+                None,
+            ),
             (
                 "kcl35_stream.json",
                 EntityKind::KclStream,

@@ -8,6 +8,14 @@
 //! every attribute. Beside it, the group's leader items live in a coordinator-state
 //! table of their own (see [`DynamoCoordinatorState`]).
 //!
+//! A row whose `entityType` is present and is not `LEASE` (a KCL 3.5 single-table
+//! application's leader lock, worker metrics, stream metadata, migration states) is not
+//! a lease: [`list`](LeaseStore::list) and [`get`](LeaseStore::get) leave it out, no
+//! write reaches it, and [`DynamoLeaseStore::rows`] lists it apart (see
+//! [`crate::lease::entity`]). `list` refuses a table in the middle of a KCL migration
+//! ([`LeaseError::KclMigrationInProgress`]). Once a row read carried `entityType`,
+//! [`create`](LeaseStore::create) writes `entityType = LEASE` too.
+//!
 //! # Writes
 //!
 //! Every write except [`create`](LeaseStore::create) is a conditional UpdateItem or
@@ -69,9 +77,10 @@ mod table;
 
 use super::entity::{EntityRow, RowKind, ENTITY_TYPE, LEASE_ENTITY};
 use codec::{
-    entity_from_item, has_entity_type, item_from_lease, lease_from_item, row_kind, CHECKPOINT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER,
-    OWNER_SWITCHES, PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
-    RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
+    entity_from_item, has_entity_type, item_from_lease, lease_from_item, row_kind, CHECKPOINT,
+    CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER, OWNER_SWITCHES, PENDING_CHECKPOINT,
+    PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET, RESET_SUB_SEQUENCE, RESET_TIMESTAMP,
+    STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
 pub use leader::{coordinator_table, DynamoCoordinatorState};
 use table::IndexState;
@@ -475,9 +484,10 @@ impl LeaseStore for DynamoLeaseStore {
                 if let RowKind::Other(_) = row_kind(&item) {
                     return Ok(None);
                 }
-                Ok(Some(lease_from_item(&item).unwrap_or_else(|e| {
-                    Lease::unreadable(key, e.to_string())
-                })))
+                Ok(Some(
+                    lease_from_item(&item)
+                        .unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
+                ))
             }
             _ => Ok(None),
         }
