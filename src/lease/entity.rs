@@ -118,6 +118,9 @@ pub struct EntityRow {
     pub state: Option<String>,
 }
 
+/// The key of the KCL's table-migration state (`TableMigrationState`).
+pub const TABLE_MIGRATION_KEY: &str = "TableMigration3.5";
+
 /// The client version that ends the KCL's 2.x to 3.x migration (`ClientVersion`).
 pub const CLIENT_VERSION_DONE: &str = "CLIENT_VERSION_3X";
 

@@ -75,7 +75,10 @@ pub mod codec;
 mod leader;
 mod table;
 
-use super::entity::{EntityRow, RowKind, ENTITY_TYPE, LEASE_ENTITY};
+use super::entity::{
+    EntityKind, EntityRow, RowKind, ENTITY_TYPE, LEASE_ENTITY, TABLE_MIGRATION_DONE,
+    TABLE_MIGRATION_KEY,
+};
 use codec::{
     entity_from_item, has_entity_type, item_from_lease, lease_from_item, row_kind, CHECKPOINT,
     CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER, OWNER_SWITCHES, PENDING_CHECKPOINT,
@@ -96,6 +99,15 @@ pub struct DynamoLeaseStore {
     /// single-table format): then the rows this store creates carry `entityType =
     /// LEASE`, so a KCL 3.5 reading the table back finds them.
     single_table: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the KCL's coordinator-state table was found without a table migration
+    /// in progress (looked at once, see [`DynamoLeaseStore::kcl_table_migration`]).
+    kcl_migration_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The KCL's coordinator-state table beside a lease table named after its application
+/// (the KCL's default name, `<application>-CoordinatorState`).
+pub fn kcl_coordinator_table(lease_table: &str) -> String {
+    format!("{lease_table}-CoordinatorState")
 }
 
 impl DynamoLeaseStore {
@@ -106,6 +118,39 @@ impl DynamoLeaseStore {
             table: table.to_owned(),
             index: Default::default(),
             single_table: Default::default(),
+            kcl_migration_checked: Default::default(),
+        }
+    }
+
+    /// The state of the KCL's 3.4 to 3.5 table migration as its coordinator-state table
+    /// holds it (`TableMigration3.5`, attribute `tm`, under the hash key `key`), where
+    /// the KCL keeps it until the migration completes: `None` when there is no such
+    /// table or item (or it may not be read: the consumer's policy need not grant it,
+    /// and a warning says the check was skipped).
+    async fn kcl_table_migration(&self) -> Result<Option<(String, String)>, LeaseError> {
+        let table = kcl_coordinator_table(&self.table);
+        let out = self
+            .client
+            .get_item()
+            .table_name(&table)
+            .key("key", AttributeValue::S(TABLE_MIGRATION_KEY.to_owned()))
+            .consistent_read(true)
+            .send()
+            .await;
+        match out {
+            Ok(out) => Ok(out.item.filter(|i| !i.is_empty()).map(|item| {
+                let state = match item.get("tm") {
+                    Some(AttributeValue::S(state)) => state.clone(),
+                    _ => "no state".to_owned(),
+                };
+                (format!("{table}/{TABLE_MIGRATION_KEY}"), state)
+            })),
+            Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
+            Err(e) if e.code() == Some("AccessDeniedException") => {
+                tracing::warn!(table = %table, error = %DisplayErrorContext(&e), "the KCL's coordinator-state table cannot be read; a KCL table migration in progress would not be seen");
+                Ok(None)
+            }
+            Err(e) => Err(classify(&table, "GetItem", None, e)),
         }
     }
 
@@ -432,6 +477,40 @@ impl LeaseStore for DynamoLeaseStore {
                 state,
                 row: format!("{}/{}", self.table, row.key),
             });
+        }
+        // A KCL 3.5 table migration keeps its state in the KCL's coordinator-state table
+        // until it completes: a lease table with the KCL's other rows but no
+        // `TABLE_MIGRATION` row may be in its middle. Looked at once.
+        let kcl_rows = others.iter().any(|r| {
+            matches!(
+                r.kind,
+                EntityKind::KclLeader
+                    | EntityKind::KclWorkerMetrics
+                    | EntityKind::KclStream
+                    | EntityKind::KclClientVersionMigration
+            )
+        });
+        let migrated = others
+            .iter()
+            .any(|r| r.kind == EntityKind::KclTableMigration);
+        if kcl_rows
+            && !migrated
+            && !self
+                .kcl_migration_checked
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            if let Some((row, state)) = self.kcl_table_migration().await? {
+                if state != TABLE_MIGRATION_DONE {
+                    return Err(LeaseError::KclMigrationInProgress {
+                        table: self.table.clone(),
+                        migration: "the KCL 3.5 single-table migration".to_owned(),
+                        state,
+                        row,
+                    });
+                }
+            }
+            self.kcl_migration_checked
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(leases)
     }
