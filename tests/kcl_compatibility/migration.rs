@@ -102,7 +102,7 @@ pub(super) fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
     for (name, value) in item {
         let ok = match name.as_str() {
             "leaseKey" | "leaseOwner" | "checkpoint" | "pendingCheckpoint" | "startingHashKey"
-            | "endingHashKey" | "checkpointOwner" | "streamName" | "pendingOwner" => {
+            | "endingHashKey" | "checkpointOwner" | "streamName" | "pendingOwner" | "shardId" => {
                 matches!(value, AttributeValue::S(_))
             }
             "leaseCounter"

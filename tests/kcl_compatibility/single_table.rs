@@ -390,3 +390,129 @@ async fn refused() {
         assert_eq!(stored.len(), before.len());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kcl35_multi_stream_single_table_is_taken_over_in_place() {
+    if !emulators_enabled() {
+        return;
+    }
+    within(TEST_LIMIT, "the KCL 3.5 multi-stream move", multi_stream()).await;
+}
+
+/// A multi-stream KCL 3.5 application: its stream metadata rows are keyed by the
+/// stream identifiers (`account:stream:creationEpoch`), the prefix of the leases' keys.
+async fn multi_stream() {
+    let aws = shardflow::Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (orders, refunds) = (unique("kcl35-orders"), unique("kcl35-refunds"));
+    let table = unique("kcl35-multi-app");
+    let mut expected: BTreeSet<usize> = BTreeSet::new();
+    let mut leases = Vec::new();
+    let mut entities = vec![
+        fixture("kcl35_leader.json"),
+        fixture("kcl35_worker_metrics.json"),
+        fixture("kcl35_client_version_migration.json"),
+        fixture("kcl35_table_migration_complete.json"),
+    ];
+    let mut shards = Vec::new();
+    for (stream, base) in [(&orders, 0), (&refunds, 1_000)] {
+        kinesis.create_stream(stream, 1).await.unwrap();
+        wait_until_active(kinesis.as_ref(), stream).await;
+        produce(kinesis.as_ref(), stream, base..base + 100).await;
+        let identity = kinesis.stream_identity(stream).await.unwrap();
+        let shard = open_shards(kinesis.as_ref(), stream).await.remove(0);
+        let records = read_shard(kinesis.as_ref(), stream, &shard.shard_id).await;
+        let middle = records.len() / 2;
+        expected.extend(records[middle + 1..].iter().map(|(v, _)| *v));
+        let mut row = fixture("kcl35_multi_stream_lease.json");
+        row.insert("leaseKey".into(), s(&identity.lease_key(&shard.shard_id)));
+        row.insert("streamName".into(), s(&identity.to_string()));
+        row.insert("shardId".into(), s(&shard.shard_id));
+        row.insert("checkpoint".into(), s(&records[middle].1));
+        row.remove("parentShardId");
+        row.insert(
+            "startingHashKey".into(),
+            s(&shard.starting_hash_key.to_string()),
+        );
+        row.insert(
+            "endingHashKey".into(),
+            s(&shard.ending_hash_key.to_string()),
+        );
+        assert_kcl_reads(&row);
+        leases.push(row);
+        let mut info = fixture("kcl35_stream.json");
+        info.insert("leaseKey".into(), s(&identity.to_string()));
+        entities.push(info);
+        shards.push((stream.clone(), identity, shard));
+    }
+    create_kcl_table(&aws, &table).await;
+    put(&aws, &table, &entities).await;
+    put(&aws, &table, &leases).await;
+    let stored = scan(&aws, &table).await;
+
+    let recorder = Recorder::default();
+    let running = test_timings(
+        shardflow::Consumer::builder()
+            .streams([orders.as_str(), refunds.as_str()])
+            .group(&unique("billing"))
+            .worker_id("w1")
+            .lease_table(&table)
+            .backend(aws.clone()),
+    )
+    .build()
+    .unwrap()
+    .run(recording_handler(recorder.clone()))
+    .spawn();
+    recorder
+        .wait_for(expected.len(), Duration::from_secs(120))
+        .await;
+    let health = running.health();
+    assert!(health.unreadable_rows.is_empty(), "{health:?}");
+    assert!(health.failed_streams.is_empty(), "{health:?}");
+    within(STOP_LIMIT, "the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+    let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
+    for h in recorder.snapshot() {
+        *seen.entry(h.value).or_default() += 1;
+    }
+    let handled: BTreeSet<usize> = seen.keys().copied().collect();
+    let lost: Vec<&usize> = expected.difference(&handled).collect();
+    let re_read: Vec<&usize> = handled.difference(&expected).collect();
+    let twice: Vec<&usize> = seen
+        .iter()
+        .filter(|(_, c)| **c > 1)
+        .map(|(v, _)| v)
+        .collect();
+    assert!(lost.is_empty(), "lost {} records: {lost:?}", lost.len());
+    assert!(
+        re_read.is_empty(),
+        "re-read {} records: {re_read:?}",
+        re_read.len()
+    );
+    assert!(twice.is_empty(), "delivered twice: {twice:?}");
+
+    let rows = scan(&aws, &table).await;
+    assert_eq!(rows.len(), stored.len(), "{rows:?}");
+    for entity in &entities {
+        let Some(AttributeValue::S(key)) = entity.get("leaseKey") else {
+            unreachable!()
+        };
+        assert_eq!(
+            rows.get(key),
+            stored.get(key),
+            "the KCL's row {key} changed"
+        );
+    }
+    for (stream, identity, shard) in &shards {
+        let item = &rows[&identity.lease_key(&shard.shard_id)];
+        assert_kcl_reads(item);
+        assert_eq!(item.get("entityType"), Some(&s("LEASE")), "{item:?}");
+        assert_eq!(item.get("streamName"), Some(&s(&identity.to_string())));
+        let last = read_shard(kinesis.as_ref(), stream, &shard.shard_id)
+            .await
+            .pop()
+            .unwrap();
+        assert_eq!(item["checkpoint"], s(&last.1), "{item:?}");
+    }
+}
