@@ -454,7 +454,7 @@ async fn multi_stream() {
     let running = test_timings(
         shardflow::Consumer::builder()
             .streams([orders.as_str(), refunds.as_str()])
-            .group(&unique("billing"))
+            .group(unique("billing"))
             .worker_id("w1")
             .lease_table(&table)
             .backend(aws.clone()),
