@@ -86,7 +86,7 @@ kpl_installed() { # the venv holds what the committed requirements pin
        "$(cat "$kpl_venv/.installed-requirements-hash")" == "$(sha256sum <"$kpl_requirements" | cut -d' ' -f1)" ]]
 }
 install_kpl() {
-    log "installing aws-kinesis-agg from scripts/kpl-requirements.txt into .cache/kpl-venv"
+    log "installing aws-kinesis-agg and kcl-rs from scripts/kpl-requirements.txt into .cache/kpl-venv"
     python3 -m venv --clear "$kpl_venv" >&2
     "$kpl_venv/bin/pip" install --quiet --disable-pip-version-check -r "$kpl_requirements" >&2
     sha256sum <"$kpl_requirements" | cut -d' ' -f1 >"$kpl_venv/.installed-requirements-hash"

@@ -1,8 +1,10 @@
 //! `group describe` (one row per shard with its owner, lease activity, checkpoint, the
 //! age of its last checkpoint write and lag; in a multi-stream table its stream too, and the lag per stream; the group's
 //! leader; a summary that counts the shards in error, unreadable or without an owner,
-//! and exit code 1 when a shard cannot be read) and `group delete` (the lease table,
-//! refused while leases are live).
+//! and exit code 1 when a shard cannot be read; the rows that are not leases, such as a
+//! KCL 3.5 application's, listed apart) and `group delete` (the lease table, refused
+//! while leases are live; in a table that also holds another application's rows, only
+//! the lease rows, and it says what it leaves).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
@@ -12,9 +14,10 @@ use clap::Args;
 use serde_json::json;
 use shardflow::admin::{select_rows, table_rows, TableRow};
 use shardflow::kinesis::{KinesisApi, ShardInfo, StreamIdentity};
-use shardflow::lease::dynamo::DynamoCoordinatorState;
+use shardflow::lease::dynamo::{DynamoCoordinatorState, DynamoLeaseStore};
+use shardflow::lease::entity::summarize;
 use shardflow::lease::{
-    worker_of, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore, LEADER_KEY,
+    worker_of, Checkpoint, CoordinatorState, EntityRow, Lease, LeaseError, LeaseStore, LEADER_KEY,
 };
 use shardflow::Backend;
 
@@ -52,25 +55,54 @@ pub struct DeleteArgs {
     sample_ms: u64,
 }
 
-/// The lease rows, read twice `sample` apart: the second read, and the keys whose
-/// counter moved in between (`None` when not sampled).
+/// The table's rows, read twice `sample` apart: the second read's leases and rows that
+/// are not leases (see `shardflow::lease::entity`), and the keys whose counter moved in
+/// between (`None` when not sampled). A table in the middle of a KCL migration is read
+/// too (the consumer refuses it, the tools show it).
 async fn sample_rows(
-    store: &dyn LeaseStore,
+    store: &DynamoLeaseStore,
     sample: Duration,
-) -> Result<(Vec<Lease>, Option<BTreeSet<String>>), crate::CliError> {
-    let first = store.list().await?;
+) -> Result<(Vec<Lease>, Vec<EntityRow>, Option<BTreeSet<String>>), crate::CliError> {
+    let (first, others) = store.rows().await?;
     if sample.is_zero() {
-        return Ok((first, None));
+        return Ok((first, others, None));
     }
     tokio::time::sleep(sample).await;
-    let second = store.list().await?;
+    let (second, others) = store.rows().await?;
     let before: BTreeMap<&str, u64> = first.iter().map(|r| (r.key.as_str(), r.counter)).collect();
     let moved = second
         .iter()
         .filter(|r| before.get(r.key.as_str()) != Some(&r.counter))
         .map(|r| r.key.clone())
         .collect();
-    Ok((second, Some(moved)))
+    Ok((second, others, Some(moved)))
+}
+
+/// The rows that are not leases, for `--json`.
+fn others_json(others: &[EntityRow]) -> Vec<serde_json::Value> {
+    others
+        .iter()
+        .map(|r| {
+            json!({
+                "key": r.key,
+                "kind": r.kind.to_string(),
+                "owner": r.owner,
+                "state": r.state,
+            })
+        })
+        .collect()
+}
+
+/// The migration a row says is under way, as a sentence, if any.
+fn unfinished_migration(others: &[EntityRow]) -> Option<String> {
+    others.iter().find_map(|r| {
+        r.unfinished_migration().map(|(what, state)| {
+            format!(
+                "the table is in the middle of {what} (state {state}, row {}): a shardflow consumer refuses it until the KCL finishes or rolls it back",
+                r.key
+            )
+        })
+    })
 }
 
 fn state(row: &Lease, shard: Option<&ShardInfo>) -> &'static str {
@@ -209,7 +241,8 @@ type Described<'a> = (
 pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     let store = args.group.store(&cx.aws);
     let kinesis = cx.aws.kinesis();
-    let (rows, moved) = sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
+    let (rows, others, moved) =
+        sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
     let all = table_rows(rows)?;
     let multi = all.iter().any(|r| r.stream.is_some());
     // A single-stream table is the stream's; a multi-stream one shows every stream or
@@ -397,6 +430,9 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             "shards_unreadable": unreadable,
             "shards_without_owner": unowned,
             "shards_without_lease": without_lease,
+            "other_rows": others_json(&others),
+            "other_rows_summary": summarize(&others),
+            "kcl_migration_in_progress": unfinished_migration(&others),
         }));
         return Ok(code);
     }
@@ -500,6 +536,15 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             )
         },
     );
+    if !others.is_empty() {
+        println!(
+            "rows that are not leases (left alone): {}",
+            summarize(&others).join(", ")
+        );
+    }
+    if let Some(migration) = unfinished_migration(&others) {
+        println!("{migration}");
+    }
     Ok(code)
 }
 
@@ -548,19 +593,32 @@ fn shorten(checkpoint: &str) -> String {
     out
 }
 
-/// `group delete`.
+/// `group delete`: the lease table with the group's coordinator-state table; in a
+/// table that also holds rows that are not the group's (a KCL 3.5 application's leader,
+/// worker metrics, migration states), only the lease rows, each deleted on the counter
+/// read, and the table stays with those rows.
 pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
     let store = args.group.store(&cx.aws);
-    let (rows, moved) = sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
+    let (rows, others, moved) =
+        sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
     let live: Vec<&Lease> = rows
         .iter()
         .filter(|r| r.owner.is_some() && moved.as_ref().is_none_or(|m| m.contains(&r.key)))
         .collect();
     let table_name = args.group.table();
+    // Rows of another application stay, and so does the table that holds them.
+    let kept: Vec<EntityRow> = others
+        .iter()
+        .filter(|r| !r.kind.is_shardflow())
+        .cloned()
+        .collect();
+    let left = summarize(&kept);
     let plan = json!({
         "table": table_name,
         "rows": rows.len(),
         "live_leases": live.iter().map(|r| json!({"shard": r.key, "owner": r.owner})).collect::<Vec<_>>(),
+        "deletes_table": kept.is_empty(),
+        "left": left,
         "deleted": false,
     });
     if !live.is_empty() && !args.force {
@@ -577,27 +635,55 @@ pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
     if !args.yes {
         if cx.json {
             print_json(&plan);
-        } else {
+        } else if kept.is_empty() {
             println!(
                 "would delete lease table {table_name} ({} rows, {} live); run again with --yes",
                 rows.len(),
                 live.len()
             );
+        } else {
+            println!(
+                "would delete the {} lease rows of {table_name} ({} live) and leave the table with {} rows that are not the group's: {}; run again with --yes",
+                rows.len(),
+                live.len(),
+                kept.len(),
+                left.join(", ")
+            );
         }
         return Ok(ExitCode::from(EXIT_PLAN_ONLY));
     }
-    cx.aws
-        .dynamodb_client()
-        .delete_table()
-        .table_name(table_name)
-        .send()
-        .await
-        .map_err(|e| {
-            format!(
-                "DeleteTable {table_name}: {}",
-                aws_sdk_dynamodb::error::DisplayErrorContext(e)
+    if kept.is_empty() {
+        cx.aws
+            .dynamodb_client()
+            .delete_table()
+            .table_name(table_name)
+            .send()
+            .await
+            .map_err(|e| {
+                format!(
+                    "DeleteTable {table_name}: {}",
+                    aws_sdk_dynamodb::error::DisplayErrorContext(e)
+                )
+            })?;
+    } else {
+        // Each lease row on the owner and counter read: a row written since is not
+        // deleted, and a row that does not parse is left for an operator.
+        let mut failed = Vec::new();
+        for row in &rows {
+            if let Err(e) = store.delete(row).await {
+                failed.push(format!("{}: {e}", row.key));
+            }
+        }
+        if !failed.is_empty() {
+            return Err(format!(
+                "{} of {} lease rows of {table_name} were not deleted: {}",
+                failed.len(),
+                rows.len(),
+                failed.join("; ")
             )
-        })?;
+            .into());
+        }
+    }
     // The group's coordinator-state table (its leader item) goes with it; a group that
     // never ran a worker of this version has none.
     let coordinator = shardflow::lease::dynamo::coordinator_table(table_name);
@@ -622,8 +708,15 @@ pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
         let mut done = plan;
         done["deleted"] = json!(true);
         print_json(&done);
-    } else {
+    } else if kept.is_empty() {
         println!("deleted lease table {table_name} ({} rows)", rows.len());
+    } else {
+        println!(
+            "deleted the {} lease rows of {table_name}; left the table with {} rows that are not the group's: {}",
+            rows.len(),
+            kept.len(),
+            left.join(", ")
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -700,6 +700,121 @@ async fn delete_refuses_a_running_group_and_deletes_a_stopped_ones_table() {
     ));
 }
 
+/// A KCL 3.5 single-table application's table: its leader, a worker's metrics and its
+/// finished table migration beside one lease (`tests/fixtures/kcl/`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_lists_kcl35_rows_apart_and_delete_leaves_them() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    use testkit::kcl::kcl_fixture;
+    if !emulators_enabled() {
+        return;
+    }
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, table) = (unique("cli-kcl35"), unique("cli-kcl35-app"));
+    kinesis.create_stream(&stream, 1).await.unwrap();
+    wait_until_active(kinesis.as_ref(), &stream).await;
+    let shard = open_shards(kinesis.as_ref(), &stream).await.remove(0);
+    aws.lease_store(&table).ensure_table().await.unwrap();
+    let entities = [
+        kcl_fixture("kcl35_leader.json"),
+        kcl_fixture("kcl35_worker_metrics.json"),
+        kcl_fixture("kcl35_table_migration_complete.json"),
+    ];
+    let mut lease = kcl_fixture("kcl35_lease.json");
+    lease.insert("leaseKey".into(), AttributeValue::S(shard.shard_id.clone()));
+    lease.remove("leaseOwner");
+    lease.insert(
+        "checkpoint".into(),
+        AttributeValue::S("TRIM_HORIZON".into()),
+    );
+    for row in entities.iter().chain([&lease]) {
+        aws.dynamodb_client()
+            .put_item()
+            .table_name(&table)
+            .set_item(Some(row.clone()))
+            .send()
+            .await
+            .unwrap();
+    }
+    let group = ["--stream", stream.as_str(), "--table", table.as_str()];
+    let args = |cmd: &[&'static str], extra: &[&'static str]| -> Vec<String> {
+        cmd.iter()
+            .chain(group.iter())
+            .chain(extra.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let run_args = |a: Vec<String>| async move {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        run(&a).await
+    };
+
+    let out = run_args(args(
+        &["--json", "group", "describe"],
+        &["--sample-ms", "0"],
+    ))
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let described = out.json();
+    assert_eq!(
+        described["shards"].as_array().unwrap().len(),
+        1,
+        "{described}"
+    );
+    assert_eq!(described["shards"][0]["shard"], shard.shard_id.as_str());
+    assert_eq!(described["shards_unreadable"], 0, "{described}");
+    assert_eq!(
+        described["other_rows_summary"],
+        serde_json::json!([
+            "KCL leader (worker-2)",
+            "KCL worker metrics (1 row)",
+            "KCL table migration: TABLE_MIGRATION_STATUS_COMPLETE"
+        ]),
+        "{described}"
+    );
+    assert_eq!(described["kcl_migration_in_progress"], Value::Null);
+    let out = run_args(args(&["group", "describe"], &["--sample-ms", "0"])).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains("rows that are not leases (left alone): KCL leader (worker-2)"),
+        "{}",
+        out.stdout
+    );
+
+    // The plan says what stays; --yes deletes the lease row only.
+    let out = run_args(args(&["group", "delete"], &["--sample-ms", "0"])).await;
+    assert_eq!(out.code, 3, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("leave the table with 3 rows that are not the group's: KCL leader (worker-2), KCL worker metrics (1 row), KCL table migration: TABLE_MIGRATION_STATUS_COMPLETE"),
+        "{}",
+        out.stdout
+    );
+    let out = run_args(args(&["group", "delete"], &["--sample-ms", "0", "--yes"])).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let left = aws
+        .dynamodb_client()
+        .scan()
+        .table_name(&table)
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .items
+        .unwrap_or_default();
+    assert_eq!(left.len(), entities.len(), "{left:?}");
+    for entity in &entities {
+        assert!(
+            left.iter()
+                .any(|row| row.get("leaseKey") == entity.get("leaseKey")
+                    && row.get("entityType") == entity.get("entityType")
+                    && row.len() == entity.len()),
+            "{entity:?} not left: {left:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_follows_new_records_and_stops_cleanly_on_ctrl_c() {
     if !emulators_enabled() {

@@ -9,10 +9,12 @@
 //! request alone.)
 
 pub mod dynamo;
+pub mod entity;
 mod held;
 pub mod leader;
 mod scoped;
 
+pub use entity::{EntityKind, EntityRow, RowKind};
 pub(crate) use held::{with_retries, HeldLease};
 pub use leader::{CoordinatorState, LeaderItem, LEADER_KEY};
 pub(crate) use scoped::{SharedListing, StreamScopedStore};
@@ -338,6 +340,21 @@ pub enum LeaseError {
     /// `AccessDeniedException`: an IAM policy that does not grant it on that table).
     /// Retrying does not help until the policy changes.
     AccessDenied(ErrorDetail),
+    /// The table is in the middle of a KCL migration (a KCL 3.5 single-table migration
+    /// not `TABLE_MIGRATION_STATUS_COMPLETE`, or a KCL 2.x to 3.x client-version migration
+    /// not `CLIENT_VERSION_3X`): its state is split between the KCL's tables and only the
+    /// KCL can finish or roll it back. Not taken over: finish the migration with the
+    /// KCL (or roll it back) first.
+    KclMigrationInProgress {
+        /// The lease table.
+        table: String,
+        /// Which migration, e.g. `the KCL 3.5 single-table migration`.
+        migration: String,
+        /// Its state as the KCL wrote it, e.g. `TABLE_MIGRATION_STATUS_PENDING`.
+        state: String,
+        /// The table and key of the row that says so.
+        row: String,
+    },
 }
 
 impl std::fmt::Display for LeaseError {
@@ -358,6 +375,16 @@ impl std::fmt::Display for LeaseError {
             LeaseError::AccessDenied(d) => {
                 write!(f, "lease store call refused (access denied): {d}")
             }
+            LeaseError::KclMigrationInProgress {
+                table,
+                migration,
+                state,
+                row,
+            } => write!(
+                f,
+                "the lease table {table} is in the middle of {migration} (state {state}, row {row}): \
+                 finish or roll back the migration with the KCL before moving the application"
+            ),
         }
     }
 }

@@ -32,6 +32,7 @@ mod assert;
 mod emulator;
 pub mod fleet;
 pub mod hooks;
+pub mod kcl;
 pub mod process;
 pub mod proxy;
 mod recorder;

@@ -22,7 +22,11 @@ use testkit::*;
 const TEST_LIMIT: Duration = Duration::from_secs(600);
 
 /// Every record of a shard, in order: (value, sequence number).
-async fn read_shard(kinesis: &dyn KinesisApi, stream: &str, shard: &str) -> Vec<(usize, String)> {
+pub(super) async fn read_shard(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    shard: &str,
+) -> Vec<(usize, String)> {
     let mut iterator = Some(
         kinesis
             .shard_iterator(stream, shard, &StartingPosition::TrimHorizon)
@@ -84,7 +88,7 @@ fn kcl_row(shard: &ShardInfo, checkpoint: &str) -> HashMap<String, AttributeValu
 }
 
 /// Checks `item` the way the KCL's `fromDynamoRecord` reads it.
-fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
+pub(super) fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
     let what = format!("{item:?}");
     for required in [
         "leaseKey",
@@ -98,7 +102,7 @@ fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
     for (name, value) in item {
         let ok = match name.as_str() {
             "leaseKey" | "leaseOwner" | "checkpoint" | "pendingCheckpoint" | "startingHashKey"
-            | "endingHashKey" | "checkpointOwner" | "streamName" | "pendingOwner" => {
+            | "endingHashKey" | "checkpointOwner" | "streamName" | "pendingOwner" | "shardId" => {
                 matches!(value, AttributeValue::S(_))
             }
             "leaseCounter"
@@ -111,6 +115,8 @@ fn assert_kcl_reads(item: &HashMap<String, AttributeValue>) {
                 matches!(value, AttributeValue::N(v) if v.parse::<f64>().is_ok())
             }
             "parentShardId" | "childShardIds" => matches!(value, AttributeValue::Ss(_)),
+            // KCL 3.5: only `LEASE` rows (or rows without it) are leases.
+            "entityType" => matches!(value, AttributeValue::S(e) if e == "LEASE"),
             "pendingCheckpointState" => {
                 matches!(value, AttributeValue::B(_) | AttributeValue::N(_))
             }

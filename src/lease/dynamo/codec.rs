@@ -26,6 +26,8 @@
 //! | `checkpointedAt` | N, optional | shardflow's: when the checkpoint was last written (epoch milliseconds of the writer's clock), set by every checkpoint write and reset in the same UpdateItem; absent until the first one and in rows the KCL wrote (the KCL neither reads nor updates it) |
 //! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
+//! | `entityType` | S, optional | KCL 3.5: what the row is. Absent or `LEASE`: a lease; anything else is not a lease and is never parsed, written or deleted as one ([`crate::lease::entity`]). Written as `LEASE` on the rows shardflow creates in a table in the single-table format (one where a row carries `entityType`) |
+//!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
 //! DynamoDB Number holds. No condition compares them; fencing is on the counter.
 
@@ -34,6 +36,7 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use crate::kinesis::StreamIdentity;
+use crate::lease::entity::{EntityKind, EntityRow, RowKind, ENTITY_TYPE};
 use crate::lease::{Checkpoint, Lease, LeaseError};
 
 /// The hash key: the shard id.
@@ -81,6 +84,47 @@ pub(super) const RESET: &str = "resetCheckpoint";
 pub(super) const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
 /// The reset request's `AT_TIMESTAMP` time, epoch milliseconds.
 pub(super) const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
+
+/// What `item` is, from its `entityType` (see [`crate::lease::entity`]): a lease unless
+/// the attribute is present and not `LEASE`. An `entityType` that is not a string is
+/// not `LEASE` either.
+pub(super) fn row_kind(item: &HashMap<String, AttributeValue>) -> RowKind {
+    match item.get(ENTITY_TYPE) {
+        None => RowKind::Lease,
+        Some(AttributeValue::S(value)) => RowKind::of(Some(value)),
+        Some(other) => RowKind::of(Some(&format!("{other:?}"))),
+    }
+}
+
+/// Whether `item` carries an `entityType` (the KCL 3.5 single-table format).
+pub(super) fn has_entity_type(item: &HashMap<String, AttributeValue>) -> bool {
+    item.contains_key(ENTITY_TYPE)
+}
+
+/// What shardflow reads of a non-lease row of kind `kind`: its key, the KCL leader's
+/// owner, a migration's state. Nothing else of it is read, and a missing or odd
+/// attribute is not an error (the row is not ours).
+pub(super) fn entity_from_item(
+    item: &HashMap<String, AttributeValue>,
+    kind: EntityKind,
+) -> EntityRow {
+    let text = |name: &str| match item.get(name) {
+        Some(AttributeValue::S(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let (owner, state) = match kind {
+        EntityKind::KclLeader => (text("ownerName"), None),
+        EntityKind::KclClientVersionMigration => (None, text("cv")),
+        EntityKind::KclTableMigration => (None, text("tm")),
+        _ => (None, None),
+    };
+    EntityRow {
+        key: text(KEY).unwrap_or_else(|| "?".to_owned()),
+        kind,
+        owner,
+        state,
+    }
+}
 
 /// The item that stores `lease`.
 pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
@@ -435,11 +479,30 @@ mod tests {
                         v.as_str().unwrap().as_bytes(),
                     )),
                     "SS" => AttributeValue::Ss(strings(v)),
+                    "M" | "L" => value_from_json(typed),
                     other => panic!("type {other} is not in the KCL's rows"),
                 };
                 (name.clone(), attribute)
             })
             .collect()
+    }
+
+    /// A nested attribute value (`M`, `L` and the scalars within them).
+    fn value_from_json(typed: &serde_json::Value) -> AttributeValue {
+        let (kind, v) = typed.as_object().unwrap().iter().next().unwrap();
+        match kind.as_str() {
+            "S" => AttributeValue::S(v.as_str().unwrap().to_owned()),
+            "N" => AttributeValue::N(v.as_str().unwrap().to_owned()),
+            "L" => AttributeValue::L(v.as_array().unwrap().iter().map(value_from_json).collect()),
+            "M" => AttributeValue::M(
+                v.as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, x)| (k.clone(), value_from_json(x)))
+                    .collect(),
+            ),
+            other => panic!("type {other} is not in the KCL's rows"),
+        }
     }
 
     fn fixture(name: &str) -> HashMap<String, AttributeValue> {
@@ -467,6 +530,7 @@ mod tests {
                 }
                 PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),
                 PENDING_STATE => matches!(value, AttributeValue::B(_) | AttributeValue::N(_)),
+                ENTITY_TYPE => matches!(value, AttributeValue::S(e) if e == "LEASE"),
                 other => panic!("{other} is neither the KCL's nor shardflow's: {key}"),
             };
             assert!(ok, "{name} has the wrong type for the KCL: {key}");
@@ -610,6 +674,112 @@ mod tests {
             Some(&AttributeValue::S(u128::MAX.to_string()))
         );
         assert_eq!(lease_from_item(&item).unwrap(), fresh);
+    }
+
+    #[test]
+    fn kcl35_lease_rows_are_leases_and_every_other_entity_is_not() {
+        // LEASE rows (single- and multi-stream) parse as the 3.x rows do.
+        let lease_row = fixture("kcl35_lease.json");
+        assert_eq!(row_kind(&lease_row), RowKind::Lease);
+        assert!(has_entity_type(&lease_row));
+        assert_kcl_reads(&lease_row);
+        let lease = lease_from_item(&lease_row).unwrap();
+        assert_eq!(lease.key, "shardId-000000000001");
+        assert_eq!(lease.owner.as_deref(), Some("worker-2"));
+        assert_eq!(lease.counter, 5120);
+        assert_eq!(
+            lease.checkpoint.to_string(),
+            "49654231871269856788003409185127350380960574536328806434"
+        );
+        let multi_row = fixture("kcl35_multi_stream_lease.json");
+        assert_eq!(row_kind(&multi_row), RowKind::Lease);
+        assert_kcl_reads(&multi_row);
+        let multi = lease_from_item(&multi_row).unwrap();
+        assert_eq!(
+            multi.stream.as_deref(),
+            Some("123456789012:orders:1700000000")
+        );
+        assert_eq!(multi.checkpoint, Checkpoint::TrimHorizon);
+        // Rows of older KCLs, without entityType, stay leases.
+        for name in ["kcl2_checkpointed.json", "kcl3_handoff.json"] {
+            let item = fixture(name);
+            assert_eq!(row_kind(&item), RowKind::Lease, "{name}");
+            assert!(!has_entity_type(&item), "{name}");
+        }
+        // Every other entity is told apart before anything else is read: most of them
+        // have none of a lease's attributes and would not parse as one.
+        let entities = [
+            (
+                "kcl35_leader.json",
+                EntityKind::KclLeader,
+                "Leader",
+                Some("worker-2"),
+                None,
+            ),
+            (
+                "kcl35_worker_metrics.json",
+                EntityKind::KclWorkerMetrics,
+                "worker-2",
+                None,
+                None,
+            ),
+            (
+                "kcl35_stream.json",
+                EntityKind::KclStream,
+                "123456789012:orders:1700000000",
+                None,
+                None,
+            ),
+            (
+                "kcl35_client_version_migration.json",
+                EntityKind::KclClientVersionMigration,
+                "Migration3.0",
+                None,
+                Some("CLIENT_VERSION_3X"),
+            ),
+            (
+                "kcl35_table_migration_complete.json",
+                EntityKind::KclTableMigration,
+                "TableMigration3.5",
+                None,
+                Some("TABLE_MIGRATION_STATUS_COMPLETE"),
+            ),
+        ];
+        for (name, kind, key, owner, state) in entities {
+            let item = fixture(name);
+            assert!(lease_from_item(&item).is_err(), "{name} is no lease");
+            let RowKind::Other(found) = row_kind(&item) else {
+                panic!("{name} read as a lease");
+            };
+            assert_eq!(found, kind, "{name}");
+            let row = entity_from_item(&item, found);
+            assert_eq!(row.key, key, "{name}");
+            assert_eq!(row.owner.as_deref(), owner, "{name}");
+            assert_eq!(row.state.as_deref(), state, "{name}");
+            assert_eq!(row.unfinished_migration(), None, "{name}");
+        }
+        // A migration in the middle: the KCL's state names say so.
+        for (name, state) in [
+            (
+                "kcl35_client_version_upgrade_from_2x.json",
+                "CLIENT_VERSION_UPGRADE_FROM_2X",
+            ),
+            (
+                "kcl35_table_migration_pending.json",
+                "TABLE_MIGRATION_STATUS_PENDING",
+            ),
+        ] {
+            let item = fixture(name);
+            let RowKind::Other(kind) = row_kind(&item) else {
+                panic!("{name} read as a lease");
+            };
+            let row = entity_from_item(&item, kind);
+            assert_eq!(
+                row.unfinished_migration().map(|m| m.1),
+                Some(state.to_owned()),
+                "{name}"
+            );
+        }
     }
 
     #[test]

@@ -8,6 +8,14 @@
 //! every attribute. Beside it, the group's leader items live in a coordinator-state
 //! table of their own (see [`DynamoCoordinatorState`]).
 //!
+//! A row whose `entityType` is present and is not `LEASE` (a KCL 3.5 single-table
+//! application's leader lock, worker metrics, stream metadata, migration states) is not
+//! a lease: [`list`](LeaseStore::list) and [`get`](LeaseStore::get) leave it out, no
+//! write reaches it, and [`DynamoLeaseStore::rows`] lists it apart (see
+//! [`crate::lease::entity`]). `list` refuses a table in the middle of a KCL migration
+//! ([`LeaseError::KclMigrationInProgress`]). Once a row read carried `entityType`,
+//! [`create`](LeaseStore::create) writes `entityType = LEASE` too.
+//!
 //! # Writes
 //!
 //! Every write except [`create`](LeaseStore::create) is a conditional UpdateItem or
@@ -67,11 +75,15 @@ pub mod codec;
 mod leader;
 mod table;
 
+use super::entity::{
+    EntityKind, EntityRow, RowKind, ENTITY_TYPE, LEASE_ENTITY, TABLE_MIGRATION_DONE,
+    TABLE_MIGRATION_KEY,
+};
 use codec::{
-    epoch_millis, item_from_lease, lease_from_item, CHECKPOINT, CHECKPOINTED_AT, CHECKPOINT_OWNER,
-    CHILDREN, COUNTER, KEY, OWNER, OWNER_SWITCHES, PENDING_CHECKPOINT, PENDING_OWNER,
-    PENDING_STATE, PENDING_SUB_SEQUENCE, RESET, RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM,
-    SUB_SEQUENCE, TIMESTAMP,
+    entity_from_item, epoch_millis, has_entity_type, item_from_lease, lease_from_item, row_kind,
+    CHECKPOINT, CHECKPOINTED_AT, CHECKPOINT_OWNER, CHILDREN, COUNTER, KEY, OWNER, OWNER_SWITCHES,
+    PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
+    RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
 pub use leader::{coordinator_table, DynamoCoordinatorState};
 use table::IndexState;
@@ -83,6 +95,19 @@ pub struct DynamoLeaseStore {
     client: aws_sdk_dynamodb::Client,
     table: String,
     index: std::sync::Arc<std::sync::Mutex<IndexState>>,
+    /// Whether a row read from the table carried `entityType` (the KCL 3.5
+    /// single-table format): then the rows this store creates carry `entityType =
+    /// LEASE`, so a KCL 3.5 reading the table back finds them.
+    single_table: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the KCL's coordinator-state table was found without a table migration
+    /// in progress (looked at once, see [`DynamoLeaseStore::kcl_table_migration`]).
+    kcl_migration_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The KCL's coordinator-state table beside a lease table named after its application
+/// (the KCL's default name, `<application>-CoordinatorState`).
+pub fn kcl_coordinator_table(lease_table: &str) -> String {
+    format!("{lease_table}-CoordinatorState")
 }
 
 impl DynamoLeaseStore {
@@ -92,6 +117,102 @@ impl DynamoLeaseStore {
             client,
             table: table.to_owned(),
             index: Default::default(),
+            single_table: Default::default(),
+            kcl_migration_checked: Default::default(),
+        }
+    }
+
+    /// The state of the KCL's 3.4 to 3.5 table migration as its coordinator-state table
+    /// holds it (`TableMigration3.5`, attribute `tm`, under the hash key `key`), where
+    /// the KCL keeps it until the migration completes: `None` when there is no such
+    /// table or item (or it may not be read: the consumer's policy need not grant it,
+    /// and a warning says the check was skipped).
+    async fn kcl_table_migration(&self) -> Result<Option<(String, String)>, LeaseError> {
+        let table = kcl_coordinator_table(&self.table);
+        let out = self
+            .client
+            .get_item()
+            .table_name(&table)
+            .key("key", AttributeValue::S(TABLE_MIGRATION_KEY.to_owned()))
+            .consistent_read(true)
+            .send()
+            .await;
+        match out {
+            Ok(out) => Ok(out.item.filter(|i| !i.is_empty()).map(|item| {
+                let state = match item.get("tm") {
+                    Some(AttributeValue::S(state)) => state.clone(),
+                    _ => "no state".to_owned(),
+                };
+                (format!("{table}/{TABLE_MIGRATION_KEY}"), state)
+            })),
+            Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
+            Err(e) if e.code() == Some("AccessDeniedException") => {
+                tracing::warn!(table = %table, error = %DisplayErrorContext(&e), "the KCL's coordinator-state table cannot be read; a KCL table migration in progress would not be seen");
+                Ok(None)
+            }
+            Err(e) => Err(classify(&table, "GetItem", None, e)),
+        }
+    }
+
+    /// Whether the table is in the KCL 3.5 single-table format, as far as this store
+    /// has read it: some row it listed or fetched carried `entityType`.
+    pub fn is_single_table(&self) -> bool {
+        self.single_table.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Notes the format `item` shows.
+    fn note_format(&self, item: &HashMap<String, AttributeValue>) {
+        if has_entity_type(item) {
+            self.single_table
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Every row of the table (a strongly consistent Scan), split by the rule of
+    /// [`crate::lease::entity`]: the leases (a row that does not parse listed as
+    /// [`Lease::unreadable`]) and the rows that are not leases. Unlike
+    /// [`LeaseStore::list`] it does not refuse a table in the middle of a KCL migration,
+    /// so tools can show such a table.
+    pub async fn rows(&self) -> Result<(Vec<Lease>, Vec<EntityRow>), LeaseError> {
+        let mut leases = Vec::new();
+        let mut others = Vec::new();
+        let mut start: Option<HashMap<String, AttributeValue>> = None;
+        loop {
+            let out = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .consistent_read(true)
+                .set_exclusive_start_key(start.take())
+                .send()
+                .await
+                .map_err(|e| classify(&self.table, "Scan", None, e))?;
+            for item in out.items.unwrap_or_default() {
+                self.note_format(&item);
+                if let RowKind::Other(kind) = row_kind(&item) {
+                    others.push(entity_from_item(&item, kind));
+                    continue;
+                }
+                // One row that does not parse must not stop balancing for the whole
+                // group, nor vanish from it: it is listed as unreadable (see
+                // `Lease::unreadable`), so its shard and its children wait for a repair
+                // and workers report it.
+                match lease_from_item(&item) {
+                    Ok(lease) => leases.push(lease),
+                    Err(e) => {
+                        let key = match item.get(KEY) {
+                            Some(AttributeValue::S(k)) => k.as_str(),
+                            _ => "?",
+                        };
+                        tracing::warn!(table = %self.table, lease = %key, error = %e, "a lease row does not parse; it is left alone until repaired");
+                        leases.push(Lease::unreadable(key, e.to_string()));
+                    }
+                }
+            }
+            match out.last_evaluated_key {
+                Some(key) if !key.is_empty() => start = Some(key),
+                _ => return Ok((leases, others)),
+            }
         }
     }
 
@@ -350,40 +471,54 @@ impl LeaseStore for DynamoLeaseStore {
     }
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
-        let mut leases = Vec::new();
-        let mut start: Option<HashMap<String, AttributeValue>> = None;
-        loop {
-            let out = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .consistent_read(true)
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| classify(&self.table, "Scan", None, e))?;
-            for item in out.items.unwrap_or_default() {
-                // One row that does not parse must not stop balancing for the whole
-                // group, nor vanish from it: it is listed as unreadable (see
-                // `Lease::unreadable`), so its shard and its children wait for a repair
-                // and workers report it.
-                match lease_from_item(&item) {
-                    Ok(lease) => leases.push(lease),
-                    Err(e) => {
-                        let key = match item.get(KEY) {
-                            Some(AttributeValue::S(k)) => k.as_str(),
-                            _ => "?",
-                        };
-                        tracing::warn!(table = %self.table, lease = %key, error = %e, "a lease row does not parse; it is left alone until repaired");
-                        leases.push(Lease::unreadable(key, e.to_string()));
-                    }
+        let (leases, others) = self.rows().await?;
+        // A table in the middle of a KCL migration is the KCL's to finish.
+        if let Some((row, (migration, state))) = others
+            .iter()
+            .find_map(|row| row.unfinished_migration().map(|m| (row, m)))
+        {
+            return Err(LeaseError::KclMigrationInProgress {
+                table: self.table.clone(),
+                migration: migration.to_owned(),
+                state,
+                row: format!("{}/{}", self.table, row.key),
+            });
+        }
+        // A KCL 3.5 table migration keeps its state in the KCL's coordinator-state table
+        // until it completes: a lease table with the KCL's other rows but no
+        // `TABLE_MIGRATION` row may be in its middle. Looked at once.
+        let kcl_rows = others.iter().any(|r| {
+            matches!(
+                r.kind,
+                EntityKind::KclLeader
+                    | EntityKind::KclWorkerMetrics
+                    | EntityKind::KclStream
+                    | EntityKind::KclClientVersionMigration
+            )
+        });
+        let migrated = others
+            .iter()
+            .any(|r| r.kind == EntityKind::KclTableMigration);
+        if kcl_rows
+            && !migrated
+            && !self
+                .kcl_migration_checked
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            if let Some((row, state)) = self.kcl_table_migration().await? {
+                if state != TABLE_MIGRATION_DONE {
+                    return Err(LeaseError::KclMigrationInProgress {
+                        table: self.table.clone(),
+                        migration: "the KCL 3.5 single-table migration".to_owned(),
+                        state,
+                        row,
+                    });
                 }
             }
-            match out.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => return Ok(leases),
-            }
+            self.kcl_migration_checked
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
+        Ok(leases)
     }
 
     async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
@@ -428,19 +563,34 @@ impl LeaseStore for DynamoLeaseStore {
             .await
             .map_err(|e| classify(&self.table, "GetItem", None, e))?;
         match out.item {
-            Some(item) if !item.is_empty() => Ok(Some(
-                lease_from_item(&item).unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
-            )),
+            Some(item) if !item.is_empty() => {
+                self.note_format(&item);
+                // A row that is not a lease is no lease under this key.
+                if let RowKind::Other(_) = row_kind(&item) {
+                    return Ok(None);
+                }
+                Ok(Some(
+                    lease_from_item(&item)
+                        .unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
+                ))
+            }
             _ => Ok(None),
         }
     }
 
     async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        let mut item = item_from_lease(lease);
+        if self.is_single_table() {
+            item.insert(
+                ENTITY_TYPE.to_owned(),
+                AttributeValue::S(LEASE_ENTITY.to_owned()),
+            );
+        }
         let result = self
             .client
             .put_item()
             .table_name(&self.table)
-            .set_item(Some(item_from_lease(lease)))
+            .set_item(Some(item))
             .condition_expression("attribute_not_exists(#key)")
             .expression_attribute_names("#key", KEY)
             .send()
