@@ -123,7 +123,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use pin_project_lite::pin_project;
-use shardflow::{AckHandle, Batch, ConfigError, Message, Position};
+use shardflow::{AckHandle, AckLog, Batch, ConfigError, Message, Position};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::dead_letter::{
@@ -443,9 +443,20 @@ where
             }
             self.outcome.calls += 1;
             let records = &messages[piece.start..piece.end];
-            let mut batch = Batch::new(self.stream.clone(), self.shard.clone(), records.to_vec());
+            // The piece's own handle: what the inner service acknowledges through it is
+            // done, whatever its result.
+            let progress = AckLog::default();
+            let mut batch = Batch::new(self.stream.clone(), self.shard.clone(), records.to_vec())
+                .with_ack(progress.handle());
             batch.millis_behind_latest = self.millis_behind_latest;
-            match CatchPanic::new(&mut self.inner, batch).await {
+            let result = CatchPanic::new(&mut self.inner, batch)
+                .await
+                .or_else(|error| match progress.acknowledged_prefix(records) {
+                    // Acknowledged whole before it failed: handled, as for the consumer.
+                    done if done == records.len() => Ok(()),
+                    done => Err((done, error)),
+                });
+            match result {
                 Ok(()) => {
                     if let Some(last) = records.last() {
                         self.acknowledge_through(last.position());
@@ -462,7 +473,17 @@ where
                         }
                     }
                 }
-                Err(error) => self.failed(piece, error, &messages, &mut pieces).await?,
+                Err((done, error)) => {
+                    // The records the inner service finished before it failed (a
+                    // batching layer's written chunks) are handled: only the rest of
+                    // the piece failed, and only the rest is split or retried.
+                    let mut rest = piece;
+                    if let Some(last) = done.checked_sub(1).and_then(|i| records.get(i)) {
+                        self.acknowledge_through(last.position());
+                        rest.start += done;
+                    }
+                    self.failed(rest, error, &messages, &mut pieces).await?
+                }
             }
         }
         // Every record of the read is finished: only the failed pieces that reach past
