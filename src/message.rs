@@ -605,3 +605,46 @@ impl<T> fmt::Debug for Batch<T> {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(range: std::ops::RangeInclusive<u64>) -> Vec<Message<()>> {
+        range
+            .map(|n| Metadata::builder().sequence_number(n).message(()))
+            .collect()
+    }
+
+    #[test]
+    fn a_piece_handle_reports_the_prefix_it_acknowledged() {
+        let piece = messages(10..=15);
+        let log = AckLog::default();
+        let handle = log.handle();
+        assert_eq!(log.acknowledged_prefix(&piece), 0, "nothing acknowledged yet");
+        handle.ack_through(piece[2].position());
+        // An earlier position after a later one takes nothing back.
+        handle.ack_through(piece[0].position());
+        assert_eq!(log.acknowledged_prefix(&piece), 3);
+        // A position past the piece covers the piece and no more.
+        handle.ack_through(Metadata::builder().sequence_number(99u64).build().position());
+        assert_eq!(log.acknowledged_prefix(&piece), piece.len());
+    }
+
+    #[test]
+    fn nothing_acknowledged_after_a_nack_counts() {
+        let piece = messages(1..=4);
+        let log = AckLog::default();
+        let batch = Batch::new(Arc::from("s"), Arc::from("shard"), piece).with_ack(log.handle());
+        if let Some(ack) = &batch.ack {
+            ack.ack_through(batch.messages[0].position());
+        }
+        batch.nack();
+        batch.ack();
+        assert_eq!(log.acknowledged_prefix(&batch.messages), 1);
+        let whole = AckLog::default();
+        let batch = batch.with_ack(whole.handle());
+        batch.ack();
+        assert_eq!(whole.acknowledged_prefix(&batch.messages), batch.len());
+    }
+}
