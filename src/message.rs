@@ -621,13 +621,22 @@ mod tests {
         let piece = messages(10..=15);
         let log = AckLog::default();
         let handle = log.handle();
-        assert_eq!(log.acknowledged_prefix(&piece), 0, "nothing acknowledged yet");
+        assert_eq!(
+            log.acknowledged_prefix(&piece),
+            0,
+            "nothing acknowledged yet"
+        );
         handle.ack_through(piece[2].position());
         // An earlier position after a later one takes nothing back.
         handle.ack_through(piece[0].position());
         assert_eq!(log.acknowledged_prefix(&piece), 3);
         // A position past the piece covers the piece and no more.
-        handle.ack_through(Metadata::builder().sequence_number(99u64).build().position());
+        handle.ack_through(
+            Metadata::builder()
+                .sequence_number(99u64)
+                .build()
+                .position(),
+        );
         assert_eq!(log.acknowledged_prefix(&piece), piece.len());
     }
 

@@ -11,8 +11,9 @@
 //!    two and the halves are called in order, each narrowed down the same way. When a
 //!    first half succeeds, its failed parent's second half must hold the culprit: it is
 //!    split at once rather than called whole (one call saved per level).
-//! 3. A record that fails alone goes to the sink as a [`DeadLetterRecord`] (reason
-//!    `failed_alone`), the same record the [`dead_letter`](crate::dead_letter) layer
+//! 3. A record that fails alone (or is the one record of a failed piece that the inner
+//!    service did not acknowledge: see below) goes to the sink as a
+//!    [`DeadLetterRecord`] (reason `failed_alone`), the same record the [`dead_letter`](crate::dead_letter) layer
 //!    sends, so a [`ProducerSink`](crate::ProducerSink) writes the same
 //!    [`DeadLetterEnvelope`](crate::DeadLetterEnvelope) and `shardflow dlq replay`
 //!    reads both modes alike.
@@ -54,18 +55,23 @@
 //! redelivery (fail, read again, try half) would need the consumer to remember how to
 //! cut its next reads; inside one call the consumer sees one batch and one verdict, and
 //! the layer works with any `Service<Batch>` — including [`Batching`](crate::Batching),
-//! which re-chunks each piece for its bulk handler.
+//! which re-chunks each piece for its bulk handler and reports the chunks it wrote.
 //!
 //! # The pieces the inner service receives
 //!
-//! Each call gets a real [`Batch`] (same stream, shard and `millis_behind_latest`) built
-//! with [`Batch::new`]: it has **no acknowledgement handle**. The layer holds the
-//! read's handle (it takes it out of the batch it is given), so `ack`, `nack` and
-//! `take_ack` on a piece do nothing and return `None`: the inner service's verdict is
-//! its result alone. A piece is a copy of its records (the batch is kept to split it
-//! again), so each call costs a clone of the piece's messages (an `Arc` and a partition
-//! key each). With [`Splits::Off`] and no limits, the layer passes the batch through
-//! untouched, handle and all.
+//! Each call gets a real [`Batch`] (same stream, shard and `millis_behind_latest`) with
+//! an acknowledgement handle of its own ([`Batch::with_ack`], [`AckLog::handle`]); the
+//! layer holds the read's handle (it takes it out of the batch it is given). What the
+//! inner service acknowledges through the piece's handle is done even when it then
+//! fails: [`Batching`](crate::Batching) acknowledges each chunk it wrote, so when a
+//! later chunk fails, the layer acknowledges the written records through the read's
+//! handle and splits, retries or dead-letters only the rest of the piece — no record is
+//! handled twice in one delivery. A piece acknowledged whole (`ack`) counts as handled
+//! whatever the result; after a `nack` nothing more counts, and the result alone decides
+//! the rest. A piece is a copy of its records (the batch is kept to split it again), so
+//! each call costs a clone of the piece's messages (an `Arc` and a partition key each).
+//! With [`Splits::Off`] and no limits, the layer passes the batch through untouched,
+//! handle and all.
 //!
 //! # Limits: attempts and age
 //!
