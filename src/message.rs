@@ -291,9 +291,21 @@ impl<T> Batch<T> {
         messages: Vec<Message<T>>,
     ) -> (Self, AckLog) {
         let log = AckLog::default();
-        let mut batch = Batch::new(stream, shard_id, messages);
-        batch.ack = Some(AckHandle::new(Arc::new(log.clone())));
+        let batch = Batch::new(stream, shard_id, messages).with_ack(log.handle());
         (batch, log)
+    }
+
+    /// Gives the batch `ack` as its acknowledgement handle, in place of the one it had.
+    ///
+    /// For a layer that hands pieces of its batch to an inner service (splitting a
+    /// failed batch, re-chunking it): it keeps the read's own handle and gives each
+    /// piece a handle of its own, made by [`AckLog::handle`], then reads back with
+    /// [`AckLog::acknowledged_prefix`] which records of the piece the inner service
+    /// finished before it failed — those are handled, and are neither handed out nor
+    /// dead-lettered again in the same delivery.
+    pub fn with_ack(mut self, ack: AckHandle) -> Self {
+        self.ack = Some(ack);
+        self
     }
 
     /// The number of messages.
@@ -452,12 +464,48 @@ pub enum AckEvent {
     Nack,
 }
 
-/// What was done with the acknowledgement handle of a batch built by
-/// [`Batch::for_test`], in order. Cheap to clone; clones share the log.
+/// What was done with an acknowledgement handle made by [`AckLog::handle`] (the one of
+/// a batch built by [`Batch::for_test`], or of a piece given its own handle with
+/// [`Batch::with_ack`]), in order. Cheap to clone; clones share the log.
+///
+/// Such a handle only writes down: it moves no checkpoint. Tests of handlers read the
+/// log back; a layer that hands a piece of its batch to an inner service reads how far
+/// the inner service got ([`AckLog::acknowledged_prefix`]) and acknowledges that much
+/// through the read's own handle.
 #[derive(Clone, Debug, Default)]
 pub struct AckLog(Arc<std::sync::Mutex<Vec<AckEvent>>>);
 
 impl AckLog {
+    /// A handle that writes down in this log what is done with it (every clone of it
+    /// too). Dropping it writes nothing.
+    pub fn handle(&self) -> AckHandle {
+        AckHandle::new(Arc::new(self.clone()))
+    }
+
+    /// How many of `messages` — the messages of the batch this log's handle went with,
+    /// in sequence order — were acknowledged through the handle: all of them after an
+    /// [`ack`](AckHandle::ack), else those up to the furthest
+    /// [`ack_through`](AckHandle::ack_through) position (0 when there was none). As for
+    /// a consumer's handle, nothing done after a [`nack`](AckHandle::nack) counts.
+    pub fn acknowledged_prefix<T>(&self, messages: &[Message<T>]) -> usize {
+        let mut through: Option<Position> = None;
+        for event in self.lock().iter() {
+            match event {
+                AckEvent::Ack => return messages.len(),
+                AckEvent::AckThrough(position) => {
+                    if through.as_ref().is_none_or(|t| t < position) {
+                        through = Some(position.clone());
+                    }
+                }
+                AckEvent::Nack => break,
+            }
+        }
+        match through {
+            Some(through) => messages.partition_point(|m| m.position() <= through),
+            None => 0,
+        }
+    }
+
     /// Everything done with the handle so far, in order.
     pub fn events(&self) -> Vec<AckEvent> {
         self.lock().clone()
@@ -555,5 +603,57 @@ impl<T> fmt::Debug for Batch<T> {
             )
             .field("millis_behind_latest", &self.millis_behind_latest)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(range: std::ops::RangeInclusive<u64>) -> Vec<Message<()>> {
+        range
+            .map(|n| Metadata::builder().sequence_number(n).message(()))
+            .collect()
+    }
+
+    #[test]
+    fn a_piece_handle_reports_the_prefix_it_acknowledged() {
+        let piece = messages(10..=15);
+        let log = AckLog::default();
+        let handle = log.handle();
+        assert_eq!(
+            log.acknowledged_prefix(&piece),
+            0,
+            "nothing acknowledged yet"
+        );
+        handle.ack_through(piece[2].position());
+        // An earlier position after a later one takes nothing back.
+        handle.ack_through(piece[0].position());
+        assert_eq!(log.acknowledged_prefix(&piece), 3);
+        // A position past the piece covers the piece and no more.
+        handle.ack_through(
+            Metadata::builder()
+                .sequence_number(99u64)
+                .build()
+                .position(),
+        );
+        assert_eq!(log.acknowledged_prefix(&piece), piece.len());
+    }
+
+    #[test]
+    fn nothing_acknowledged_after_a_nack_counts() {
+        let piece = messages(1..=4);
+        let log = AckLog::default();
+        let batch = Batch::new(Arc::from("s"), Arc::from("shard"), piece).with_ack(log.handle());
+        if let Some(ack) = &batch.ack {
+            ack.ack_through(batch.messages[0].position());
+        }
+        batch.nack();
+        batch.ack();
+        assert_eq!(log.acknowledged_prefix(&batch.messages), 1);
+        let whole = AckLog::default();
+        let batch = batch.with_ack(whole.handle());
+        batch.ack();
+        assert_eq!(whole.acknowledged_prefix(&batch.messages), batch.len());
     }
 }

@@ -16,7 +16,7 @@ use shardflow::lease::Checkpoint;
 use shardflow::{Batch, Memory, Message, Metadata, SequenceNumber};
 use shardflow_middleware::bisect::{BisectConfig, BisectLayer};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
-use shardflow_middleware::{BoxError, ServiceBuilderExt};
+use shardflow_middleware::{BatchConfig, Batching, BoxError, ServiceBuilderExt};
 use tower::{Layer, ServiceBuilder};
 
 use testkit::{put_all, within};
@@ -383,4 +383,57 @@ async fn a_batch_that_keeps_failing_is_dead_lettered_after_the_maximum_attempts(
         .iter()
         .all(|(_, e)| e.starts_with("attempts_exhausted: ")));
     assert!(matches!(checkpoint(&memory), Checkpoint::At(_)));
+}
+
+/// `bisect` over batch-mode `Batching` (chunks of 50) over a bulk insert: the store is
+/// down for the fourth bulk call, after three chunks were written, and one record is
+/// poison. The written chunks are acknowledged as they go, so the read comes back from
+/// the chunk that failed, and the split that finds the poison record calls only what
+/// was not written: every other row is written exactly once.
+#[tokio::test(start_paused = true)]
+async fn behind_batching_each_row_is_written_once_across_a_redelivery_and_a_split() {
+    let poison = rand::rngs::SmallRng::seed_from_u64(5).gen_range(200..499);
+    let memory = stream_with(500).await;
+    let seen = Seen::default();
+    let bulk_calls = Arc::new(AtomicUsize::new(0));
+    let writes = seen.clone();
+    let bulk = tower::service_fn(move |messages: Vec<Message>| {
+        let values: Vec<usize> = messages.iter().map(value).collect();
+        let transient = bulk_calls.fetch_add(1, Ordering::SeqCst) == 3;
+        let bad = values.contains(&poison);
+        writes
+            .calls
+            .lock()
+            .unwrap()
+            .push((values.clone(), transient || bad));
+        if !(transient || bad) {
+            let mut handled = writes.handled.lock().unwrap();
+            for m in &messages {
+                handled.push((value(m), m.metadata.sequence_number.clone()));
+            }
+        }
+        writes.done.notify_waiters();
+        async move {
+            if transient {
+                Err::<(), BoxError>(Box::new(Down))
+            } else if bad {
+                Err("constraint violated".into())
+            } else {
+                Ok(())
+            }
+        }
+    });
+    let service = BisectLayer::new(sink(&seen, Arc::default()))
+        .policy(not_down)
+        .layer(Batching::new(bulk, BatchConfig::new().max_count(50)));
+    let running = consumer(&memory).run_batches(service).spawn();
+    seen.wait(499, 1).await;
+    within(LIMIT, "shutdown", running.shutdown()).await.unwrap();
+
+    assert_eq!(seen.sunk_values(), [poison], "only the poison record, once");
+    let counts = seen.handled_counts();
+    assert_eq!(counts.len(), 499);
+    let again: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(again.is_empty(), "rows written more than once: {again:?}");
+    assert_eq!(checkpoint(&memory), at(&sequence_of(&seen, 499)));
 }

@@ -2494,3 +2494,156 @@ async fn describe_names_the_open_shards_that_have_no_lease() {
         out.stdout
     );
 }
+
+/// Every record of the one-shard `stream`, in order, read until a page comes back empty
+/// after `expected` records (bounded by the test's limit).
+async fn read_records(
+    kinesis: &dyn KinesisApi,
+    stream: &str,
+    expected: usize,
+) -> Vec<shardflow::kinesis::Record> {
+    let shard = kinesis.list_shards(stream).await.unwrap()[0]
+        .shard_id
+        .clone();
+    let mut it = kinesis
+        .shard_iterator(stream, &shard, &StartingPosition::TrimHorizon)
+        .await
+        .unwrap();
+    within(LIMIT, &format!("{expected} records of {stream}"), async {
+        let mut records = Vec::new();
+        loop {
+            let page = kinesis.get_records(&it, 100).await.unwrap();
+            let empty = page.records.is_empty();
+            records.extend(page.records);
+            if empty && records.len() >= expected {
+                return records;
+            }
+            it = page.next_iterator.expect("an open shard");
+            if empty {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    })
+    .await
+}
+
+/// A dead letter of several MiB, from a stream set for large records (Kinesis'
+/// `UpdateMaxRecordSize`), replayed by the binary byte for byte: dead-lettered whole into
+/// a dead-letter stream set for 10 MiB records, and in parts into one of 1 MiB records,
+/// then re-published by `dlq replay` into a stream set for 10 MiB records. It runs on
+/// kinesis-local, which models a stream's maximum record size; kinesalite refuses every
+/// record over 1 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_republishes_a_dead_letter_of_several_mib_byte_exact() {
+    use rand::{Rng, SeedableRng};
+    if !emulators_enabled() {
+        return;
+    }
+    let Ok(endpoint) = std::env::var("SHARDFLOW_FANOUT_KINESIS_ENDPOINT") else {
+        eprintln!("skipped: SHARDFLOW_FANOUT_KINESIS_ENDPOINT not set (run scripts/test.sh)");
+        return;
+    };
+    let env = [("AWS_ENDPOINT_URL_KINESIS", endpoint.as_str())];
+    let default = Aws::from_env().await;
+    let client = aws_sdk_kinesis::Client::from_conf(
+        default
+            .kinesis_client()
+            .config()
+            .to_builder()
+            .endpoint_url(&endpoint)
+            .build(),
+    );
+    let aws = Aws::from_clients(client.clone(), default.dynamodb_client().clone());
+    let kinesis = aws.admin().unwrap();
+    let set_max_record_size = |stream: String, kib: i32| {
+        let (client, kinesis) = (client.clone(), kinesis.clone());
+        async move {
+            wait_until_active(kinesis.as_ref(), &stream).await;
+            let summary = client
+                .describe_stream_summary()
+                .stream_name(&stream)
+                .send()
+                .await
+                .unwrap();
+            let arn = summary
+                .stream_description_summary()
+                .unwrap()
+                .stream_arn()
+                .to_owned();
+            client
+                .update_max_record_size()
+                .stream_arn(arn)
+                .max_record_size_in_kib(kib)
+                .send()
+                .await
+                .unwrap();
+            wait_until_active(kinesis.as_ref(), &stream).await;
+        }
+    };
+    // 3 MiB of seeded bytes: more than Kinesis' default 1 MiB, and its envelope (base64
+    // inside JSON) still goes in one HTTP request to kinesis-local, which hangs up on
+    // request bodies of about 8 MB and more.
+    let mut big = vec![0u8; 3 * 1024 * 1024];
+    rand::rngs::SmallRng::seed_from_u64(11).fill(big.as_mut_slice());
+    let big = Bytes::from(big);
+
+    for (dlq_kib, whole) in [(10_240, true), (1_024, false)] {
+        let (scans, dlq) = (unique("cli-big-scans"), unique("cli-big-dlq"));
+        kinesis.create_stream(&scans, 1).await.unwrap();
+        kinesis.create_stream(&dlq, 1).await.unwrap();
+        set_max_record_size(scans.clone(), 10_240).await;
+        set_max_record_size(dlq.clone(), dlq_kib).await;
+
+        let producer = Producer::builder()
+            .stream(&dlq)
+            .backend(aws.clone())
+            .build()
+            .unwrap();
+        let record = DeadLetterRecord {
+            metadata: Metadata::builder()
+                .stream(scans.as_str())
+                .partition_key("scan-1")
+                .sequence_number(42u64)
+                .build(),
+            payload: big.clone(),
+            error: "refused".into(),
+            attempts: Some(3),
+            headers: Headers::new(),
+        };
+        ProducerSink::new(producer.clone())
+            .oneshot(record)
+            .await
+            .unwrap();
+        producer.close().await;
+        let stored = read_records(kinesis.as_ref(), &dlq, 1).await;
+        if whole {
+            assert_eq!(stored.len(), 1, "one record of a stream set for 10 MiB");
+        } else {
+            assert!(
+                stored.len() > 1 && stored.iter().all(|r| r.data.len() <= 1024 * 1024),
+                "parts of at most 1 MiB: {:?}",
+                stored.iter().map(|r| r.data.len()).collect::<Vec<_>>()
+            );
+        }
+
+        let out = run_with(
+            &["dlq", "replay", "--from", &dlq, "--to", &scans, "--yes"],
+            &env,
+        )
+        .await;
+        assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+        let replayed = read_records(kinesis.as_ref(), &scans, 1).await;
+        assert_eq!(replayed.len(), 1, "the dead letter published once");
+        assert_eq!(replayed[0].partition_key, "scan-1");
+        let data = &replayed[0].data;
+        let payload = HeaderFormat::Auto
+            .read(data)
+            .map_or_else(|| data.clone(), |(_, payload)| payload);
+        assert!(
+            payload == big,
+            "the replayed payload is the {} bytes that were dead-lettered (got {} bytes)",
+            big.len(),
+            payload.len()
+        );
+    }
+}

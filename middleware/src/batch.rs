@@ -7,10 +7,14 @@
 //! When the consumer hands the service a whole read ([`Batch`]), [`Batching`] re-chunks
 //! it: up to [`max_count`](BatchConfig::max_count) messages and
 //! [`max_bytes`](BatchConfig::max_bytes) of payload per call, in sequence order, one
-//! chunk after the other. The first failing chunk fails the whole read (the later
-//! chunks are not called), so the consumer delivers the read again from its checkpoint:
-//! chunks that had succeeded are delivered again too (at-least-once; add
-//! [`dedup`](crate::dedup) in the bulk handler's store if that matters).
+//! chunk after the other. Each chunk written is acknowledged through the batch's handle
+//! ([`AckHandle::ack_through`](shardflow::AckHandle::ack_through)) before the next is
+//! called. The first failing chunk fails the whole read (the later chunks are not
+//! called): the consumer delivers the read again from the first record not written, so
+//! the chunks that succeeded are not written again (unless the process stops before
+//! the checkpoint is stored: at-least-once). Under a [`Bisect`](crate::bisect::Bisect)
+//! layer the same acknowledgements tell it which records of a failed piece are already
+//! written: it splits and retries only the rest.
 //!
 //! # Record mode: `Service<Message<T>>`
 //!
@@ -361,11 +365,12 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    fn call(&mut self, batch: Batch<T>) -> Self::Future {
+    fn call(&mut self, mut batch: Batch<T>) -> Self::Future {
         let config = self.config.clone();
         // The instance driven to readiness makes the first call; `self` keeps a clone.
         let fresh = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, fresh);
+        let ack = batch.take_ack();
         Box::pin(async move {
             let chunks = Chunks {
                 messages: batch.messages.into_iter().peekable(),
@@ -377,7 +382,13 @@ where
                     inner.ready().await.map_err(Into::into)?;
                 }
                 first = false;
+                let last = chunk.last().map(Message::position);
                 call_bulk(&mut inner, chunk).await?;
+                // Written: should a later chunk fail, these records are not handed out
+                // again (the checkpoint, or a bisecting layer above, may pass them).
+                if let (Some(ack), Some(last)) = (&ack, last) {
+                    ack.ack_through(last);
+                }
             }
             Ok(())
         })

@@ -264,6 +264,37 @@ async fn batch_mode_stops_at_the_first_failing_chunk() {
     assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4]]));
 }
 
+/// The chunks written before the failing one are acknowledged through the read's
+/// handle, so the consumer delivers the read again from the failing chunk and the rows
+/// already written are not written again.
+#[tokio::test]
+async fn batch_mode_acknowledges_the_chunks_written_before_a_failing_one() {
+    let (calls, handler) = bulk(|first| first == "5");
+    let svc = Batching::new(handler, BatchConfig::new().max_count(2));
+    let (input, acks) = Batch::for_test(
+        Arc::from("orders"),
+        Arc::from("shardId-000000000000"),
+        (1..=6).map(|n| message(n, b"x")).collect(),
+    );
+    ServiceExt::<Batch<Bytes>>::oneshot(svc, input)
+        .await
+        .unwrap_err();
+    assert_eq!(sequences(&calls), strings(&[&[1, 2], &[3, 4], &[5, 6]]));
+    let written = &input_positions(1..=4);
+    assert_eq!(
+        acks.events(),
+        [
+            shardflow::AckEvent::AckThrough(written[1].clone()),
+            shardflow::AckEvent::AckThrough(written[3].clone()),
+        ],
+        "acknowledged through the last record of each written chunk, nothing past it"
+    );
+}
+
+fn input_positions(range: std::ops::RangeInclusive<u64>) -> Vec<shardflow::Position> {
+    range.map(|n| message(n, b"x").position()).collect()
+}
+
 #[tokio::test]
 async fn a_call_without_poll_ready_is_an_error_not_a_panic() {
     let (calls, handler) = bulk(|_| false);

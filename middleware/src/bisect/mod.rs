@@ -11,8 +11,9 @@
 //!    two and the halves are called in order, each narrowed down the same way. When a
 //!    first half succeeds, its failed parent's second half must hold the culprit: it is
 //!    split at once rather than called whole (one call saved per level).
-//! 3. A record that fails alone goes to the sink as a [`DeadLetterRecord`] (reason
-//!    `failed_alone`), the same record the [`dead_letter`](crate::dead_letter) layer
+//! 3. A record that fails alone (or is the one record of a failed piece that the inner
+//!    service did not acknowledge: see below) goes to the sink as a
+//!    [`DeadLetterRecord`] (reason `failed_alone`), the same record the [`dead_letter`](crate::dead_letter) layer
 //!    sends, so a [`ProducerSink`](crate::ProducerSink) writes the same
 //!    [`DeadLetterEnvelope`](crate::DeadLetterEnvelope) and `shardflow dlq replay`
 //!    reads both modes alike.
@@ -54,18 +55,23 @@
 //! redelivery (fail, read again, try half) would need the consumer to remember how to
 //! cut its next reads; inside one call the consumer sees one batch and one verdict, and
 //! the layer works with any `Service<Batch>` — including [`Batching`](crate::Batching),
-//! which re-chunks each piece for its bulk handler.
+//! which re-chunks each piece for its bulk handler and reports the chunks it wrote.
 //!
 //! # The pieces the inner service receives
 //!
-//! Each call gets a real [`Batch`] (same stream, shard and `millis_behind_latest`) built
-//! with [`Batch::new`]: it has **no acknowledgement handle**. The layer holds the
-//! read's handle (it takes it out of the batch it is given), so `ack`, `nack` and
-//! `take_ack` on a piece do nothing and return `None`: the inner service's verdict is
-//! its result alone. A piece is a copy of its records (the batch is kept to split it
-//! again), so each call costs a clone of the piece's messages (an `Arc` and a partition
-//! key each). With [`Splits::Off`] and no limits, the layer passes the batch through
-//! untouched, handle and all.
+//! Each call gets a real [`Batch`] (same stream, shard and `millis_behind_latest`) with
+//! an acknowledgement handle of its own ([`Batch::with_ack`], [`AckLog::handle`]); the
+//! layer holds the read's handle (it takes it out of the batch it is given). What the
+//! inner service acknowledges through the piece's handle is done even when it then
+//! fails: [`Batching`](crate::Batching) acknowledges each chunk it wrote, so when a
+//! later chunk fails, the layer acknowledges the written records through the read's
+//! handle and splits, retries or dead-letters only the rest of the piece — no record is
+//! handled twice in one delivery. A piece acknowledged whole (`ack`) counts as handled
+//! whatever the result; after a `nack` nothing more counts, and the result alone decides
+//! the rest. A piece is a copy of its records (the batch is kept to split it again), so
+//! each call costs a clone of the piece's messages (an `Arc` and a partition key each).
+//! With [`Splits::Off`] and no limits, the layer passes the batch through untouched,
+//! handle and all.
 //!
 //! # Limits: attempts and age
 //!
@@ -123,7 +129,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use pin_project_lite::pin_project;
-use shardflow::{AckHandle, Batch, ConfigError, Message, Position};
+use shardflow::{AckHandle, AckLog, Batch, ConfigError, Message, Position};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::dead_letter::{
@@ -443,9 +449,20 @@ where
             }
             self.outcome.calls += 1;
             let records = &messages[piece.start..piece.end];
-            let mut batch = Batch::new(self.stream.clone(), self.shard.clone(), records.to_vec());
+            // The piece's own handle: what the inner service acknowledges through it is
+            // done, whatever its result.
+            let progress = AckLog::default();
+            let mut batch = Batch::new(self.stream.clone(), self.shard.clone(), records.to_vec())
+                .with_ack(progress.handle());
             batch.millis_behind_latest = self.millis_behind_latest;
-            match CatchPanic::new(&mut self.inner, batch).await {
+            let result = CatchPanic::new(&mut self.inner, batch)
+                .await
+                .or_else(|error| match progress.acknowledged_prefix(records) {
+                    // Acknowledged whole before it failed: handled, as for the consumer.
+                    done if done == records.len() => Ok(()),
+                    done => Err((done, error)),
+                });
+            match result {
                 Ok(()) => {
                     if let Some(last) = records.last() {
                         self.acknowledge_through(last.position());
@@ -462,7 +479,17 @@ where
                         }
                     }
                 }
-                Err(error) => self.failed(piece, error, &messages, &mut pieces).await?,
+                Err((done, error)) => {
+                    // The records the inner service finished before it failed (a
+                    // batching layer's written chunks) are handled: only the rest of
+                    // the piece failed, and only the rest is split or retried.
+                    let mut rest = piece;
+                    if let Some(last) = done.checked_sub(1).and_then(|i| records.get(i)) {
+                        self.acknowledge_through(last.position());
+                        rest.start += done;
+                    }
+                    self.failed(rest, error, &messages, &mut pieces).await?
+                }
             }
         }
         // Every record of the read is finished: only the failed pieces that reach past

@@ -1,10 +1,13 @@
 //! Properties of [`Bisect`] over generated work: batches of fine, failing and panicking
 //! records of any age, read back in deliveries of varying size the way a consumer
 //! delivers them again from its checkpoint, under transient handler errors, a sink that
-//! is sometimes down, and any split and attempts limit. Whatever happens, each record
-//! is handled or dead-lettered exactly once, is dead-lettered only for its own reason
-//! (itself too old, failed alone, or its own attempts used up), and the checkpoint never
-//! passes a record that was neither.
+//! is sometimes down, and any split and attempts limit, the handler taking whole pieces
+//! or being a bulk handler behind batch-mode [`Batching`](crate::batch::Batching) (a
+//! record is written by each bulk call that succeeds with it). Whatever happens, each
+//! record is handled or dead-lettered exactly once, is dead-lettered only for its own
+//! reason (itself too old, failed alone, or its own attempts used up), fails in at most
+//! `max_attempts` deliveries, and the checkpoint never passes a record that was
+//! neither.
 //!
 //! A fixed seed and a bounded number of cases run in the suite;
 //! `SHARDFLOW_BISECT_CASES=N` runs N cases instead.
@@ -119,11 +122,20 @@ struct Call {
 struct World {
     kinds: Vec<Kind>,
     calls: Vec<Call>,
+    /// The bulk calls behind [`Batching`](crate::batch::Batching), when it is there.
+    bulk_calls: Vec<Call>,
     /// Per record: how many times it was handled (in a call that succeeded) or
     /// dead-lettered.
     finished: Vec<u32>,
     /// Per record: the reasons it was dead-lettered for.
     dead: Vec<Vec<String>>,
+    /// Per record: the delivery it was finished in, and how (`handled` or the reason).
+    finished_in: Vec<Option<(usize, String)>>,
+    /// Per record: the deliveries that ended in a failing piece that held it (the
+    /// attempts [`BisectConfig::max_attempts`] bounds).
+    attempts: Vec<u32>,
+    /// Whether the last thing done was a sink call that failed.
+    sink_failed_last: bool,
     delivery: usize,
     sink_calls: usize,
     acks: Option<AckLog>,
@@ -148,7 +160,42 @@ impl World {
         }
     }
 
+    /// Counts the attempts `delivery` used: the records of the failing piece that ended
+    /// it (a handler call that failed last, not followed by a sink that failed), save
+    /// those handled or dead-lettered as too old in it, and the records it dead-lettered
+    /// because their attempts ran out. None may have more than `max`.
+    fn count_attempts(&mut self, delivery: usize, ok: bool, max: Option<u32>) {
+        let mut used: BTreeSet<usize> = (0..self.finished_in.len())
+            .filter(|&r| {
+                self.finished_in[r]
+                    .as_ref()
+                    .is_some_and(|(d, how)| *d == delivery && how == "attempts_exhausted")
+            })
+            .collect();
+        let last = self
+            .calls
+            .last()
+            .filter(|c| c.delivery == delivery && c.outcome != Outcome::Ok);
+        if let (false, false, Some(last)) = (ok, self.sink_failed_last, last) {
+            used.extend(last.records.iter().copied().filter(|&r| {
+                !self.finished_in[r].as_ref().is_some_and(|(d, how)| {
+                    *d == delivery && (how == "handled" || how == "too_old")
+                })
+            }));
+        }
+        for r in used {
+            self.attempts[r] += 1;
+            if let Some(max) = max.filter(|&max| self.attempts[r] > max) {
+                self.broken.push(format!(
+                    "record {r} failed in {} deliveries, more than its {max} attempts",
+                    self.attempts[r]
+                ));
+            }
+        }
+    }
+
     fn finish(&mut self, record: usize, what: &str) {
+        self.finished_in[record] = Some((self.delivery, what.to_owned()));
         self.finished[record] += 1;
         if self.finished[record] > 1 {
             self.broken.push(format!(
@@ -223,6 +270,7 @@ fn whole(world: Shared, transient: Vec<bool>) -> Inner {
     BoxCloneService::new(service_fn(move |batch: Batch<Bytes>| {
         let mut w = lock(&world);
         w.check_acks();
+        w.sink_failed_last = false;
         let records = indexes(&batch.messages);
         let kinds: Vec<Kind> = records.iter().map(|&r| w.kinds[r]).collect();
         let call = w.calls.len();
@@ -244,26 +292,45 @@ fn whole(world: Shared, transient: Vec<bool>) -> Inner {
 }
 
 /// A bulk handler behind batch-mode [`Batching`](crate::batch::Batching), chunks of at most
-/// `max` records: a piece is handled when all its chunks were.
+/// `max` records: a record is handled (written) by each bulk call that succeeds with it,
+/// even when a later chunk of the same piece fails.
 fn chunked(world: Shared, transient: Vec<bool>, max: usize) -> Inner {
     let kinds = Arc::new(lock(&world).kinds.clone());
     let bulk_calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writes = world.clone();
     let bulk = service_fn(move |messages: Vec<Message<Bytes>>| {
         let call = bulk_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let chunk: Vec<Kind> = indexes(&messages).iter().map(|&r| kinds[r]).collect();
-        answer(verdict(&transient, call, &chunk), call)
+        let records = indexes(&messages);
+        let chunk: Vec<Kind> = records.iter().map(|&r| kinds[r]).collect();
+        let outcome = verdict(&transient, call, &chunk);
+        let mut w = lock(&writes);
+        w.check_acks();
+        if outcome == Outcome::Ok {
+            for &r in &records {
+                w.finish(r, "handled");
+            }
+        }
+        let delivery = w.delivery;
+        w.bulk_calls.push(Call {
+            delivery,
+            records,
+            outcome,
+        });
+        drop(w);
+        answer(outcome, call)
     });
     let batching =
         crate::batch::Batching::new(bulk, crate::batch::BatchConfig::new().max_count(max));
     BoxCloneService::new(service_fn(move |batch: Batch<Bytes>| {
         let mut w = lock(&world);
         w.check_acks();
+        w.sink_failed_last = false;
         let records = indexes(&batch.messages);
         let at = w.calls.len();
         let delivery = w.delivery;
         w.calls.push(Call {
             delivery,
-            records: records.clone(),
+            records,
             outcome: Outcome::Ok,
         });
         drop(w);
@@ -277,13 +344,7 @@ fn chunked(world: Shared, transient: Vec<bool>, max: usize) -> Inner {
                 Err(e) if e.is::<Panicked>() => Outcome::Panic,
                 Err(_) => Outcome::Poison,
             };
-            let mut w = lock(&world);
-            w.calls[at].outcome = outcome;
-            if outcome == Outcome::Ok {
-                for r in records {
-                    w.finish(r, "handled");
-                }
-            }
+            lock(&world).calls[at].outcome = outcome;
             result
         }
     }))
@@ -296,6 +357,8 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
     let world: Shared = Arc::new(Mutex::new(World {
         kinds: scenario.records.iter().map(|(kind, _)| *kind).collect(),
         finished: vec![0; n],
+        finished_in: vec![None; n],
+        attempts: vec![0; n],
         dead: vec![Vec::new(); n],
         ..World::default()
     }));
@@ -321,6 +384,7 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
         let call = w.sink_calls;
         w.sink_calls += 1;
         let down = sink_down.get(call).copied().unwrap_or(false);
+        w.sink_failed_last = down;
         if !down {
             let r = index(record.metadata.sequence_number.as_str());
             let reason = record
@@ -392,6 +456,7 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
         {
             let mut w = lock(&world);
             w.check_acks();
+            w.count_attempts(delivery, answer.is_ok(), scenario.max_attempts);
             match answer {
                 Ok(_) => {
                     if let Some(open) = (next..end).find(|&i| w.finished[i] == 0) {
@@ -431,7 +496,12 @@ async fn run(scenario: Scenario) -> Result<(), TestCaseError> {
         for reason in &w.dead[r] {
             let own = match reason.as_str() {
                 "failed_alone" => {
-                    let last = w.calls.iter().rev().find(|c| c.records.contains(&r));
+                    // Behind Batching, the call that failed alone is a bulk call.
+                    let calls = match scenario.chunks {
+                        Some(_) => &w.bulk_calls,
+                        None => &w.calls,
+                    };
+                    let last = calls.iter().rev().find(|c| c.records.contains(&r));
                     w.kinds[r] != Kind::Fine
                         && last.is_some_and(|c| {
                             c.records == [r]
