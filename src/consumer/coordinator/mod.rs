@@ -645,7 +645,8 @@ impl Coordinator {
             }
         }
         let listed = self.store.list().await;
-        if listed.is_err() {
+        if let Err(e) = &listed {
+            self.note_refusal(e);
             self.give_up_leading_if_blind(false).await;
         }
         let Some(rows) = self.table_answered(listed, "listing leases") else {
@@ -653,11 +654,29 @@ impl Coordinator {
         };
         self.check_stream(&rows)?;
         let balanced = self.balance(rows).await;
+        match &balanced {
+            Ok(()) => {
+                self.health.lease_table_refused(None);
+            }
+            Err(e) => self.note_refusal(e),
+        }
         self.give_up_leading_if_blind(balanced.is_ok()).await;
         if let Err(e) = balanced {
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
+    }
+
+    /// Makes the worker not ready while the lease table refuses its lease rounds for lack
+    /// of permission (`Scan` or `UpdateItem` taken away while it runs): it can then find
+    /// and take no lease, and a shard nobody holds would stay unread in silence. Other
+    /// failures are retried by the next round and bounded elsewhere.
+    fn note_refusal(&self, error: &LeaseError) {
+        if let LeaseError::AccessDenied(_) = error {
+            if self.health.lease_table_refused(Some(error.to_string())) {
+                tracing::warn!(%error, "the lease table refuses this worker's lease round; not ready until a round succeeds");
+            }
+        }
     }
 
     /// The answer of the read a lease round starts with (`what`), noting whether the
