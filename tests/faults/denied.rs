@@ -1,7 +1,7 @@
-//! Permissions taken away from the lease table while the group runs (an IAM policy
-//! changed under a running fleet: `UpdateItem` or `Scan` refused): either the shards are
-//! still read, or the workers say they are not (not ready). Memory backend, tokio's
-//! paused clock.
+//! The lease table failing a worker's lease rounds while the group runs (an IAM policy
+//! changed under a running fleet: `UpdateItem` or `Scan` refused; writes throttled while
+//! reads answer): either the shards are still read, or the workers say they are not (not
+//! ready, with the cause). Memory backend, tokio's paused clock.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,10 +36,12 @@ const UPDATE_ITEM: &[&str] = &[
 ];
 
 /// Refuses the lease-table calls named in `refused` (as an IAM policy without that
-/// action would); once `dead`, no call of this process answers any more (a crash).
+/// action would), or throttles them while `throttle` is set; once `dead`, no call of this
+/// process answers any more (a crash).
 #[derive(Default)]
 struct Policy {
     refused: Mutex<BTreeSet<&'static str>>,
+    throttle: AtomicBool,
     dead: AtomicBool,
 }
 
@@ -58,6 +60,11 @@ impl Hooks for Policy {
     async fn before_lease(&self, op: &'static str, _key: Option<&str>) -> Result<(), LeaseError> {
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
+        }
+        if self.refused.lock().unwrap().contains(op) && self.throttle.load(Ordering::SeqCst) {
+            return Err(LeaseError::Throttled(
+                format!("injected: {op} exceeds the table's provisioned write capacity").into(),
+            ));
         }
         if self.refused.lock().unwrap().contains(op) {
             return Err(LeaseError::AccessDenied(
@@ -128,7 +135,7 @@ async fn lease_writes_refused_mid_run_leave_no_shard_unread_while_ready() {
     let health = running.health();
     assert!(
         health
-            .lease_table_refused
+            .lease_rounds_failing
             .as_deref()
             .is_some_and(|cause| cause.contains("access denied")),
         "the cause is named: {health:?}"
@@ -144,7 +151,52 @@ async fn lease_writes_refused_mid_run_leave_no_shard_unread_while_ready() {
         }
     })
     .await;
-    assert_eq!(running.health().lease_table_refused, None);
+    assert_eq!(running.health().lease_rounds_failing, None);
+    drop(running);
+}
+
+/// The lease table's writes throttled for good (its write capacity exhausted) while its
+/// reads answer: as with `UpdateItem` refused, no lease is renewed or taken; the worker
+/// says so once its rounds failed for a lease duration, and reads on once writes land.
+#[tokio::test(start_paused = true)]
+async fn lease_writes_throttled_for_good_leave_no_shard_unread_while_ready() {
+    let memory = Memory::new();
+    memory.streams().create_stream("orders", 2).await.unwrap();
+    produce(memory.streams().as_ref(), "orders", 0..10).await;
+    let backend = Hooked::new(memory.clone(), Policy::default());
+    let policy = backend.hooks.clone();
+    let recorder = Recorder::default();
+    let consumer = test_consumer(backend, "orders", "billing", "w1")
+        .stuck_after(STUCK_AFTER)
+        .build()
+        .unwrap();
+    let running = consumer.run(recording_handler(recorder.clone())).spawn();
+    recorder.wait_for(10, LIMIT).await;
+
+    policy.throttle.store(true, Ordering::SeqCst);
+    policy.refuse(UPDATE_ITEM);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    produce(memory.streams().as_ref(), "orders", 10..20).await;
+    read_or_said(&recorder, 10..20, || running.health()).await;
+    let health = running.health();
+    assert!(
+        health
+            .lease_rounds_failing
+            .as_deref()
+            .is_some_and(|cause| cause.contains("throttled")),
+        "the cause is named: {health:?}"
+    );
+
+    policy.allow_all();
+    recorder
+        .wait_for_values(&(10..20).collect::<Vec<_>>(), LIMIT)
+        .await;
+    within(LIMIT, "ready again once the writes land", async {
+        while !running.health().is_ready() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
     drop(running);
 }
 

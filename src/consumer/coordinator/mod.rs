@@ -186,6 +186,9 @@ pub(crate) struct Coordinator {
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
+    /// Since when every full lease round failed to list the table or to take what it
+    /// meant to (see `round_failed`).
+    rounds_failing_since: Option<Instant>,
     /// When this worker started: where LATEST begins for the rows it creates.
     started: SystemTime,
     events_tx: mpsc::UnboundedSender<Event>,
@@ -271,6 +274,7 @@ impl Coordinator {
             last_listing: None,
             covered: BTreeSet::new(),
             table_missing_since: None,
+            rounds_failing_since: None,
             started,
             events_tx,
             events_rx,
@@ -646,7 +650,7 @@ impl Coordinator {
         }
         let listed = self.store.list().await;
         if let Err(e) = &listed {
-            self.note_refusal(e);
+            self.round_failed(e);
             self.give_up_leading_if_blind(false).await;
         }
         let Some(rows) = self.table_answered(listed, "listing leases") else {
@@ -656,9 +660,10 @@ impl Coordinator {
         let balanced = self.balance(rows).await;
         match &balanced {
             Ok(()) => {
-                self.health.lease_table_refused(None);
+                self.rounds_failing_since = None;
+                self.health.lease_rounds_failing(None);
             }
-            Err(e) => self.note_refusal(e),
+            Err(e) => self.round_failed(e),
         }
         self.give_up_leading_if_blind(balanced.is_ok()).await;
         if let Err(e) = balanced {
@@ -667,14 +672,20 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Makes the worker not ready while the lease table refuses its lease rounds for lack
-    /// of permission (`Scan` or `UpdateItem` taken away while it runs): it can then find
-    /// and take no lease, and a shard nobody holds would stay unread in silence. Other
-    /// failures are retried by the next round and bounded elsewhere.
-    fn note_refusal(&self, error: &LeaseError) {
-        if let LeaseError::AccessDenied(_) = error {
-            if self.health.lease_table_refused(Some(error.to_string())) {
-                tracing::warn!(%error, "the lease table refuses this worker's lease round; not ready until a round succeeds");
+    /// A full lease round failed to list the table or to take what it meant to (not a
+    /// lost race). A worker whose rounds keep failing finds and takes no lease, so a
+    /// shard nobody holds would stay unread in silence: it is not ready (see
+    /// [`Health::lease_rounds_failing`](crate::Health::lease_rounds_failing)) at once when
+    /// the table refuses the call for lack of permission (`Scan` or `UpdateItem` taken
+    /// away while it runs), and after a lease duration of failed rounds otherwise (its
+    /// writes throttled or timing out while its reads answer), until a round succeeds.
+    fn round_failed(&mut self, error: &LeaseError) {
+        let since = *self.rounds_failing_since.get_or_insert_with(Instant::now);
+        if matches!(error, LeaseError::AccessDenied(_))
+            || since.elapsed() >= self.config.lease_duration
+        {
+            if self.health.lease_rounds_failing(Some(error.to_string())) {
+                tracing::warn!(%error, "this worker's lease rounds fail: it can take no lease; not ready until a round succeeds");
             }
         }
     }
