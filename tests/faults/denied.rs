@@ -243,3 +243,59 @@ async fn a_crash_while_scans_are_refused_leaves_no_shard_unread_while_ready() {
     read_or_said(&recorder, 40..80, || w1.health()).await;
     drop((w1, w2));
 }
+
+/// A worker whose policy does not allow `Scan` on the lease table at start-up cannot
+/// find a lease: like a coordinator-state table refused at start-up, `run` ends with the
+/// typed error within the start-up deadline instead of retrying for ever.
+#[tokio::test(start_paused = true)]
+async fn a_lease_table_refused_at_start_up_is_a_typed_error() {
+    let memory = Memory::new();
+    memory.streams().create_stream("orders", 2).await.unwrap();
+    let policy = Policy::default();
+    policy.refuse(&["list"]);
+    let consumer = test_consumer(Hooked::new(memory, policy), "orders", "billing", "w1")
+        .build()
+        .unwrap();
+    let recorder = Recorder::default();
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        std::future::IntoFuture::into_future(consumer.run(recording_handler(recorder))),
+    )
+    .await
+    .expect("start-up ends instead of retrying for ever");
+    assert!(
+        matches!(
+            ended,
+            Err(shardflow::ConsumerError::Lease(LeaseError::AccessDenied(_)))
+        ),
+        "{ended:?}"
+    );
+}
+
+/// A worker whose policy does not allow `UpdateItem` on the lease table at start-up can
+/// list the table and create its rows but take no lease: `run` ends with the typed
+/// error within the start-up deadline instead of retrying for ever.
+#[tokio::test(start_paused = true)]
+async fn lease_writes_refused_at_start_up_are_a_typed_error() {
+    let memory = Memory::new();
+    memory.streams().create_stream("orders", 2).await.unwrap();
+    let policy = Policy::default();
+    policy.refuse(UPDATE_ITEM);
+    let consumer = test_consumer(Hooked::new(memory, policy), "orders", "billing", "w1")
+        .build()
+        .unwrap();
+    let recorder = Recorder::default();
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        std::future::IntoFuture::into_future(consumer.run(recording_handler(recorder))),
+    )
+    .await
+    .expect("start-up ends instead of retrying for ever");
+    assert!(
+        matches!(
+            ended,
+            Err(shardflow::ConsumerError::Lease(LeaseError::AccessDenied(_)))
+        ),
+        "{ended:?}"
+    );
+}

@@ -164,6 +164,9 @@ pub(crate) struct Coordinator {
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
+    /// This worker took a lease since it started (see `round`: a worker refused its
+    /// writes before that ends with the error).
+    ever_held: bool,
     /// When a new leader lists again: a lease duration after its first listing, when
     /// the rows that stood still since (a crashed worker's) count as expired; without it
     /// the take tick, a few milliseconds short of that, would leave them a round more.
@@ -268,6 +271,7 @@ impl Coordinator {
             leader_read_at: None,
             claim_unsettled: false,
             took_lead: false,
+            ever_held: false,
             follow_up: None,
             handed: BTreeSet::new(),
             moved_at: BTreeMap::new(),
@@ -667,6 +671,14 @@ impl Coordinator {
         }
         self.give_up_leading_if_blind(balanced.is_ok()).await;
         if let Err(e) = balanced {
+            // Refused before this worker ever held a lease (a policy without
+            // `UpdateItem` on the lease table): it cannot start, and like a
+            // coordinator-state table refused at start-up it ends with the typed error
+            // instead of retrying for ever.
+            if matches!(e, LeaseError::AccessDenied(_)) && !self.ever_held {
+                tracing::error!(error = %e, "the lease table refuses this worker's writes; stopping");
+                return Err(ConsumerError::Lease(e));
+            }
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
