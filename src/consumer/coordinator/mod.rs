@@ -693,12 +693,10 @@ impl Coordinator {
     /// writes throttled or timing out while its reads answer), until a round succeeds.
     fn round_failed(&mut self, error: &LeaseError) {
         let since = *self.rounds_failing_since.get_or_insert_with(Instant::now);
-        if matches!(error, LeaseError::AccessDenied(_))
-            || since.elapsed() >= self.config.lease_duration
-        {
-            if self.health.lease_rounds_failing(Some(error.to_string())) {
-                tracing::warn!(%error, "this worker's lease rounds fail: it can take no lease; not ready until a round succeeds");
-            }
+        let failing = matches!(error, LeaseError::AccessDenied(_))
+            || since.elapsed() >= self.config.lease_duration;
+        if failing && self.health.lease_rounds_failing(Some(error.to_string())) {
+            tracing::warn!(%error, "this worker's lease rounds fail: it can take no lease; not ready until a round succeeds");
         }
     }
 
