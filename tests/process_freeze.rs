@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use shardflow::kinesis::StreamAdmin;
 use shardflow::{Batch, Concurrency, ConsumerBuilder, Memory, Message, ShardEvent, ShutdownHandle};
+use testkit::hooks::{Hooked, Hooks};
 use testkit::*;
 
 /// The lease duration: short, so the other worker takes the lease well within the freeze.
@@ -89,6 +90,65 @@ async fn maybe_freeze(watch: &Watch, frozen: &AtomicBool, v: usize) {
     watch.changed.notify_all();
 }
 
+/// Where the process stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FreezeAt {
+    /// In the handler call of record `FROZEN_AT`.
+    Handler,
+    /// Right after a renewal landed, before its answer reaches the worker.
+    RenewalAnswer,
+    /// With a checkpoint write sent, before it reaches the table.
+    CheckpointSent,
+}
+
+/// Stops the worker's process at a lease call (see [`FreezeAt`]) once it handled
+/// `FROZEN_AT` records and the other worker runs.
+struct Freezer {
+    watch: Arc<Watch>,
+    frozen: Arc<AtomicBool>,
+    at: FreezeAt,
+}
+
+impl Freezer {
+    fn maybe_freeze(&self, at: FreezeAt) {
+        let armed = self.at == at
+            && self.watch.b_running.load(Ordering::SeqCst)
+            && self.watch.calls.lock().unwrap().len() >= FROZEN_AT;
+        if !armed || self.frozen.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        std::thread::sleep(FREEZE);
+        *self.watch.resumed.lock().unwrap() = Some(Instant::now());
+        drop(self.watch.calls.lock().unwrap());
+        self.watch.changed.notify_all();
+    }
+}
+
+#[async_trait::async_trait]
+impl Hooks for Freezer {
+    async fn before_lease(
+        &self,
+        op: &'static str,
+        _key: Option<&str>,
+    ) -> Result<(), shardflow::lease::LeaseError> {
+        if op == "checkpoint" {
+            self.maybe_freeze(FreezeAt::CheckpointSent);
+        }
+        Ok(())
+    }
+
+    async fn after_lease(
+        &self,
+        op: &'static str,
+        _key: Option<&str>,
+        _row: Option<&shardflow::lease::Lease>,
+    ) {
+        if op == "renew" {
+            self.maybe_freeze(FreezeAt::RenewalAnswer);
+        }
+    }
+}
+
 /// How the worker that freezes hands records to its handler.
 #[derive(Clone, Copy, Debug)]
 enum Mode {
@@ -96,8 +156,8 @@ enum Mode {
     Batches,
 }
 
-fn builder(memory: &Memory, worker: &str) -> ConsumerBuilder {
-    test_consumer(memory.clone(), "orders", "freeze", worker)
+fn builder(backend: impl shardflow::Backend, worker: &str) -> ConsumerBuilder {
+    test_consumer(backend, "orders", "freeze", worker)
         .lease_duration(LEASE)
         .max_records_per_read(50)
 }
@@ -121,7 +181,7 @@ where
     rx
 }
 
-fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
+fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode, at: FreezeAt) {
     let memory = Memory::new();
     let setup = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -134,15 +194,25 @@ fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
     let watch = Arc::new(Watch::default());
     let frozen = Arc::new(AtomicBool::new(false));
 
-    let a = builder(&memory, "a");
+    let a = builder(
+        Hooked::new(
+            memory.clone(),
+            Freezer {
+                watch: watch.clone(),
+                frozen: frozen.clone(),
+                at,
+            },
+        ),
+        "a",
+    );
     let (a_stop, a_done): (ShutdownHandle, _) = match mode {
         Mode::Records(concurrency) => {
             let consumer = a.concurrency(concurrency).build().unwrap();
             // With concurrency, calls take a little while: some are in flight when the
             // process stops, and finish (making room for new ones) as soon as it resumes.
             // Sequential calls return at once: the next one is due right after the resume.
-            let call = match concurrency {
-                Concurrency::Sequential => Duration::ZERO,
+            let call = match (concurrency, at) {
+                (Concurrency::Sequential, FreezeAt::Handler) => Duration::ZERO,
                 _ => CALL,
             };
             let (watch, frozen) = (watch.clone(), frozen.clone());
@@ -151,7 +221,9 @@ fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
                 async move {
                     let v = value(&msg);
                     watch.started("a", v);
-                    maybe_freeze(&watch, &frozen, v).await;
+                    if at == FreezeAt::Handler {
+                        maybe_freeze(&watch, &frozen, v).await;
+                    }
                     if !call.is_zero() {
                         tokio::time::sleep(call).await;
                     }
@@ -175,7 +247,9 @@ fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
                         watch.started("a", *v);
                     }
                     for v in values {
-                        maybe_freeze(&watch, &frozen, v).await;
+                        if at == FreezeAt::Handler {
+                            maybe_freeze(&watch, &frozen, v).await;
+                        }
                     }
                     Ok::<_, Infallible>(())
                 }
@@ -190,7 +264,7 @@ fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
     watch.wait("a reads", |calls, _| !calls.is_empty());
     let b_watch = watch.clone();
     let b_events = watch.clone();
-    let b = builder(&memory, "b")
+    let b = builder(memory.clone(), "b")
         .on_event(move |e| {
             if let ShardEvent::LeaseTaken { .. } = e {
                 b_events
@@ -248,15 +322,37 @@ fn frozen_worker_starts_no_call_on_the_taken_lease(mode: Mode) {
 
 #[test]
 fn sequential() {
-    frozen_worker_starts_no_call_on_the_taken_lease(Mode::Records(Concurrency::Sequential));
+    frozen_worker_starts_no_call_on_the_taken_lease(
+        Mode::Records(Concurrency::Sequential),
+        FreezeAt::Handler,
+    );
 }
 
 #[test]
 fn per_key() {
-    frozen_worker_starts_no_call_on_the_taken_lease(Mode::Records(Concurrency::PerKey(8)));
+    frozen_worker_starts_no_call_on_the_taken_lease(
+        Mode::Records(Concurrency::PerKey(8)),
+        FreezeAt::Handler,
+    );
 }
 
 #[test]
 fn batch_handler() {
-    frozen_worker_starts_no_call_on_the_taken_lease(Mode::Batches);
+    frozen_worker_starts_no_call_on_the_taken_lease(Mode::Batches, FreezeAt::Handler);
+}
+
+#[test]
+fn per_key_frozen_after_a_renewal_landed_before_its_answer() {
+    frozen_worker_starts_no_call_on_the_taken_lease(
+        Mode::Records(Concurrency::PerKey(8)),
+        FreezeAt::RenewalAnswer,
+    );
+}
+
+#[test]
+fn sequential_frozen_with_a_checkpoint_sent() {
+    frozen_worker_starts_no_call_on_the_taken_lease(
+        Mode::Records(Concurrency::Sequential),
+        FreezeAt::CheckpointSent,
+    );
 }
