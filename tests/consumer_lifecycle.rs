@@ -626,7 +626,6 @@ impl Hooks for SlowReleaseAnswer {
 /// may hold the lease, so no taken record may start any more, even while the release's
 /// answer is on its way (here, slow) and the hung call returns meanwhile.
 #[tokio::test(start_paused = true)]
-#[ignore = "open: after a drain timeout, taken records start while the release's answer is on its way, on the lease another worker took"]
 async fn no_taken_record_starts_once_the_lease_is_released_after_a_drain_timeout() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
