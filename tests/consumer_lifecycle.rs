@@ -1,6 +1,7 @@
 //! Stopping and settling on the embedded backend under tokio's paused clock: nacks in
-//! stream mode, acknowledgements clamped to their batch, dropped runs, and batches that
-//! waited through a long pause of the process.
+//! stream mode, acknowledgements clamped to their batch, dropped runs, batches that
+//! waited through a long pause of the process, and records taken by a drain that timed
+//! out while the lease is released.
 
 use testkit::hooks;
 

@@ -118,7 +118,7 @@ impl HeldLease {
         if self.is_fresh(max_age) {
             return true;
         }
-        tracing::info!("lease not renewed recently; holding {holding} until it is");
+        tracing::info!("lease not renewed recently (or being given up); holding {holding} until a renewal lands or it is lost");
         self.wait_fresh(max_age).await;
         !self.lost.is_cancelled()
     }
