@@ -1,6 +1,7 @@
 //! Stopping and settling on the embedded backend under tokio's paused clock: nacks in
-//! stream mode, acknowledgements clamped to their batch, dropped runs, and batches that
-//! waited through a long pause of the process.
+//! stream mode, acknowledgements clamped to their batch, dropped runs, batches that
+//! waited through a long pause of the process, and records taken by a drain that timed
+//! out while the lease is released.
 
 use testkit::hooks;
 
@@ -606,4 +607,99 @@ async fn a_stopped_worker_is_never_handed_a_lease() {
     for row in store.list().await.unwrap() {
         assert_eq!(row.owner, None, "lease {} released", row.key);
     }
+}
+
+/// Delays the answer of a release that landed, while `slow` is set (a slow network or a
+/// DynamoDB latency spike, within the call deadline).
+struct SlowReleaseAnswer(Arc<std::sync::atomic::AtomicBool>);
+
+#[async_trait]
+impl Hooks for SlowReleaseAnswer {
+    async fn after_lease(&self, op: &'static str, _: Option<&str>, _: Option<&lease::Lease>) {
+        if op == "release" && self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+        }
+    }
+}
+
+/// A concurrent shard stopped while a call hangs: its drain times out with records taken
+/// and not started, and the lease is released. Once the release landed, another worker
+/// may hold the lease, so no taken record may start any more, even while the release's
+/// answer is on its way (here, slow) and the hung call returns meanwhile.
+#[tokio::test(start_paused = true)]
+async fn no_taken_record_starts_once_the_lease_is_released_after_a_drain_timeout() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+    use tokio::sync::Notify;
+
+    let memory = stream_with("release", 20).await;
+    let slow = Arc::new(AtomicBool::new(false));
+    // In order: a's call starts (`Some(value)`) and b's take of the lease (`None`).
+    let calls: Arc<Mutex<Vec<Option<usize>>>> = Arc::default();
+    let (hung, release_hung) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let a = test_consumer(
+        Hooked::new(memory.clone(), SlowReleaseAnswer(slow.clone())),
+        "release",
+        "release-group",
+        "a",
+    )
+    .concurrency(shardflow::Concurrency::PerKey(1))
+    .shutdown_timeout(Duration::from_secs(2))
+    .build()
+    .unwrap();
+    let a_stop = a.shutdown_handle();
+    let handler = {
+        let (calls, hung, release_hung) = (calls.clone(), hung.clone(), release_hung.clone());
+        tower::service_fn(move |msg: Message| {
+            let (calls, hung, release_hung) = (calls.clone(), hung.clone(), release_hung.clone());
+            async move {
+                let v: usize = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
+                calls.lock().unwrap().push(Some(v));
+                if v == 0 {
+                    hung.notify_one();
+                    release_hung.notified().await;
+                }
+                Ok::<_, std::convert::Infallible>(())
+            }
+        })
+    };
+    let a_run = tokio::spawn(a.run(handler).into_future());
+    within(LIMIT, "a's first call hangs", hung.notified()).await;
+
+    let b_seen = Recorder::default();
+    let took = Arc::new(Notify::new());
+    let b = test_consumer(memory.clone(), "release", "release-group", "b")
+        .on_event({
+            let (calls, took) = (calls.clone(), took.clone());
+            move |e| {
+                if let shardflow::ShardEvent::LeaseTaken { .. } = e {
+                    calls.lock().unwrap().push(None);
+                    took.notify_one();
+                }
+            }
+        })
+        .build()
+        .unwrap()
+        .run(recording_handler(b_seen.clone()))
+        .spawn();
+
+    // a stops: the hung call outlasts the drain, the lease is released (its answer slow),
+    // b takes it, and only then does the hung call return.
+    slow.store(true, Ordering::SeqCst);
+    a_stop.shutdown();
+    within(LIMIT, "b takes the released lease", took.notified()).await;
+    release_hung.notify_one();
+    b_seen
+        .wait_for_values(&(0..20).collect::<Vec<_>>(), LIMIT)
+        .await;
+    within(LIMIT, "a stops", a_run).await.unwrap().unwrap();
+
+    let calls = calls.lock().unwrap().clone();
+    let b_took = calls
+        .iter()
+        .position(Option::is_none)
+        .expect("b took the lease");
+    let late: Vec<usize> = calls[b_took..].iter().flatten().copied().collect();
+    assert_eq!(late, Vec::<usize>::new(), "a started calls on b's lease");
+    b.shutdown().await.unwrap();
 }

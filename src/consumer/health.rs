@@ -28,8 +28,9 @@ pub(crate) trait Progress: std::fmt::Debug + Send + Sync {
 ///   lost, or is about to lose, every lease: restart it.
 /// * ready ([`Health::is_ready`]): live, started (its first lease round succeeded),
 ///   none of its shards is failing ([`ShardHealth::failing`]) or stuck
-///   ([`ShardHealth::stuck_for`]), and its last listing of the lease table found no row
-///   that does not parse ([`Health::unreadable_rows`]). Not ready is a reason to look,
+///   ([`ShardHealth::stuck_for`]), its last listing of the lease table found no row
+///   that does not parse ([`Health::unreadable_rows`]), and the lease table did not
+///   fail its lease rounds ([`Health::lease_rounds_failing`]). Not ready is a reason to look,
 ///   not always to restart: a poison record keeps its shard failing until the handler
 ///   accepts it, and a hung handler keeps it stuck until the call returns.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,6 +53,13 @@ pub struct Health {
     /// is left alone and its shard's children wait for it: the group is not healthy
     /// until an operator repairs it.
     pub unreadable_rows: Vec<(String, String)>,
+    /// Why this worker's lease rounds fail: the lease table refused a round's call for
+    /// lack of permission (an IAM policy without `Scan` or `UpdateItem` on it), or the
+    /// rounds failed to list the table or take what they meant to for a lease duration
+    /// (writes throttled or timing out while reads answer). Such a worker finds and
+    /// takes no lease, so a shard nobody holds stays unread. `None` once a round lists
+    /// the table and takes what it meant to.
+    pub lease_rounds_failing: Option<String>,
 }
 
 /// One held shard's health.
@@ -103,6 +111,7 @@ impl Health {
             && !self.shards.iter().any(|s| s.stuck_for.is_some())
             && self.failed_streams.is_empty()
             && self.unreadable_rows.is_empty()
+            && self.lease_rounds_failing.is_none()
     }
 }
 
@@ -121,6 +130,7 @@ struct State {
     shards: BTreeMap<Arc<str>, ShardState>,
     failed_streams: BTreeMap<String, String>,
     unreadable_rows: BTreeMap<Arc<str>, String>,
+    lease_rounds_failing: Option<String>,
 }
 
 /// What the coordinator, shard tasks and readers report into; shared with the handles.
@@ -172,6 +182,13 @@ impl HealthState {
     /// A renewal or a lease round succeeded.
     pub(crate) fn lease_table_ok(&self) {
         self.lock().lease_table_ok_at = Some(Instant::now());
+    }
+
+    /// The worker's lease rounds fail (`Some`, the cause; see
+    /// [`Health::lease_rounds_failing`]), or a round listed the table and took what it
+    /// meant to (`None`). Returns whether they were not failing before.
+    pub(crate) fn lease_rounds_failing(&self, cause: Option<String>) -> bool {
+        std::mem::replace(&mut self.lock().lease_rounds_failing, cause).is_none()
     }
 
     /// The worker started reading `shard` (its lease was taken).
@@ -293,6 +310,7 @@ impl HealthState {
                 .iter()
                 .map(|(shard, reason)| (shard.to_string(), reason.clone()))
                 .collect(),
+            lease_rounds_failing: state.lease_rounds_failing.clone(),
         }
     }
 }

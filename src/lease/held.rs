@@ -22,6 +22,9 @@ pub(crate) struct HeldLease {
     /// expiry timers are at least as late as.
     renewed_at: std::sync::Mutex<Instant>,
     renewed: Notify,
+    /// A release or hand-over was sent: once it lands another worker may hold the lease,
+    /// whatever its answer says and however late it comes.
+    leaving: std::sync::atomic::AtomicBool,
 }
 
 /// Attempts at a release (and the other calls of a worker on its way out) before the
@@ -68,18 +71,23 @@ impl HeldLease {
             lost: CancellationToken::new(),
             renewed_at: std::sync::Mutex::new(sent),
             renewed: Notify::new(),
+            leaving: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     /// Whether the last successful renewal is younger than `max_age`. A worker that was
     /// paused (GC, a stopped VM) longer than that may have lost the lease without
     /// knowing yet, so it should not hand out more records until a renewal succeeds.
+    /// Never once a release or hand-over was sent (see [`HeldLease::release`]): the
+    /// lease may be another worker's as soon as it lands.
     pub fn is_fresh(&self, max_age: Duration) -> bool {
-        self.renewed_at
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .elapsed()
-            < max_age
+        !self.leaving.load(std::sync::atomic::Ordering::SeqCst)
+            && self
+                .renewed_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed()
+                < max_age
     }
 
     /// When the last successful renewal (or the take) was sent.
@@ -110,7 +118,7 @@ impl HeldLease {
         if self.is_fresh(max_age) {
             return true;
         }
-        tracing::info!("lease not renewed recently; holding {holding} until it is");
+        tracing::info!("lease not renewed recently (or being given up); holding {holding} until a renewal lands or it is lost");
         self.wait_fresh(max_age).await;
         !self.lost.is_cancelled()
     }
@@ -203,13 +211,17 @@ impl HeldLease {
         .await
     }
 
-    /// Gives the lease up (to nobody). Marks it lost for this worker either way.
+    /// Gives the lease up (to nobody). Marks it lost for this worker either way; from
+    /// the moment it is sent the lease is no longer fresh (see [`HeldLease::is_fresh`]),
+    /// so nothing starts on it while the answer is on its way.
     ///
     /// A release that failed transiently (throttled, cut by its deadline, a network
     /// error) is tried again, [`RELEASE_ATTEMPTS`] times in all: a lease left owned
     /// waits a whole lease duration before another worker takes it. One that landed
     /// although an error was seen shows as a conflict on the next attempt.
     pub async fn release(&self) -> Result<Lease, LeaseError> {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let result = with_retries(|| {
             self.write(|store, row| Box::pin(async move { store.release(&row).await }))
         })
@@ -223,6 +235,9 @@ impl HeldLease {
     /// the hand-over fails with a conflict (the row stays ours, unheld, for the next
     /// lease round to take back or the shutdown to release).
     pub async fn transfer(&self, worker: &str) -> Result<Lease, LeaseError> {
+        // Not fresh from the send on, as for a release.
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let to = worker.to_owned();
         let result = self
             .write(move |store, row| {

@@ -124,6 +124,11 @@ pub enum CoordinatorFault {
     Denied,
     /// The table does not exist.
     Deleted,
+    /// Its writes (`UpdateItem`: the leader item's take, renewal and release) are
+    /// refused for lack of permission; reads answer.
+    WritesDenied,
+    /// Its reads (`GetItem`) are refused for lack of permission; writes answer.
+    ReadsDenied,
 }
 
 /// One started worker: its id, its shutdown handle, its task and whether it was killed.
@@ -199,7 +204,17 @@ impl Hooks for Killable {
                     .unwrap()
                     .contains(&self.worker));
         if op.starts_with("leader_") {
+            let write = matches!(op, "leader_claim" | "leader_renew" | "leader_release");
+            let denied = || {
+                Err(LeaseError::AccessDenied(
+                    format!("injected: not authorized to call {op} on the coordinator-state table")
+                        .into(),
+                ))
+            };
             match *self.coordinator_fault.lock().unwrap() {
+                Some(CoordinatorFault::WritesDenied) if write => return denied(),
+                Some(CoordinatorFault::ReadsDenied) if op == "leader_get" => return denied(),
+                Some(CoordinatorFault::WritesDenied | CoordinatorFault::ReadsDenied) => {}
                 Some(CoordinatorFault::Denied) => {
                     return Err(LeaseError::AccessDenied(
                         "injected: not authorized to use the coordinator-state table".into(),

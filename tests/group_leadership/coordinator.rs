@@ -63,6 +63,22 @@ async fn a_crashed_workers_shards_are_read_again_while_the_coordinator_table_is_
     crash_while_the_coordinator_table_fails(CoordinatorFault::Deleted).await;
 }
 
+/// With only the coordinator-state table's writes refused (its reads answer: a policy
+/// granting `GetItem` but not `UpdateItem`), the leader cannot renew its item and nobody
+/// can take it over: a crashed worker's shards are still read again within the bound.
+#[tokio::test(start_paused = true)]
+async fn a_crashed_workers_shards_are_read_again_while_leader_item_writes_are_refused() {
+    crash_while_the_coordinator_table_fails(CoordinatorFault::WritesDenied).await;
+}
+
+/// With only the coordinator-state table's reads refused (a policy granting `UpdateItem`
+/// but not `GetItem`): the leader keeps renewing, the others cannot see it; a crashed
+/// worker's shards are still read again within the bound.
+#[tokio::test(start_paused = true)]
+async fn a_crashed_workers_shards_are_read_again_while_leader_item_reads_are_refused() {
+    crash_while_the_coordinator_table_fails(CoordinatorFault::ReadsDenied).await;
+}
+
 /// Refuses every call to the coordinator-state table.
 struct RefuseCoordinator;
 

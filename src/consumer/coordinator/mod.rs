@@ -164,6 +164,9 @@ pub(crate) struct Coordinator {
     /// This worker became the leader since its last full listing: a round runs a lease
     /// duration after that listing (see `follow_up`).
     took_lead: bool,
+    /// This worker took a lease since it started (see `round`: a worker refused its
+    /// writes before that ends with the error).
+    ever_held: bool,
     /// When a new leader lists again: a lease duration after its first listing, when
     /// the rows that stood still since (a crashed worker's) count as expired; without it
     /// the take tick, a few milliseconds short of that, would leave them a round more.
@@ -186,6 +189,9 @@ pub(crate) struct Coordinator {
     rng: SmallRng,
     /// Since when every lease round found the lease table missing (see `run`).
     table_missing_since: Option<Instant>,
+    /// Since when every full lease round failed to list the table or to take what it
+    /// meant to (see `round_failed`).
+    rounds_failing_since: Option<Instant>,
     /// When this worker started: where LATEST begins for the rows it creates.
     started: SystemTime,
     events_tx: mpsc::UnboundedSender<Event>,
@@ -265,12 +271,14 @@ impl Coordinator {
             leader_read_at: None,
             claim_unsettled: false,
             took_lead: false,
+            ever_held: false,
             follow_up: None,
             handed: BTreeSet::new(),
             moved_at: BTreeMap::new(),
             last_listing: None,
             covered: BTreeSet::new(),
             table_missing_since: None,
+            rounds_failing_since: None,
             started,
             events_tx,
             events_rx,
@@ -645,7 +653,8 @@ impl Coordinator {
             }
         }
         let listed = self.store.list().await;
-        if listed.is_err() {
+        if let Err(e) = &listed {
+            self.round_failed(e);
             self.give_up_leading_if_blind(false).await;
         }
         let Some(rows) = self.table_answered(listed, "listing leases") else {
@@ -653,11 +662,42 @@ impl Coordinator {
         };
         self.check_stream(&rows)?;
         let balanced = self.balance(rows).await;
+        match &balanced {
+            Ok(()) => {
+                self.rounds_failing_since = None;
+                self.health.lease_rounds_failing(None);
+            }
+            Err(e) => self.round_failed(e),
+        }
         self.give_up_leading_if_blind(balanced.is_ok()).await;
         if let Err(e) = balanced {
+            // Refused before this worker ever held a lease (a policy without
+            // `UpdateItem` on the lease table): it cannot start, and like a
+            // coordinator-state table refused at start-up it ends with the typed error
+            // instead of retrying for ever.
+            if matches!(e, LeaseError::AccessDenied(_)) && !self.ever_held {
+                tracing::error!(error = %e, "the lease table refuses this worker's writes; stopping");
+                return Err(ConsumerError::Lease(e));
+            }
             tracing::warn!(error = %e, "lease round failed; will retry");
         }
         Ok(())
+    }
+
+    /// A full lease round failed to list the table or to take what it meant to (not a
+    /// lost race). A worker whose rounds keep failing finds and takes no lease, so a
+    /// shard nobody holds would stay unread in silence: it is not ready (see
+    /// [`Health::lease_rounds_failing`](crate::Health::lease_rounds_failing)) at once when
+    /// the table refuses the call for lack of permission (`Scan` or `UpdateItem` taken
+    /// away while it runs), and after a lease duration of failed rounds otherwise (its
+    /// writes throttled or timing out while its reads answer), until a round succeeds.
+    fn round_failed(&mut self, error: &LeaseError) {
+        let since = *self.rounds_failing_since.get_or_insert_with(Instant::now);
+        let failing = matches!(error, LeaseError::AccessDenied(_))
+            || since.elapsed() >= self.config.lease_duration;
+        if failing && self.health.lease_rounds_failing(Some(error.to_string())) {
+            tracing::warn!(%error, "this worker's lease rounds fail: it can take no lease; not ready until a round succeeds");
+        }
     }
 
     /// The answer of the read a lease round starts with (`what`), noting whether the

@@ -106,6 +106,7 @@ impl Coordinator {
             .events
             .emit(|| ShardEvent::LeaseTaken { shard: key.clone() });
         lock(&self.held).insert(key.clone(), lease.clone());
+        self.ever_held = true;
         self.slots.insert(
             key,
             Slot {
