@@ -22,7 +22,7 @@
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
 //! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
 //! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
-//! | `throughputKBps` | N | KCL 3: not used, kept |
+//! | `throughputKBps` | N, optional | the KCL 3's: the shard's recent throughput in KiB/s (record data bytes ÷ 1,024 per second, smoothed), written by the owner's renewals; read back as [`Lease::throughput_kbps`], kept by every other write; a negative or non-finite value makes the row unreadable |
 //! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
 //! Sequence numbers are stored as strings: they have up to 129 digits, more than a
@@ -78,6 +78,8 @@ pub(super) const RESET: &str = "resetCheckpoint";
 pub(super) const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
 /// The reset request's `AT_TIMESTAMP` time, epoch milliseconds.
 pub(super) const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
+/// The shard's recent throughput in KiB/s (the KCL 3's).
+pub(super) const THROUGHPUT: &str = "throughputKBps";
 
 /// The item that stores `lease`.
 pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> {
@@ -140,6 +142,9 @@ pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> 
             CHECKPOINT_OWNER.to_owned(),
             AttributeValue::S(checkpoint_owner.clone()),
         );
+    }
+    if let Some(kbps) = lease.throughput_kbps {
+        item.insert(THROUGHPUT.to_owned(), throughput_attribute(kbps));
     }
     if let Some(reset) = &lease.reset_to {
         let (value, sub_sequence) = reset.as_attribute();
@@ -207,8 +212,13 @@ pub(super) fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<
         }
         None => None,
     };
+    let throughput_kbps = match number(item, THROUGHPUT, &key)? {
+        Some(n) => Some(parse_throughput(&key, &n)?),
+        None => None,
+    };
     Ok(Lease {
         reset_to,
+        throughput_kbps,
         parents: string_set(item, PARENTS, &key)?,
         children: string_set(item, CHILDREN, &key)?,
         stream: string(item, STREAM, &key)?,
@@ -277,6 +287,25 @@ fn number(
         Some(AttributeValue::N(n)) => Ok(Some(n.clone())),
         Some(_) => Err(LeaseError::Corrupt(format!(
             "lease {key}: {name} is not a number"
+        ))),
+    }
+}
+
+/// The `throughputKBps` value as DynamoDB stores it: a Number, written as a decimal
+/// (Rust's shortest form that reads back to the same `f64`).
+pub(super) fn throughput_attribute(kbps: f64) -> AttributeValue {
+    AttributeValue::N(kbps.to_string())
+}
+
+/// Parses `throughputKBps`: a finite, non-negative number (the KCL writes a `Double`).
+fn parse_throughput(key: &str, digits: &str) -> Result<f64, LeaseError> {
+    match digits.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(v) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {THROUGHPUT} {v} is not a throughput"
+        ))),
+        Err(e) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {THROUGHPUT} {digits:?}: {e}"
         ))),
     }
 }
@@ -432,7 +461,7 @@ mod tests {
                     matches!(value, AttributeValue::S(_))
                 }
                 COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
-                | "throughputKBps" => {
+                | THROUGHPUT => {
                     matches!(value, AttributeValue::N(n) if n.parse::<f64>().is_ok())
                 }
                 PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),
@@ -679,5 +708,26 @@ mod tests {
             lease_from_item(&item),
             Err(LeaseError::Corrupt(_))
         ));
+    }
+
+    #[test]
+    fn the_kcl_throughput_attribute_is_read_and_written() {
+        let lease = lease_from_item(&fixture("kcl3_handoff.json")).unwrap();
+        assert_eq!(lease.throughput_kbps, Some(12.75));
+        let item = item_from_lease(&lease);
+        assert_eq!(item.get(THROUGHPUT), Some(&AttributeValue::N("12.75".into())));
+        assert_kcl_reads(&item);
+        assert_eq!(lease_from_item(&item).unwrap(), lease);
+        // Not measured yet: no attribute at all, as the KCL writes it.
+        let fresh = Lease::new("s", Vec::new(), Checkpoint::Latest);
+        assert!(!item_from_lease(&fresh).contains_key(THROUGHPUT));
+        let mut item = item_from_lease(&fresh);
+        for bad in ["-1", "NaN", "inf", "fast"] {
+            item.insert(THROUGHPUT.into(), AttributeValue::N(bad.into()));
+            assert!(
+                matches!(lease_from_item(&item), Err(LeaseError::Corrupt(_))),
+                "{bad}"
+            );
+        }
     }
 }
