@@ -3,8 +3,9 @@
 //! `metrics` recorder (Prometheus, OpenTelemetry, StatsD exporters) to collect them;
 //! without one every call is a no-op.
 //!
-//! Labels: `stream` and `group` on every series, `shard` only on the three per-shard
-//! series ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`]), so the
+//! Labels: `stream` and `group` on every series, `shard` only on the per-shard
+//! series ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`],
+//! [`SHARD_THROUGHPUT_BYTES`], [`SHARD_THROUGHPUT_RECORDS`]), so the
 //! number of series grows with the shards a worker held, not with records. Histograms
 //! are per worker (never per shard) because each costs a series per bucket.
 
@@ -13,6 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::metrics::{Counter, Gauge, Histogram, Label};
+
+use crate::lease::meter::Rates;
 
 /// Gauge, per shard: `MillisBehindLatest` of the shard's last read.
 pub const MILLIS_BEHIND_LATEST: &str = "shardflow_millis_behind_latest";
@@ -53,6 +56,22 @@ pub const RECORDS_IN_FLIGHT: &str = "shardflow_records_in_flight";
 /// Gauge: shards of this worker that are stuck (records handed out and none handled
 /// for `stuck_after`; see [`ShardHealth::stuck_for`](crate::consumer::ShardHealth::stuck_for)).
 pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
+
+/// Gauge, per shard: the shard's recent throughput in record data bytes per second, as
+/// this worker measured it for its lease row (smoothed over the renewal intervals; set
+/// at each renewal of a shard this worker holds).
+pub const SHARD_THROUGHPUT_BYTES: &str = "shardflow_shard_throughput_bytes_per_second";
+/// Gauge, per shard: the shard's recent throughput in records per second (as
+/// [`SHARD_THROUGHPUT_BYTES`]).
+pub const SHARD_THROUGHPUT_RECORDS: &str = "shardflow_shard_throughput_records_per_second";
+/// Gauge: this worker's load, the sum of [`SHARD_THROUGHPUT_BYTES`] over the shards it
+/// holds (set at each renewal round).
+pub const WORKER_LOAD_BYTES: &str = "shardflow_worker_load_bytes_per_second";
+/// Gauge: the most loaded worker's load divided by the mean load per worker, as this
+/// worker's last full lease round saw the table (1 is perfectly even; with
+/// [`BalanceBy::Count`](crate::consumer::BalanceBy::Count) it shows what balancing by
+/// throughput would even out). Set only once some lease carries a measurement.
+pub const BALANCE_IMBALANCE_RATIO: &str = "shardflow_balance_imbalance_ratio";
 
 /// Gauge: 1 while this worker cannot know the group's leader (the coordinator-state
 /// table refuses its calls or is gone) and so lists the lease table and takes expired
@@ -133,6 +152,18 @@ impl Labels {
 
     pub(crate) fn leases_held(&self, n: usize) {
         self.gauge(LEASES_HELD).set(n as f64);
+    }
+
+    /// Sets `shard`'s throughput gauges ([`SHARD_THROUGHPUT_BYTES`],
+    /// [`SHARD_THROUGHPUT_RECORDS`]).
+    pub(crate) fn shard_throughput(&self, shard: &str, rates: Rates) {
+        let labels = || {
+            let mut l = self.with(&[]);
+            l.push(Label::new("shard", shard.to_owned()));
+            l
+        };
+        ::metrics::gauge!(SHARD_THROUGHPUT_BYTES, labels()).set(rates.bytes_per_second);
+        ::metrics::gauge!(SHARD_THROUGHPUT_RECORDS, labels()).set(rates.records_per_second);
     }
 
     /// Counts one remote call (and a throttled answer) of `service`.

@@ -10,8 +10,8 @@
 
 pub mod dynamo;
 mod held;
-pub(crate) mod meter;
 pub mod leader;
+pub(crate) mod meter;
 mod scoped;
 
 pub(crate) use held::{with_retries, HeldLease};

@@ -715,7 +715,10 @@ mod tests {
         let lease = lease_from_item(&fixture("kcl3_handoff.json")).unwrap();
         assert_eq!(lease.throughput_kbps, Some(12.75));
         let item = item_from_lease(&lease);
-        assert_eq!(item.get(THROUGHPUT), Some(&AttributeValue::N("12.75".into())));
+        assert_eq!(
+            item.get(THROUGHPUT),
+            Some(&AttributeValue::N("12.75".into()))
+        );
         assert_kcl_reads(&item);
         assert_eq!(lease_from_item(&item).unwrap(), lease);
         // Not measured yet: no attribute at all, as the KCL writes it.
