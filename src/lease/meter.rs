@@ -15,6 +15,12 @@ use tokio::time::Instant;
 /// `LeaseStatsRecorder` uses 0.5 too).
 pub(crate) const ALPHA: f64 = 0.5;
 
+/// The shortest interval a rate is taken over: a renewal sooner after the previous one
+/// (the first renewals of a lease are spread over the renew interval, some a few
+/// milliseconds after the take) leaves the interval open until a later one, so one
+/// page read just before does not look like a burst.
+pub(crate) const MIN_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Bytes in a KiB, the unit of `throughputKBps` (the KCL 3 divides by 1,024).
 pub(crate) const BYTES_PER_KIB: f64 = 1024.0;
 
@@ -75,16 +81,17 @@ impl ThroughputMeter {
     }
 
     /// Closes the interval at `now`: folds its rates into the average and returns the
-    /// average, or `None` while nothing was read yet. An interval of no length (two
-    /// samples at the same instant) leaves the average as it is.
+    /// average, or `None` while nothing was read yet. An interval shorter than
+    /// [`MIN_WINDOW`] stays open: the average is returned as it was (`None` at first).
     pub(crate) fn sample(&self, now: Instant) -> Option<Rates> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if !state.read {
             state.since = now;
             return None;
         }
-        let seconds = now.saturating_duration_since(state.since).as_secs_f64();
-        if seconds > 0.0 {
+        let window = now.saturating_duration_since(state.since);
+        let seconds = window.as_secs_f64();
+        if window >= MIN_WINDOW {
             let latest = Rates {
                 bytes_per_second: state.bytes as f64 / seconds,
                 records_per_second: state.records as f64 / seconds,
@@ -140,7 +147,15 @@ mod tests {
         assert_eq!(busy.kbps(), 12.5);
         assert_eq!(busy.records_per_second, 0.5 * 2.0 + 0.5 * 5.0);
         assert_eq!(meter.latest(), Some(busy));
-        // No time passed: unchanged.
-        assert_eq!(meter.sample(start + 4 * second), Some(busy));
+        // Less than the shortest window: unchanged, and the interval stays open.
+        meter.add(1024, 1);
+        assert_eq!(meter.sample(start + 4 * second + second / 2), Some(busy));
+        let on = meter.sample(start + 5 * second).unwrap();
+        assert_eq!(on.kbps(), 0.5 * 1.0 + 0.5 * 12.5);
+        // A first page just before the first renewal is no burst: no figure yet.
+        let meter = ThroughputMeter::new(start);
+        meter.add(64 * 1024, 1);
+        assert_eq!(meter.sample(start + second / 10), None);
+        assert_eq!(meter.sample(start + second).unwrap().kbps(), 64.0);
     }
 }
