@@ -64,6 +64,7 @@ impl HeldLease {
     /// came back: the lease is fresh (see [`HeldLease::is_fresh`]) only as measured from
     /// the send, like a renewal.
     pub fn taken_at(row: Lease, store: Arc<dyn LeaseStore>, owner: &str, sent: Instant) -> Self {
+        let meter = ThroughputMeter::new(sent, row.throughput_kbps);
         HeldLease {
             row: Mutex::new(row),
             store,
@@ -71,7 +72,7 @@ impl HeldLease {
             lost: CancellationToken::new(),
             renewed_at: std::sync::Mutex::new(sent),
             renewed: Notify::new(),
-            meter: ThroughputMeter::new(sent),
+            meter,
         }
     }
 

@@ -3,17 +3,20 @@
 //!
 //! The reader adds each page's bytes and records; each renewal takes the rates over
 //! the interval since the previous one and folds them into an exponentially weighted
-//! moving average with weight [`ALPHA`] for the newest interval (the KCL 3's choice):
-//! an interval's weight halves at every later renewal, so the figure follows a change
-//! within two or three renewal intervals and one quiet or busy interval moves it by half.
+//! moving average with a time constant of [`TIME_CONSTANT`] (30 s): an interval of
+//! `dt` seconds weighs `1 - e^(-dt/30)` (about 10 % for the default renew interval of
+//! 3.3 s), so a change shows half-way after about 21 s and in full (95 %) after 90 s,
+//! and the count noise of a few records per interval is smoothed out. (The KCL 3
+//! halves the old value at every renewal; a shorter memory made the plan chase that
+//! noise in the scale bench.)
 
 use std::sync::Mutex;
 
 use tokio::time::Instant;
 
-/// The weight of the newest renewal interval in the moving average (the KCL 3's
-/// `LeaseStatsRecorder` uses 0.5 too).
-pub(crate) const ALPHA: f64 = 0.5;
+/// The time constant of the moving average: an interval's weight decays by `1/e` over
+/// this much time.
+pub(crate) const TIME_CONSTANT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The shortest interval a rate is taken over: a renewal sooner after the previous one
 /// (the first renewals of a lease are spread over the renew interval, some a few
@@ -43,13 +46,16 @@ impl Rates {
 /// Counts since the last sample and the moving average so far.
 #[derive(Debug)]
 struct State {
-    bytes: u64,
-    records: u64,
+    read_bytes: u64,
+    read_records: u64,
     /// Whether anything was read (a page, even empty) since the meter started: until
     /// then there is no measurement, and the row keeps what it carries.
     read: bool,
     since: Instant,
-    average: Option<Rates>,
+    /// The moving average of the bytes per second, seeded with the row's figure.
+    bytes: Option<f64>,
+    /// The moving average of the records per second.
+    records: Option<f64>,
 }
 
 /// The meter of one held lease.
@@ -59,15 +65,19 @@ pub(crate) struct ThroughputMeter {
 }
 
 impl ThroughputMeter {
-    /// A meter that starts counting at `now`.
-    pub(crate) fn new(now: Instant) -> Self {
+    /// A meter that starts counting at `now`, from the figure the lease row carries
+    /// (`throughputKBps`, the previous owner's measurement), if any: a lease that
+    /// changes hands keeps its smoothed figure instead of starting over from the new
+    /// owner's first, short interval.
+    pub(crate) fn new(now: Instant, row_kbps: Option<f64>) -> Self {
         ThroughputMeter {
             state: Mutex::new(State {
-                bytes: 0,
-                records: 0,
+                read_bytes: 0,
+                read_records: 0,
                 read: false,
                 since: now,
-                average: None,
+                bytes: row_kbps.map(|k| k * BYTES_PER_KIB),
+                records: None,
             }),
         }
     }
@@ -75,8 +85,8 @@ impl ThroughputMeter {
     /// Adds one page read from the shard: `records` records of `bytes` data bytes in all.
     pub(crate) fn add(&self, bytes: u64, records: u64) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.bytes = state.bytes.saturating_add(bytes);
-        state.records = state.records.saturating_add(records);
+        state.read_bytes = state.read_bytes.saturating_add(bytes);
+        state.read_records = state.read_records.saturating_add(records);
         state.read = true;
     }
 
@@ -90,32 +100,34 @@ impl ThroughputMeter {
             return None;
         }
         let window = now.saturating_duration_since(state.since);
-        let seconds = window.as_secs_f64();
         if window >= MIN_WINDOW {
-            let latest = Rates {
-                bytes_per_second: state.bytes as f64 / seconds,
-                records_per_second: state.records as f64 / seconds,
-            };
-            state.average = Some(match state.average {
+            let seconds = window.as_secs_f64();
+            let alpha = 1.0 - (-seconds / TIME_CONSTANT.as_secs_f64()).exp();
+            let fold = |old: Option<f64>, latest: f64| match old {
                 None => latest,
-                Some(old) => Rates {
-                    bytes_per_second: ALPHA * latest.bytes_per_second
-                        + (1.0 - ALPHA) * old.bytes_per_second,
-                    records_per_second: ALPHA * latest.records_per_second
-                        + (1.0 - ALPHA) * old.records_per_second,
-                },
-            });
-            state.bytes = 0;
-            state.records = 0;
+                Some(old) => alpha * latest + (1.0 - alpha) * old,
+            };
+            state.bytes = Some(fold(state.bytes, state.read_bytes as f64 / seconds));
+            state.records = Some(fold(state.records, state.read_records as f64 / seconds));
+            state.read_bytes = 0;
+            state.read_records = 0;
             state.since = now;
         }
-        state.average
+        current(&state)
     }
 
     /// The average as of the last sample, if any.
     pub(crate) fn latest(&self) -> Option<Rates> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).average
+        current(&self.state.lock().unwrap_or_else(|p| p.into_inner()))
     }
+}
+
+/// The averages once both were measured.
+fn current(state: &State) -> Option<Rates> {
+    Some(Rates {
+        bytes_per_second: state.bytes?,
+        records_per_second: state.records?,
+    })
 }
 
 #[cfg(test)]
@@ -126,36 +138,47 @@ mod tests {
     #[test]
     fn nothing_read_is_no_measurement() {
         let start = Instant::now();
-        let meter = ThroughputMeter::new(start);
+        let meter = ThroughputMeter::new(start, None);
         assert_eq!(meter.sample(start + Duration::from_secs(3)), None);
     }
 
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-6
+    }
+
     #[test]
-    fn the_average_follows_the_rate_halving_the_old_weight_each_interval() {
+    fn the_average_follows_the_rate_with_its_time_constant() {
         let start = Instant::now();
-        let meter = ThroughputMeter::new(start);
+        let meter = ThroughputMeter::new(start, None);
         let second = Duration::from_secs(1);
-        meter.add(10 * 1024, 10);
-        let first = meter.sample(start + second).unwrap();
+        meter.add(30 * 1024, 30);
+        let first = meter.sample(start + 3 * second).unwrap();
         assert_eq!(first.kbps(), 10.0);
         assert_eq!(first.records_per_second, 10.0);
-        // A quiet interval: half-way down.
-        assert_eq!(meter.sample(start + 2 * second).unwrap().kbps(), 5.0);
-        // Busy again over two seconds at 20 KiB/s.
-        meter.add(40 * 1024, 4);
-        let busy = meter.sample(start + 4 * second).unwrap();
-        assert_eq!(busy.kbps(), 12.5);
-        assert_eq!(busy.records_per_second, 0.5 * 2.0 + 0.5 * 5.0);
-        assert_eq!(meter.latest(), Some(busy));
+        // A quiet interval of 30 ln 2 s: half-way down.
+        let half = TIME_CONSTANT.mul_f64(std::f64::consts::LN_2);
+        let quiet = meter.sample(start + 3 * second + half).unwrap();
+        assert!(close(quiet.kbps(), 5.0), "{quiet:?}");
+        assert!(close(quiet.records_per_second, 5.0), "{quiet:?}");
+        assert_eq!(meter.latest(), Some(quiet));
         // Less than the shortest window: unchanged, and the interval stays open.
+        let at = start + 3 * second + half;
         meter.add(1024, 1);
-        assert_eq!(meter.sample(start + 4 * second + second / 2), Some(busy));
-        let on = meter.sample(start + 5 * second).unwrap();
-        assert_eq!(on.kbps(), 0.5 * 1.0 + 0.5 * 12.5);
+        assert_eq!(meter.sample(at + second / 2), Some(quiet));
         // A first page just before the first renewal is no burst: no figure yet.
-        let meter = ThroughputMeter::new(start);
+        let meter = ThroughputMeter::new(start, None);
         meter.add(64 * 1024, 1);
         assert_eq!(meter.sample(start + second / 10), None);
         assert_eq!(meter.sample(start + second).unwrap().kbps(), 64.0);
+        // A lease taken over goes on from the row's figure: a first second with one
+        // big record moves it by the first interval's small weight only.
+        let meter = ThroughputMeter::new(start, Some(10.0));
+        meter.add(64 * 1024, 1);
+        let taken = meter.sample(start + second).unwrap();
+        let alpha = 1.0 - (-1.0 / TIME_CONSTANT.as_secs_f64()).exp();
+        assert!(
+            close(taken.kbps(), alpha * 64.0 + (1.0 - alpha) * 10.0),
+            "{taken:?}"
+        );
     }
 }
