@@ -526,12 +526,12 @@ fn throughput() {
             }
             running.stop_feed();
             let handled = running.until(LIMIT, |r| r.all_handled()).await;
+            let handled_records = running.handled.lock().expect("the handled log").len();
+            let put = *running.put.lock().expect("the put count");
+            let duplicates = running.duplicates().len();
             println!(
-                "{by:?}: every record handled: {} ({} of {}); duplicates {}",
+                "{by:?}: every record handled: {} ({handled_records} of {put}); duplicates {duplicates}",
                 handled.is_some(),
-                running.handled.lock().expect("the handled log").len(),
-                running.put.lock().expect("the put count"),
-                running.duplicates().len()
             );
             running.stop().await;
         });

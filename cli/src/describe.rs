@@ -225,9 +225,14 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         bar.finish_and_clear();
     }
     let mut workers: BTreeMap<&str, usize> = BTreeMap::new();
+    // Each worker's load: the sum of its shards' measured throughput (`throughputKBps`).
+    let mut loads: BTreeMap<&str, f64> = BTreeMap::new();
     for row in &rows {
         if let Some(owner) = row.lease.owner.as_deref() {
             *workers.entry(worker_of(owner)).or_default() += 1;
+            if let Some(kbps) = row.lease.throughput_kbps {
+                *loads.entry(worker_of(owner)).or_default() += kbps;
+            }
         }
     }
     let total_ms = out.iter().filter_map(|o| o.2).max();
@@ -327,6 +332,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                     "pending_owner": lease.pending_owner,
                     "reset_to": lease.reset_to.as_ref().map(show),
                     "checkpoint": lease.unreadable.is_none().then(|| show(&lease.checkpoint)),
+                    "throughput_kbps": lease.throughput_kbps,
                     "unreadable": lease.unreadable,
                     "millis_behind_latest": millis,
                     "records_behind": records,
@@ -354,6 +360,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             "table": args.group.table(),
             "shards": shards_json,
             "workers": workers,
+            "worker_throughput_kbps": loads,
             "max_millis_behind_latest": total_ms,
             "records_behind": total_records,
             "sample_ms": args.sample_ms,
@@ -373,6 +380,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         "lease",
         "hand-off",
         "checkpoint",
+        "KiB/s",
         "lag ms",
         "behind",
     ];
@@ -403,6 +411,9 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             activity,
             lease.pending_owner.clone().unwrap_or_else(|| "-".into()),
             checkpoint,
+            lease
+                .throughput_kbps
+                .map_or_else(|| "-".into(), |k| format!("{k:.1}")),
             match (millis, error) {
                 (_, Some(e)) => format!("error: {e}"),
                 (Some(m), None) => m.to_string(),
@@ -426,7 +437,13 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             records.map_or_else(String::new, |r| format!(", {r} records behind")),
         );
     }
-    let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
+    let per_worker: Vec<String> = workers
+        .iter()
+        .map(|(w, n)| match loads.get(w) {
+            Some(kbps) => format!("{w}: {n} ({kbps:.1} KiB/s)"),
+            None => format!("{w}: {n}"),
+        })
+        .collect();
     println!(
         "{}{} shards, {} ({}){}, max lag {} ms{}; {} in error, {unreadable} unreadable, {unowned} without an owner{}",
         if multi {
