@@ -79,8 +79,10 @@ async fn skewed_shards_are_spread_by_throughput_without_duplicates() {
     skewed_fleet_evens_out(5).await;
 }
 
-/// The same with another draw: the first record of one shard, put before the fleet
-/// started, is never handled after two planned hand-offs in the first seconds.
+/// The same with another draw: the first record of a shard, put before the fleet
+/// started, is never handled (one shard whose lease moved twice in the first seconds;
+/// with `RUST_LOG=shardflow=trace` and a subscriber installed, the first record of every
+/// shard, lease moved or not). Balancing by count, the same runs lose nothing.
 #[tokio::test(start_paused = true)]
 #[ignore = "reproduces a lost record after early planned hand-offs; not fixed yet"]
 async fn skewed_shards_with_another_draw_lose_nothing() {
