@@ -575,13 +575,33 @@ impl Running {
     }
 
     /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
-    /// time since the fleet started, or `None` after `limit`.
+    /// time since the fleet started, or `None` once `limit` has passed **since the fleet
+    /// started** (a deadline on the fleet's clock: called after `limit`, it checks once).
+    /// To wait a span from now, use [`Running::within`].
     pub async fn until(
         &self,
         limit: Duration,
+        done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
+        self.until_deadline(self.started + limit, done).await
+    }
+
+    /// Waits (checking every 50 ms of simulated time) until `done` holds, for at most
+    /// `limit` from now; returns the time since the fleet started, or `None` after
+    /// `limit`. For a phase that starts after others, whatever they took.
+    pub async fn within(
+        &self,
+        limit: Duration,
+        done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
+        self.until_deadline(Instant::now() + limit, done).await
+    }
+
+    async fn until_deadline(
+        &self,
+        deadline: Instant,
         mut done: impl FnMut(&Self) -> bool,
     ) -> Option<Duration> {
-        let deadline = self.started + limit;
         loop {
             if done(self) {
                 return Some(self.started.elapsed());
