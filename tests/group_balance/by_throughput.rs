@@ -15,8 +15,9 @@ use shardflow::BalanceBy;
 const EVEN: f64 = 1.15;
 
 /// Runs 40 shards x 4 workers with record sizes drawn with `seed`, balancing by
-/// throughput, and checks that the load evens out within two minutes and that every
-/// record is handled exactly once.
+/// throughput, and checks that the load evens out within two minutes, that every
+/// record is handled exactly once and that every shard's checkpoint reaches its last
+/// record.
 async fn skewed_fleet_evens_out(seed: u64) {
     let (shards, workers) = (40, 4);
     let mut running = fleet::start(Fleet {
@@ -48,7 +49,9 @@ async fn skewed_fleet_evens_out(seed: u64) {
     // A minute from here, not from the start: the last records put are still in flight
     // now, and evening out may itself have taken more than a minute.
     let handled = running
-        .within(Duration::from_secs(60), |r| r.all_handled())
+        .within(Duration::from_secs(60), |r| {
+            r.all_handled() && checkpoints_at_last_handled(r)
+        })
         .await;
     let mut per_shard: BTreeMap<String, usize> = BTreeMap::new();
     for (shard, _) in running.handled.lock().unwrap().keys() {
@@ -58,9 +61,11 @@ async fn skewed_fleet_evens_out(seed: u64) {
     per_shard.retain(|_, n| *n != each);
     assert!(
         handled.is_some(),
-        "records not handled: {} of {}; shards short of {each}: {per_shard:?}",
+        "records not handled or checkpointed: {} of {}; shards short of {each}: {per_shard:?}; \
+         checkpoints {:?}",
         running.handled.lock().unwrap().len(),
-        running.put.lock().unwrap()
+        running.put.lock().unwrap(),
+        checkpoints(&running)
     );
     assert_eq!(
         running.duplicates(),
