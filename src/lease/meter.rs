@@ -8,7 +8,11 @@
 //! 3.3 s), so a change shows half-way after about 21 s and in full (95 %) after 90 s,
 //! and the count noise of a few records per interval is smoothed out. (The KCL 3
 //! halves the old value at every renewal; a shorter memory made the plan chase that
-//! noise in the scale bench.)
+//! noise in the scale bench.) The average is bias-corrected: a meter's history weighs
+//! only the time it covers, so while a meter is young its figure is the rate over
+//! everything it measured, not its first short interval's rate (a page or two read
+//! right after the take) kept as if it were the whole past; a figure taken over from
+//! the lease row counts as a full history.
 
 use std::sync::Mutex;
 
@@ -56,6 +60,11 @@ struct State {
     bytes: Option<f64>,
     /// The moving average of the records per second.
     records: Option<f64>,
+    /// How much of a full history [`State::bytes`] stands for: `1 - e^(-t/30 s)` after
+    /// `t` seconds measured here, 1 for a figure taken over from the row.
+    bytes_weight: f64,
+    /// The same for [`State::records`] (the row carries no record rate).
+    records_weight: f64,
 }
 
 /// The meter of one held lease.
@@ -78,6 +87,8 @@ impl ThroughputMeter {
                 since: now,
                 bytes: row_kbps.map(|k| k * BYTES_PER_KIB),
                 records: None,
+                bytes_weight: if row_kbps.is_some() { 1.0 } else { 0.0 },
+                records_weight: 0.0,
             }),
         }
     }
@@ -103,12 +114,22 @@ impl ThroughputMeter {
         if window >= MIN_WINDOW {
             let seconds = window.as_secs_f64();
             let alpha = 1.0 - (-seconds / TIME_CONSTANT.as_secs_f64()).exp();
-            let fold = |old: Option<f64>, latest: f64| match old {
-                None => latest,
-                Some(old) => alpha * latest + (1.0 - alpha) * old,
+            // The history so far weighs what it covers: its weight decays as the
+            // interval's is added (a bias-corrected moving average), so the first
+            // short interval of a meter is not taken for the whole past.
+            let fold = |old: Option<f64>, weight: &mut f64, latest: f64| {
+                let kept = (1.0 - alpha) * *weight;
+                *weight = alpha + kept;
+                match old {
+                    Some(old) => (alpha * latest + kept * old) / *weight,
+                    None => latest,
+                }
             };
-            state.bytes = Some(fold(state.bytes, state.read_bytes as f64 / seconds));
-            state.records = Some(fold(state.records, state.read_records as f64 / seconds));
+            let latest_bytes = state.read_bytes as f64 / seconds;
+            let latest_records = state.read_records as f64 / seconds;
+            let (old_bytes, old_records) = (state.bytes, state.records);
+            state.bytes = Some(fold(old_bytes, &mut state.bytes_weight, latest_bytes));
+            state.records = Some(fold(old_records, &mut state.records_weight, latest_records));
             state.read_bytes = 0;
             state.read_records = 0;
             state.since = now;
@@ -155,14 +176,22 @@ mod tests {
         let first = meter.sample(start + 3 * second).unwrap();
         assert_eq!(first.kbps(), 10.0);
         assert_eq!(first.records_per_second, 10.0);
-        // A quiet interval of 30 ln 2 s: half-way down.
-        let half = TIME_CONSTANT.mul_f64(std::f64::consts::LN_2);
-        let quiet = meter.sample(start + 3 * second + half).unwrap();
-        assert!(close(quiet.kbps(), 5.0), "{quiet:?}");
-        assert!(close(quiet.records_per_second, 5.0), "{quiet:?}");
+        // A quiet interval as long: about half-way down (the later interval weighs a
+        // little more, e^(1/10) times), not 10 % down as if the first 3 s had been the
+        // whole past.
+        let quiet = meter.sample(start + 6 * second).unwrap();
+        let e = (-3.0 / TIME_CONSTANT.as_secs_f64()).exp();
+        assert!(close(quiet.kbps(), 10.0 * e / (1.0 + e)), "{quiet:?}");
+        assert!(close(quiet.records_per_second, 10.0 * e / (1.0 + e)), "{quiet:?}");
         assert_eq!(meter.latest(), Some(quiet));
+        // A figure taken over from the row stands for a full history: a quiet interval
+        // of 30 ln 2 s brings it half-way down.
+        let half = TIME_CONSTANT.mul_f64(std::f64::consts::LN_2);
+        let taken = ThroughputMeter::new(start, Some(10.0));
+        taken.add(0, 0);
+        assert!(close(taken.sample(start + half).unwrap().kbps(), 5.0));
         // Less than the shortest window: unchanged, and the interval stays open.
-        let at = start + 3 * second + half;
+        let at = start + 6 * second;
         meter.add(1024, 1);
         assert_eq!(meter.sample(at + second / 2), Some(quiet));
         // A first page just before the first renewal is no burst: no figure yet.
