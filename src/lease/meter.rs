@@ -182,7 +182,10 @@ mod tests {
         let quiet = meter.sample(start + 6 * second).unwrap();
         let e = (-3.0 / TIME_CONSTANT.as_secs_f64()).exp();
         assert!(close(quiet.kbps(), 10.0 * e / (1.0 + e)), "{quiet:?}");
-        assert!(close(quiet.records_per_second, 10.0 * e / (1.0 + e)), "{quiet:?}");
+        assert!(
+            close(quiet.records_per_second, 10.0 * e / (1.0 + e)),
+            "{quiet:?}"
+        );
         assert_eq!(meter.latest(), Some(quiet));
         // A figure taken over from the row stands for a full history: a quiet interval
         // of 30 ln 2 s brings it half-way down.

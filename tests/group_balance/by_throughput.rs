@@ -86,8 +86,9 @@ async fn skewed_shards_are_spread_by_throughput_without_duplicates() {
     skewed_fleet_evens_out(5).await;
 }
 
-/// The same with another draw, which evens out only after a minute: the wait for the
-/// last records starts when the feed stops, not when the fleet started.
+/// The same with another draw (one that took a minute to even out with a meter whose
+/// first interval stood for its whole past, leaving the wait for the last records no
+/// time when that wait counted from the fleet's start).
 #[tokio::test(start_paused = true)]
 async fn skewed_shards_with_another_draw_lose_nothing() {
     skewed_fleet_evens_out(6).await;
