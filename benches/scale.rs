@@ -29,6 +29,13 @@
 //! workers run for 10 simulated minutes and prints the lease-store calls per shard per
 //! hour by kind, and the table rows the reads handed out (a `list` reads every row, an
 //! `owned_keys` query one key per row the worker owns, a `get` one row).
+//! `BENCH_SCENARIO=throughput` runs 100 shards x 10 workers whose record sizes (a
+//! record into every shard every second) are Zipf draws (exponent 1.2, 1 to 100 units
+//! of 100 bytes, seeded by `BENCH_ZIPF_SEED`, default 1), once balancing by count and
+//! once by throughput, and prints per round (the take interval, 10 s) the most loaded
+//! worker's load over the mean and the leases moved; then, once even, whether 30
+//! rounds pass with no move, and how often the hottest shard moves in 10 rounds after
+//! it cooled down to 1 unit.
 //! `BENCH_SEED=n` changes the workers' seeds (default 11). Without `--bench`
 //! (under `cargo test`) it makes one smoke run of 100 shards × 4 workers.
 
@@ -37,7 +44,8 @@ use testkit::fleet;
 
 use std::time::Duration;
 
-use fleet::{leases_per_owner, Fleet};
+use fleet::{leases_per_owner, zipf_record_sizes, Fleet};
+use shardflow::BalanceBy;
 
 /// The fleet of a size, with the seed `BENCH_SEED` names.
 fn fleet_of(shards: u32, workers: usize) -> Fleet {
@@ -89,6 +97,7 @@ fn main() {
         Ok("failover") => return failover(),
         Ok("scale-out") => return scale_out(),
         Ok("steady") => return steady(),
+        Ok("throughput") => return throughput(),
         _ => {}
     }
     println!("| shards | workers | every shard delivered | balanced | leases per worker (min-max) | store requests until balanced | of which creates / lists / takes | wall time |");
@@ -405,6 +414,125 @@ fn steady() {
                 per(fetched),
                 per(listed + owned + fetched),
                 units / f64::from(shards) / hours,
+            );
+            running.stop().await;
+        });
+    }
+}
+
+/// One balancing round: the default take interval (the lease duration).
+const ROUND: Duration = Duration::from_secs(10);
+
+/// Leases whose owner changed between two listings of the table.
+fn moved(
+    before: &std::collections::BTreeMap<String, Option<String>>,
+    after: &std::collections::BTreeMap<String, Option<String>>,
+) -> Vec<String> {
+    after
+        .iter()
+        .filter(|(k, o)| o.is_some() && before.get(*k).is_some_and(|b| b.is_some() && b != *o))
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// `BENCH_SCENARIO=throughput`: see the module docs.
+fn throughput() {
+    let measuring = common::measuring();
+    let (shards, workers) = if measuring { (100, 10) } else { (20, 4) };
+    let unit = 100;
+    let sizes = zipf_record_sizes(shards, common::env_or("BENCH_ZIPF_SEED", 1), unit);
+    let hottest = (0..shards).max_by_key(|i| sizes[*i]).unwrap_or(0);
+    let total: usize = sizes.iter().sum();
+    println!(
+        "{shards} shards x {workers} workers; loads (units of {unit} B/s): total {}, hottest {} ({:.2}x the mean per worker)",
+        total / unit,
+        sizes[hottest] / unit,
+        sizes[hottest] as f64 * workers as f64 / total as f64
+    );
+    for by in [BalanceBy::Count, BalanceBy::Throughput] {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("a tokio runtime");
+        let wall = std::time::Instant::now();
+        runtime.block_on(async {
+            let mut running = fleet::start(Fleet {
+                feed_every: Some(Duration::from_secs(1)),
+                record_sizes: Some(sizes.clone()),
+                balance_by: by,
+                ..fleet_of(shards as u32, workers)
+            })
+            .await;
+            running
+                .until(LIMIT, |r| r.load_ratio().is_some())
+                .await
+                .expect("every shard leased");
+            let mut owners = running.owners();
+            let mut ratios = Vec::new();
+            let mut moves = Vec::new();
+            let mut even_at = None;
+            let mut quiet = 0;
+            // Until even and then 30 rounds with no move, 60 rounds at most (and 8 by
+            // count, which never moves once balanced).
+            let rounds = if by == BalanceBy::Count { 8 } else { 60 };
+            for round in 1..=rounds {
+                tokio::time::sleep(ROUND).await;
+                let now = running.owners();
+                let n = moved(&owners, &now).len();
+                owners = now;
+                let ratio = running.load_ratio().unwrap_or(f64::NAN);
+                ratios.push(ratio);
+                moves.push(n);
+                if even_at.is_none() && ratio <= 1.15 {
+                    even_at = Some(round);
+                }
+                if even_at.is_some() {
+                    quiet = if n == 0 { quiet + 1 } else { 0 };
+                }
+                if quiet >= 30 {
+                    break;
+                }
+            }
+            let most = moves.iter().max().copied().unwrap_or(0);
+            println!(
+                "{by:?}: max/mean per round {:?}; moved per round {:?}; even (<= 1.15) at round {even_at:?}; most moved in a round {most} ({:.0} % of the leases); rounds with no move at the end {quiet}; wall {:.1} s",
+                ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>(),
+                moves,
+                most as f64 * 100.0 / shards as f64,
+                wall.elapsed().as_secs_f64()
+            );
+            if by == BalanceBy::Throughput {
+                // The hottest shard cools down to one unit: it is not chased.
+                let mut cooled = sizes.clone();
+                cooled[hottest] = unit;
+                running.set_record_sizes(cooled);
+                let key = format!("shardId-{hottest:012}");
+                let mut shard_moves = 0;
+                let mut all = Vec::new();
+                for _ in 0..10 {
+                    tokio::time::sleep(ROUND).await;
+                    let now = running.owners();
+                    let m = moved(&owners, &now);
+                    shard_moves += m.iter().filter(|k| **k == key).count();
+                    all.push(m.len());
+                    owners = now;
+                }
+                println!(
+                    "after the hottest shard cooled down: it moved {shard_moves} times in 10 rounds; moved per round {all:?}; max/mean {:.2}",
+                    running.load_ratio().unwrap_or(f64::NAN)
+                );
+                assert!(measuring || even_at.is_some(), "the smoke run did not even out");
+            }
+            running.stop_feed();
+            // From now: the rounds above may have run past LIMIT since the start.
+            let handled = running.within(LIMIT, |r| r.all_handled()).await;
+            let handled_records = running.handled.lock().expect("the handled log").len();
+            let put = *running.put.lock().expect("the put count");
+            let duplicates = running.duplicates().len();
+            println!(
+                "{by:?}: every record handled: {} ({handled_records} of {put}); duplicates {duplicates}",
+                handled.is_some(),
             );
             running.stop().await;
         });

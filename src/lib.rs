@@ -7,7 +7,7 @@
 //!
 //! | Item | What it is for |
 //! |------|----------------|
-//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`], [`Concurrency`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
+//! | [`Consumer`], [`ConsumerBuilder`], [`InitialPosition`], [`CheckpointPolicy`], [`Concurrency`], [`BalanceBy`] | configure a worker of a consumer group ([`consumer`] has the rest of the config) |
 //! | [`Run`], [`Running`], [`BatchStream`], [`ShutdownHandle`] | run it: a service per record or per batch, or a stream of batches; stop it |
 //! | [`ShardEvent`] | what happens to a worker's shards (leases taken, lost, handed off; shards ended; handler failures), for [`ConsumerBuilder::on_event`] |
 //! | [`Health`] (`Running::health()`) | liveness and readiness: is the worker renewing, are its shards advancing or failing |
@@ -81,7 +81,7 @@ pub mod trace;
 
 pub use backend::{Aws, AwsTimeouts, Backend};
 pub use consumer::{
-    BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
+    BalanceBy, BatchStream, CheckpointPolicy, Concurrency, ConfigError, Consumer, ConsumerBuilder,
     ConsumerError, Health, InitialPosition, Run, Running, ShardEvent, ShutdownHandle,
 };
 pub use error::{AwsError, ErrorDetail};

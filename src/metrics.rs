@@ -5,7 +5,7 @@
 //!
 //! Labels: `stream` and `group` on every series, `shard` only on the per-shard series
 //! ([`MILLIS_BEHIND_LATEST`], [`RECORDS_HANDLED`], [`BYTES_HANDLED`],
-//! [`CHECKPOINT_AGE`], and the throughput gauges), so the number of series grows with the
+//! [`CHECKPOINT_AGE`], [`SHARD_THROUGHPUT_BYTES`], [`SHARD_THROUGHPUT_RECORDS`]), so the number of series grows with the
 //! shards a worker held, not with records. Histograms are per worker (never per shard)
 //! because each costs a series per bucket.
 
@@ -14,6 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::metrics::{Counter, Gauge, Histogram, Label};
+
+use crate::lease::meter::Rates;
 
 /// Gauge, per shard: `MillisBehindLatest` of the shard's last read.
 pub const MILLIS_BEHIND_LATEST: &str = "shardflow_millis_behind_latest";
@@ -66,18 +68,21 @@ pub const SHARDS_STUCK: &str = "shardflow_shards_stuck";
 /// the shard is no longer read here.
 pub const CHECKPOINT_AGE: &str = "shardflow_checkpoint_age_seconds";
 
-// The four throughput series below are recorded by the throughput measurement (per-shard
-// smoothed rates, the worker's load and the balancing plan's imbalance).
-
-/// Gauge, per shard: the shard's recent throughput in payload bytes per second.
+/// Gauge, per shard: the shard's recent throughput in record data bytes per second, as
+/// this worker measured it for its lease row (smoothed over the renewal intervals; set
+/// at each renewal of a shard this worker holds).
 pub const SHARD_THROUGHPUT_BYTES: &str = "shardflow_shard_throughput_bytes_per_second";
-/// Gauge, per shard: the shard's recent throughput in records per second.
+/// Gauge, per shard: the shard's recent throughput in records per second (as
+/// [`SHARD_THROUGHPUT_BYTES`]).
 pub const SHARD_THROUGHPUT_RECORDS: &str = "shardflow_shard_throughput_records_per_second";
-/// Gauge, per worker: the sum of the throughput (bytes per second) of the shards this
-/// worker holds.
+/// Gauge: this worker's load, the sum of [`SHARD_THROUGHPUT_BYTES`] over the shards it
+/// holds (set at each renewal round).
 pub const WORKER_LOAD_BYTES: &str = "shardflow_worker_load_bytes_per_second";
-/// Gauge: the balancing plan's imbalance, the most-loaded worker's load over the mean.
-pub const BALANCE_IMBALANCE: &str = "shardflow_balance_imbalance_ratio";
+/// Gauge: the most loaded worker's load divided by the mean load per worker, as this
+/// worker's last full lease round saw the table (1 is perfectly even; with
+/// [`BalanceBy::Count`](crate::consumer::BalanceBy::Count) it shows what balancing by
+/// throughput would even out). Set only once some lease carries a measurement.
+pub const BALANCE_IMBALANCE_RATIO: &str = "shardflow_balance_imbalance_ratio";
 
 /// Gauge: 1 while this worker cannot know the group's leader (the coordinator-state
 /// table refuses its calls or is gone) and so lists the lease table and takes expired
@@ -158,6 +163,18 @@ impl Labels {
 
     pub(crate) fn leases_held(&self, n: usize) {
         self.gauge(LEASES_HELD).set(n as f64);
+    }
+
+    /// Sets `shard`'s throughput gauges ([`SHARD_THROUGHPUT_BYTES`],
+    /// [`SHARD_THROUGHPUT_RECORDS`]).
+    pub(crate) fn shard_throughput(&self, shard: &str, rates: Rates) {
+        let labels = || {
+            let mut l = self.with(&[]);
+            l.push(Label::new("shard", shard.to_owned()));
+            l
+        };
+        ::metrics::gauge!(SHARD_THROUGHPUT_BYTES, labels()).set(rates.bytes_per_second);
+        ::metrics::gauge!(SHARD_THROUGHPUT_RECORDS, labels()).set(rates.records_per_second);
     }
 
     /// Counts one remote call (and a throttled answer) of `service`.

@@ -640,7 +640,7 @@ fn every_metric_the_dashboard_queries_is_recorded_and_documented() {
         names::CHECKPOINT_AGE,
         names::SHARD_THROUGHPUT_BYTES,
         names::WORKER_LOAD_BYTES,
-        names::BALANCE_IMBALANCE,
+        names::BALANCE_IMBALANCE_RATIO,
         names::SHARDS_STUCK,
         names::HANDLER_ERRORS,
         names::LEADER_UNKNOWN,

@@ -288,9 +288,14 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         bar.finish_and_clear();
     }
     let mut workers: BTreeMap<&str, usize> = BTreeMap::new();
+    // Each worker's load: the sum of its shards' measured throughput (`throughputKBps`).
+    let mut loads: BTreeMap<&str, f64> = BTreeMap::new();
     for row in &rows {
         if let Some(owner) = row.lease.owner.as_deref() {
             *workers.entry(worker_of(owner)).or_default() += 1;
+            if let Some(kbps) = row.lease.throughput_kbps {
+                *loads.entry(worker_of(owner)).or_default() += kbps;
+            }
         }
     }
     let total_ms = out.iter().filter_map(|o| o.2).max();
@@ -395,6 +400,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                     "checkpoint_age_ms": checkpoint_age(lease, now).map(|a| a.as_millis() as u64),
                     "checkpoint_at_tip": (*state != "unreadable" && error.is_none())
                         .then(|| at_tip.contains(lease.key.as_str())),
+                    "throughput_kbps": lease.throughput_kbps,
                     "unreadable": lease.unreadable,
                     "millis_behind_latest": millis,
                     "records_behind": records,
@@ -422,6 +428,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             "table": args.group.table(),
             "shards": shards_json,
             "workers": workers,
+            "worker_throughput_kbps": loads,
             "max_millis_behind_latest": total_ms,
             "records_behind": total_records,
             "sample_ms": args.sample_ms,
@@ -445,6 +452,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         "hand-off",
         "checkpoint",
         "ckpt age",
+        "KiB/s",
         "lag ms",
         "behind",
     ];
@@ -482,6 +490,9 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
                 }
                 Some(age) => age_text(age),
             },
+            lease
+                .throughput_kbps
+                .map_or_else(|| "-".into(), |k| format!("{k:.1}")),
             match (millis, error) {
                 (_, Some(e)) => format!("error: {e}"),
                 (Some(m), None) => m.to_string(),
@@ -505,7 +516,13 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
             records.map_or_else(String::new, |r| format!(", {r} records behind")),
         );
     }
-    let per_worker: Vec<String> = workers.iter().map(|(w, n)| format!("{w}: {n}")).collect();
+    let per_worker: Vec<String> = workers
+        .iter()
+        .map(|(w, n)| match loads.get(w) {
+            Some(kbps) => format!("{w}: {n} ({kbps:.1} KiB/s)"),
+            None => format!("{w}: {n}"),
+        })
+        .collect();
     println!(
         "{}{} shards, {} ({}){}, max lag {} ms{}; {} in error, {unreadable} unreadable, {unowned} without an owner{}",
         if multi {

@@ -114,6 +114,27 @@ pub enum Concurrency {
     Unordered(usize),
 }
 
+/// What the group's lease balancing evens out between workers (see
+/// [`ConsumerBuilder::balance_by`] and docs/groups.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BalanceBy {
+    /// Lease counts: every worker holds the same number of leases, within one (the
+    /// default; the KCL 2's balancing).
+    #[default]
+    Count,
+    /// The sum of the leases' measured throughput (`throughputKBps`, record bytes per
+    /// second, each owner's smoothed measurement written at renewal): a worker above the
+    /// mean by more than the tolerance ([`ConsumerBuilder::balance_tolerance`]) hands
+    /// leases to less loaded workers, a bounded share of the fleet's load at a time.
+    /// Leases not measured yet count as the mean of the measured ones; with nothing
+    /// measured (a new group, an idle stream) the balancing is by count.
+    Throughput,
+}
+
+/// The default [`ConsumerBuilder::balance_tolerance`]: 10 % above the mean load.
+pub const DEFAULT_BALANCE_TOLERANCE: f64 = 0.10;
+
 /// The most calls in flight per shard [`Concurrency`] accepts.
 const MAX_CONCURRENCY: usize = 10_000;
 
@@ -187,6 +208,8 @@ pub struct Config {
     pub(crate) shard_sync_interval: Duration,
     pub(crate) max_steals_per_round: usize,
     pub(crate) handoff_timeout: Duration,
+    pub(crate) balance_by: BalanceBy,
+    pub(crate) balance_limits: crate::consumer::balance::LoadLimits,
     pub(crate) retry_min: Duration,
     pub(crate) retry_max: Duration,
     pub(crate) shutdown_timeout: Duration,
@@ -321,6 +344,8 @@ pub struct ConsumerBuilder {
     shard_sync_interval: Duration,
     max_steals_per_round: usize,
     handoff_timeout: Option<Duration>,
+    balance_by: BalanceBy,
+    balance_tolerance: f64,
     retry_min: Duration,
     retry_max: Duration,
     shutdown_timeout: Duration,
@@ -359,6 +384,8 @@ impl Default for ConsumerBuilder {
             shard_sync_interval: Duration::from_secs(60),
             max_steals_per_round: usize::MAX,
             handoff_timeout: None,
+            balance_by: BalanceBy::default(),
+            balance_tolerance: DEFAULT_BALANCE_TOLERANCE,
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(10),
             shutdown_timeout: Duration::from_secs(30),
@@ -543,6 +570,24 @@ impl ConsumerBuilder {
     /// KCL's default is one per round).
     pub fn max_steals_per_round(mut self, n: usize) -> Self {
         self.max_steals_per_round = n;
+        self
+    }
+
+    /// What the group's balancing evens out between workers: lease counts (the default)
+    /// or their measured throughput ([`BalanceBy`]; see docs/groups.md for the choice).
+    /// Every worker of a group should use the same setting: the plan is computed by
+    /// each from the same listing.
+    pub fn balance_by(mut self, by: BalanceBy) -> Self {
+        self.balance_by = by;
+        self
+    }
+
+    /// With [`BalanceBy::Throughput`]: how far above the mean load a worker may be
+    /// before leases move away from it, as a fraction of the mean (default 0.10, i.e.
+    /// 10 %; accepted from 0.02 to 1.0). A smaller band evens out more closely and
+    /// moves more leases.
+    pub fn balance_tolerance(mut self, fraction: f64) -> Self {
+        self.balance_tolerance = fraction;
         self
     }
 
@@ -959,6 +1004,19 @@ impl ConsumerBuilder {
             }
             Some(d) => positive("handoff_timeout", d)?,
         };
+        if !(0.02..=1.0).contains(&self.balance_tolerance) {
+            return Err(ConfigError::Invalid {
+                field: "balance_tolerance",
+                reason: format!(
+                    "{} is outside 0.02 to 1.0 (a fraction of the mean load)",
+                    self.balance_tolerance
+                ),
+            });
+        }
+        let balance_limits = crate::consumer::balance::LoadLimits {
+            tolerance: self.balance_tolerance,
+            ..crate::consumer::balance::LoadLimits::DEFAULT
+        };
         let stuck_after = positive("stuck_after", self.stuck_after)?;
         if stuck_after > MAX_STUCK_AFTER {
             return Err(ConfigError::Invalid {
@@ -989,6 +1047,8 @@ impl ConsumerBuilder {
             shard_sync_interval: positive("shard_sync_interval", self.shard_sync_interval)?,
             max_steals_per_round: self.max_steals_per_round,
             handoff_timeout,
+            balance_by: self.balance_by,
+            balance_limits,
             retry_min,
             retry_max: positive("retry_backoff", self.retry_max)?,
             shutdown_timeout,

@@ -72,9 +72,9 @@ use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
 pub use config::{
-    CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder, InitialPosition,
-    DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES,
-    DEFAULT_STUCK_AFTER, MAX_STUCK_AFTER,
+    BalanceBy, CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder,
+    InitialPosition, DEFAULT_BALANCE_TOLERANCE, DEFAULT_CHECKPOINT_INTERVAL,
+    DEFAULT_IDLE_READ_INTERVAL, DEFAULT_READ_AHEAD_BYTES, DEFAULT_STUCK_AFTER, MAX_STUCK_AFTER,
 };
 use context::WorkerContext;
 pub use events::ShardEvent;

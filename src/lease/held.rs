@@ -9,6 +9,7 @@ use tokio::sync::{Mutex, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::meter::{Rates, ThroughputMeter};
 use super::{Checkpoint, Lease, LeaseError, LeaseStore};
 
 /// A held lease: the row as last written by us, and the "lease lost" signal.
@@ -25,6 +26,8 @@ pub(crate) struct HeldLease {
     /// A release or hand-over was sent: once it lands another worker may hold the lease,
     /// whatever its answer says and however late it comes.
     leaving: std::sync::atomic::AtomicBool,
+    /// What was read from the shard since the take (see [`ThroughputMeter`]).
+    meter: ThroughputMeter,
 }
 
 /// Attempts at a release (and the other calls of a worker on its way out) before the
@@ -64,6 +67,7 @@ impl HeldLease {
     /// came back: the lease is fresh (see [`HeldLease::is_fresh`]) only as measured from
     /// the send, like a renewal.
     pub fn taken_at(row: Lease, store: Arc<dyn LeaseStore>, owner: &str, sent: Instant) -> Self {
+        let meter = ThroughputMeter::new(sent, row.throughput_kbps);
         HeldLease {
             row: Mutex::new(row),
             store,
@@ -72,6 +76,7 @@ impl HeldLease {
             renewed_at: std::sync::Mutex::new(sent),
             renewed: Notify::new(),
             leaving: std::sync::atomic::AtomicBool::new(false),
+            meter,
         }
     }
 
@@ -133,11 +138,29 @@ impl HeldLease {
         self.row.lock().await.clone()
     }
 
-    /// Renews (bumps the counter). Returns the new row; it may carry a hand-off request.
+    /// Notes a page read from the shard: `records` records of `bytes` data bytes.
+    pub(crate) fn record_read(&self, bytes: u64, records: u64) {
+        self.meter.add(bytes, records);
+    }
+
+    /// The shard's smoothed throughput as of the last renewal, once measured.
+    pub(crate) fn throughput(&self) -> Option<Rates> {
+        self.meter.latest()
+    }
+
+    /// Renews (bumps the counter), writing the shard's throughput measured since the
+    /// previous renewal with it (`throughputKBps`, see [`ThroughputMeter`]). Returns the
+    /// new row; it may carry a hand-off request.
     pub async fn renew(&self) -> Result<Lease, LeaseError> {
         let sent = Instant::now();
+        let kbps = self.meter.sample(sent).map(|r| r.kbps());
         let row = self
-            .write(|store, row| Box::pin(async move { store.renew(&row).await }))
+            .write(move |store, mut row| {
+                if kbps.is_some() {
+                    row.throughput_kbps = kbps;
+                }
+                Box::pin(async move { store.renew(&row).await })
+            })
             .await?;
         *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = sent;
         self.renewed.notify_waiters();

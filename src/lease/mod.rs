@@ -12,6 +12,7 @@ pub mod dynamo;
 pub mod entity;
 mod held;
 pub mod leader;
+pub(crate) mod meter;
 mod scoped;
 
 pub use entity::{EntityKind, EntityRow, RowKind};
@@ -197,7 +198,7 @@ pub(crate) fn owner_switch(expected: &Lease, new_owner: &str) -> u64 {
 }
 
 /// One shard's lease row.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Lease {
     /// The shard id (`leaseKey`). In a multi-stream table the key is the KCL's
     /// `account:stream:creationEpoch:shardId` (see
@@ -243,6 +244,14 @@ pub struct Lease {
     /// An idle shard has nothing to commit, so its time stays put while the shard is
     /// healthy: read it together with the shard's lag (see `docs/metrics.md`).
     pub checkpointed_at: Option<SystemTime>,
+    /// The shard's recent throughput as its owner measured it (`throughputKBps`, the
+    /// KCL 3's attribute with the KCL 3's meaning): KiB (1,024 bytes) of record data
+    /// read per second, smoothed over the renewal intervals (see
+    /// [`BalanceBy::Throughput`](crate::consumer::BalanceBy::Throughput)). Written by
+    /// the owner's renewals once it has read from the shard, kept by every other
+    /// write; `None` until an owner measured it. Never negative, never NaN (a row
+    /// with such a value does not parse).
+    pub throughput_kbps: Option<f64>,
     /// `Some(reason)`: a row exists under this key but does not parse (an attribute of
     /// the wrong type or form, written by hand or by another tool). Only `key` is
     /// meaningful then; the other fields are placeholders. Such a row is never taken,
@@ -251,6 +260,10 @@ pub struct Lease {
     /// parent, and workers report it in their health until it is repaired.
     pub unreadable: Option<String>,
 }
+
+// Equality is total: `throughput_kbps`, the one float, is never NaN (the codec refuses
+// such a row, and a measured rate is a finite quotient of counts).
+impl Eq for Lease {}
 
 impl Lease {
     /// A new, unowned lease for a shard, starting at `checkpoint`.
@@ -269,6 +282,7 @@ impl Lease {
             checkpoint_owner: None,
             reset_to: None,
             checkpointed_at: None,
+            throughput_kbps: None,
             unreadable: None,
         }
     }
@@ -469,7 +483,9 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// [`Self::withdraw_handoff`]) is never handed the lease after it stopped.
     async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError>;
 
-    /// Bumps the counter (a heartbeat) if the row still matches `expected`.
+    /// Bumps the counter (a heartbeat) if the row still matches `expected`, and stores
+    /// `expected`'s [`Lease::throughput_kbps`] with it when that is `Some` (the owner's
+    /// latest measurement rides on the renewal; `None` keeps the stored value).
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError>;
 
     /// Stores a checkpoint if the row still matches `expected` (the counter is kept).

@@ -270,7 +270,10 @@ impl LeaseStore for MemoryLeaseStore {
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         self.call(true, |rows| {
             conditional(rows, expected, |row| {
-                row.counter = row.counter.saturating_add(1)
+                row.counter = row.counter.saturating_add(1);
+                if expected.throughput_kbps.is_some() {
+                    row.throughput_kbps = expected.throughput_kbps;
+                }
             })
         })
         .await

@@ -17,7 +17,7 @@ use shardflow::lease::{Lease, LeaseError};
 
 use crate::hooks::{Hooked, Hooks};
 use shardflow::memory::LeaseFaults;
-use shardflow::{Consumer, ConsumerError, Memory, Message, ShutdownHandle};
+use shardflow::{BalanceBy, Consumer, ConsumerError, Memory, Message, ShutdownHandle};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -42,6 +42,12 @@ pub struct Fleet {
     /// While the fleet runs, put one more record in every shard this often (until
     /// [`Running::stop_feed`]), so hand-offs happen under traffic.
     pub feed_every: Option<Duration>,
+    /// The data size of each shard's records (in the stream's shard order; shards past
+    /// the end, and all without it, get 1 byte): with [`Fleet::feed_every`], each
+    /// shard's throughput. [`Running::set_record_sizes`] changes it while running.
+    pub record_sizes: Option<Vec<usize>>,
+    /// What the workers' balancing evens out.
+    pub balance_by: BalanceBy,
 }
 
 impl Fleet {
@@ -54,6 +60,8 @@ impl Fleet {
             read_latency: Duration::from_millis(25),
             seed: 11,
             feed_every: None,
+            record_sizes: None,
+            balance_by: BalanceBy::Count,
         }
     }
 }
@@ -114,6 +122,10 @@ pub struct Running {
     /// [`Running::lose_next_claim_answer`]).
     pub lost_claim_answers: Arc<Mutex<Vec<String>>>,
     feed: Option<JoinHandle<()>>,
+    /// The records the feed puts, one per shard.
+    records: Arc<Mutex<Vec<PutRecord>>>,
+    /// The stream's shards, in the order of [`Fleet::record_sizes`].
+    shard_ids: Vec<String>,
     workers: Vec<Worker>,
 }
 
@@ -261,8 +273,9 @@ pub async fn start(fleet: Fleet) -> Running {
     let shards = kinesis.list_shards(STREAM).await.expect("list shards");
     let records: Vec<PutRecord> = shards
         .iter()
-        .map(|s| PutRecord {
-            data: Bytes::from_static(b"x"),
+        .enumerate()
+        .map(|(i, s)| PutRecord {
+            data: record_of(fleet.record_sizes.as_deref(), i),
             partition_key: s.shard_id.clone(),
             explicit_hash_key: Some(s.starting_hash_key.to_string()),
         })
@@ -275,13 +288,17 @@ pub async fn start(fleet: Fleet) -> Running {
         ..LeaseFaults::default()
     });
     let started = Instant::now();
+    let shard_ids: Vec<String> = shards.iter().map(|s| s.shard_id.clone()).collect();
+    let records = Arc::new(Mutex::new(records));
     let feed = fleet.feed_every.map(|every| {
         let (streams, put) = (memory.streams().clone(), put.clone());
+        let records = records.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(Instant::now() + every, every);
             loop {
                 tick.tick().await;
-                put_all(&streams, &records, &put).await;
+                let batch = records.lock().unwrap().clone();
+                put_all(&streams, &batch, &put).await;
             }
         })
     });
@@ -302,6 +319,8 @@ pub async fn start(fleet: Fleet) -> Running {
         lose_next_claim_answer: Arc::default(),
         lost_claim_answers: Arc::default(),
         feed,
+        records,
+        shard_ids,
         workers: Vec::new(),
     };
     running.add_workers(running.fleet.workers);
@@ -320,6 +339,24 @@ pub async fn start_balanced(fleet: Fleet) -> Running {
         leases_per_owner(&running.memory)
     );
     running
+}
+
+/// Record sizes for [`Fleet::record_sizes`] skewed as real streams are: each shard's a
+/// draw from a Zipf distribution (exponent 1.2, values 1 to 100) times `unit` bytes,
+/// from a generator seeded with `seed`.
+pub fn zipf_record_sizes(shards: usize, seed: u64, unit: usize) -> Vec<usize> {
+    use rand::{Rng, SeedableRng};
+    let zipf = rand_distr::Zipf::new(100, 1.2).expect("valid Zipf parameters");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..shards)
+        .map(|_| rng.sample(zipf) as usize * unit)
+        .collect()
+}
+
+/// The record of the `i`-th shard: `sizes[i]` bytes (1 without a size).
+fn record_of(sizes: Option<&[usize]>, i: usize) -> Bytes {
+    let size = sizes.and_then(|s| s.get(i)).copied().unwrap_or(1).max(1);
+    Bytes::from(vec![b'x'; size])
 }
 
 /// Puts `records` (500 per call) and counts them in `put`.
@@ -365,6 +402,7 @@ impl Running {
                     },
                 ))
                 .seed(self.fleet.seed.wrapping_add(i as u64))
+                .balance_by(self.fleet.balance_by)
                 .build()
                 .expect("a valid configuration");
             let (last, counts, gone) = (
@@ -552,13 +590,33 @@ impl Running {
     }
 
     /// Waits (checking every 50 ms of simulated time) until `done` holds; returns the
-    /// time since the fleet started, or `None` after `limit`.
+    /// time since the fleet started, or `None` once `limit` has passed **since the fleet
+    /// started** (a deadline on the fleet's clock: called after `limit`, it checks once).
+    /// To wait a span from now, use [`Running::within`].
     pub async fn until(
         &self,
         limit: Duration,
+        done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
+        self.until_deadline(self.started + limit, done).await
+    }
+
+    /// Waits (checking every 50 ms of simulated time) until `done` holds, for at most
+    /// `limit` from now; returns the time since the fleet started, or `None` after
+    /// `limit`. For a phase that starts after others, whatever they took.
+    pub async fn within(
+        &self,
+        limit: Duration,
+        done: impl FnMut(&Self) -> bool,
+    ) -> Option<Duration> {
+        self.until_deadline(Instant::now() + limit, done).await
+    }
+
+    async fn until_deadline(
+        &self,
+        deadline: Instant,
         mut done: impl FnMut(&Self) -> bool,
     ) -> Option<Duration> {
-        let deadline = self.started + limit;
         loop {
             if done(self) {
                 return Some(self.started.elapsed());
@@ -568,6 +626,68 @@ impl Running {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Changes the data size of each shard's records from the next feed on (see
+    /// [`Fleet::record_sizes`]).
+    pub fn set_record_sizes(&mut self, sizes: Vec<usize>) {
+        for (i, record) in self.records.lock().unwrap().iter_mut().enumerate() {
+            record.data = record_of(Some(&sizes), i);
+        }
+        self.fleet.record_sizes = Some(sizes);
+    }
+
+    /// Each worker's load as the lease table shows it: the sum of `throughputKBps` over
+    /// the leases it owns (worker id -> KiB/s); workers without a measured lease are
+    /// absent.
+    pub fn table_loads(&self) -> BTreeMap<String, f64> {
+        let mut loads = BTreeMap::new();
+        for row in self.memory.table(GROUP).rows() {
+            if let (Some(owner), Some(kbps)) = (row.owner, row.throughput_kbps) {
+                *loads.entry(owner).or_default() += kbps;
+            }
+        }
+        loads
+    }
+
+    /// The most loaded live worker's load over the mean load of the live workers, by
+    /// the loads the feed puts (each shard's record size, see [`Fleet::record_sizes`])
+    /// and the owners the table names; `None` while a shard has no owner.
+    pub fn load_ratio(&self) -> Option<f64> {
+        let size: HashMap<&str, usize> = self
+            .shard_ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let sizes = self.fleet.record_sizes.as_deref();
+                (
+                    id.as_str(),
+                    sizes.and_then(|s| s.get(i)).copied().unwrap_or(1).max(1),
+                )
+            })
+            .collect();
+        let mut loads: BTreeMap<String, f64> = BTreeMap::new();
+        for row in self.memory.table(GROUP).rows() {
+            let owner = row.owner?;
+            *loads.entry(owner).or_default() += *size.get(row.key.as_str())? as f64;
+        }
+        if loads.is_empty() {
+            return None;
+        }
+        let workers = self.live().max(loads.len());
+        let mean = loads.values().sum::<f64>() / workers as f64;
+        let max = loads.values().copied().fold(0.0, f64::max);
+        Some(max / mean)
+    }
+
+    /// The owner of each lease, as the table names it (lease key -> owner).
+    pub fn owners(&self) -> BTreeMap<String, Option<String>> {
+        self.memory
+            .table(GROUP)
+            .rows()
+            .into_iter()
+            .map(|r| (r.key, r.owner))
+            .collect()
     }
 
     /// Stops putting records (see [`Fleet::feed_every`]).

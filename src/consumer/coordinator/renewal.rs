@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::consumer::config::Config;
 use crate::consumer::health::HealthState;
 use crate::lease::{HeldLease, LeaseError};
+use crate::metrics::WORKER_LOAD_BYTES;
 
 use super::{lock, Event, HeldSet};
 
@@ -52,6 +53,8 @@ pub(super) async fn renew_loop(
     let mut in_flight: BTreeSet<String> = BTreeSet::new();
     // When each held lease is due for its next renewal.
     let mut due: BTreeMap<String, Instant> = BTreeMap::new();
+    let labels = Arc::new(config.labels());
+    let worker_load = labels.gauge(WORKER_LOAD_BYTES);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -66,6 +69,13 @@ pub(super) async fn renew_loop(
         let now = Instant::now();
         let leases: Vec<(String, Arc<HeldLease>)> = {
             let held = lock(&held);
+            // This worker's load: the sum of its shards' latest measurements.
+            let load: f64 = held
+                .values()
+                .filter_map(|l| l.throughput())
+                .map(|r| r.bytes_per_second)
+                .sum();
+            worker_load.set(load);
             due.retain(|key, _| held.contains_key(key));
             let new: Vec<(&String, &Arc<HeldLease>)> =
                 held.iter().filter(|(k, _)| !due.contains_key(*k)).collect();
@@ -89,10 +99,14 @@ pub(super) async fn renew_loop(
             let me = config.owner.clone();
             let health = health.clone();
             let lease_duration = config.lease_duration;
+            let labels = labels.clone();
             renewals.spawn(async move {
                 match lease.renew().await {
                     Ok(row) => {
                         health.lease_table_ok();
+                        if let Some(rates) = lease.throughput() {
+                            labels.shard_throughput(&key, rates);
+                        }
                         if row.reset_to.is_some() {
                             let _ = events.send(Event::ResetRequested(key.clone()));
                         }

@@ -14,8 +14,9 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::consumer::balance::{self, Candidate};
+use crate::consumer::BalanceBy;
 use crate::lease::{Checkpoint, Lease, LeaseError, LeaseStore, INCARNATION_SEPARATOR};
-use crate::metrics::LeaseEvent;
+use crate::metrics::{LeaseEvent, BALANCE_IMBALANCE_RATIO};
 
 use super::{concurrently, Coordinator};
 
@@ -127,7 +128,8 @@ impl Coordinator {
     ///    `settle_finished`);
     /// 2. adopts the leases handed to this worker (see `adopt`);
     /// 3. derives the plan every worker derives from the same listing
-    ///    ([`balance::plan`]): this worker's fair share, the free leases to take and the
+    ///    ([`balance::plan`], or [`balance::plan_by_load`] with
+    ///    [`BalanceBy::Throughput`]): this worker's fair share, the free leases to take and the
     ///    hand-offs to ask for; and notes the fleet it shows (see `lists_every_round`);
     /// 4. takes free and expired leases, many at once; a leader also those it covers
     ///    for the workers that do not list every round (`cover_for_others`);
@@ -175,10 +177,17 @@ impl Coordinator {
                     key: &r.key,
                     owner,
                     pending: owner.and(r.pending_owner.as_deref()),
+                    load: r.throughput_kbps,
                 }
             })
             .collect();
-        let plan = balance::plan(&me, &[me.as_str()], &candidates);
+        let plan = match self.config.balance_by {
+            BalanceBy::Count => balance::plan(&me, &[me.as_str()], &candidates),
+            BalanceBy::Throughput => {
+                balance::plan_by_load(&me, &[me.as_str()], &candidates, self.config.balance_limits)
+            }
+        };
+        self.note_balance(&candidates);
         self.quota = plan.quota;
         let previous_unowned = self.note_fleet(&candidates, &by_key, &me);
         let leads = self.leads();
@@ -235,6 +244,14 @@ impl Coordinator {
         }
         self.clean_up(&rows).await;
         Ok(())
+    }
+
+    /// Sets the imbalance this listing shows ([`BALANCE_IMBALANCE_RATIO`]): the most
+    /// loaded worker's load over the mean, by the lease rows' measurements.
+    fn note_balance(&self, candidates: &[Candidate]) {
+        if let Some(ratio) = balance::imbalance(&[self.config.owner.as_str()], candidates) {
+            self.labels.gauge(BALANCE_IMBALANCE_RATIO).set(ratio);
+        }
     }
 
     /// Whether `row` is expired at `now`: owned, and its counter has not moved for a

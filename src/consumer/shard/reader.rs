@@ -148,6 +148,10 @@ impl ShardReader {
             not_found = 0;
             after_delivered = false;
             let raw = page.records.len();
+            self.lease.record_read(
+                page.records.iter().map(|r| r.data.len() as u64).sum(),
+                raw as u64,
+            );
             estimate = page
                 .records
                 .iter()

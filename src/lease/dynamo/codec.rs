@@ -22,7 +22,7 @@
 //! | `startingHashKey`, `endingHashKey` | S (decimal) | the KCL's: the shard's hash-key range, written on creation |
 //! | `checkpointOwner` | S, optional | KCL 3: the worker still processing during its graceful hand-off; removed by a take or release |
 //! | `pendingCheckpoint`, `pendingCheckpointSubSequenceNumber`, `pendingCheckpointState` | S, N, B | the KCL's two-phase checkpoint: ignored (the committed `checkpoint` counts) and removed by every checkpoint shardflow stores |
-//! | `throughputKBps` | N | KCL 3: not used, kept |
+//! | `throughputKBps` | N, optional | the KCL 3's: the shard's recent throughput in KiB/s (record data bytes ÷ 1,024 per second, smoothed), written by the owner's renewals; read back as [`Lease::throughput_kbps`], kept by every other write; a negative or non-finite value makes the row unreadable |
 //! | `checkpointedAt` | N, optional | shardflow's: when the checkpoint was last written (epoch milliseconds of the writer's clock), set by every checkpoint write and reset in the same UpdateItem; absent until the first one and in rows the KCL wrote (the KCL neither reads nor updates it) |
 //! | `resetCheckpoint`, `resetCheckpointSubSequenceNumber`, `resetCheckpointTimestamp` | S, N, N, optional | shardflow's: an operator's reset request on an owned row (`request_reset`, see [`crate::admin`]), in the form of `checkpoint` and its sub-sequence and timestamp; the owner applies it (`reset`), which removes it |
 //!
@@ -84,6 +84,8 @@ pub(super) const RESET: &str = "resetCheckpoint";
 pub(super) const RESET_SUB_SEQUENCE: &str = "resetCheckpointSubSequenceNumber";
 /// The reset request's `AT_TIMESTAMP` time, epoch milliseconds.
 pub(super) const RESET_TIMESTAMP: &str = "resetCheckpointTimestamp";
+/// The shard's recent throughput in KiB/s (the KCL 3's).
+pub(super) const THROUGHPUT: &str = "throughputKBps";
 
 /// What `item` is, from its `entityType` (see [`crate::lease::entity`]): a lease unless
 /// the attribute is present and not `LEASE`. An `entityType` that is not a string is
@@ -194,6 +196,9 @@ pub(super) fn item_from_lease(lease: &Lease) -> HashMap<String, AttributeValue> 
             AttributeValue::N(epoch_millis(at).to_string()),
         );
     }
+    if let Some(kbps) = lease.throughput_kbps {
+        item.insert(THROUGHPUT.to_owned(), throughput_attribute(kbps));
+    }
     if let Some(reset) = &lease.reset_to {
         let (value, sub_sequence) = reset.as_attribute();
         item.insert(RESET.to_owned(), AttributeValue::S(value));
@@ -267,9 +272,14 @@ pub(super) fn lease_from_item(item: &HashMap<String, AttributeValue>) -> Result<
         ),
         None => None,
     };
+    let throughput_kbps = match number(item, THROUGHPUT, &key)? {
+        Some(n) => Some(parse_throughput(&key, &n)?),
+        None => None,
+    };
     Ok(Lease {
         reset_to,
         checkpointed_at,
+        throughput_kbps,
         parents: string_set(item, PARENTS, &key)?,
         children: string_set(item, CHILDREN, &key)?,
         stream: string(item, STREAM, &key)?,
@@ -344,6 +354,25 @@ fn number(
         Some(AttributeValue::N(n)) => Ok(Some(n.clone())),
         Some(_) => Err(LeaseError::Corrupt(format!(
             "lease {key}: {name} is not a number"
+        ))),
+    }
+}
+
+/// The `throughputKBps` value as DynamoDB stores it: a Number, written as a decimal
+/// (Rust's shortest form that reads back to the same `f64`).
+pub(super) fn throughput_attribute(kbps: f64) -> AttributeValue {
+    AttributeValue::N(kbps.to_string())
+}
+
+/// Parses `throughputKBps`: a finite, non-negative number (the KCL writes a `Double`).
+fn parse_throughput(key: &str, digits: &str) -> Result<f64, LeaseError> {
+    match digits.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(v) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {THROUGHPUT} {v} is not a throughput"
+        ))),
+        Err(e) => Err(LeaseError::Corrupt(format!(
+            "lease {key}: {THROUGHPUT} {digits:?}: {e}"
         ))),
     }
 }
@@ -525,7 +554,7 @@ mod tests {
                     matches!(value, AttributeValue::S(_))
                 }
                 COUNTER | OWNER_SWITCHES | SUB_SEQUENCE | PENDING_SUB_SEQUENCE | TIMESTAMP
-                | CHECKPOINTED_AT | "throughputKBps" => {
+                | CHECKPOINTED_AT | THROUGHPUT => {
                     matches!(value, AttributeValue::N(n) if n.parse::<f64>().is_ok())
                 }
                 PARENTS | CHILDREN => matches!(value, AttributeValue::Ss(set) if !set.is_empty()),
@@ -879,5 +908,29 @@ mod tests {
             lease_from_item(&item),
             Err(LeaseError::Corrupt(_))
         ));
+    }
+
+    #[test]
+    fn the_kcl_throughput_attribute_is_read_and_written() {
+        let lease = lease_from_item(&fixture("kcl3_handoff.json")).unwrap();
+        assert_eq!(lease.throughput_kbps, Some(12.75));
+        let item = item_from_lease(&lease);
+        assert_eq!(
+            item.get(THROUGHPUT),
+            Some(&AttributeValue::N("12.75".into()))
+        );
+        assert_kcl_reads(&item);
+        assert_eq!(lease_from_item(&item).unwrap(), lease);
+        // Not measured yet: no attribute at all, as the KCL writes it.
+        let fresh = Lease::new("s", Vec::new(), Checkpoint::Latest);
+        assert!(!item_from_lease(&fresh).contains_key(THROUGHPUT));
+        let mut item = item_from_lease(&fresh);
+        for bad in ["-1", "NaN", "inf", "fast"] {
+            item.insert(THROUGHPUT.into(), AttributeValue::N(bad.into()));
+            assert!(
+                matches!(lease_from_item(&item), Err(LeaseError::Corrupt(_))),
+                "{bad}"
+            );
+        }
     }
 }

@@ -639,17 +639,23 @@ impl LeaseStore for DynamoLeaseStore {
 
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         let next = next_counter(expected)?;
-        self.fenced_update(
-            "renew",
-            expected,
-            "SET #counter = :next",
-            &[],
-            vec![(":next", AttributeValue::N(next.to_string()))],
-            || Lease {
-                counter: next,
-                ..expected.clone()
-            },
-        )
+        let mut values = vec![(":next", AttributeValue::N(next.to_string()))];
+        // The owner's measurement rides on the heartbeat: no call of its own.
+        let update = match expected.throughput_kbps {
+            Some(kbps) => {
+                values.push((":throughput", codec::throughput_attribute(kbps)));
+                "SET #counter = :next, #throughput = :throughput"
+            }
+            None => "SET #counter = :next",
+        };
+        let names: &[(&str, &str)] = match expected.throughput_kbps {
+            Some(_) => &[("#throughput", codec::THROUGHPUT)],
+            None => &[],
+        };
+        self.fenced_update("renew", expected, update, names, values, || Lease {
+            counter: next,
+            ..expected.clone()
+        })
         .await
     }
 
