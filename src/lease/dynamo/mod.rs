@@ -5,8 +5,9 @@
 //! One table per consumer group, one item per shard, under the Java KCL's attribute
 //! names where they mean the same thing, so a KCL application's lease table can be taken
 //! over (and read by KCL tooling) without losing positions: the [`codec`] module lists
-//! every attribute. Beside it, the group's leader items live in a coordinator-state
-//! table of their own (see [`DynamoCoordinatorState`]).
+//! every attribute. The group's leader item is a row of the same table, marked as no
+//! lease, or (a table taken over from a KCL older than 3.5) an item of a
+//! coordinator-state table beside it: see [`LeaderPlacement`] and the `leader` module.
 //!
 //! # Writes
 //!
@@ -72,7 +73,10 @@ use codec::{
     OWNER_SWITCHES, PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
     RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
-pub use leader::{coordinator_table, DynamoCoordinatorState};
+pub use leader::{
+    coordinator_table, DynamoCoordinatorState, LeaderPlacement, ENTITY_TYPE, LEADER_ENTITY_TYPE,
+    LEADER_ROW_KEY,
+};
 use table::IndexState;
 pub use table::OWNER_INDEX;
 
@@ -82,6 +86,10 @@ pub struct DynamoLeaseStore {
     client: aws_sdk_dynamodb::Client,
     table: String,
     index: std::sync::Arc<std::sync::Mutex<IndexState>>,
+    /// Where the group's leader item lives.
+    placement: LeaderPlacement,
+    /// Whether this store created the table (a new group).
+    created: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl DynamoLeaseStore {
@@ -91,7 +99,16 @@ impl DynamoLeaseStore {
             client,
             table: table.to_owned(),
             index: Default::default(),
+            placement: LeaderPlacement::default(),
+            created: Default::default(),
         }
+    }
+
+    /// Where the group's leader item lives ([`LeaderPlacement::Auto`] unless set):
+    /// see docs/kcl.md for when to set it (a rolling move between the places).
+    pub fn with_leader_placement(mut self, placement: LeaderPlacement) -> Self {
+        self.placement = placement;
+        self
     }
 
     /// The table's name.
@@ -321,9 +338,11 @@ where
 #[async_trait]
 impl LeaseStore for DynamoLeaseStore {
     fn coordinator_state(&self) -> Option<std::sync::Arc<dyn super::CoordinatorState>> {
-        Some(std::sync::Arc::new(DynamoCoordinatorState::new(
+        Some(std::sync::Arc::new(leader::PlacedState::new(
             self.client.clone(),
             &self.table,
+            self.placement,
+            self.created.clone(),
         )))
     }
 
@@ -355,7 +374,11 @@ impl LeaseStore for DynamoLeaseStore {
                 .send()
                 .await
                 .map_err(|e| classify(&self.table, "Scan", None, e))?;
+            // The group's leader row is no lease.
             for item in out.items.unwrap_or_default() {
+                if leader::is_leader_row(&item) {
+                    continue;
+                }
                 // One row that does not parse must not stop balancing for the whole
                 // group, nor vanish from it: it is listed as unreadable (see
                 // `Lease::unreadable`), so its shard and its children wait for a repair
@@ -421,6 +444,7 @@ impl LeaseStore for DynamoLeaseStore {
             .await
             .map_err(|e| classify(&self.table, "GetItem", None, e))?;
         match out.item {
+            Some(item) if leader::is_leader_row(&item) => Ok(None),
             Some(item) if !item.is_empty() => Ok(Some(
                 lease_from_item(&item).unwrap_or_else(|e| Lease::unreadable(key, e.to_string())),
             )),
