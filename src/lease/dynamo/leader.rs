@@ -737,3 +737,63 @@ impl CoordinatorState for PlacedState {
         self.placed().await?.release(held).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(owner: Option<&str>, counter: u64) -> Option<LeaderItem> {
+        Some(LeaderItem {
+            key: LEADER_KEY.to_owned(),
+            owner: owner.map(str::to_owned),
+            counter,
+        })
+    }
+
+    #[test]
+    fn both_places_lead_only_when_both_parts_name_the_same_worker() {
+        let owner = |parts: Parts| combine(LEADER_KEY, &parts).and_then(|i| i.owner);
+        assert_eq!(combine(LEADER_KEY, &(None, None)), None);
+        assert_eq!(owner((part(Some("a#1"), 3), part(Some("a#1"), 2))), Some("a#1".into()));
+        // One part of another worker, released or absent: nobody leads on it, and it is
+        // not released either (a take waits for it to stand still).
+        for parts in [
+            (part(Some("a#1"), 3), part(Some("b#1"), 2)),
+            (part(Some("a#1"), 3), part(None, 2)),
+            (part(Some("a#1"), 3), None),
+            (None, part(Some("a#1"), 3)),
+        ] {
+            let combined = owner(parts.clone());
+            assert!(combined.is_some(), "{parts:?}");
+            assert_ne!(combined.as_deref(), Some("a#1"), "{parts:?}");
+        }
+        assert_eq!(owner((part(None, 3), None)), None);
+        assert_eq!(owner((part(None, 3), part(None, 0))), None);
+    }
+
+    #[test]
+    fn both_places_move_when_either_part_moves() {
+        let counter = |parts: Parts| combine(LEADER_KEY, &parts).map(|i| i.counter);
+        let before = counter((part(Some("a#1"), 3), part(Some("a#1"), 2)));
+        assert_ne!(before, counter((part(Some("a#1"), 4), part(Some("a#1"), 2))));
+        assert_ne!(before, counter((part(Some("a#1"), 3), part(Some("a#1"), 3))));
+    }
+
+    #[test]
+    fn only_shardflow_leader_rows_are_leader_rows() {
+        let row = |entity: Option<&str>| {
+            let mut item = HashMap::from([(
+                LEASE_KEY.to_owned(),
+                AttributeValue::S(LEADER_ROW_KEY.to_owned()),
+            )]);
+            if let Some(entity) = entity {
+                item.insert(ENTITY_TYPE.to_owned(), AttributeValue::S(entity.to_owned()));
+            }
+            item
+        };
+        assert!(is_leader_row(&row(Some(LEADER_ENTITY_TYPE))));
+        assert!(!is_leader_row(&row(None)));
+        assert!(!is_leader_row(&row(Some("LEASE"))));
+        assert!(!is_leader_row(&row(Some("LEADER"))));
+    }
+}
