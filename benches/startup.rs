@@ -150,7 +150,12 @@ impl Hooks for CallCounts {
         Ok(())
     }
 
-    async fn after_lease(&self, op: &'static str, _: Option<&str>, _: Option<&shardflow::lease::Lease>) {
+    async fn after_lease(
+        &self,
+        op: &'static str,
+        _: Option<&str>,
+        _: Option<&shardflow::lease::Lease>,
+    ) {
         if op == "ensure_table" {
             *self.1.lock().unwrap() = Some(Instant::now());
         }
@@ -463,8 +468,8 @@ async fn emulators(iters: usize, records: u64) {
         Ok("coordinator") => shardflow::lease::dynamo::LeaderPlacement::CoordinatorTable,
         _ => shardflow::lease::dynamo::LeaderPlacement::Auto,
     };
-    let aws = Aws::from_clients(aws.kinesis_client().clone(), dynamodb)
-        .with_leader_placement(placement);
+    let aws =
+        Aws::from_clients(aws.kinesis_client().clone(), dynamodb).with_leader_placement(placement);
     println!("  leader item placement: {placement:?}");
     let calls = Arc::new(CallCounts::default());
     let inner: Arc<dyn Backend> = Arc::new(aws.clone());

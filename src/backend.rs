@@ -173,7 +173,10 @@ impl Aws {
     /// ([`LeaderPlacement::Auto`](crate::lease::dynamo::LeaderPlacement::Auto) unless
     /// set): set it only to move a group between the lease table and its
     /// coordinator-state table with a rolling deploy (docs/kcl.md).
-    pub fn with_leader_placement(mut self, placement: crate::lease::dynamo::LeaderPlacement) -> Self {
+    pub fn with_leader_placement(
+        mut self,
+        placement: crate::lease::dynamo::LeaderPlacement,
+    ) -> Self {
         self.leader = placement;
         self
     }

@@ -778,12 +778,27 @@ async fn a_table_taken_over_from_an_older_kcl_keeps_the_coordinator_table() {
             .await
             .expect("create the table");
         let kcl_row = HashMap::from([
-            ("leaseKey".to_owned(), AttributeValue::S("shardId-000000000000".into())),
-            ("leaseOwner".to_owned(), AttributeValue::S("kcl-worker-1".into())),
+            (
+                "leaseKey".to_owned(),
+                AttributeValue::S("shardId-000000000000".into()),
+            ),
+            (
+                "leaseOwner".to_owned(),
+                AttributeValue::S("kcl-worker-1".into()),
+            ),
             ("leaseCounter".to_owned(), AttributeValue::N("41".into())),
-            ("checkpoint".to_owned(), AttributeValue::S("TRIM_HORIZON".into())),
-            ("checkpointSubSequenceNumber".to_owned(), AttributeValue::N("0".into())),
-            ("ownerSwitchesSinceCheckpoint".to_owned(), AttributeValue::N("0".into())),
+            (
+                "checkpoint".to_owned(),
+                AttributeValue::S("TRIM_HORIZON".into()),
+            ),
+            (
+                "checkpointSubSequenceNumber".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+            (
+                "ownerSwitchesSinceCheckpoint".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
         ]);
         aws.dynamodb_client()
             .put_item()
@@ -802,10 +817,15 @@ async fn a_table_taken_over_from_an_older_kcl_keeps_the_coordinator_table() {
             tables_of(&aws, &table).await,
             vec![table.clone(), coordinator.clone()]
         );
-        assert_eq!(raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY).await, None);
-        assert!(raw_row(&aws, &coordinator, "key", shardflow::lease::LEADER_KEY)
-            .await
-            .is_some());
+        assert_eq!(
+            raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY).await,
+            None
+        );
+        assert!(
+            raw_row(&aws, &coordinator, "key", shardflow::lease::LEADER_KEY)
+                .await
+                .is_some()
+        );
         assert_eq!(
             raw_row(&aws, &table, "leaseKey", "shardId-000000000000").await,
             Some(kcl_row)
@@ -829,18 +849,36 @@ async fn a_kcl_single_table_keeps_the_leader_in_the_lease_table() {
             .await
             .expect("create the table");
         let lease = HashMap::from([
-            ("leaseKey".to_owned(), AttributeValue::S("shardId-000000000000".into())),
+            (
+                "leaseKey".to_owned(),
+                AttributeValue::S("shardId-000000000000".into()),
+            ),
             ("entityType".to_owned(), AttributeValue::S("LEASE".into())),
             ("leaseCounter".to_owned(), AttributeValue::N("3".into())),
-            ("checkpoint".to_owned(), AttributeValue::S("TRIM_HORIZON".into())),
-            ("checkpointSubSequenceNumber".to_owned(), AttributeValue::N("0".into())),
-            ("ownerSwitchesSinceCheckpoint".to_owned(), AttributeValue::N("0".into())),
+            (
+                "checkpoint".to_owned(),
+                AttributeValue::S("TRIM_HORIZON".into()),
+            ),
+            (
+                "checkpointSubSequenceNumber".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+            (
+                "ownerSwitchesSinceCheckpoint".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
         ]);
         let kcl_leader = HashMap::from([
             ("leaseKey".to_owned(), AttributeValue::S("Leader".into())),
             ("entityType".to_owned(), AttributeValue::S("LEADER".into())),
-            ("ownerName".to_owned(), AttributeValue::S("kcl-worker-1".into())),
-            ("recordVersionNumber".to_owned(), AttributeValue::S("7c1f".into())),
+            (
+                "ownerName".to_owned(),
+                AttributeValue::S("kcl-worker-1".into()),
+            ),
+            (
+                "recordVersionNumber".to_owned(),
+                AttributeValue::S("7c1f".into()),
+            ),
         ]);
         for row in [&lease, &kcl_leader] {
             aws.dynamodb_client()
@@ -857,7 +895,9 @@ async fn a_kcl_single_table_keeps_the_leader_in_the_lease_table() {
         state.ensure_table().await.expect("place the leader item");
         leader_item_is_fenced(state.as_ref()).await;
         assert_eq!(tables_of(&aws, &table).await, vec![table.clone()]);
-        assert!(raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY).await.is_some());
+        assert!(raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY)
+            .await
+            .is_some());
         assert_eq!(
             raw_row(&aws, &table, "leaseKey", "Leader").await,
             Some(kcl_leader)
@@ -1675,7 +1715,10 @@ async fn wire_a_new_group_starts_on_one_table() {
     let fake = fake::Fake::start(vec![
         (400, not_found),
         (200, serde_json::json!({"TableDescription": creating})),
-        (200, serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))})),
+        (
+            200,
+            serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))}),
+        ),
         (200, serde_json::json!({})),
     ]);
     let client = dynamodb_at(&fake);

@@ -271,10 +271,7 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
     };
     let mut stream_leaders: BTreeMap<String, Result<Option<String>, String>> = BTreeMap::new();
     for identity in per_stream.keys() {
-        stream_leaders.insert(
-            identity.clone(),
-            leader(&row, &coordinator, identity).await,
-        );
+        stream_leaders.insert(identity.clone(), leader(&row, &coordinator, identity).await);
     }
     // Shards that cannot be read (lag read failed, or the row does not parse), and
     // unfinished shards nobody holds.

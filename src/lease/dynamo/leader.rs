@@ -754,7 +754,10 @@ mod tests {
     fn both_places_lead_only_when_both_parts_name_the_same_worker() {
         let owner = |parts: Parts| combine(LEADER_KEY, &parts).and_then(|i| i.owner);
         assert_eq!(combine(LEADER_KEY, &(None, None)), None);
-        assert_eq!(owner((part(Some("a#1"), 3), part(Some("a#1"), 2))), Some("a#1".into()));
+        assert_eq!(
+            owner((part(Some("a#1"), 3), part(Some("a#1"), 2))),
+            Some("a#1".into())
+        );
         // One part of another worker, released or absent: nobody leads on it, and it is
         // not released either (a take waits for it to stand still).
         for parts in [
@@ -775,8 +778,14 @@ mod tests {
     fn both_places_move_when_either_part_moves() {
         let counter = |parts: Parts| combine(LEADER_KEY, &parts).map(|i| i.counter);
         let before = counter((part(Some("a#1"), 3), part(Some("a#1"), 2)));
-        assert_ne!(before, counter((part(Some("a#1"), 4), part(Some("a#1"), 2))));
-        assert_ne!(before, counter((part(Some("a#1"), 3), part(Some("a#1"), 3))));
+        assert_ne!(
+            before,
+            counter((part(Some("a#1"), 4), part(Some("a#1"), 2)))
+        );
+        assert_ne!(
+            before,
+            counter((part(Some("a#1"), 3), part(Some("a#1"), 3)))
+        );
     }
 
     #[test]
