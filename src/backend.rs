@@ -117,6 +117,7 @@ impl AwsTimeouts {
 pub struct Aws {
     kinesis: aws_sdk_kinesis::Client,
     dynamodb: aws_sdk_dynamodb::Client,
+    leader: crate::lease::dynamo::LeaderPlacement,
 }
 
 impl Aws {
@@ -164,7 +165,20 @@ impl Aws {
                     .timeout_config(timeouts)
                     .build(),
             ),
+            leader: Default::default(),
         }
+    }
+
+    /// Where the lease stores this backend makes keep their group's leader item
+    /// ([`LeaderPlacement::Auto`](crate::lease::dynamo::LeaderPlacement::Auto) unless
+    /// set): set it only to move a group between the lease table and its
+    /// coordinator-state table with a rolling deploy (docs/kcl.md).
+    pub fn with_leader_placement(
+        mut self,
+        placement: crate::lease::dynamo::LeaderPlacement,
+    ) -> Self {
+        self.leader = placement;
+        self
     }
 
     /// Uses clients the caller built (custom retry, timeouts, interceptors) as they are:
@@ -173,7 +187,11 @@ impl Aws {
         kinesis: aws_sdk_kinesis::Client,
         dynamodb: aws_sdk_dynamodb::Client,
     ) -> Self {
-        Aws { kinesis, dynamodb }
+        Aws {
+            kinesis,
+            dynamodb,
+            leader: Default::default(),
+        }
     }
 
     /// The Kinesis client.
@@ -193,10 +211,10 @@ impl Backend for Aws {
     }
 
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
-        Arc::new(crate::lease::dynamo::DynamoLeaseStore::new(
-            self.dynamodb.clone(),
-            table,
-        ))
+        Arc::new(
+            crate::lease::dynamo::DynamoLeaseStore::new(self.dynamodb.clone(), table)
+                .with_leader_placement(self.leader),
+        )
     }
 
     fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {

@@ -632,71 +632,403 @@ async fn leases_are_fenced_on_owner_and_counter() {
     .await;
 }
 
-/// The leader item lives in `<lease table>-coordinator`, created beside the lease table,
-/// never in the lease table (a KCL worker would read it as a shard); its take, renewal
-/// and release are fenced on owner and counter, and of two takes on the same view one
+/// A lease store over `table` whose leader item is placed as `placement` says.
+fn placed_store(
+    aws: &Aws,
+    table: &str,
+    placement: shardflow::lease::dynamo::LeaderPlacement,
+) -> shardflow::lease::dynamo::DynamoLeaseStore {
+    shardflow::lease::dynamo::DynamoLeaseStore::new(aws.dynamodb_client().clone(), table)
+        .with_leader_placement(placement)
+}
+
+/// The tables whose name starts with `table`.
+async fn tables_of(aws: &Aws, table: &str) -> Vec<String> {
+    let tables = aws
+        .dynamodb_client()
+        .list_tables()
+        .send()
+        .await
+        .expect("ListTables");
+    let mut names: Vec<String> = tables
+        .table_names()
+        .iter()
+        .filter(|t| t.starts_with(table))
+        .cloned()
+        .collect();
+    names.sort();
+    names
+}
+
+/// The row `key` of `table` as stored, if any.
+async fn raw_row(
+    aws: &Aws,
+    table: &str,
+    key_name: &str,
+    key: &str,
+) -> Option<HashMap<String, aws_sdk_dynamodb::types::AttributeValue>> {
+    aws.dynamodb_client()
+        .get_item()
+        .table_name(table)
+        .key(
+            key_name,
+            aws_sdk_dynamodb::types::AttributeValue::S(key.to_owned()),
+        )
+        .consistent_read(true)
+        .send()
+        .await
+        .expect("GetItem")
+        .item
+}
+
+/// Takes, renews, releases and takes again the leader item of `state`, checking that
+/// each write is fenced on owner and counter and that of two takes on one view one
 /// lands.
+async fn leader_item_is_fenced(state: &dyn shardflow::lease::CoordinatorState) {
+    let key = shardflow::lease::LEADER_KEY;
+    let absent = state.get(key).await.expect("get");
+    let first = state
+        .claim(key, absent.as_ref(), "w1#a")
+        .await
+        .expect("claim");
+    assert_eq!(first.owner.as_deref(), Some("w1#a"));
+    assert_conflict(
+        state.claim(key, absent.as_ref(), "w2#b").await,
+        key,
+        "a second take on the view before the first",
+    );
+    let renewed = state.renew(&first).await.expect("renew");
+    assert_eq!(renewed.counter, first.counter + 1);
+    assert_conflict(
+        state.renew(&first).await,
+        key,
+        "a renewal on an old counter",
+    );
+    // Two workers saw the same counter: one take lands, the other is fenced.
+    let won = state
+        .claim(key, Some(&renewed), "w2#b")
+        .await
+        .expect("take over");
+    assert_conflict(
+        state.claim(key, Some(&renewed), "w3#c").await,
+        key,
+        "the second take on the same view",
+    );
+    assert_conflict(state.renew(&renewed).await, key, "the old leader's renewal");
+    assert_eq!(state.get(key).await.expect("get"), Some(won.clone()));
+    let released = state.release(&won).await.expect("release");
+    assert_eq!(
+        (released.owner.as_deref(), released.counter),
+        (None, won.counter + 1)
+    );
+    let again = state
+        .claim(key, Some(&released), "w3#c")
+        .await
+        .expect("take a released item");
+    assert_eq!(
+        (again.owner.as_deref(), again.counter),
+        (Some("w3#c"), released.counter + 1)
+    );
+}
+
+/// A new group keeps its leader item in its lease table: one table, no
+/// `<lease table>-coordinator`. The item is a row marked `entityType =
+/// SHARDFLOW_LEADER` (the KCL 3.5 reads no such row as a lease) under a key no shard
+/// or KCL row has, which shardflow's own listing, reads and owner index skip too; its
+/// take, renewal and release are fenced as a lease's.
 #[tokio::test]
-async fn the_leader_item_lives_beside_the_lease_table_and_is_fenced() {
+async fn a_new_group_keeps_its_leader_in_its_lease_table() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    use shardflow::lease::dynamo::{ENTITY_TYPE, LEADER_ENTITY_TYPE, LEADER_ROW_KEY};
     let Some(aws) = aws().await else { return };
     within(async {
         let table = unique("leases");
         let store = aws.lease_store(&table);
         store.ensure_table().await.expect("ensure_table");
-        let state = store
-            .coordinator_state()
-            .expect("a coordinator-state table");
-        state
+        let state = store.coordinator_state().expect("a leader state");
+        state.ensure_table().await.expect("place the leader item");
+        state.ensure_table().await.expect("again");
+        leader_item_is_fenced(state.as_ref()).await;
+        assert_eq!(tables_of(&aws, &table).await, vec![table.clone()]);
+        let row = raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY)
+            .await
+            .expect("the leader row in the lease table");
+        assert_eq!(
+            row.get(ENTITY_TYPE),
+            Some(&AttributeValue::S(LEADER_ENTITY_TYPE.to_owned()))
+        );
+        assert_eq!(
+            row.get("leaderOwner"),
+            Some(&AttributeValue::S("w3#c".to_owned()))
+        );
+        assert!(!row.contains_key("leaseOwner"), "{row:?}");
+        // Not a lease to shardflow either.
+        assert!(store.list().await.expect("list").is_empty());
+        assert_eq!(store.get(LEADER_ROW_KEY).await.expect("get"), None);
+        assert!(store.owned_keys("w3#c").await.expect("owned").is_empty());
+    })
+    .await;
+}
+
+/// A table taken over from a KCL older than 3.5 (rows without `entityType`, which such
+/// a KCL parses every one of as a lease) keeps the leader item in
+/// `<lease table>-coordinator`, so that a roll-back to that KCL finds nothing but its
+/// leases in the lease table; the item there is fenced as before.
+#[tokio::test]
+async fn a_table_taken_over_from_an_older_kcl_keeps_the_coordinator_table() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    use shardflow::lease::dynamo::LEADER_ROW_KEY;
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("leases");
+        // The KCL 2.x's table and one of its rows, as it writes them.
+        placed_store(&aws, &table, Default::default())
             .ensure_table()
             .await
-            .expect("ensure the coordinator table");
-        state.ensure_table().await.expect("ensure it again");
-        let tables = aws
-            .dynamodb_client()
-            .list_tables()
+            .expect("create the table");
+        let kcl_row = HashMap::from([
+            (
+                "leaseKey".to_owned(),
+                AttributeValue::S("shardId-000000000000".into()),
+            ),
+            (
+                "leaseOwner".to_owned(),
+                AttributeValue::S("kcl-worker-1".into()),
+            ),
+            ("leaseCounter".to_owned(), AttributeValue::N("41".into())),
+            (
+                "checkpoint".to_owned(),
+                AttributeValue::S("TRIM_HORIZON".into()),
+            ),
+            (
+                "checkpointSubSequenceNumber".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+            (
+                "ownerSwitchesSinceCheckpoint".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+        ]);
+        aws.dynamodb_client()
+            .put_item()
+            .table_name(&table)
+            .set_item(Some(kcl_row.clone()))
             .send()
             .await
-            .expect("ListTables");
+            .expect("PutItem");
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let state = store.coordinator_state().expect("a leader state");
+        state.ensure_table().await.expect("place the leader item");
+        leader_item_is_fenced(state.as_ref()).await;
+        let coordinator = format!("{table}-coordinator");
+        assert_eq!(
+            tables_of(&aws, &table).await,
+            vec![table.clone(), coordinator.clone()]
+        );
+        assert_eq!(
+            raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY).await,
+            None
+        );
         assert!(
-            tables
-                .table_names()
-                .contains(&format!("{table}-coordinator")),
-            "{:?}",
-            tables.table_names()
+            raw_row(&aws, &coordinator, "key", shardflow::lease::LEADER_KEY)
+                .await
+                .is_some()
         );
-        let key = shardflow::lease::LEADER_KEY;
-        assert_eq!(state.get(key).await.expect("get"), None);
-        let first = state.claim(key, None, "w1#a").await.expect("claim");
-        assert_eq!((first.owner.as_deref(), first.counter), (Some("w1#a"), 1));
-        assert_conflict(state.claim(key, None, "w2#b").await, key, "a second create");
-        let renewed = state.renew(&first).await.expect("renew");
-        assert_eq!(renewed.counter, 2);
-        assert_conflict(
-            state.renew(&first).await,
-            key,
-            "a renewal on an old counter",
+        assert_eq!(
+            raw_row(&aws, &table, "leaseKey", "shardId-000000000000").await,
+            Some(kcl_row)
         );
-        // Two workers saw the same counter: one take lands, the other is fenced.
-        let won = state
-            .claim(key, Some(&renewed), "w2#b")
+    })
+    .await;
+}
+
+/// A KCL 3.5 single-table table (its rows carry an `entityType`; its own leader lock is
+/// the row `Leader`, `entityType = LEADER`) keeps shardflow's leader item in the lease
+/// table too, beside the KCL's rows, which stay as they were.
+#[tokio::test]
+async fn a_kcl_single_table_keeps_the_leader_in_the_lease_table() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    use shardflow::lease::dynamo::LEADER_ROW_KEY;
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("leases");
+        placed_store(&aws, &table, Default::default())
+            .ensure_table()
             .await
-            .expect("take over");
-        assert_conflict(
-            state.claim(key, Some(&renewed), "w3#c").await,
-            key,
-            "the second take on the same view",
-        );
-        assert_conflict(state.renew(&renewed).await, key, "the old leader's renewal");
-        assert_eq!(state.get(key).await.expect("get"), Some(won.clone()));
-        let released = state.release(&won).await.expect("release");
-        assert_eq!((released.owner.as_deref(), released.counter), (None, 4));
-        let again = state
-            .claim(key, Some(&released), "w3#c")
+            .expect("create the table");
+        let lease = HashMap::from([
+            (
+                "leaseKey".to_owned(),
+                AttributeValue::S("shardId-000000000000".into()),
+            ),
+            ("entityType".to_owned(), AttributeValue::S("LEASE".into())),
+            ("leaseCounter".to_owned(), AttributeValue::N("3".into())),
+            (
+                "checkpoint".to_owned(),
+                AttributeValue::S("TRIM_HORIZON".into()),
+            ),
+            (
+                "checkpointSubSequenceNumber".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+            (
+                "ownerSwitchesSinceCheckpoint".to_owned(),
+                AttributeValue::N("0".into()),
+            ),
+        ]);
+        let kcl_leader = HashMap::from([
+            ("leaseKey".to_owned(), AttributeValue::S("Leader".into())),
+            ("entityType".to_owned(), AttributeValue::S("LEADER".into())),
+            (
+                "ownerName".to_owned(),
+                AttributeValue::S("kcl-worker-1".into()),
+            ),
+            (
+                "recordVersionNumber".to_owned(),
+                AttributeValue::S("7c1f".into()),
+            ),
+        ]);
+        for row in [&lease, &kcl_leader] {
+            aws.dynamodb_client()
+                .put_item()
+                .table_name(&table)
+                .set_item(Some(row.clone()))
+                .send()
+                .await
+                .expect("PutItem");
+        }
+        let store = aws.lease_store(&table);
+        store.ensure_table().await.expect("ensure_table");
+        let state = store.coordinator_state().expect("a leader state");
+        state.ensure_table().await.expect("place the leader item");
+        leader_item_is_fenced(state.as_ref()).await;
+        assert_eq!(tables_of(&aws, &table).await, vec![table.clone()]);
+        assert!(raw_row(&aws, &table, "leaseKey", LEADER_ROW_KEY)
             .await
-            .expect("take a released item");
-        assert_eq!((again.owner.as_deref(), again.counter), (Some("w3#c"), 5));
-        // Nothing of it in the lease table.
-        assert!(store.list().await.expect("list").is_empty());
+            .is_some());
+        assert_eq!(
+            raw_row(&aws, &table, "leaseKey", "Leader").await,
+            Some(kcl_leader)
+        );
+    })
+    .await;
+}
+
+/// A group moves from the coordinator table to one table, and back, by rolling deploys
+/// with old and new workers running together, and never has two leaders. Scripted on
+/// the leader items as the workers use them (read, take over only what stands still or
+/// was released, renew, release at a stop):
+/// * step 1: workers with `Both` beside workers with `CoordinatorTable` (the earlier
+///   version): the coordinator table's item decides for both kinds;
+/// * step 2: workers with `LeaseTable` beside workers with `Both`: the lease table's row
+///   decides for both kinds;
+/// * and back, the same steps the other way.
+#[tokio::test]
+async fn a_rolling_move_between_the_tables_keeps_one_leader() {
+    use shardflow::lease::dynamo::LeaderPlacement::{Both, CoordinatorTable, LeaseTable};
+    use shardflow::lease::{CoordinatorState, LeaderItem, LEADER_KEY as KEY};
+    let Some(aws) = aws().await else { return };
+    within(async {
+        let table = unique("leases");
+        let worker = |placement| {
+            let store = placed_store(&aws, &table, placement);
+            async move {
+                store.ensure_table().await.expect("ensure_table");
+                let state = store.coordinator_state().expect("a leader state");
+                state.ensure_table().await.expect("place the leader item");
+                state
+            }
+        };
+        // A worker leads when its last take or renewal landed and named it.
+        async fn take(state: &dyn CoordinatorState, me: &str) -> Result<LeaderItem, LeaseError> {
+            let seen = state.get(KEY).await?;
+            state.claim(KEY, seen.as_ref(), me).await
+        }
+
+        // Before: a group of the earlier version; its leader holds the coordinator item.
+        let old = worker(CoordinatorTable).await;
+        let mut old_lead = take(old.as_ref(), "old#1").await.expect("the old leader");
+
+        // Step 1 starts: a `Both` worker joins. While the old leader renews, the new
+        // worker's take (decided on the view it read) fails: one leader.
+        let both = worker(Both).await;
+        let seen = both.get(KEY).await.expect("get");
+        assert_ne!(
+            seen.as_ref().and_then(|s| s.owner.as_deref()),
+            Some("both#1")
+        );
+        old_lead = old.renew(&old_lead).await.expect("the old leader renews");
+        assert_conflict(
+            both.claim(KEY, seen.as_ref(), "both#1").await,
+            KEY,
+            "a take beside a live old leader",
+        );
+        // The old leader stops (released at its graceful stop): the new one leads,
+        // holding both items, and a second worker of the old version cannot take over.
+        old.release(&old_lead).await.expect("release");
+        let mut both_lead = take(both.as_ref(), "both#1").await.expect("lead");
+        assert_eq!(both_lead.owner.as_deref(), Some("both#1"));
+        let old2 = worker(CoordinatorTable).await;
+        let seen_old = old2.get(KEY).await.expect("get").expect("the item");
+        assert_eq!(seen_old.owner.as_deref(), Some("both#1"));
+        both_lead = both.renew(&both_lead).await.expect("renew both");
+        assert_conflict(
+            old2.claim(KEY, Some(&seen_old), "old#2").await,
+            KEY,
+            "an old worker's take beside a live leader holding both",
+        );
+
+        // Step 2: a `LeaseTable` worker joins the `Both` fleet; same again.
+        let one = worker(LeaseTable).await;
+        let seen_one = one.get(KEY).await.expect("get").expect("the row");
+        assert_eq!(seen_one.owner.as_deref(), Some("both#1"));
+        both_lead = both.renew(&both_lead).await.expect("renew both");
+        assert_conflict(
+            one.claim(KEY, Some(&seen_one), "one#1").await,
+            KEY,
+            "a one-table take beside a live leader holding both",
+        );
+        both.release(&both_lead).await.expect("release both");
+        let mut one_lead = take(one.as_ref(), "one#1").await.expect("lead");
+        // A `Both` worker that tries now sees a leader it is not, and fails its take
+        // while that leader renews; the coordinator item it took first is given back.
+        let both2 = worker(Both).await;
+        let seen_both = both2.get(KEY).await.expect("get");
+        assert_ne!(
+            seen_both.as_ref().and_then(|s| s.owner.as_deref()),
+            Some("both#2")
+        );
+        one_lead = one.renew(&one_lead).await.expect("renew one");
+        assert!(both2
+            .claim(KEY, seen_both.as_ref(), "both#2")
+            .await
+            .is_err());
+        let legacy = old2.get(KEY).await.expect("get").expect("the item");
+        assert_eq!(legacy.owner, None, "the coordinator item is given back");
+
+        // And back: `Both` workers join the one-table fleet (they wait for the leader
+        // to stop), then the earlier version joins them.
+        one.release(&one_lead).await.expect("release one");
+        let both_lead = take(both2.as_ref(), "both#2").await.expect("lead");
+        assert_eq!(both_lead.owner.as_deref(), Some("both#2"));
+        let seen_one = one.get(KEY).await.expect("get").expect("the row");
+        assert_eq!(seen_one.owner.as_deref(), Some("both#2"));
+        let both_lead = both2.renew(&both_lead).await.expect("renew both");
+        assert_conflict(
+            one.claim(KEY, Some(&seen_one), "one#2").await,
+            KEY,
+            "a one-table take beside a live leader holding both",
+        );
+        let old3 = worker(CoordinatorTable).await;
+        let seen_old = old3.get(KEY).await.expect("get").expect("the item");
+        assert_eq!(seen_old.owner.as_deref(), Some("both#2"));
+        both2.renew(&both_lead).await.expect("renew both");
+        assert_conflict(
+            old3.claim(KEY, Some(&seen_old), "old#3").await,
+            KEY,
+            "an old worker's take beside a live leader holding both",
+        );
     })
     .await;
 }
@@ -710,7 +1042,11 @@ async fn a_leader_item_with_an_empty_owner_can_be_taken_over() {
     let Some(aws) = aws().await else { return };
     within(async {
         let table = unique("leases");
-        let store = aws.lease_store(&table);
+        let store = placed_store(
+            &aws,
+            &table,
+            shardflow::lease::dynamo::LeaderPlacement::CoordinatorTable,
+        );
         store.ensure_table().await.expect("ensure_table");
         let state = store
             .coordinator_state()
@@ -759,7 +1095,11 @@ async fn a_leader_item_whose_counter_does_not_parse_can_be_taken_over() {
     let Some(aws) = aws().await else { return };
     within(async {
         let table = unique("leases");
-        let store = aws.lease_store(&table);
+        let store = placed_store(
+            &aws,
+            &table,
+            shardflow::lease::dynamo::LeaderPlacement::CoordinatorTable,
+        );
         store.ensure_table().await.expect("ensure_table");
         let state = store
             .coordinator_state()
@@ -1365,6 +1705,52 @@ async fn wire_a_table_being_upgraded_is_used_at_once() {
     })
     .await;
     assert_eq!(fake.ops(), vec!["DescribeTable", "Scan"]);
+}
+
+/// A new group's start-up touches one table: the lease table is described, created
+/// once and described until ACTIVE, and the leader item is placed in it (one PutItem);
+/// no second table is described, created or waited for.
+/// Regression: every new group also created `<lease table>-coordinator` and waited for
+/// it to become ACTIVE before its first lease round.
+#[tokio::test]
+async fn wire_a_new_group_starts_on_one_table() {
+    use shardflow::lease::dynamo::DynamoLeaseStore;
+    let not_found = serde_json::json!({
+        "__type": "com.amazonaws.dynamodb.v20120810#ResourceNotFoundException",
+        "message": "Requested resource not found"
+    });
+    let mut creating = lease_table_json(Some("CREATING"));
+    creating["TableStatus"] = serde_json::json!("CREATING");
+    let fake = fake::Fake::start(vec![
+        (400, not_found),
+        (200, serde_json::json!({"TableDescription": creating})),
+        (
+            200,
+            serde_json::json!({"Table": lease_table_json(Some("ACTIVE"))}),
+        ),
+        (200, serde_json::json!({})),
+    ]);
+    let client = dynamodb_at(&fake);
+    within(async {
+        let store = DynamoLeaseStore::new(client, "old-leases");
+        store.ensure_table().await.expect("ensure_table");
+        let state = store.coordinator_state().expect("a leader state");
+        state.ensure_table().await.expect("place the leader item");
+    })
+    .await;
+    assert_eq!(
+        fake.ops(),
+        vec!["DescribeTable", "CreateTable", "DescribeTable", "PutItem"]
+    );
+    for request in fake.seen() {
+        assert_eq!(
+            request.body["TableName"], "old-leases",
+            "{}: {}",
+            request.target, request.body
+        );
+    }
+    let put = &fake.seen()[3].body;
+    assert_eq!(put["Item"]["entityType"]["S"], "SHARDFLOW_LEADER", "{put}");
 }
 
 /// A lease table with provisioned capacity (as KCL 1.x creates them) gets

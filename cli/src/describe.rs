@@ -208,15 +208,24 @@ async fn shards_of(
     Ok(out)
 }
 
-/// The owner of the leader item `key` in the group's coordinator-state table: `Ok(None)`
-/// when there is none (no table, no item, or released), the error's text when it
-/// cannot be read.
-async fn leader(state: &DynamoCoordinatorState, key: &str) -> Result<Option<String>, String> {
-    match state.get(key).await {
-        Ok(item) => Ok(item.and_then(|i| i.owner)),
-        Err(LeaseError::TableMissing { .. }) => Ok(None),
-        Err(e) => Err(e.to_string()),
+/// The owner of the group's leader item `key`: in the lease table (`row`, a group of
+/// one table) or in the coordinator-state table (`legacy`, a table taken over from a
+/// KCL older than 3.5); while a group moves between the two, whichever names an owner,
+/// the lease table's first. `Ok(None)` when there is none (no table, no item, or
+/// released), the error's text when it cannot be read.
+async fn leader(
+    row: &DynamoCoordinatorState,
+    legacy: &DynamoCoordinatorState,
+    key: &str,
+) -> Result<Option<String>, String> {
+    for state in [row, legacy] {
+        match state.get(key).await {
+            Ok(Some(item)) if item.owner.is_some() => return Ok(item.owner),
+            Ok(_) | Err(LeaseError::TableMissing { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
     }
+    Ok(None)
 }
 
 /// A leader for people: its owner, `none`, or why it is unknown.
@@ -320,16 +329,17 @@ pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
         }
     }
     // The group's leader: one item per group, or per stream in a multi-stream table.
-    let coordinator =
-        DynamoCoordinatorState::new(cx.aws.dynamodb_client().clone(), args.group.table());
+    let client = cx.aws.dynamodb_client().clone();
+    let row = DynamoCoordinatorState::in_lease_table(client.clone(), args.group.table());
+    let coordinator = DynamoCoordinatorState::new(client, args.group.table());
     let group_leader = if multi {
         None
     } else {
-        Some(leader(&coordinator, LEADER_KEY).await)
+        Some(leader(&row, &coordinator, LEADER_KEY).await)
     };
     let mut stream_leaders: BTreeMap<String, Result<Option<String>, String>> = BTreeMap::new();
     for identity in per_stream.keys() {
-        stream_leaders.insert(identity.clone(), leader(&coordinator, identity).await);
+        stream_leaders.insert(identity.clone(), leader(&row, &coordinator, identity).await);
     }
     // Shards that cannot be read (lag read failed, or the row does not parse), and
     // unfinished shards nobody holds.

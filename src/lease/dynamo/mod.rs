@@ -5,8 +5,9 @@
 //! One table per consumer group, one item per shard, under the Java KCL's attribute
 //! names where they mean the same thing, so a KCL application's lease table can be taken
 //! over (and read by KCL tooling) without losing positions: the [`codec`] module lists
-//! every attribute. Beside it, the group's leader items live in a coordinator-state
-//! table of their own (see [`DynamoCoordinatorState`]).
+//! every attribute. The group's leader item is a row of the same table, marked as no
+//! lease, or (a table taken over from a KCL older than 3.5) an item of a
+//! coordinator-state table beside it: see [`LeaderPlacement`] and the `leader` module.
 //!
 //! A row whose `entityType` is present and is not `LEASE` (a KCL 3.5 single-table
 //! application's leader lock, worker metrics, stream metadata, migration states) is not
@@ -85,7 +86,9 @@ use codec::{
     PENDING_CHECKPOINT, PENDING_OWNER, PENDING_STATE, PENDING_SUB_SEQUENCE, RESET,
     RESET_SUB_SEQUENCE, RESET_TIMESTAMP, STREAM, SUB_SEQUENCE, TIMESTAMP,
 };
-pub use leader::{coordinator_table, DynamoCoordinatorState};
+pub use leader::{
+    coordinator_table, DynamoCoordinatorState, LeaderPlacement, LEADER_ENTITY_TYPE, LEADER_ROW_KEY,
+};
 use table::IndexState;
 pub use table::OWNER_INDEX;
 
@@ -102,6 +105,10 @@ pub struct DynamoLeaseStore {
     /// Whether the KCL's coordinator-state table was found without a table migration
     /// in progress (looked at once, see [`DynamoLeaseStore::kcl_table_migration`]).
     kcl_migration_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Where the group's leader item lives.
+    placement: LeaderPlacement,
+    /// Whether this store created the table (a new group).
+    created: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The KCL's coordinator-state table beside a lease table named after its application
@@ -119,6 +126,8 @@ impl DynamoLeaseStore {
             index: Default::default(),
             single_table: Default::default(),
             kcl_migration_checked: Default::default(),
+            placement: LeaderPlacement::default(),
+            created: Default::default(),
         }
     }
 
@@ -214,6 +223,13 @@ impl DynamoLeaseStore {
                 _ => return Ok((leases, others)),
             }
         }
+    }
+
+    /// Where the group's leader item lives ([`LeaderPlacement::Auto`] unless set):
+    /// see docs/kcl.md for when to set it (a rolling move between the places).
+    pub fn with_leader_placement(mut self, placement: LeaderPlacement) -> Self {
+        self.placement = placement;
+        self
     }
 
     /// The table's name.
@@ -449,9 +465,11 @@ where
 #[async_trait]
 impl LeaseStore for DynamoLeaseStore {
     fn coordinator_state(&self) -> Option<std::sync::Arc<dyn super::CoordinatorState>> {
-        Some(std::sync::Arc::new(DynamoCoordinatorState::new(
+        Some(std::sync::Arc::new(leader::PlacedState::new(
             self.client.clone(),
             &self.table,
+            self.placement,
+            self.created.clone(),
         )))
     }
 

@@ -197,7 +197,10 @@ impl DynamoLeaseStore {
             owner_index_attributes(),
             Some(index),
         )
-        .await
+        .await?;
+        self.created
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     /// The owner index could not be queried: `owned_keys` lists the table, and looks at
