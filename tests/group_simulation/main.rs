@@ -306,6 +306,80 @@ fn generated_histories_with_clock_skew_keep_the_invariants() {
     run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
 }
 
+/// Seeds replayed twice by `a_seed_replays_the_same_history`.
+const REPLAYED_SEEDS: &[u64] = &[3, 29, 151];
+
+/// A failing seed replays exactly: the same seed, run twice with every feature on (every
+/// fault kind, freezes, kills, clock skew, stream mode, per-key concurrency), gives the
+/// same history, event by event and at the same simulated times: handler calls, lease
+/// takes, renewals, checkpoints and refusals, and the generator's own steps.
+#[test]
+fn a_seed_replays_the_same_history() {
+    let features = simulation::history::Features::of(&simulation::history::Feature::ALL);
+    for &seed in REPLAYED_SEEDS {
+        let (first, second) = std::thread::scope(|scope| {
+            let a = scope.spawn(|| traced_history(seed, features));
+            let b = scope.spawn(|| traced_history(seed, features));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        if first.digest != second.digest {
+            let at = first
+                .trace
+                .iter()
+                .zip(&second.trace)
+                .position(|(a, b)| a != b)
+                .unwrap_or(first.trace.len().min(second.trace.len()));
+            let line = |t: &[String]| t.get(at).cloned().unwrap_or_else(|| "(end)".into());
+            panic!(
+                "seed {seed} replayed differently: digests {:x} and {:x}, {} and {} events; \
+                 first difference at event {at}:\n  {}\n  {}",
+                first.digest,
+                second.digest,
+                first.trace.len(),
+                second.trace.len(),
+                line(&first.trace),
+                line(&second.trace)
+            );
+        }
+        assert!(
+            first.trace.iter().any(|l| l.contains(" checkpoint ")),
+            "seed {seed}: the history has no checkpoint to compare"
+        );
+        println!(
+            "seed {seed}: {} events replayed identically (digest {:x}), outcome {}",
+            first.trace.len(),
+            first.digest,
+            first.outcome
+        );
+    }
+}
+
+/// One run of a seed's history, in a runtime of its own.
+struct Traced {
+    trace: Vec<String>,
+    digest: u64,
+    outcome: String,
+}
+
+fn traced_history(seed: u64, features: simulation::history::Features) -> Traced {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let (outcome, log) = runtime.block_on(simulation::simulate_traced(seed, features));
+    drop(runtime);
+    let trace = log.trace.lock().unwrap().clone();
+    Traced {
+        digest: log.digest(),
+        trace,
+        outcome: match outcome {
+            Ok(_) => "ok".to_owned(),
+            Err(e) => format!("failed: {}", e.lines().next().unwrap_or_default()),
+        },
+    }
+}
+
 /// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),
 /// `SHARDFLOW_SIM_SEEDS` (that many) or `default_seeds` seeds; fails naming each
 /// failing seed and how to replay it.

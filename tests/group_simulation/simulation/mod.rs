@@ -239,8 +239,22 @@ fn quiet_intended_panics() {
 
 /// Runs one history and checks the invariants; `Err` says which one failed and how.
 pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
+    simulate_traced(seed, features).await.0
+}
+
+/// [`simulate`], with the history's log: its trace (see [`Log::trace`]) is what a
+/// replay of the seed must repeat.
+pub async fn simulate_traced(seed: u64, features: Features) -> (Result<Stats, String>, Arc<Log>) {
     quiet_intended_panics();
     let mut sim = Sim::new(seed, features).await;
+    let outcome = sim.play().await;
+    (outcome, sim.log.clone())
+}
+
+impl Sim {
+    /// Runs the history with the progress watch beside it, then checks the invariants.
+    async fn play(&mut self) -> Result<Stats, String> {
+        let sim = self;
     let done = Arc::new(AtomicBool::new(false));
     let watch = tokio::spawn(watch_progress(
         sim.memory.clone(),
@@ -267,12 +281,14 @@ pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
             Ok(sim.finish_stats())
         }
     }
+    }
 }
 
 impl Sim {
     async fn new(seed: u64, features: Features) -> Sim {
         let memory = Memory::new();
         let log = Arc::new(Log::default());
+        log.start();
         let mut rng = SmallRng::seed_from_u64(seed);
         memory.streams().set_faults(KinesisFaults {
             throttle: 0.05,
