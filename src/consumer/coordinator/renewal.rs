@@ -53,7 +53,11 @@ pub(super) async fn renew_loop(
     // When each held lease is due for its next renewal.
     let mut due: BTreeMap<String, Instant> = BTreeMap::new();
     loop {
+        // Biased (a replay takes the same branch): the shutdown first, then the renewals
+        // that finished, booked before a tick picks which leases are due and not in
+        // flight.
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => return,
             Some(done) = renewals.join_next() => {
                 if let Ok(key) = done {

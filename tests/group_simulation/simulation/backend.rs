@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::FutureExt;
@@ -21,7 +21,7 @@ use shardflow::kinesis::{
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
 use testkit::hooks::{Forward, ForwardKinesis, ForwardStore, Hooked, Hooks};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use super::history::{Feature, Features};
 use super::log::{Commit, Log, Take};
@@ -38,32 +38,40 @@ fn was_cut<T>(result: &Result<T, LeaseError>) -> bool {
     matches!(result, Err(LeaseError::Other(detail)) if detail.as_str() == CUT)
 }
 
-/// Freezing and killing one worker incarnation.
+/// Freezing and killing one worker incarnation. Not a `watch` channel: tokio's watch
+/// spreads its waiters over several queues picked at random, so the calls and handlers
+/// waiting at a frozen gate would resume in a different order on every run; a `Notify`
+/// wakes them in the order they came.
 pub struct Control {
-    frozen: watch::Sender<bool>,
+    frozen: AtomicBool,
+    thawed: Notify,
     dead: AtomicBool,
 }
 
 impl Control {
     pub fn new() -> Arc<Self> {
         Arc::new(Control {
-            frozen: watch::channel(false).0,
+            frozen: AtomicBool::new(false),
+            thawed: Notify::new(),
             dead: AtomicBool::new(false),
         })
     }
 
     pub fn freeze(&self, frozen: bool) {
-        self.frozen.send_replace(frozen);
+        self.frozen.store(frozen, Ordering::SeqCst);
+        if !frozen {
+            self.thawed.notify_waiters();
+        }
     }
 
     pub fn is_frozen(&self) -> bool {
-        *self.frozen.borrow()
+        self.frozen.load(Ordering::SeqCst)
     }
 
     /// The process is gone: none of its calls ever lands again.
     pub fn kill(&self) {
         self.dead.store(true, Ordering::SeqCst);
-        self.frozen.send_replace(false);
+        self.freeze(false);
     }
 
     pub fn is_dead(&self) -> bool {
@@ -72,8 +80,16 @@ impl Control {
 
     /// Waits while frozen; never returns once dead.
     pub async fn gate(&self) {
-        let mut rx = self.frozen.subscribe();
-        let _ = rx.wait_for(|frozen| !frozen).await;
+        loop {
+            let thawed = self.thawed.notified();
+            tokio::pin!(thawed);
+            // Registered before the look, so a thaw in between is not missed.
+            thawed.as_mut().enable();
+            if !self.is_frozen() {
+                break;
+            }
+            thawed.await;
+        }
         if self.is_dead() {
             std::future::pending::<()>().await;
         }
@@ -382,7 +398,7 @@ impl SimStore {
         ));
         log.takes.lock().unwrap().push(Take {
             at: log.tick(),
-            time: SystemTime::now(),
+            time: log.wall_time(),
             key: shard_of(&row.key),
             owner: owner.to_owned(),
             before_first_checkpoint,

@@ -48,6 +48,10 @@ pub struct Commit {
     pub ambiguous: bool,
 }
 
+/// The time of day at which every history starts on the simulated wall clock, in
+/// seconds after the Unix epoch (a day in 2026).
+pub const SIM_EPOCH_SECS: u64 = 1_780_000_000;
+
 #[derive(Default)]
 pub struct Log {
     ticks: AtomicU64,
@@ -119,6 +123,14 @@ impl Log {
     /// Simulated time since [`Log::start`].
     pub fn elapsed(&self) -> Duration {
         self.origin.get_or_init(Instant::now).elapsed()
+    }
+
+    /// The simulated wall clock: [`SIM_EPOCH_SECS`] after the Unix epoch plus the
+    /// simulated time since [`Log::start`]. The embedded backend stamps arrivals with it
+    /// and the workers read it (shifted by their skew), so no time of day comes from the
+    /// host and a seed replays exactly.
+    pub fn wall_time(&self) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(SIM_EPOCH_SECS) + self.elapsed()
     }
 
     /// Appends one event to the trace, stamped with the simulated time.
