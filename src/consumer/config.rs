@@ -1098,6 +1098,10 @@ mod tests {
             ),
             "renew_interval"
         );
+        assert_eq!(field(base().owner_nonce("")), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("a#b")), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("x".repeat(17))), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("k3f9a2")), "accepted");
         assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
         assert_eq!(field(base().read_ahead_bytes(1023)), "read_ahead_bytes");
         assert_eq!(field(base().read_ahead_bytes(u64::MAX)), "read_ahead_bytes");

@@ -24,6 +24,13 @@
 //! replays one seed (`SHARDFLOW_SIM_FIRST_SEED=K` starts the range of
 //! `SHARDFLOW_SIM_SEEDS` there), `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `simulation/history.rs`).
+//!
+//! A seed replays exactly: every history runs on tokio's paused clock in a runtime of
+//! its own, its workers' owner nonces come from a generator seeded by the seed, the
+//! embedded backend and the workers read a wall clock on simulated time, every
+//! `select` on the consumer's path is biased, and each fault kind draws from a
+//! generator of its own. `a_seed_replays_the_same_history` runs seeds twice with every
+//! feature on and compares the two histories event by event.
 
 mod simulation;
 
