@@ -279,6 +279,18 @@ fn a_process_frozen_mid_batch_starts_no_call_on_a_taken_lease() {
     );
 }
 
+/// Found by the 2,000-seed run and not fixed yet: the process of `w0#1` stops for 3.7 s,
+/// `w2#3` takes the lease of `shardId-000000000008`, and `w0#1` then starts a handler
+/// call on a record of that shard. Ignored until the cause is fixed; it replays exactly.
+#[test]
+#[ignore = "seed 1533 still starts a handler call on a lease another worker took"]
+fn seed_1533_starts_no_call_on_a_taken_lease() {
+    run_seeds(
+        simulation::history::Features::of(simulation::history::DEFAULT_FEATURES),
+        &[1533],
+    );
+}
+
 /// The default features plus `run`-mode workers with per-key concurrency.
 #[test]
 fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
