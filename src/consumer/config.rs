@@ -232,6 +232,11 @@ pub struct Config {
 pub(crate) struct WallClock(Arc<dyn Fn() -> SystemTime + Send + Sync>);
 
 impl WallClock {
+    /// A clock that reads `clock`.
+    pub(crate) fn new(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        WallClock(Arc::new(clock))
+    }
+
     /// The time of day now, on this worker's clock.
     pub(crate) fn now(&self) -> SystemTime {
         (self.0)()
@@ -296,7 +301,7 @@ impl Config {
     /// pod) never mistakes the old process's leases, or its writes, for its own. The
     /// nonce comes from the operating system's random generator, whatever
     /// [`ConsumerBuilder::seed`] says: two consumers built with the same worker id and
-    /// seed are two owners. Leases an older incarnation of the same worker id
+    /// seed are two owners (unless [`ConsumerBuilder::owner_nonce`] names the nonce). Leases an older incarnation of the same worker id
     /// still holds are treated like any other worker's: taken once they expire (their
     /// counter did not move for the lease duration) or handed over on request.
     pub fn owner(&self) -> &str {
@@ -353,6 +358,7 @@ pub struct ConsumerBuilder {
     lease_call_timeout: Option<Duration>,
     read_call_timeout: Duration,
     seed: Option<u64>,
+    owner_nonce: Option<String>,
     on_event: Option<OnEvent>,
     concurrency: Concurrency,
     max_concurrent_calls: usize,
@@ -393,6 +399,7 @@ impl Default for ConsumerBuilder {
             lease_call_timeout: None,
             read_call_timeout: Duration::from_secs(10),
             seed: None,
+            owner_nonce: None,
             on_event: None,
             concurrency: Concurrency::Sequential,
             max_concurrent_calls: 1_024,
@@ -737,9 +744,34 @@ impl ConsumerBuilder {
     }
 
     /// Seeds the jitter of backoffs (default: random), for reproducible simulations. The
-    /// nonce of this incarnation's owner name is never seeded (see [`Config::owner`]).
+    /// nonce of this incarnation's owner name is never drawn from this seed (see
+    /// [`Config::owner`]); a simulation names it with [`ConsumerBuilder::owner_nonce`].
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// The nonce of this incarnation's owner name (default: six base-36 characters from
+    /// the operating system's generator; see [`Config::owner`]): 1 to 16 ASCII letters
+    /// and digits. For simulations that must replay a history exactly, which draw each
+    /// incarnation's nonce from their own seeded generator. Every incarnation of a
+    /// worker id needs a nonce of its own: two processes with one owner name would both
+    /// read and checkpoint the same shards.
+    ///
+    /// ```
+    /// # use shardflow::{Consumer, Memory};
+    /// let consumer = Consumer::builder()
+    ///     .stream("orders")
+    ///     .group("billing")
+    ///     .worker_id("billing-7")
+    ///     .backend(Memory::new())
+    ///     .owner_nonce("sim0042")
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(consumer.config().owner(), "billing-7#sim0042");
+    /// ```
+    pub fn owner_nonce(mut self, nonce: impl Into<String>) -> Self {
+        self.owner_nonce = Some(nonce.into());
         self
     }
 
@@ -761,7 +793,7 @@ impl ConsumerBuilder {
     /// assert!(consumer.is_ok());
     /// ```
     pub fn wall_clock(mut self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
-        self.wall_clock = WallClock(Arc::new(clock));
+        self.wall_clock = WallClock::new(clock);
         self
     }
 
@@ -986,6 +1018,21 @@ impl ConsumerBuilder {
             });
         }
         let seed = self.seed.unwrap_or_else(rand::random);
+        let owner = match &self.owner_nonce {
+            None => crate::lease::incarnation(&worker_id),
+            Some(nonce)
+                if (1..=16).contains(&nonce.len())
+                    && nonce.chars().all(|c| c.is_ascii_alphanumeric()) =>
+            {
+                format!("{worker_id}{}{nonce}", crate::lease::INCARNATION_SEPARATOR)
+            }
+            Some(nonce) => {
+                return Err(ConfigError::Invalid {
+                    field: "owner_nonce",
+                    reason: format!("{nonce:?} is not 1 to 16 ASCII letters and digits"),
+                })
+            }
+        };
         // The owner asked for a hand-off sees the request at its next renewal, then drains
         // for up to the shutdown timeout: a requester taking the lease sooner would read
         // the shard while the old owner still handles it.
@@ -1031,7 +1078,7 @@ impl ConsumerBuilder {
             stream,
             streams,
             group,
-            owner: crate::lease::incarnation(&worker_id),
+            owner,
             worker_id,
             lease_table,
             initial_position: self.initial_position.clone(),
@@ -1111,6 +1158,10 @@ mod tests {
             ),
             "renew_interval"
         );
+        assert_eq!(field(base().owner_nonce("")), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("a#b")), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("x".repeat(17))), "owner_nonce");
+        assert_eq!(field(base().owner_nonce("k3f9a2")), "accepted");
         assert_eq!(field(base().prefetch_batches(0)), "prefetch_batches");
         assert_eq!(field(base().read_ahead_bytes(1023)), "read_ahead_bytes");
         assert_eq!(field(base().read_ahead_bytes(u64::MAX)), "read_ahead_bytes");

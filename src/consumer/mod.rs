@@ -71,6 +71,7 @@ use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
+pub(crate) use config::WallClock;
 pub use config::{
     BalanceBy, CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder,
     InitialPosition, DEFAULT_BALANCE_TOLERANCE, DEFAULT_CHECKPOINT_INTERVAL,
@@ -437,7 +438,9 @@ impl Run {
             let run = group.run(token.clone());
             tokio::pin!(run);
             if let Some(signal) = until {
+                // Biased: a run that ended reports its own result, whatever the signal.
                 tokio::select! {
+                    biased;
                     result = &mut run => return result,
                     _ = signal => token.cancel(),
                 }

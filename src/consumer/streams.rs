@@ -116,7 +116,10 @@ impl Group {
                     tasks.spawn(async move { (stream, coordinator.run(stop).await) });
                 }
             }
+            // Biased: the shutdown first; then a new list, then a stream's coordinator
+            // that ended.
             tokio::select! {
+                biased;
                 _ = shutdown.cancelled() => break,
                 changed = watched.changed(), if list_open => {
                     // A dropped sender keeps the last list.

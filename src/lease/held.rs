@@ -107,9 +107,11 @@ impl HeldLease {
             if self.is_fresh(max_age) || self.lost.is_cancelled() {
                 return;
             }
+            // Biased, loss first: a lease lost while a renewal landed is lost.
             tokio::select! {
-                _ = renewed => {}
+                biased;
                 _ = self.lost.cancelled() => return,
+                _ = renewed => {}
             }
         }
     }

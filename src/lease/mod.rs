@@ -180,7 +180,9 @@ pub fn worker_of(owner: &str) -> &str {
 /// The owner name of one incarnation of `worker`: the worker id and a nonce of six
 /// base-36 characters drawn from the operating system's generator. Never from a
 /// configured seed: two processes started with the same worker id and the same seed
-/// must still be two owners, or both would read and checkpoint the same shards.
+/// must still be two owners, or both would read and checkpoint the same shards (a
+/// simulation names each incarnation's nonce itself, see
+/// [`ConsumerBuilder::owner_nonce`](crate::ConsumerBuilder::owner_nonce)).
 pub(crate) fn incarnation(worker: &str) -> String {
     use rand::Rng;
     const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";

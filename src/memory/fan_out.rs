@@ -66,7 +66,9 @@ impl MemSubscription {
             // Held back by the throughput limit: the records go as soon as it allows
             // (well within a heartbeat interval), and no heartbeat goes before them.
             let wake_at = self.paced_until.unwrap_or(self.heartbeat_at);
+            // Biased: records that arrived go out before a heartbeat or the end.
             tokio::select! {
+                biased;
                 changed = self.changes.changed() => {
                     if changed.is_err() {
                         return None; // the backend is gone

@@ -11,6 +11,7 @@ use rand::SeedableRng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::consumer::WallClock;
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
     ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, MAX_LARGE_RECORD_BYTES,
@@ -48,6 +49,7 @@ impl Default for MemoryKinesis {
                 latency: Duration::ZERO,
                 retention: None,
                 epoch: Instant::now(),
+                wall_clock: WallClock::default(),
                 consumers: HashMap::new(),
                 subscription_lifetime: Duration::from_secs(300),
                 max_records_per_event: 1_000,
@@ -126,6 +128,16 @@ impl MemoryKinesis {
         let mut s = lock(&self.state);
         s.rng = SmallRng::seed_from_u64(faults.seed);
         s.faults = faults;
+    }
+
+    /// The service's clock for the time of day (default: this host's wall clock): it
+    /// stamps each record's arrival, dates a new stream, judges whether an
+    /// `AT_TIMESTAMP` is in the future and which records retention keeps. A simulation
+    /// that must replay exactly sets a clock on tokio's (paused) time, e.g. a fixed
+    /// date plus the time since the simulation started; give its workers the same clock
+    /// ([`ConsumerBuilder::wall_clock`](crate::ConsumerBuilder::wall_clock)).
+    pub fn set_wall_clock(&self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) {
+        lock(&self.state).wall_clock = WallClock::new(clock);
     }
 
     /// Puts Kinesis' per-shard throughput limits in force (or switches them off, with
@@ -370,7 +382,7 @@ impl MemoryKinesis {
             StartingPosition::TrimHorizon => s.first_retained(records),
             StartingPosition::Latest => records.len(),
             StartingPosition::AtTimestamp(t) => {
-                let now = SystemTime::now();
+                let now = s.wall_clock.now();
                 if *t > now {
                     let millis = |t: SystemTime| {
                         t.duration_since(SystemTime::UNIX_EPOCH)
@@ -624,11 +636,12 @@ impl KinesisApi for MemoryKinesis {
                 });
                 continue;
             }
+            let arrival = s.wall_clock.now();
             shard.records.push(Record {
                 sequence_number: sequence_number.clone(),
                 partition_key: r.partition_key.clone(),
                 data: r.data.clone(),
-                approximate_arrival: Some(SystemTime::now()),
+                approximate_arrival: Some(arrival),
             });
             outcomes.push(PutOutcome::Stored {
                 shard_id: shard.info.shard_id.clone(),
@@ -725,7 +738,9 @@ impl StreamAdmin for MemoryKinesis {
         if s.streams.contains_key(stream) {
             return Ok(());
         }
-        let now = SystemTime::now()
+        let now = s
+            .wall_clock
+            .now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let created = match s.created.get(stream) {

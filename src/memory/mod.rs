@@ -3,8 +3,9 @@
 //! users' own handlers. It behaves like the real services where shardflow relies on
 //! them: sequence numbers, hash-key routing (MD5 of the partition key), splits and
 //! merges that close shards, iterators that expire, retention, and conditional writes.
-//! Its clock is this host's wall clock: it stamps arrival times with it, and refuses an
-//! `AT_TIMESTAMP` later than it ([`crate::kinesis::KinesisError::FutureTimestamp`]) as Kinesis does.
+//! Its clock is this host's wall clock unless one is given ([`MemoryBuilder::wall_clock`]):
+//! it stamps arrival times with it, and refuses an `AT_TIMESTAMP` later than it
+//! ([`crate::kinesis::KinesisError::FutureTimestamp`]) as Kinesis does.
 //! Faults can be switched on with a fixed seed ([`KinesisFaults`], [`LeaseFaults`]) so
 //! throttling, expired iterators and failed writes are reproducible.
 //!
@@ -82,8 +83,10 @@ pub use limits::KinesisLimits;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
 
 use crate::backend::Backend;
+use crate::consumer::WallClock;
 use crate::kinesis::{KinesisApi, StreamAdmin};
 use crate::lease::LeaseStore;
 
@@ -125,6 +128,7 @@ impl Memory {
 #[derive(Clone, Debug, Default)]
 pub struct MemoryBuilder {
     limits: KinesisLimits,
+    wall_clock: Option<WallClock>,
 }
 
 impl MemoryBuilder {
@@ -135,10 +139,35 @@ impl MemoryBuilder {
         self
     }
 
+    /// The stream service's clock for the time of day (default: this host's wall clock;
+    /// see [`MemoryKinesis::set_wall_clock`]). A simulation that must replay exactly
+    /// gives it, and its workers, a clock on tokio's paused time:
+    ///
+    /// ```
+    /// # use std::time::{Duration, SystemTime};
+    /// # use shardflow::Memory;
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let origin = tokio::time::Instant::now();
+    /// let date = SystemTime::UNIX_EPOCH + Duration::from_secs(1_780_000_000);
+    /// let memory = Memory::builder()
+    ///     .wall_clock(move || date + origin.elapsed())
+    ///     .build();
+    /// # let _ = memory;
+    /// # }
+    /// ```
+    pub fn wall_clock(mut self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        self.wall_clock = Some(WallClock::new(clock));
+        self
+    }
+
     /// The backend: no streams, no tables yet.
     pub fn build(self) -> Memory {
         let memory = Memory::new();
         memory.kinesis.set_limits(self.limits);
+        if let Some(clock) = self.wall_clock {
+            memory.kinesis.set_wall_clock(move || clock.now());
+        }
         memory
     }
 }

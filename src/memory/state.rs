@@ -3,12 +3,13 @@
 //! subscriptions (`fan_out`).
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::Rng;
 use tokio::time::Instant;
 
+use crate::consumer::WallClock;
 use crate::kinesis::{Record, ShardInfo};
 
 use super::faults::KinesisFaults;
@@ -41,6 +42,10 @@ pub(super) struct KinesisState {
     /// [`MemoryKinesis::set_latency`](super::MemoryKinesis::set_latency)).
     pub(super) latency: Duration,
     pub(super) epoch: Instant,
+    /// The service's time of day: it stamps arrivals, dates streams and judges
+    /// AT_TIMESTAMP and retention (see
+    /// [`MemoryKinesis::set_wall_clock`](super::MemoryKinesis::set_wall_clock)).
+    pub(super) wall_clock: WallClock,
     /// Registered enhanced fan-out consumers: ARN to stream name.
     pub(super) consumers: HashMap<String, String>,
     pub(super) subscription_lifetime: Duration,
@@ -79,7 +84,9 @@ impl KinesisState {
     pub(super) fn first_retained(&self, records: &[Record]) -> usize {
         match (
             self.retention,
-            SystemTime::now().checked_sub(self.retention.unwrap_or_default()),
+            self.wall_clock
+                .now()
+                .checked_sub(self.retention.unwrap_or_default()),
         ) {
             (Some(_), Some(cutoff)) => {
                 records.partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff))

@@ -24,6 +24,13 @@
 //! replays one seed (`SHARDFLOW_SIM_FIRST_SEED=K` starts the range of
 //! `SHARDFLOW_SIM_SEEDS` there), `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `simulation/history.rs`).
+//!
+//! A seed replays exactly: every history runs on tokio's paused clock in a runtime of
+//! its own, its workers' owner nonces come from a generator seeded by the seed, the
+//! embedded backend and the workers read a wall clock on simulated time, every
+//! `select` on the consumer's path is biased, and each fault kind draws from a
+//! generator of its own. `a_seed_replays_the_same_history` runs seeds twice with every
+//! feature on and compares the two histories event by event.
 
 mod simulation;
 
@@ -272,6 +279,18 @@ fn a_process_frozen_mid_batch_starts_no_call_on_a_taken_lease() {
     );
 }
 
+/// Found by the 2,000-seed run and not fixed yet: the process of `w0#1` stops for 3.7 s,
+/// `w2#3` takes the lease of `shardId-000000000008`, and `w0#1` then starts a handler
+/// call on a record of that shard. Ignored until the cause is fixed; it replays exactly.
+#[test]
+#[ignore = "seed 1533 still starts a handler call on a lease another worker took"]
+fn seed_1533_starts_no_call_on_a_taken_lease() {
+    run_seeds(
+        simulation::history::Features::of(simulation::history::DEFAULT_FEATURES),
+        &[1533],
+    );
+}
+
 /// The default features plus `run`-mode workers with per-key concurrency.
 #[test]
 fn generated_histories_with_per_key_concurrency_keep_the_invariants() {
@@ -304,6 +323,80 @@ fn generated_histories_with_poison_batches_keep_the_invariants() {
 fn generated_histories_with_clock_skew_keep_the_invariants() {
     let features = simulation::history::Features::parse("+clock-skew,-at-timestamp").unwrap();
     run_generated(features, DEFAULT_GENERATED_SEEDS / 3);
+}
+
+/// Seeds replayed twice by `a_seed_replays_the_same_history`.
+const REPLAYED_SEEDS: &[u64] = &[3, 29, 151];
+
+/// A failing seed replays exactly: the same seed, run twice with every feature on (every
+/// fault kind, freezes, kills, clock skew, stream mode, per-key concurrency), gives the
+/// same history, event by event and at the same simulated times: handler calls, lease
+/// takes, renewals, checkpoints and refusals, and the generator's own steps.
+#[test]
+fn a_seed_replays_the_same_history() {
+    let features = simulation::history::Features::of(&simulation::history::Feature::ALL);
+    for &seed in REPLAYED_SEEDS {
+        let (first, second) = std::thread::scope(|scope| {
+            let a = scope.spawn(|| traced_history(seed, features));
+            let b = scope.spawn(|| traced_history(seed, features));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        if first.digest != second.digest {
+            let at = first
+                .trace
+                .iter()
+                .zip(&second.trace)
+                .position(|(a, b)| a != b)
+                .unwrap_or(first.trace.len().min(second.trace.len()));
+            let line = |t: &[String]| t.get(at).cloned().unwrap_or_else(|| "(end)".into());
+            panic!(
+                "seed {seed} replayed differently: digests {:x} and {:x}, {} and {} events; \
+                 first difference at event {at}:\n  {}\n  {}",
+                first.digest,
+                second.digest,
+                first.trace.len(),
+                second.trace.len(),
+                line(&first.trace),
+                line(&second.trace)
+            );
+        }
+        assert!(
+            first.trace.iter().any(|l| l.contains(" checkpoint ")),
+            "seed {seed}: the history has no checkpoint to compare"
+        );
+        println!(
+            "seed {seed}: {} events replayed identically (digest {:x}), outcome {}",
+            first.trace.len(),
+            first.digest,
+            first.outcome
+        );
+    }
+}
+
+/// One run of a seed's history, in a runtime of its own.
+struct Traced {
+    trace: Vec<String>,
+    digest: u64,
+    outcome: String,
+}
+
+fn traced_history(seed: u64, features: simulation::history::Features) -> Traced {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let (outcome, log) = runtime.block_on(simulation::simulate_traced(seed, features));
+    drop(runtime);
+    let trace = log.trace.lock().unwrap().clone();
+    Traced {
+        digest: log.digest(),
+        trace,
+        outcome: match outcome {
+            Ok(_) => "ok".to_owned(),
+            Err(e) => format!("failed: {}", e.lines().next().unwrap_or_default()),
+        },
+    }
 }
 
 /// Runs the generated histories of `features` for `SHARDFLOW_SIM_SEED` (one seed),

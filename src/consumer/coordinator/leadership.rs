@@ -340,6 +340,7 @@ pub(super) async fn renew_leadership(
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }

@@ -305,6 +305,7 @@ impl Coordinator {
                 // A shutdown does not wait for a start-up call (each has a deadline,
                 // some of minutes: a table or fan-out consumer being created).
                 let attempt = tokio::select! {
+                    biased;
                     _ = shutdown.cancelled() => return Ok(()),
                     attempt = self.start_up() => attempt,
                 };
@@ -314,6 +315,7 @@ impl Coordinator {
                         let delay = backoff.next_delay();
                         tracing::warn!(error = %e, ?delay, "start-up call failed; retrying");
                         tokio::select! {
+                            biased;
                             _ = shutdown.cancelled() => return Ok(()),
                             _ = tokio::time::sleep(delay) => {}
                         }

@@ -56,7 +56,11 @@ pub(super) async fn renew_loop(
     let labels = Arc::new(config.labels());
     let worker_load = labels.gauge(WORKER_LOAD_BYTES);
     loop {
+        // Biased (a replay takes the same branch): the shutdown first, then the renewals
+        // that finished, booked before a tick picks which leases are due and not in
+        // flight.
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => return,
             Some(done) = renewals.join_next() => {
                 if let Ok(key) = done {

@@ -221,6 +221,7 @@ impl ShardTask {
                     let delay = failure_backoff.next_delay();
                     tracing::warn!(shard = %shard_id, checkpoint = %committed, ?delay, "a handler failed; reading again from the checkpoint after a pause");
                     tokio::select! {
+                        biased;
                         _ = self.lease.lost().cancelled() => return ShardExit::Lost,
                         _ = self.stop.cancelled() => return ShardExit::Stopped,
                         _ = tokio::time::sleep(delay) => {}
@@ -294,6 +295,7 @@ impl ShardTask {
             let delay = backoff.next_delay();
             tracing::warn!(error = %failure, ?delay, "the shard's start is not durable yet; retrying before reading");
             tokio::select! {
+                biased;
                 _ = self.lease.lost().cancelled() => return Err(ShardExit::Lost),
                 _ = self.stop.cancelled() => return Err(ShardExit::Stopped),
                 _ = tokio::time::sleep(delay) => {}
@@ -310,14 +312,18 @@ impl ShardTask {
             if open == 0 {
                 return;
             }
+            // Biased, in this order: a lost lease ends the wait (nothing can be
+            // committed), work that finished counts before the deadline is judged, and a
+            // stuck shard is reported before the drain gives up on it.
             tokio::select! {
+                biased;
+                _ = self.lease.lost().cancelled() => return,
                 _ = progress.changed.notified() => {}
                 _ = stuck.tick.tick() => stuck.check(self, progress),
                 _ = tokio::time::sleep_until(deadline) => {
                     tracing::warn!(open, "in-flight batches did not finish before the timeout; they will be delivered again");
                     return;
                 }
-                _ = self.lease.lost().cancelled() => return,
             }
         }
     }

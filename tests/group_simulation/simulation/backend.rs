@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::FutureExt;
@@ -21,7 +21,7 @@ use shardflow::kinesis::{
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
 use shardflow::{Backend, Memory};
 use testkit::hooks::{Forward, ForwardKinesis, ForwardStore, Hooked, Hooks};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 use super::history::{Feature, Features};
 use super::log::{Commit, Log, Take};
@@ -38,32 +38,40 @@ fn was_cut<T>(result: &Result<T, LeaseError>) -> bool {
     matches!(result, Err(LeaseError::Other(detail)) if detail.as_str() == CUT)
 }
 
-/// Freezing and killing one worker incarnation.
+/// Freezing and killing one worker incarnation. Not a `watch` channel: tokio's watch
+/// spreads its waiters over several queues picked at random, so the calls and handlers
+/// waiting at a frozen gate would resume in a different order on every run; a `Notify`
+/// wakes them in the order they came.
 pub struct Control {
-    frozen: watch::Sender<bool>,
+    frozen: AtomicBool,
+    thawed: Notify,
     dead: AtomicBool,
 }
 
 impl Control {
     pub fn new() -> Arc<Self> {
         Arc::new(Control {
-            frozen: watch::channel(false).0,
+            frozen: AtomicBool::new(false),
+            thawed: Notify::new(),
             dead: AtomicBool::new(false),
         })
     }
 
     pub fn freeze(&self, frozen: bool) {
-        self.frozen.send_replace(frozen);
+        self.frozen.store(frozen, Ordering::SeqCst);
+        if !frozen {
+            self.thawed.notify_waiters();
+        }
     }
 
     pub fn is_frozen(&self) -> bool {
-        *self.frozen.borrow()
+        self.frozen.load(Ordering::SeqCst)
     }
 
     /// The process is gone: none of its calls ever lands again.
     pub fn kill(&self) {
         self.dead.store(true, Ordering::SeqCst);
-        self.frozen.send_replace(false);
+        self.freeze(false);
     }
 
     pub fn is_dead(&self) -> bool {
@@ -72,10 +80,52 @@ impl Control {
 
     /// Waits while frozen; never returns once dead.
     pub async fn gate(&self) {
-        let mut rx = self.frozen.subscribe();
-        let _ = rx.wait_for(|frozen| !frozen).await;
+        loop {
+            let thawed = self.thawed.notified();
+            tokio::pin!(thawed);
+            // Registered before the look, so a thaw in between is not missed.
+            thawed.as_mut().enable();
+            if !self.is_frozen() {
+                break;
+            }
+            thawed.await;
+        }
         if self.is_dead() {
             std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The fault generators of one [`SimBackend`]: one per fault kind it injects.
+struct FaultRngs {
+    hung_calls: Mutex<SmallRng>,
+    stale_list_shards: Mutex<SmallRng>,
+    missing_next_iterator: Mutex<SmallRng>,
+    ambiguous_put: Mutex<SmallRng>,
+}
+
+impl FaultRngs {
+    fn new(seed: u64) -> Self {
+        // Each kind's stream of draws from the seed and a constant of its own.
+        let rng = |kind: u64| Mutex::new(SmallRng::seed_from_u64(seed ^ kind));
+        FaultRngs {
+            hung_calls: rng(0x4a96_c411),
+            stale_list_shards: rng(0x57a1_e115),
+            missing_next_iterator: rng(0x0e27_17e4),
+            ambiguous_put: rng(0xa3b1_9b07),
+        }
+    }
+
+    /// The generator of `feature`'s fault.
+    fn of(&self, feature: Feature) -> &Mutex<SmallRng> {
+        match feature {
+            Feature::HungCalls => &self.hung_calls,
+            Feature::StaleListShards => &self.stale_list_shards,
+            Feature::MissingNextIteratorAnywhere => &self.missing_next_iterator,
+            Feature::AmbiguousPut => &self.ambiguous_put,
+            // Not a fault of this wrapper: `chance` never draws for it with the
+            // feature off, and no caller asks for it.
+            other => unreachable!("SimBackend injects no {} fault", other.name()),
         }
     }
 }
@@ -90,7 +140,9 @@ pub struct SimBackend {
     pub control: Arc<Control>,
     pub log: Arc<Log>,
     pub features: Features,
-    rng: Arc<Mutex<SmallRng>>,
+    /// One generator per fault kind, each derived from the seed: switching one kind on
+    /// or adding a draw to it leaves every other kind's draws as they were.
+    rngs: Arc<FaultRngs>,
     last_list: Arc<Mutex<Option<Vec<ShardInfo>>>>,
 }
 
@@ -114,13 +166,15 @@ impl SimBackend {
             control,
             log,
             features,
-            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+            rngs: Arc::new(FaultRngs::new(seed)),
             last_list: Arc::new(Mutex::new(None)),
         }
     }
 
+    /// Draws, with probability `p`, whether `feature`'s fault happens (never without
+    /// the feature: then nothing is drawn).
     fn chance(&self, feature: Feature, p: f64) -> bool {
-        self.features.has(feature) && self.rng.lock().unwrap().gen_bool(p)
+        self.features.has(feature) && self.rngs.of(feature).lock().unwrap().gen_bool(p)
     }
 
     /// Waits while frozen (forever once dead); then maybe hangs, up to [`HUNG_CAP`].
@@ -250,14 +304,15 @@ impl ForwardKinesis for SimKinesis {
         let previous = backend.last_list.lock().unwrap().replace(fresh.clone());
         if backend.chance(Feature::StaleListShards, 0.08) {
             backend.log.stale_lists.fetch_add(1, Ordering::SeqCst);
-            let coin = backend.rng.lock().unwrap().gen_bool(0.5);
+            let rng = backend.rngs.of(Feature::StaleListShards);
+            let coin = rng.lock().unwrap().gen_bool(0.5);
             match previous {
                 // An old shard list: the answer of the previous call.
                 Some(old) if coin => return Ok(old),
                 // One shard omitted, once.
                 _ if !fresh.is_empty() => {
                     let mut answer = fresh;
-                    let i = backend.rng.lock().unwrap().gen_range(0..answer.len());
+                    let i = rng.lock().unwrap().gen_range(0..answer.len());
                     answer.remove(i);
                     return Ok(answer);
                 }
@@ -337,9 +392,13 @@ impl SimStore {
         let log = &self.backend.log;
         let before_first_checkpoint = !matches!(row.checkpoint, Checkpoint::At(_))
             && expected.owner.as_deref().is_some_and(|o| o != owner);
+        log.trace(format_args!(
+            "take {} {} by {owner} counter {} at {}",
+            self.backend.incarnation, row.key, row.counter, row.checkpoint
+        ));
         log.takes.lock().unwrap().push(Take {
             at: log.tick(),
-            time: SystemTime::now(),
+            time: log.wall_time(),
             key: shard_of(&row.key),
             owner: owner.to_owned(),
             before_first_checkpoint,
@@ -350,6 +409,7 @@ impl SimStore {
     fn note_refusal<T>(&self, result: &Result<T, LeaseError>) {
         if matches!(result, Err(LeaseError::Conflict(_))) {
             let log = &self.backend.log;
+            log.trace(format_args!("refused {}", self.backend.incarnation));
             let at = log.tick();
             log.refused
                 .lock()
@@ -360,6 +420,13 @@ impl SimStore {
 
     fn log_commit(&self, row: &Lease, checkpoint: &Checkpoint, ambiguous: bool) {
         let log = &self.backend.log;
+        log.trace(format_args!(
+            "checkpoint {} {} by {} counter {} at {checkpoint} ambiguous {ambiguous}",
+            self.backend.incarnation,
+            row.key,
+            row.owner.as_deref().unwrap_or_default(),
+            row.counter
+        ));
         log.commits.lock().unwrap().push(Commit {
             at: log.tick(),
             // The owner name the write was fenced on (worker id and the process's nonce).
@@ -427,6 +494,12 @@ impl ForwardStore for SimStore {
     }
     async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
         let result = self.gated.renew(expected).await;
+        if let Ok(row) = &result {
+            self.backend.log.trace(format_args!(
+                "renew {} {} counter {}",
+                self.backend.incarnation, row.key, row.counter
+            ));
+        }
         self.note_refusal(&result);
         result
     }
@@ -470,6 +543,10 @@ impl ForwardStore for SimStore {
                 .is_some_and(|row| row.checkpoint == *to && row.reset_to.is_none());
         if landed {
             let log = &self.backend.log;
+            log.trace(format_args!(
+                "reset {} {} to {to}",
+                self.backend.incarnation, expected.key
+            ));
             let at = log.tick();
             log.resets
                 .lock()

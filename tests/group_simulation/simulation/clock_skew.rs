@@ -1,6 +1,6 @@
 //! The clock-skew fault: each worker's wall clock is off by an amount drawn for its
 //! incarnation, up to [`MAX_SKEW`] ahead of or behind the host's (whose clock the
-//! embedded Kinesis stamps arrivals with). Only LATEST's start reads that clock; the
+//! embedded Kinesis stamps arrivals with; the simulated wall clock). Only LATEST's start reads that clock; the
 //! no-loss invariant over LATEST then says a clock ahead skipped nothing.
 
 use std::time::{Duration, SystemTime};
@@ -20,13 +20,17 @@ impl ClockSkews {
         ClockSkews(SmallRng::seed_from_u64(seed ^ 0xc10c_5ce3))
     }
 
-    /// The next worker's skew in milliseconds (negative: behind) and its wall clock.
-    pub fn next_clock(&mut self) -> (i64, impl Fn() -> SystemTime + Send + Sync + 'static) {
+    /// The next worker's skew in milliseconds (negative: behind) and its wall clock:
+    /// `host` (the simulated wall clock) shifted by the skew.
+    pub fn next_clock(
+        &mut self,
+        host: impl Fn() -> SystemTime + Send + Sync + 'static,
+    ) -> (i64, impl Fn() -> SystemTime + Send + Sync + 'static) {
         let max = i64::try_from(MAX_SKEW.as_millis()).unwrap_or(i64::MAX);
         let skew = self.0.gen_range(-max..=max);
         let offset = Duration::from_millis(skew.unsigned_abs());
         let clock = move || {
-            let now = SystemTime::now();
+            let now = host();
             if skew >= 0 {
                 now + offset
             } else {

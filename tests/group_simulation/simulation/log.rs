@@ -2,9 +2,10 @@
 //! "handled before checkpointed" and "delivered in order within a tenure" can be checked.
 
 use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::SystemTime;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
@@ -47,9 +48,21 @@ pub struct Commit {
     pub ambiguous: bool,
 }
 
+/// The time of day at which every history starts on the simulated wall clock, in
+/// seconds after the Unix epoch (a day in 2026).
+pub const SIM_EPOCH_SECS: u64 = 1_780_000_000;
+
 #[derive(Default)]
 pub struct Log {
     ticks: AtomicU64,
+    /// When the history started on tokio's clock (set by [`Log::start`]): the trace's
+    /// timestamps are simulated time since then.
+    origin: OnceLock<Instant>,
+    /// The ordered history a replay must repeat exactly, one line an event, each with
+    /// its simulated time: handler calls and handled records, lease takes, renewals,
+    /// checkpoints, refusals, resets and deletions that landed, and the generator's
+    /// notes. See [`Log::digest`].
+    pub trace: Mutex<Vec<String>>,
     /// Handler calls as the library started them (before the handler's own gate): a
     /// record (run mode), a batch (`run_batches`, stream mode: handed out).
     pub calls: Mutex<Vec<Event>>,
@@ -102,6 +115,38 @@ impl Log {
         self.ticks.fetch_add(1, Ordering::SeqCst)
     }
 
+    /// Starts the trace's clock at tokio's now (the first call wins).
+    pub fn start(&self) {
+        self.origin.get_or_init(Instant::now);
+    }
+
+    /// Simulated time since [`Log::start`].
+    pub fn elapsed(&self) -> Duration {
+        self.origin.get_or_init(Instant::now).elapsed()
+    }
+
+    /// The simulated wall clock: [`SIM_EPOCH_SECS`] after the Unix epoch plus the
+    /// simulated time since [`Log::start`]. The embedded backend stamps arrivals with it
+    /// and the workers read it (shifted by their skew), so no time of day comes from the
+    /// host and a seed replays exactly.
+    pub fn wall_time(&self) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(SIM_EPOCH_SECS) + self.elapsed()
+    }
+
+    /// Appends one event to the trace, stamped with the simulated time.
+    pub fn trace(&self, line: std::fmt::Arguments<'_>) {
+        let at = self.elapsed().as_micros();
+        self.trace.lock().unwrap().push(format!("{at:>12} {line}"));
+    }
+
+    /// A hash of the whole trace, in order: two runs of one seed must give the same.
+    pub fn digest(&self) -> u64 {
+        // `DefaultHasher::new()` has fixed keys: the same lines give the same digest.
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.trace.lock().unwrap().hash(&mut hasher);
+        hasher.finish()
+    }
+
     fn event(&self, incarnation: &str, msg: &Message) -> Event {
         Event {
             at: self.tick(),
@@ -112,19 +157,29 @@ impl Log {
         }
     }
 
+    fn trace_event(&self, what: &str, e: &Event) {
+        self.trace(format_args!(
+            "{what} {} {} {}",
+            e.incarnation, e.shard, e.sequence
+        ));
+    }
+
     /// The library starts a handler call on `msg` (the first record of a batch).
     pub fn call(&self, incarnation: &str, msg: &Message) {
         let e = self.event(incarnation, msg);
+        self.trace_event("call", &e);
         self.calls.lock().unwrap().push(e);
     }
 
     pub fn deliver(&self, incarnation: &str, msg: &Message) {
         let e = self.event(incarnation, msg);
+        self.trace_event("deliver", &e);
         self.delivered.lock().unwrap().push(e);
     }
 
     pub fn handle(&self, incarnation: &str, msg: &Message) {
         let e = self.event(incarnation, msg);
+        self.trace_event("handle", &e);
         self.last_handled
             .lock()
             .unwrap()
@@ -134,6 +189,7 @@ impl Log {
 
     /// One line of the history, printed when a seed fails.
     pub fn note(&self, line: String) {
+        self.trace(format_args!("note {line}"));
         self.history.lock().unwrap().push(line);
     }
 }

@@ -213,6 +213,10 @@ struct Sim {
     decided_start: Arc<Mutex<Option<Start>>>,
     /// The workers' wall clocks (feature `clock-skew`).
     clock_skews: clock_skew::ClockSkews,
+    /// The owner nonces of the incarnations, from a generator of their own: a replay
+    /// gives every incarnation the owner name it had, and the other draws stay as they
+    /// were.
+    nonces: SmallRng,
 }
 
 /// The messages of the panics the generator's handlers and hooks raise on purpose.
@@ -239,40 +243,62 @@ fn quiet_intended_panics() {
 
 /// Runs one history and checks the invariants; `Err` says which one failed and how.
 pub async fn simulate(seed: u64, features: Features) -> Result<Stats, String> {
+    simulate_traced(seed, features).await.0
+}
+
+/// [`simulate`], with the history's log: its trace (see [`Log::trace`]) is what a
+/// replay of the seed must repeat.
+pub async fn simulate_traced(seed: u64, features: Features) -> (Result<Stats, String>, Arc<Log>) {
     quiet_intended_panics();
     let mut sim = Sim::new(seed, features).await;
-    let done = Arc::new(AtomicBool::new(false));
-    let watch = tokio::spawn(watch_progress(
-        sim.memory.clone(),
-        sim.log.clone(),
-        sim.probes.clone(),
-        sim.decided_start.clone(),
-        done.clone(),
-    ));
-    let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
-    done.store(true, Ordering::SeqCst);
-    let stalled = watch
-        .await
-        .map_err(|e| format!("the progress watch panicked: {e}"))?;
-    let history = sim.log.history.lock().unwrap().join("\n  ");
-    match outcome {
-        Err(_) => Err(format!(
+    let outcome = sim.play().await;
+    (outcome, sim.log.clone())
+}
+
+impl Sim {
+    /// Runs the history with the progress watch beside it, then checks the invariants.
+    async fn play(&mut self) -> Result<Stats, String> {
+        let sim = self;
+        let done = Arc::new(AtomicBool::new(false));
+        let watch = tokio::spawn(watch_progress(
+            sim.memory.clone(),
+            sim.log.clone(),
+            sim.probes.clone(),
+            sim.decided_start.clone(),
+            done.clone(),
+        ));
+        let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
+        done.store(true, Ordering::SeqCst);
+        let stalled = watch
+            .await
+            .map_err(|e| format!("the progress watch panicked: {e}"))?;
+        let history = sim.log.history.lock().unwrap().join("\n  ");
+        match outcome {
+            Err(_) => Err(format!(
             "history did not end within {HISTORY_BOUND:?} of simulated time (a hang)\n  {history}"
         )),
-        Ok(Err(e)) => Err(format!("{e}\n  {history}")),
-        Ok(Ok(())) => {
-            stalled.map_err(|e| format!("{e}\n  {history}"))?;
-            invariants::check(&sim.memory, &sim.log, &sim.start)
-                .map_err(|e| format!("{e}\n  {history}"))?;
-            Ok(sim.finish_stats())
+            Ok(Err(e)) => Err(format!("{e}\n  {history}")),
+            Ok(Ok(())) => {
+                stalled.map_err(|e| format!("{e}\n  {history}"))?;
+                invariants::check(&sim.memory, &sim.log, &sim.start)
+                    .map_err(|e| format!("{e}\n  {history}"))?;
+                Ok(sim.finish_stats())
+            }
         }
     }
 }
 
 impl Sim {
     async fn new(seed: u64, features: Features) -> Sim {
-        let memory = Memory::new();
         let log = Arc::new(Log::default());
+        log.start();
+        // The service's time of day is the simulated one (see `Log::wall_time`).
+        let memory = {
+            let log = log.clone();
+            Memory::builder()
+                .wall_clock(move || log.wall_time())
+                .build()
+        };
         let mut rng = SmallRng::seed_from_u64(seed);
         memory.streams().set_faults(KinesisFaults {
             throttle: 0.05,
@@ -321,6 +347,7 @@ impl Sim {
             next_value: 0,
             incarnations: 0,
             clock_skews: clock_skew::ClockSkews::new(seed),
+            nonces: SmallRng::seed_from_u64(seed ^ 0x0_0ce5),
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
@@ -455,13 +482,23 @@ impl Sim {
         } else {
             Consumer::builder().stream(STREAM)
         };
+        // Every worker reads the simulated wall clock, shifted by its skew if any.
+        let host = {
+            let log = self.log.clone();
+            move || log.wall_time()
+        };
         let builder = if self.features.has(Feature::ClockSkew) {
-            let (skew, clock) = self.clock_skews.next_clock();
+            let (skew, clock) = self.clock_skews.next_clock(host);
             self.note(format!("{incarnation}'s wall clock is {skew} ms off"));
             builder.wall_clock(clock)
         } else {
-            builder
+            builder.wall_clock(host)
         };
+        const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+        let nonce: String = (0..6)
+            .map(|_| char::from(DIGITS[self.nonces.gen_range(0..DIGITS.len())]))
+            .collect();
+        let builder = builder.owner_nonce(nonce);
         // Decided without the generator's random numbers: the histories stay the same.
         let builder = if self.features.has(Feature::HookPanics) && self.incarnations % 2 == 1 {
             builder.on_event(|_| panic!("{}", INTENDED_PANICS[1]))
@@ -603,7 +640,10 @@ impl Sim {
                 let _running = running;
                 loop {
                     *health.lock().unwrap() = Some(run.health());
+                    // Biased, as every select on the simulated path: a replay takes
+                    // the same branch.
                     tokio::select! {
+                        biased;
                         result = &mut run => return result.map_err(|e| e.to_string()),
                         _ = tokio::time::sleep(LOOK_EVERY) => {}
                     }
@@ -668,7 +708,7 @@ impl Sim {
                 // The timestamp falls before a reshard, so a shard closed before the
                 // group first syncs still holds records at or after it.
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                self.start = Start::AtTimestamp(SystemTime::now());
+                self.start = Start::AtTimestamp(self.log.wall_time());
                 let n = self.rng.gen_range(20..100);
                 self.produce(n).await;
                 if self.features.has(Feature::Reshard) {
