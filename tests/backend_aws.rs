@@ -739,7 +739,8 @@ async fn leader_item_is_fenced(state: &dyn shardflow::lease::CoordinatorState) {
 #[tokio::test]
 async fn a_new_group_keeps_its_leader_in_its_lease_table() {
     use aws_sdk_dynamodb::types::AttributeValue;
-    use shardflow::lease::dynamo::{ENTITY_TYPE, LEADER_ENTITY_TYPE, LEADER_ROW_KEY};
+    use shardflow::lease::dynamo::{LEADER_ENTITY_TYPE, LEADER_ROW_KEY};
+    use shardflow::lease::entity::ENTITY_TYPE;
     let Some(aws) = aws().await else { return };
     within(async {
         let table = unique("leases");
