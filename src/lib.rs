@@ -65,6 +65,7 @@ pub mod admin;
 pub mod aggregation;
 pub mod backend;
 pub mod backoff;
+mod clock;
 pub mod consumer;
 mod error;
 pub mod headers;

@@ -15,8 +15,6 @@ use std::time::Duration;
 
 use ::metrics::{Counter, Gauge, Histogram, Label};
 
-use crate::lease::meter::Rates;
-
 /// Gauge, per shard: `MillisBehindLatest` of the shard's last read.
 pub const MILLIS_BEHIND_LATEST: &str = "shardflow_millis_behind_latest";
 /// Counter, per shard: records acknowledged (handled).
@@ -166,15 +164,15 @@ impl Labels {
     }
 
     /// Sets `shard`'s throughput gauges ([`SHARD_THROUGHPUT_BYTES`],
-    /// [`SHARD_THROUGHPUT_RECORDS`]).
-    pub(crate) fn shard_throughput(&self, shard: &str, rates: Rates) {
+    /// [`SHARD_THROUGHPUT_RECORDS`]): `bytes` and `records` per second.
+    pub(crate) fn shard_throughput(&self, shard: &str, bytes: f64, records: f64) {
         let labels = || {
             let mut l = self.with(&[]);
             l.push(Label::new("shard", shard.to_owned()));
             l
         };
-        ::metrics::gauge!(SHARD_THROUGHPUT_BYTES, labels()).set(rates.bytes_per_second);
-        ::metrics::gauge!(SHARD_THROUGHPUT_RECORDS, labels()).set(rates.records_per_second);
+        ::metrics::gauge!(SHARD_THROUGHPUT_BYTES, labels()).set(bytes);
+        ::metrics::gauge!(SHARD_THROUGHPUT_RECORDS, labels()).set(records);
     }
 
     /// Counts one remote call (and a throttled answer) of `service`.

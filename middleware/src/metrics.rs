@@ -6,19 +6,17 @@
 //! Labels: `stream` (the record's stream) and `reason`; no `shard` and no record data, so
 //! the number of series stays with the streams and the three reasons.
 
-use crate::dead_letter::Reason;
-
 /// Counter, labels `stream` and `reason` (`failed_alone`, `too_old`,
 /// `attempts_exhausted`): records a dead-letter sink accepted, from the
 /// [`dead_letter`](crate::dead_letter) layer and [`bisect`](crate::bisect).
 pub const DEAD_LETTERS: &str = "shardflow_dead_letters_total";
 
-/// Counts one record a sink accepted.
-pub(crate) fn dead_lettered(stream: &std::sync::Arc<str>, reason: Reason) {
+/// Counts one record a sink accepted, for `reason` (a dead-letter `Reason`'s `as_str`).
+pub(crate) fn dead_lettered(stream: &std::sync::Arc<str>, reason: &'static str) {
     ::metrics::counter!(
         DEAD_LETTERS,
         "stream" => stream.clone(),
-        "reason" => reason.as_str(),
+        "reason" => reason,
     )
     .increment(1);
 }

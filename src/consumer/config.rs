@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use super::events::{OnEvent, ShardEvent};
 use crate::aggregation::MisplacedUserRecords;
 use crate::backend::Backend;
+use crate::clock::WallClock;
 pub use crate::error::ConfigError;
 use crate::headers::HeaderFormat;
 use crate::metrics::Labels;
@@ -224,35 +225,6 @@ pub struct Config {
     pub(crate) header_format: HeaderFormat,
     pub(crate) misplaced_user_records: MisplacedUserRecords,
     pub(crate) wall_clock: WallClock,
-}
-
-/// The wall clock a worker reads where it needs the time of day (see
-/// [`ConsumerBuilder::wall_clock`]).
-#[derive(Clone)]
-pub(crate) struct WallClock(Arc<dyn Fn() -> SystemTime + Send + Sync>);
-
-impl WallClock {
-    /// A clock that reads `clock`.
-    pub(crate) fn new(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
-        WallClock(Arc::new(clock))
-    }
-
-    /// The time of day now, on this worker's clock.
-    pub(crate) fn now(&self) -> SystemTime {
-        (self.0)()
-    }
-}
-
-impl Default for WallClock {
-    fn default() -> Self {
-        WallClock(Arc::new(SystemTime::now))
-    }
-}
-
-impl std::fmt::Debug for WallClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<wall clock>")
-    }
 }
 
 impl Config {

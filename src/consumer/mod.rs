@@ -71,7 +71,6 @@ use crate::kinesis::{KinesisApi, KinesisError};
 use crate::lease::{LeaseError, LeaseStore};
 use crate::message::{Batch, Message};
 
-pub(crate) use config::WallClock;
 pub use config::{
     BalanceBy, CheckpointPolicy, Concurrency, Config, ConfigError, ConsumerBuilder,
     InitialPosition, DEFAULT_BALANCE_TOLERANCE, DEFAULT_CHECKPOINT_INTERVAL,

@@ -11,7 +11,7 @@ use rand::SeedableRng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::consumer::WallClock;
+use crate::clock::WallClock;
 use crate::kinesis::{
     partition_hash, KinesisApi, KinesisError, PutOutcome, PutRecord, Record, RecordsPage,
     ShardInfo, StartingPosition, StreamAdmin, StreamIdentity, Subscription, MAX_LARGE_RECORD_BYTES,

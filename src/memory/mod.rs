@@ -86,7 +86,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use crate::backend::Backend;
-use crate::consumer::WallClock;
+use crate::clock::WallClock;
 use crate::kinesis::{KinesisApi, StreamAdmin};
 use crate::lease::LeaseStore;
 

@@ -9,7 +9,7 @@ use rand::rngs::SmallRng;
 use rand::Rng;
 use tokio::time::Instant;
 
-use crate::consumer::WallClock;
+use crate::clock::WallClock;
 use crate::kinesis::{Record, ShardInfo};
 
 use super::faults::KinesisFaults;

@@ -685,7 +685,7 @@ where
                 reason = reason.as_str(),
                 "dead-lettered"
             );
-            crate::metrics::dead_lettered(&message.metadata.stream, reason);
+            crate::metrics::dead_lettered(&message.metadata.stream, reason.as_str());
             self.outcome.dead_lettered += 1;
             self.acknowledge_through(message.position());
         }

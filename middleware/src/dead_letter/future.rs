@@ -217,7 +217,7 @@ where
                                 reason = Reason::FailedAlone.as_str(),
                                 "dead-lettered",
                             );
-                            crate::metrics::dead_lettered(stream, Reason::FailedAlone);
+                            crate::metrics::dead_lettered(stream, Reason::FailedAlone.as_str());
                             Ok(DeadLetterOutcome::DeadLettered)
                         }
                         Err(e) => Err(Box::new(DeadLetterError {

@@ -109,7 +109,11 @@ pub(super) async fn renew_loop(
                     Ok(row) => {
                         health.lease_table_ok();
                         if let Some(rates) = lease.throughput() {
-                            labels.shard_throughput(&key, rates);
+                            labels.shard_throughput(
+                                &key,
+                                rates.bytes_per_second,
+                                rates.records_per_second,
+                            );
                         }
                         if row.reset_to.is_some() {
                             let _ = events.send(Event::ResetRequested(key.clone()));
