@@ -247,8 +247,10 @@ async fn single_table() {
         );
         assert_eq!(rows[key].len(), entity.len(), "{key}: {:?}", rows[key]);
     }
-    // Nothing else than its rows and one lease per shard.
-    assert_eq!(rows.len(), entities.len() + shards.len(), "{rows:?}");
+    // Nothing else than its rows, one lease per shard and shardflow's leader row,
+    // released, of an `entityType` the KCL 3.5 reads as no lease.
+    assert_released_leader_row(&rows);
+    assert_eq!(rows.len(), entities.len() + shards.len() + 1, "{rows:?}");
     for (i, shard) in shards.iter().enumerate() {
         let item = &rows[&shard.shard_id];
         assert_kcl_reads(item);
@@ -493,7 +495,8 @@ async fn multi_stream() {
     assert!(twice.is_empty(), "delivered twice: {twice:?}");
 
     let rows = scan(&aws, &table).await;
-    assert_eq!(rows.len(), stored.len(), "{rows:?}");
+    assert_released_leader_row(&rows);
+    assert_eq!(rows.len(), stored.len() + 1, "{rows:?}");
     for entity in &entities {
         let Some(AttributeValue::S(key)) = entity.get("leaseKey") else {
             unreachable!()
@@ -515,4 +518,20 @@ async fn multi_stream() {
             .unwrap();
         assert_eq!(item["checkpoint"], s(&last.1), "{item:?}");
     }
+}
+
+/// Shardflow's leader row in a single-table table: marked as no lease (the KCL 3.5
+/// skips rows of an `entityType` other than `LEASE`) and released once the fleet
+/// stopped.
+fn assert_released_leader_row(rows: &BTreeMap<String, HashMap<String, AttributeValue>>) {
+    let leader = rows
+        .get(shardflow::lease::dynamo::LEADER_ROW_KEY)
+        .unwrap_or_else(|| panic!("no leader row: {rows:?}"));
+    assert_eq!(
+        leader.get(shardflow::lease::entity::ENTITY_TYPE),
+        Some(&AttributeValue::S(
+            shardflow::lease::dynamo::LEADER_ENTITY_TYPE.to_owned()
+        ))
+    );
+    assert!(!leader.contains_key("leaderOwner"), "{leader:?}");
 }

@@ -41,8 +41,10 @@ use tokio::sync::OnceCell;
 
 use super::classify;
 use super::codec::KEY as LEASE_KEY;
+use super::codec::{entity_from_item, row_kind};
+use super::refuse_unfinished_kcl_migration;
 use super::table::{build_error, create_table, ensure_table};
-use crate::lease::entity::ENTITY_TYPE;
+use crate::lease::entity::{EntityRow, RowKind, ENTITY_TYPE};
 use crate::lease::leader::{CoordinatorState, LeaderItem, LEADER_KEY};
 use crate::lease::LeaseError;
 
@@ -693,13 +695,27 @@ impl PlacedState {
             .scan()
             .table_name(table)
             .consistent_read(true)
-            .projection_expression("#key, #entity")
+            .projection_expression("#key, #entity, #tm, #cv")
             .expression_attribute_names("#key", LEASE_KEY)
             .expression_attribute_names("#entity", ENTITY_TYPE)
+            .expression_attribute_names("#tm", "tm")
+            .expression_attribute_names("#cv", "cv")
             .send()
             .await
             .map_err(|e| classify(table, "Scan", None, e))?;
         let rows = page.items();
+        // A table in the middle of a KCL migration is refused before anything is
+        // written to it (the leader row included): a KCL rolled back to an older
+        // version would read every row as a lease. The listing refuses it too, from
+        // every page.
+        let others: Vec<EntityRow> = rows
+            .iter()
+            .filter_map(|row| match row_kind(row) {
+                RowKind::Other(kind) => Some(entity_from_item(row, kind)),
+                RowKind::Lease => None,
+            })
+            .collect();
+        refuse_unfinished_kcl_migration(&self.client, table, &others, true).await?;
         Ok(
             if rows.is_empty() || rows.iter().any(|row| row.contains_key(ENTITY_TYPE)) {
                 LeaderPlacement::LeaseTable

@@ -111,6 +111,89 @@ pub struct DynamoLeaseStore {
     created: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// Refuses (`LeaseError::KclMigrationInProgress`) a lease table in the middle of a KCL
+/// migration, from its rows that are not leases (`others`): a client-version or table
+/// migration row not finished; or, with `look_beside` (once per store), the KCL's rows
+/// but no table-migration row while the KCL's coordinator-state table holds a 3.5 table
+/// migration not finished (the KCL keeps it there until it completes).
+pub(super) async fn refuse_unfinished_kcl_migration(
+    client: &aws_sdk_dynamodb::Client,
+    table: &str,
+    others: &[EntityRow],
+    look_beside: bool,
+) -> Result<(), LeaseError> {
+    if let Some((row, (migration, state))) = others
+        .iter()
+        .find_map(|row| row.unfinished_migration().map(|m| (row, m)))
+    {
+        return Err(LeaseError::KclMigrationInProgress {
+            table: table.to_owned(),
+            migration: migration.to_owned(),
+            state,
+            row: format!("{table}/{}", row.key),
+        });
+    }
+    let kcl_rows = others.iter().any(|r| {
+        matches!(
+            r.kind,
+            EntityKind::KclLeader
+                | EntityKind::KclWorkerMetrics
+                | EntityKind::KclStream
+                | EntityKind::KclClientVersionMigration
+        )
+    });
+    let migrated = others
+        .iter()
+        .any(|r| r.kind == EntityKind::KclTableMigration);
+    if kcl_rows && !migrated && look_beside {
+        if let Some((row, state)) = kcl_table_migration(client, table).await? {
+            if state != TABLE_MIGRATION_DONE {
+                return Err(LeaseError::KclMigrationInProgress {
+                    table: table.to_owned(),
+                    migration: "the KCL 3.5 single-table migration".to_owned(),
+                    state,
+                    row,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The state of the KCL's 3.4 to 3.5 table migration as its coordinator-state table
+/// holds it (`TableMigration3.5`, attribute `tm`, under the hash key `key`), where
+/// the KCL keeps it until the migration completes: `None` when there is no such
+/// table or item (or it may not be read: the consumer's policy need not grant it,
+/// and a warning says the check was skipped).
+async fn kcl_table_migration(
+    client: &aws_sdk_dynamodb::Client,
+    lease_table: &str,
+) -> Result<Option<(String, String)>, LeaseError> {
+    let table = kcl_coordinator_table(lease_table);
+    let out = client
+        .get_item()
+        .table_name(&table)
+        .key("key", AttributeValue::S(TABLE_MIGRATION_KEY.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await;
+    match out {
+        Ok(out) => Ok(out.item.filter(|i| !i.is_empty()).map(|item| {
+            let state = match item.get("tm") {
+                Some(AttributeValue::S(state)) => state.clone(),
+                _ => "no state".to_owned(),
+            };
+            (format!("{table}/{TABLE_MIGRATION_KEY}"), state)
+        })),
+        Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
+        Err(e) if e.code() == Some("AccessDeniedException") => {
+            tracing::warn!(table = %table, error = %DisplayErrorContext(&e), "the KCL's coordinator-state table cannot be read; a KCL table migration in progress would not be seen");
+            Ok(None)
+        }
+        Err(e) => Err(classify(&table, "GetItem", None, e)),
+    }
+}
+
 /// The KCL's coordinator-state table beside a lease table named after its application
 /// (the KCL's default name, `<application>-CoordinatorState`).
 pub fn kcl_coordinator_table(lease_table: &str) -> String {
@@ -128,38 +211,6 @@ impl DynamoLeaseStore {
             kcl_migration_checked: Default::default(),
             placement: LeaderPlacement::default(),
             created: Default::default(),
-        }
-    }
-
-    /// The state of the KCL's 3.4 to 3.5 table migration as its coordinator-state table
-    /// holds it (`TableMigration3.5`, attribute `tm`, under the hash key `key`), where
-    /// the KCL keeps it until the migration completes: `None` when there is no such
-    /// table or item (or it may not be read: the consumer's policy need not grant it,
-    /// and a warning says the check was skipped).
-    async fn kcl_table_migration(&self) -> Result<Option<(String, String)>, LeaseError> {
-        let table = kcl_coordinator_table(&self.table);
-        let out = self
-            .client
-            .get_item()
-            .table_name(&table)
-            .key("key", AttributeValue::S(TABLE_MIGRATION_KEY.to_owned()))
-            .consistent_read(true)
-            .send()
-            .await;
-        match out {
-            Ok(out) => Ok(out.item.filter(|i| !i.is_empty()).map(|item| {
-                let state = match item.get("tm") {
-                    Some(AttributeValue::S(state)) => state.clone(),
-                    _ => "no state".to_owned(),
-                };
-                (format!("{table}/{TABLE_MIGRATION_KEY}"), state)
-            })),
-            Err(e) if e.code() == Some("ResourceNotFoundException") => Ok(None),
-            Err(e) if e.code() == Some("AccessDeniedException") => {
-                tracing::warn!(table = %table, error = %DisplayErrorContext(&e), "the KCL's coordinator-state table cannot be read; a KCL table migration in progress would not be seen");
-                Ok(None)
-            }
-            Err(e) => Err(classify(&table, "GetItem", None, e)),
         }
     }
 
@@ -490,52 +541,17 @@ impl LeaseStore for DynamoLeaseStore {
 
     async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
         let (leases, others) = self.rows().await?;
-        // A table in the middle of a KCL migration is the KCL's to finish.
-        if let Some((row, (migration, state))) = others
-            .iter()
-            .find_map(|row| row.unfinished_migration().map(|m| (row, m)))
-        {
-            return Err(LeaseError::KclMigrationInProgress {
-                table: self.table.clone(),
-                migration: migration.to_owned(),
-                state,
-                row: format!("{}/{}", self.table, row.key),
-            });
-        }
-        // A KCL 3.5 table migration keeps its state in the KCL's coordinator-state table
-        // until it completes: a lease table with the KCL's other rows but no
-        // `TABLE_MIGRATION` row may be in its middle. Looked at once.
-        let kcl_rows = others.iter().any(|r| {
-            matches!(
-                r.kind,
-                EntityKind::KclLeader
-                    | EntityKind::KclWorkerMetrics
-                    | EntityKind::KclStream
-                    | EntityKind::KclClientVersionMigration
-            )
-        });
-        let migrated = others
-            .iter()
-            .any(|r| r.kind == EntityKind::KclTableMigration);
-        if kcl_rows
-            && !migrated
-            && !self
-                .kcl_migration_checked
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            if let Some((row, state)) = self.kcl_table_migration().await? {
-                if state != TABLE_MIGRATION_DONE {
-                    return Err(LeaseError::KclMigrationInProgress {
-                        table: self.table.clone(),
-                        migration: "the KCL 3.5 single-table migration".to_owned(),
-                        state,
-                        row,
-                    });
-                }
-            }
-            self.kcl_migration_checked
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        // A table in the middle of a KCL migration is the KCL's to finish. The KCL's
+        // coordinator-state table is looked at once.
+        let checked = &self.kcl_migration_checked;
+        refuse_unfinished_kcl_migration(
+            &self.client,
+            &self.table,
+            &others,
+            !checked.load(std::sync::atomic::Ordering::Relaxed),
+        )
+        .await?;
+        checked.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(leases)
     }
 
