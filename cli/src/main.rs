@@ -183,16 +183,19 @@ async fn main() -> ExitCode {
     }
 }
 
-/// A table that fits the terminal (or 120 columns when not a terminal).
+/// A table that fits the terminal; not a terminal (a pipe, a file, a script), one line
+/// per row however wide, so a shard id or a sequence number is never cut for `grep`.
 pub fn table(header: &[&str]) -> comfy_table::Table {
     let mut table = comfy_table::Table::new();
     table
         .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
-        .set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
         .set_header(header.to_vec());
-    if !table.is_tty() {
-        table.set_width(120);
-    }
+    let arrangement = if table.is_tty() {
+        comfy_table::ContentArrangement::Dynamic
+    } else {
+        comfy_table::ContentArrangement::Disabled
+    };
+    table.set_content_arrangement(arrangement);
     table
 }
 

@@ -433,10 +433,10 @@ fn unsupported(expected: &Lease, what: &str) -> LeaseError {
     LeaseError::Other(format!("lease {}: this lease store cannot {what}", expected.key).into())
 }
 
-/// The time a checkpoint write records in [`Lease::checkpointed_at`]: now, to the
-/// millisecond the row keeps.
-pub(crate) fn checkpoint_time() -> SystemTime {
-    let millis = SystemTime::now()
+/// The time a checkpoint write records in [`Lease::checkpointed_at`]: `now` (the
+/// writer's clock), to the millisecond the row keeps.
+pub(crate) fn checkpoint_time(now: SystemTime) -> SystemTime {
+    let millis = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     SystemTime::UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(u64::MAX))

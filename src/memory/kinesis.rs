@@ -140,6 +140,11 @@ impl MemoryKinesis {
         lock(&self.state).wall_clock = WallClock::new(clock);
     }
 
+    /// The service's clock (see [`MemoryKinesis::set_wall_clock`]).
+    pub(crate) fn wall_clock(&self) -> WallClock {
+        lock(&self.state).wall_clock.clone()
+    }
+
     /// Puts Kinesis' per-shard throughput limits in force (or switches them off, with
     /// `KinesisLimits::none()`); every shard's budget starts full. See [`KinesisLimits`].
     pub fn set_limits(&self, limits: KinesisLimits) {

@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::clock::WallClock;
 use crate::lease::{checkpoint_time, Checkpoint, CoordinatorState, Lease, LeaseError, LeaseStore};
 
 use super::MemoryCoordinatorState;
@@ -42,6 +43,8 @@ pub struct MemoryLeaseStore {
     state: Mutex<LeaseState>,
     /// The coordinator-state table beside it (the group's leader item).
     coordinator: Arc<MemoryCoordinatorState>,
+    /// The clock checkpoint writes read ([`Lease::checkpointed_at`]): the backend's.
+    clock: WallClock,
 }
 
 impl Default for MemoryLeaseStore {
@@ -55,11 +58,21 @@ impl Default for MemoryLeaseStore {
                 read: RowsRead::default(),
             }),
             coordinator: Arc::default(),
+            clock: WallClock::default(),
         }
     }
 }
 
 impl MemoryLeaseStore {
+    /// An empty table whose checkpoint writes read `clock` (the backend's, see
+    /// [`MemoryBuilder::wall_clock`](super::MemoryBuilder::wall_clock)).
+    pub(crate) fn with_clock(clock: WallClock) -> Self {
+        MemoryLeaseStore {
+            clock,
+            ..MemoryLeaseStore::default()
+        }
+    }
+
     /// Switches fault injection on (or off, with `LeaseFaults::default()`).
     /// The same faults apply to the coordinator-state table beside it (see
     /// [`Self::coordinator`]), drawn from a generator of its own.
@@ -288,7 +301,7 @@ impl LeaseStore for MemoryLeaseStore {
             conditional(rows, expected, |row| {
                 row.checkpoint = checkpoint.clone();
                 row.owner_switches = 0;
-                row.checkpointed_at = Some(checkpoint_time());
+                row.checkpointed_at = Some(checkpoint_time(self.clock.now()));
             })
         })
         .await
@@ -358,7 +371,7 @@ impl LeaseStore for MemoryLeaseStore {
                 row.checkpoint = to.clone();
                 row.owner_switches = 0;
                 row.reset_to = None;
-                row.checkpointed_at = Some(checkpoint_time());
+                row.checkpointed_at = Some(checkpoint_time(self.clock.now()));
             })
         })
         .await

@@ -119,7 +119,7 @@ impl Memory {
     pub fn table(&self, table: &str) -> Arc<MemoryLeaseStore> {
         lock(&self.tables)
             .entry(table.to_owned())
-            .or_default()
+            .or_insert_with(|| Arc::new(MemoryLeaseStore::with_clock(self.kinesis.wall_clock())))
             .clone()
     }
 }

@@ -301,7 +301,7 @@ impl DynamoLeaseStore {
     ) -> Result<Lease, LeaseError> {
         let (value, sub_sequence) = to.as_attribute();
         // The time of the write rides on the write itself: no extra call.
-        let at = checkpoint_time();
+        let at = checkpoint_time(std::time::SystemTime::now());
         let mut values = vec![
             (":checkpoint", AttributeValue::S(value)),
             (":sub", AttributeValue::N(sub_sequence.to_string())),
