@@ -74,7 +74,7 @@ pub(super) fn is_leader_row(item: &HashMap<String, AttributeValue>) -> bool {
     matches!(item.get(ENTITY_TYPE), Some(AttributeValue::S(t)) if t == LEADER_ENTITY_TYPE)
 }
 
-/// Where a group's leader item lives (see the [module docs](self) and docs/kcl.md).
+/// Where a group's leader item lives (see the [store's docs](super::DynamoLeaseStore) and docs/kcl.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LeaderPlacement {
