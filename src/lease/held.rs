@@ -125,7 +125,14 @@ impl HeldLease {
             Some(d) => {
                 current.get_or_insert(d);
             }
-            None => *current = None,
+            // Withdrawn: a call waiting for freshness may go on now, not at the next
+            // renewal.
+            None => {
+                if current.take().is_some() {
+                    drop(current);
+                    self.renewed.notify_waiters();
+                }
+            }
         }
     }
 
