@@ -34,6 +34,32 @@ mod held {
         assert_eq!(store.get("s").await.unwrap().unwrap().checkpoint, at(12));
     }
 
+    /// A lease renewed a moment ago is not fresh past the deadline of a standing hand-off
+    /// request (the requester may take it then), and fresh again once the request is
+    /// withdrawn.
+    #[tokio::test(start_paused = true)]
+    async fn a_standing_handoff_request_ends_freshness_at_its_deadline() {
+        let memory = Memory::new();
+        let store = memory.lease_store("held-handoff");
+        let row = Lease::new("s", Vec::new(), Checkpoint::TrimHorizon);
+        assert!(store.create(&row).await.unwrap());
+        let taken = store.take(&row, "w#a").await.unwrap();
+        let held = HeldLease::taken_at(taken, store.clone(), "w#a", Instant::now());
+        let max_age = std::time::Duration::from_secs(10);
+        held.note_handoff_request(Some(Instant::now() + std::time::Duration::from_secs(2)));
+        // A later deadline does not push the first one back.
+        held.note_handoff_request(Some(Instant::now() + std::time::Duration::from_secs(9)));
+        assert!(held.is_fresh(max_age));
+        tokio::time::advance(std::time::Duration::from_secs(2)).await;
+        held.renew().await.unwrap();
+        assert!(
+            !held.is_fresh(max_age),
+            "renewed, but past the request's deadline"
+        );
+        held.note_handoff_request(None);
+        assert!(held.is_fresh(max_age), "the request was withdrawn");
+    }
+
     /// A release that fails transiently is tried again: the lease is released, not left
     /// owned until it expires. (Seed 3 fails the first release attempt.)
     #[tokio::test(start_paused = true)]

@@ -23,6 +23,10 @@ pub(crate) struct HeldLease {
     /// expiry timers are at least as late as.
     renewed_at: std::sync::Mutex<Instant>,
     renewed: Notify,
+    /// Set while another worker's hand-off request stands on the row: the instant after
+    /// which no work on this lease's records may start (see
+    /// [`HeldLease::note_handoff_request`]).
+    handoff_deadline: std::sync::Mutex<Option<Instant>>,
     /// A release or hand-over was sent: once it lands another worker may hold the lease,
     /// whatever its answer says and however late it comes.
     leaving: std::sync::atomic::AtomicBool,
@@ -75,6 +79,7 @@ impl HeldLease {
             lost: CancellationToken::new(),
             renewed_at: std::sync::Mutex::new(sent),
             renewed: Notify::new(),
+            handoff_deadline: std::sync::Mutex::new(None),
             leaving: std::sync::atomic::AtomicBool::new(false),
             meter,
         }
@@ -85,14 +90,50 @@ impl HeldLease {
     /// knowing yet, so it should not hand out more records until a renewal succeeds.
     /// Never once a release or hand-over was sent (see [`HeldLease::release`]): the
     /// lease may be another worker's as soon as it lands.
+    /// Nor past the deadline of a standing hand-off request (see
+    /// [`HeldLease::note_handoff_request`]): the requester may take the lease then,
+    /// however recently it was renewed.
     pub fn is_fresh(&self, max_age: Duration) -> bool {
         !self.leaving.load(std::sync::atomic::Ordering::SeqCst)
+            && self
+                .handoff_deadline
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_none_or(|deadline| Instant::now() < deadline)
             && self
                 .renewed_at
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .elapsed()
                 < max_age
+    }
+
+    /// Notes what a successful renewal found on the row about a hand-off request from
+    /// another worker: `Some(deadline)` while one stands, `None` once none does (it was
+    /// withdrawn). The requester takes the lease anyway once its hand-off timeout passed
+    /// since it asked, without waiting for the lease to expire; renewals keep succeeding
+    /// until then, so freshness alone would let this worker start calls after the take
+    /// when its hand-over is late (the task that hands over busy elsewhere). The first
+    /// deadline seen is kept while the request stands: it is the earliest, computed from
+    /// the renewal before the one that first saw the request.
+    pub(crate) fn note_handoff_request(&self, deadline: Option<Instant>) {
+        let mut current = self
+            .handoff_deadline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match deadline {
+            Some(d) => {
+                current.get_or_insert(d);
+            }
+            // Withdrawn: a call waiting for freshness may go on now, not at the next
+            // renewal.
+            None => {
+                if current.take().is_some() {
+                    drop(current);
+                    self.renewed.notify_waiters();
+                }
+            }
+        }
     }
 
     /// When the last successful renewal (or the take) was sent.

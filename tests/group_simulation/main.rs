@@ -279,11 +279,12 @@ fn a_process_frozen_mid_batch_starts_no_call_on_a_taken_lease() {
     );
 }
 
-/// Found by the 2,000-seed run and not fixed yet: the process of `w0#1` stops for 3.7 s,
-/// `w2#3` takes the lease of `shardId-000000000008`, and `w0#1` then starts a handler
-/// call on a record of that shard. Ignored until the cause is fixed; it replays exactly.
+/// Found by the 2,000-seed run: `w2#3` asks `w0#1` to hand `shardId-000000000008`
+/// over; `w0#1`'s renewals see the request, but its lease loop is busy for longer than
+/// the hand-off timeout, so `w2#3` takes the lease anyway while `w0#1`, its lease renewed
+/// a moment before, kept starting handler calls on the shard. A standing hand-off
+/// request now bounds the owner's freshness by the requester's timeout.
 #[test]
-#[ignore = "seed 1533 still starts a handler call on a lease another worker took"]
 fn seed_1533_starts_no_call_on_a_taken_lease() {
     run_seeds(
         simulation::history::Features::of(simulation::history::DEFAULT_FEATURES),

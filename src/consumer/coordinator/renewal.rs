@@ -103,8 +103,15 @@ pub(super) async fn renew_loop(
             let me = config.owner.clone();
             let health = health.clone();
             let lease_duration = config.lease_duration;
+            // A requester takes the lease once its hand-off timeout passed since it
+            // asked, and it asked after the previous renewal landed (which did not see
+            // the request): measured from that renewal's send, less the margin that
+            // freshness keeps, no work may start past this (see
+            // `HeldLease::note_handoff_request`).
+            let handoff_window = config.handoff_timeout.saturating_sub(config.renew_interval);
             let labels = labels.clone();
             renewals.spawn(async move {
+                let previous = lease.renewed_at();
                 match lease.renew().await {
                     Ok(row) => {
                         health.lease_table_ok();
@@ -118,7 +125,9 @@ pub(super) async fn renew_loop(
                         if row.reset_to.is_some() {
                             let _ = events.send(Event::ResetRequested(key.clone()));
                         }
-                        if let Some(to) = row.pending_owner.filter(|w| *w != me) {
+                        let request = row.pending_owner.filter(|w| *w != me);
+                        lease.note_handoff_request(request.as_ref().map(|_| previous + handoff_window));
+                        if let Some(to) = request {
                             let _ = events.send(Event::HandoffRequested(key.clone(), to));
                         }
                     }

@@ -511,7 +511,10 @@ impl Coordinator {
             match asked {
                 Ok(true) => {
                     tracing::info!(lease = %row.key, from = ?row.owner, "asked for a hand-off");
-                    self.steals.insert(row.key.clone(), now);
+                    // Timed from the answer, not the round's start: the owner bounds its
+                    // work from a renewal sent before the request landed, so the
+                    // timeout must not start before the request could have landed.
+                    self.steals.insert(row.key.clone(), Instant::now());
                     holds += 1;
                 }
                 Ok(false) => {}
