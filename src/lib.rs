@@ -67,6 +67,7 @@ pub mod backend;
 pub mod backoff;
 mod clock;
 pub mod consumer;
+pub mod dynamodb_streams;
 mod error;
 pub mod headers;
 pub mod kinesis;
