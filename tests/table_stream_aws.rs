@@ -108,10 +108,13 @@ async fn write(dynamodb: &aws_sdk_dynamodb::Client, table: &str, w: Write) {
     }
 }
 
-/// What the handler saw: per change, its sequence number, partition key, event and the
-/// new image's `version`.
+/// One handled change: its sequence number, partition key, event and the new image's
+/// `version`.
+type Change = (String, String, EventName, Option<u32>);
+
+/// What the handler saw, in order.
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, String, EventName, Option<u32>)>>>);
+struct Seen(Arc<Mutex<Vec<Change>>>);
 
 #[derive(serde::Deserialize)]
 struct Item {
