@@ -5,6 +5,7 @@
 //! The table streams here are a memory stream named by a stream ARN behind a wrapper
 //! that answers as a table-stream source does, so the test needs no emulator.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,9 +18,10 @@ use testkit::hooks::{Forward, ForwardKinesis};
 const ARN: &str =
     "arn:aws:dynamodb:memory:000000000000:table/orders/stream/2026-01-01T00:00:00.000";
 
-/// A memory stream answering as a table's stream: resolves table `orders` to [`ARN`],
-/// and its records are never aggregates.
-struct TableLike(Arc<dyn KinesisApi>);
+/// A memory stream answering as a table's stream: resolves table `orders` to [`ARN`]
+/// (after as many throttled answers as `throttled` says), and its records are never
+/// aggregates.
+struct TableLike(Arc<dyn KinesisApi>, Arc<AtomicUsize>);
 
 #[async_trait::async_trait]
 impl ForwardKinesis for TableLike {
@@ -27,6 +29,13 @@ impl ForwardKinesis for TableLike {
         &*self.0
     }
     async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        let throttle = self
+            .1
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if throttle {
+            return Err(KinesisError::Throttled("DescribeTable: slow down".into()));
+        }
         match table {
             "orders" => Ok(ARN.to_owned()),
             other => Err(KinesisError::NotFound(
@@ -44,6 +53,8 @@ impl ForwardKinesis for TableLike {
 struct WithTables {
     memory: Memory,
     tables: bool,
+    /// Resolutions still to be answered "throttled".
+    throttled: Arc<AtomicUsize>,
 }
 
 impl Backend for WithTables {
@@ -54,8 +65,12 @@ impl Backend for WithTables {
         self.memory.lease_store(table)
     }
     fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
-        self.tables
-            .then(|| Arc::new(Forward(TableLike(self.memory.kinesis()))) as Arc<dyn KinesisApi>)
+        self.tables.then(|| {
+            Arc::new(Forward(TableLike(
+                self.memory.kinesis(),
+                self.throttled.clone(),
+            ))) as Arc<dyn KinesisApi>
+        })
     }
 }
 
@@ -79,6 +94,7 @@ async fn backend_with_stream() -> WithTables {
     let backend = WithTables {
         memory,
         tables: true,
+        throttled: Arc::default(),
     };
     backend
         .memory
@@ -142,16 +158,25 @@ async fn a_table_stream_record_is_never_split_as_an_aggregate() {
 #[tokio::test]
 async fn a_table_is_resolved_to_its_stream_when_the_consumer_starts() {
     let backend = backend_with_stream().await;
+    // Throttled twice first: retried, not fatal.
+    backend.throttled.store(2, Ordering::SeqCst);
+    let throttled = backend.throttled.clone();
     let consumer = Consumer::builder()
         .table_stream("orders")
         .group("cdc")
         .backend(backend)
+        .retry_backoff(Duration::from_millis(5), Duration::from_millis(20))
         .idle_read_interval(Duration::from_millis(20))
         .build()
         .unwrap();
     let seen = payloads(consumer).await;
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert_eq!(seen[0].0, ARN, "messages name the stream ARN");
+    assert_eq!(
+        throttled.load(Ordering::SeqCst),
+        0,
+        "both throttled answers were seen"
+    );
 }
 
 #[test]
@@ -159,6 +184,7 @@ fn a_backend_without_table_streams_is_refused_at_build() {
     let backend = WithTables {
         memory: Memory::new(),
         tables: false,
+        throttled: Arc::default(),
     };
     match Consumer::builder()
         .table_stream("orders")

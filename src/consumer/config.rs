@@ -356,8 +356,8 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`),
-/// `group` and `backend` are required
+/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`, or a
+/// table's stream: `table_stream`/`table_stream_arn`), `group` and `backend` are required
 /// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,
