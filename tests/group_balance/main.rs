@@ -3,6 +3,7 @@
 //! skewed shards are spread by throughput.
 
 mod by_throughput;
+mod chaos;
 mod ended_requests;
 mod late_answers;
 mod started_together;
