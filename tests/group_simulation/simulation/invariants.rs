@@ -350,10 +350,11 @@ pub fn check_planned_moves(log: &Log) -> Result<(), String> {
             .rev()
             .find(|p| p.key == t.key && incarnation(&p.owner) == *from)
             .map_or(0, |p| p.at);
-        // The new owner's tenure: until the next take of the shard.
+        // The new owner's tenure: until another owner takes the shard (the new owner's
+        // own take of a lease handed to it, which follows at once, continues it).
         let until = takes[i + 1..]
             .iter()
-            .find(|n| n.key == t.key)
+            .find(|n| n.key == t.key && incarnation(&n.owner) != to)
             .map_or(u64::MAX, |n| n.at);
         let before: HashMap<&SequenceNumber, u64> = handled
             .iter()

@@ -224,8 +224,13 @@ struct Sim {
     /// were.
     nonces: SmallRng,
     /// The per-shard load of feature `skewed-load`, if on.
-    skew: Option<Skew>,
+    skew: Option<Arc<Mutex<Skew>>>,
+    /// The task feeding the shards at their loads (feature `skewed-load`).
+    feed: Option<JoinHandle<()>>,
 }
+
+/// How often the feed of feature `skewed-load` writes a record into every open shard.
+const FEED_EVERY: Duration = Duration::from_millis(500);
 
 /// Feature `skewed-load`: each shard's weight (by its position among the open shards
 /// in id order), drawn from a Zipf distribution (s = 1.2, 1 to 10) by a generator of its
@@ -388,10 +393,13 @@ impl Sim {
             incarnations: 0,
             clock_skews: clock_skew::ClockSkews::new(seed),
             nonces: SmallRng::seed_from_u64(seed ^ 0x0_0ce5),
-            skew: features.has(Feature::SkewedLoad).then(|| Skew {
-                rng: SmallRng::seed_from_u64(seed ^ 0x5_4e3d),
-                weights: Vec::new(),
+            skew: features.has(Feature::SkewedLoad).then(|| {
+                Arc::new(Mutex::new(Skew {
+                    rng: SmallRng::seed_from_u64(seed ^ 0x5_4e3d),
+                    weights: Vec::new(),
+                }))
             }),
+            feed: None,
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
@@ -409,35 +417,53 @@ impl Sim {
         self.next_value += n;
         self.note(format!("produce {n}"));
         testkit::produce(self.producer.kinesis().as_ref(), STREAM, range).await;
-        self.produce_skewed(n).await;
     }
 
-    /// Feature `skewed-load`: beside the spread records, a few records into each open
-    /// shard whose size follows the shard's weight (200 bytes per unit), so the shards'
-    /// throughputs differ as their weights do.
-    async fn produce_skewed(&mut self, n: usize) {
-        if self.skew.is_none() {
+    /// Feature `skewed-load`: while the history runs, a record into each open shard
+    /// every [`FEED_EVERY`], its size following the shard's weight (200 bytes per unit),
+    /// so the shards' throughputs differ as their weights do and hand-offs happen while
+    /// records flow. Stopped by [`Sim::stop_feed`].
+    fn start_feed(&mut self) {
+        let Some(skew) = self.skew.clone() else {
             return;
-        }
-        let mut open = self.open_shards().await;
-        open.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
-        let per_shard = (n / 20).clamp(2, 10);
-        let mut records = Vec::new();
-        for (i, shard) in open.iter().enumerate() {
-            let Some(skew) = self.skew.as_mut() else {
-                return;
-            };
-            let weight = skew.weight(i);
-            for _ in 0..per_shard {
-                records.push(shardflow::kinesis::PutRecord {
-                    data: bytes::Bytes::from(vec![b'l'; 200 * weight]),
-                    partition_key: format!("load-{i}"),
-                    explicit_hash_key: Some(shard.starting_hash_key.to_string()),
-                });
+        };
+        let (memory, kinesis) = (self.memory.clone(), self.producer.kinesis());
+        self.feed = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(FEED_EVERY).await;
+                // The memory backend answers ListShards without faults and without awaiting.
+                let mut open: Vec<ShardInfo> = memory
+                    .streams()
+                    .list_shards(STREAM)
+                    .now_or_never()
+                    .and_then(Result::ok)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|s| !s.is_closed())
+                    .collect();
+                open.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+                let records: Vec<shardflow::kinesis::PutRecord> = open
+                    .iter()
+                    .enumerate()
+                    .map(|(i, shard)| {
+                        let weight = skew.lock().unwrap().weight(i);
+                        shardflow::kinesis::PutRecord {
+                            data: bytes::Bytes::from(vec![b'l'; 200 * weight]),
+                            partition_key: format!("load-{i}"),
+                            explicit_hash_key: Some(shard.starting_hash_key.to_string()),
+                        }
+                    })
+                    .collect();
+                testkit::put_all(kinesis.as_ref(), STREAM, records).await;
             }
+        }));
+    }
+
+    /// Stops the feed of [`Sim::start_feed`].
+    fn stop_feed(&mut self) {
+        if let Some(feed) = self.feed.take() {
+            feed.abort();
         }
-        self.note(format!("produce {} skewed-load records", records.len()));
-        testkit::put_all(self.producer.kinesis().as_ref(), STREAM, records).await;
     }
 
     async fn open_shards(&self) -> Vec<ShardInfo> {
@@ -804,6 +830,7 @@ impl Sim {
         ));
         *self.decided_start.lock().unwrap() = Some(self.start.clone());
 
+        self.start_feed();
         let latest = matches!(self.start, Start::Latest);
         let first = if latest { 2 } else { self.rng.gen_range(1..=2) };
         for w in 0..first {
@@ -861,6 +888,7 @@ impl Sim {
 
         // The end: everything is woken, one plain worker is surely there, and every
         // required record is handled within a bound.
+        self.stop_feed();
         for w in &self.workers {
             if w.control.is_frozen() {
                 w.control.freeze(false);
@@ -1021,7 +1049,8 @@ impl Sim {
             }
             13 => {
                 // The load shifts, then records flow at the new weights.
-                if let Some((hot, cold)) = self.skew.as_mut().and_then(Skew::shift) {
+                let shifted = self.skew.as_ref().and_then(|s| s.lock().unwrap().shift());
+                if let Some((hot, cold)) = shifted {
                     self.note(format!("load shifts: shard #{hot} cools, shard #{cold} heats"));
                     self.stats.load_shifts += 1;
                 }
