@@ -382,4 +382,3 @@ pub fn check_planned_moves(log: &Log) -> Result<(), String> {
     }
     Ok(())
 }
-

@@ -33,8 +33,8 @@ use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
-    Backend, BalanceBy, CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory, Message,
-    Position, SequenceNumber, ShardEvent, ShutdownHandle,
+    Backend, BalanceBy, CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory,
+    Message, Position, SequenceNumber, ShardEvent, ShutdownHandle,
 };
 use tokio::task::JoinHandle;
 
@@ -1051,7 +1051,9 @@ impl Sim {
                 // The load shifts, then records flow at the new weights.
                 let shifted = self.skew.as_ref().and_then(|s| s.lock().unwrap().shift());
                 if let Some((hot, cold)) = shifted {
-                    self.note(format!("load shifts: shard #{hot} cools, shard #{cold} heats"));
+                    self.note(format!(
+                        "load shifts: shard #{hot} cools, shard #{cold} heats"
+                    ));
                     self.stats.load_shifts += 1;
                 }
                 let n = self.rng.gen_range(50..200);
