@@ -1117,6 +1117,116 @@ async fn multi_stream_tables_are_described_and_reset_per_stream() {
     assert!(matches!(row.checkpoint, Checkpoint::At(_)), "{row:?}");
 }
 
+/// `describe` shows each shard's measured throughput (`throughputKBps`, as the owners'
+/// renewals write it) and each worker's load, the sum over the shards it owns, in the
+/// JSON and in the table; a shard without a figure shows none and adds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_shows_throughput_per_shard_and_load_per_worker() {
+    if !emulators_enabled() {
+        return;
+    }
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let aws = Aws::from_env().await;
+    let kinesis = aws.admin().unwrap();
+    let (stream, group) = (unique("cli-load"), unique("cli-load-g"));
+    kinesis.create_stream(&stream, 4).await.unwrap();
+    produce(kinesis.as_ref(), &stream, 0..20).await;
+    let recorder = Recorder::default();
+    let running = start(group_consumer(&aws, &stream, &group), &recorder);
+    recorder.wait_for(20, LIMIT).await;
+    running.stop().await;
+    // The figures of a fleet of two workers, written as their renewals would: `wa` owns
+    // two shards (12.5 and 7.5 KiB/s), `wb` one measured shard (3.5 KiB/s) and one not
+    // measured yet.
+    let mut keys: Vec<String> = aws
+        .lease_store(&group)
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    keys.sort();
+    assert_eq!(keys.len(), 4);
+    let figures = [
+        ("wa#n1", Some("12.5")),
+        ("wa#n1", Some("7.5")),
+        ("wb#n2", Some("3.5")),
+        ("wb#n2", None),
+    ];
+    for (key, (owner, kbps)) in keys.iter().zip(figures) {
+        let mut update = aws
+            .dynamodb_client()
+            .update_item()
+            .table_name(&group)
+            .key("leaseKey", AttributeValue::S(key.clone()))
+            .expression_attribute_values(":o", AttributeValue::S(owner.into()));
+        update = match kbps {
+            Some(k) => update
+                .update_expression("SET leaseOwner = :o, throughputKBps = :t")
+                .expression_attribute_values(":t", AttributeValue::N(k.into())),
+            None => update.update_expression("SET leaseOwner = :o REMOVE throughputKBps"),
+        };
+        update.send().await.unwrap();
+    }
+    let args = [
+        "group",
+        "describe",
+        "--stream",
+        &stream,
+        "--group",
+        &group,
+        "--sample-ms",
+        "0",
+    ];
+    let out = run(&[&args[..], &["--json"]].concat()).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let described = out.json();
+    let per_shard: BTreeMap<String, Value> = described["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["shard"].as_str().unwrap().to_owned(),
+                s["throughput_kbps"].clone(),
+            )
+        })
+        .collect();
+    let expected: BTreeMap<String, Value> = keys
+        .iter()
+        .zip([
+            serde_json::json!(12.5),
+            serde_json::json!(7.5),
+            serde_json::json!(3.5),
+            Value::Null,
+        ])
+        .map(|(k, v)| (k.clone(), v))
+        .collect();
+    assert_eq!(per_shard, expected, "{described}");
+    assert_eq!(
+        described["worker_throughput_kbps"],
+        serde_json::json!({"wa": 20.0, "wb": 3.5}),
+        "{described}"
+    );
+    assert_eq!(
+        described["workers"],
+        serde_json::json!({"wa": 2, "wb": 2}),
+        "{described}"
+    );
+    // The table: each worker's count and load, each shard's figure (one decimal).
+    let out = run(&args).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout.contains("wa: 2 (20.0 KiB/s)") && out.stdout.contains("wb: 2 (3.5 KiB/s)"),
+        "{}",
+        out.stdout
+    );
+    for figure in ["12.5", "7.5", "3.5"] {
+        assert!(out.stdout.contains(figure), "{figure}: {}", out.stdout);
+    }
+}
+
 /// A lease row with a malformed attribute is described with the state `unreadable` and
 /// why, and nothing tries to read its lag.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -121,6 +121,12 @@ pub struct Running {
     /// The workers whose take of the leader item had its answer lost (see
     /// [`Running::lose_next_claim_answer`]).
     pub lost_claim_answers: Arc<Mutex<Vec<String>>>,
+    /// Every record a handler finished, in order, with the worker.
+    pub deliveries: Arc<Mutex<Vec<Delivery>>>,
+    /// Every take, hand-over, release and hand-off request that landed, in order.
+    pub lease_events: Arc<Mutex<Vec<LeaseEvent>>>,
+    /// Kills, freezes and wake-ups, in order: (when, worker id, what).
+    pub faults: Arc<Mutex<Vec<(Instant, String, WorkerFault)>>>,
     feed: Option<JoinHandle<()>>,
     /// The records the feed puts, one per shard.
     records: Arc<Mutex<Vec<PutRecord>>>,
@@ -149,6 +155,7 @@ struct Worker {
     shutdown: ShutdownHandle,
     task: JoinHandle<Result<(), ConsumerError>>,
     dead: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
 }
 
 /// A worker process's view of the lease table: once the process is killed, none of its
@@ -165,11 +172,33 @@ struct Killable {
     coordinator_fault: Arc<Mutex<Option<CoordinatorFault>>>,
     lose_next_claim_answer: Arc<AtomicBool>,
     lost_claim_answers: Arc<Mutex<Vec<String>>>,
+    frozen: Arc<AtomicBool>,
+    lease_events: Arc<Mutex<Vec<LeaseEvent>>>,
+}
+
+/// Waits while `frozen` is set (a process stopped by the scheduler).
+async fn wait_while(frozen: &AtomicBool) {
+    while frozen.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[async_trait]
 impl Hooks for Killable {
-    async fn after_lease(&self, op: &'static str, _key: Option<&str>, _row: Option<&Lease>) {
+    async fn after_lease(&self, op: &'static str, key: Option<&str>, row: Option<&Lease>) {
+        if let (true, Some(key), Some(row)) = (
+            matches!(op, "take" | "release" | "request_handoff"),
+            key,
+            row,
+        ) {
+            self.lease_events.lock().unwrap().push(LeaseEvent {
+                at: Instant::now(),
+                worker: self.worker.clone(),
+                op,
+                key: key.to_owned(),
+                owner: row.owner.clone(),
+            });
+        }
         if op == "leader_claim" && self.lose_next_claim_answer.swap(false, Ordering::SeqCst) {
             self.lost_claim_answers
                 .lock()
@@ -181,6 +210,7 @@ impl Hooks for Killable {
     }
 
     async fn before_lease(&self, op: &'static str, key: Option<&str>) -> Result<(), LeaseError> {
+        wait_while(&self.frozen).await;
         if self.dead.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -248,6 +278,46 @@ impl Hooks for Killable {
         }
         Ok(())
     }
+}
+
+/// A record reaching a worker's handler (see [`Running::deliveries`]).
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    /// When the handler finished it.
+    pub at: Instant,
+    /// The worker (its id) whose handler ran.
+    pub worker: String,
+    /// The shard.
+    pub shard: String,
+    /// The record's sequence number.
+    pub sequence: String,
+}
+
+/// A lease write that landed (see [`Running::lease_events`]).
+#[derive(Clone, Debug)]
+pub struct LeaseEvent {
+    /// When its answer came back.
+    pub at: Instant,
+    /// The worker (its id) that made the call.
+    pub worker: String,
+    /// The call: `"take"` (a take, or the owner handing the lease over when the new
+    /// owner is another worker), `"release"`, `"request_handoff"`.
+    pub op: &'static str,
+    /// The lease.
+    pub key: String,
+    /// The lease's owner after the write (`id#nonce`), if any.
+    pub owner: Option<String>,
+}
+
+/// A pause or crash of a worker (see [`Running::faults`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkerFault {
+    /// Killed: no drain, no release.
+    Killed,
+    /// Frozen: its lease calls and handler calls wait until it is woken.
+    Frozen,
+    /// Woken from a freeze.
+    Woken,
 }
 
 /// The owner of each lease as the table says: worker id -> leases held.
@@ -318,6 +388,9 @@ pub async fn start(fleet: Fleet) -> Running {
         slow_calls: Arc::default(),
         lose_next_claim_answer: Arc::default(),
         lost_claim_answers: Arc::default(),
+        deliveries: Arc::default(),
+        lease_events: Arc::default(),
+        faults: Arc::default(),
         feed,
         records,
         shard_ids,
@@ -380,67 +453,120 @@ impl Running {
     pub fn add_workers(&mut self, count: usize) {
         for _ in 0..count {
             let i = self.workers.len();
-            let id = format!("w{i:03}");
-            let dead = Arc::new(AtomicBool::new(false));
-            let consumer = Consumer::builder()
-                .stream(STREAM)
-                .group(GROUP)
-                .worker_id(&id)
-                .backend(Hooked::new(
-                    self.memory.clone(),
-                    Killable {
-                        dead: dead.clone(),
-                        worker: id.clone(),
-                        calls: self.calls.clone(),
-                        failing_renewals: self.failing_renewals.clone(),
-                        failing_leader_writes: self.failing_leader_writes.clone(),
-                        failing_lists: self.failing_lists.clone(),
-                        failing_lease_writes: self.failing_lease_writes.clone(),
-                        coordinator_fault: self.coordinator_fault.clone(),
-                        lose_next_claim_answer: self.lose_next_claim_answer.clone(),
-                        lost_claim_answers: self.lost_claim_answers.clone(),
-                    },
-                ))
-                .seed(self.fleet.seed.wrapping_add(i as u64))
-                .balance_by(self.fleet.balance_by)
-                .build()
-                .expect("a valid configuration");
-            let (last, counts, gone) = (
-                self.last_delivery.clone(),
-                self.handled.clone(),
-                dead.clone(),
-            );
-            let (slow, me) = (self.slow_calls.clone(), id.clone());
-            let handler = tower::service_fn(move |msg: Message| {
-                let (last, counts, gone) = (last.clone(), counts.clone(), gone.clone());
-                let slow = slow.lock().unwrap().remove(&me);
-                async move {
-                    if let Some(slow) = slow {
-                        tokio::time::sleep(slow).await;
-                    }
-                    // A killed process handles nothing more (and acknowledges nothing).
-                    if gone.load(Ordering::SeqCst) {
-                        std::future::pending::<()>().await;
-                    }
-                    let shard = msg.metadata.shard_id.to_string();
-                    let sequence = msg.metadata.sequence_number.to_string();
-                    *counts
-                        .lock()
-                        .unwrap()
-                        .entry((shard.clone(), sequence))
-                        .or_default() += 1;
-                    last.lock().unwrap().insert(shard, Instant::now());
-                    Ok::<_, Infallible>(())
+            let worker = self.spawn_worker(format!("w{i:03}"), i as u64);
+            self.workers.push(worker);
+        }
+    }
+
+    /// Starts worker `i` again under its id after it was killed or stopped (a process
+    /// restarted: a new owner nonce, the same id), with a seed of its own.
+    pub fn restart(&mut self, i: usize) {
+        let id = self.workers[i].id.clone();
+        let restarts = self.workers.len() as u64 + i as u64 * 1_000;
+        let worker = self.spawn_worker(id, restarts);
+        let old = std::mem::replace(&mut self.workers[i], worker);
+        old.task.abort();
+    }
+
+    /// Freezes worker `i` (a process paused by its host): its lease-store calls and
+    /// handler calls wait until [`Running::wake`]; past the lease duration the others
+    /// take its leases.
+    pub fn freeze(&mut self, i: usize) {
+        let worker = &self.workers[i];
+        worker.frozen.store(true, Ordering::SeqCst);
+        self.faults
+            .lock()
+            .unwrap()
+            .push((Instant::now(), worker.id.clone(), WorkerFault::Frozen));
+    }
+
+    /// Wakes worker `i` from [`Running::freeze`].
+    pub fn wake(&mut self, i: usize) {
+        let worker = &self.workers[i];
+        worker.frozen.store(false, Ordering::SeqCst);
+        self.faults
+            .lock()
+            .unwrap()
+            .push((Instant::now(), worker.id.clone(), WorkerFault::Woken));
+    }
+
+    /// Builds and starts one worker named `id` (default configuration, the fleet's
+    /// seed plus `salt`).
+    fn spawn_worker(&mut self, id: String, salt: u64) -> Worker {
+        let dead = Arc::new(AtomicBool::new(false));
+        let frozen = Arc::new(AtomicBool::new(false));
+        let consumer = Consumer::builder()
+            .stream(STREAM)
+            .group(GROUP)
+            .worker_id(&id)
+            .backend(Hooked::new(
+                self.memory.clone(),
+                Killable {
+                    dead: dead.clone(),
+                    worker: id.clone(),
+                    calls: self.calls.clone(),
+                    failing_renewals: self.failing_renewals.clone(),
+                    failing_leader_writes: self.failing_leader_writes.clone(),
+                    failing_lists: self.failing_lists.clone(),
+                    failing_lease_writes: self.failing_lease_writes.clone(),
+                    coordinator_fault: self.coordinator_fault.clone(),
+                    lose_next_claim_answer: self.lose_next_claim_answer.clone(),
+                    lost_claim_answers: self.lost_claim_answers.clone(),
+                    frozen: frozen.clone(),
+                    lease_events: self.lease_events.clone(),
+                },
+            ))
+            .seed(self.fleet.seed.wrapping_add(salt))
+            .balance_by(self.fleet.balance_by)
+            .build()
+            .expect("a valid configuration");
+        let (last, counts, gone, pause) = (
+            self.last_delivery.clone(),
+            self.handled.clone(),
+            dead.clone(),
+            frozen.clone(),
+        );
+        let deliveries = self.deliveries.clone();
+        let (slow, me) = (self.slow_calls.clone(), id.clone());
+        let handler = tower::service_fn(move |msg: Message| {
+            let (last, counts, gone, pause) =
+                (last.clone(), counts.clone(), gone.clone(), pause.clone());
+            let (deliveries, me) = (deliveries.clone(), me.clone());
+            let slow = slow.lock().unwrap().remove(&me);
+            async move {
+                if let Some(slow) = slow {
+                    tokio::time::sleep(slow).await;
                 }
-            });
-            let shutdown = consumer.shutdown_handle();
-            let task = tokio::spawn(consumer.run(handler).into_future());
-            self.workers.push(Worker {
-                id,
-                shutdown,
-                task,
-                dead,
-            });
+                wait_while(&pause).await;
+                // A killed process handles nothing more (and acknowledges nothing).
+                if gone.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                let shard = msg.metadata.shard_id.to_string();
+                let sequence = msg.metadata.sequence_number.to_string();
+                *counts
+                    .lock()
+                    .unwrap()
+                    .entry((shard.clone(), sequence.clone()))
+                    .or_default() += 1;
+                last.lock().unwrap().insert(shard.clone(), Instant::now());
+                deliveries.lock().unwrap().push(Delivery {
+                    at: Instant::now(),
+                    worker: me,
+                    shard,
+                    sequence,
+                });
+                Ok::<_, Infallible>(())
+            }
+        });
+        let shutdown = consumer.shutdown_handle();
+        let task = tokio::spawn(consumer.run(handler).into_future());
+        Worker {
+            id,
+            shutdown,
+            task,
+            dead,
+            frozen,
         }
     }
 
@@ -449,6 +575,10 @@ impl Running {
     pub fn kill(&mut self, i: usize) -> Vec<String> {
         let worker = &self.workers[i];
         worker.dead.store(true, Ordering::SeqCst);
+        self.faults
+            .lock()
+            .unwrap()
+            .push((Instant::now(), worker.id.clone(), WorkerFault::Killed));
         let prefix = format!("{}#", worker.id);
         self.memory
             .table(GROUP)

@@ -396,12 +396,19 @@ impl SimStore {
             "take {} {} by {owner} counter {} at {}",
             self.backend.incarnation, row.key, row.counter, row.checkpoint
         ));
+        let handed_over_by = expected
+            .owner
+            .as_deref()
+            .filter(|previous| *previous != owner)
+            .and_then(|previous| log.owners.lock().unwrap().get(previous).cloned())
+            .filter(|previous| *previous == self.backend.incarnation);
         log.takes.lock().unwrap().push(Take {
             at: log.tick(),
             time: log.wall_time(),
             key: shard_of(&row.key),
             owner: owner.to_owned(),
             before_first_checkpoint,
+            handed_over_by,
         });
     }
 

@@ -32,6 +32,10 @@ pub struct Take {
     pub owner: String,
     /// The lease moved from another owner while its checkpoint was still a sentinel.
     pub before_first_checkpoint: bool,
+    /// The incarnation that wrote the take when it was the lease's previous owner
+    /// handing it over (a planned hand-off: drained and checkpointed first), rather
+    /// than the new owner taking it (a free, expired or overdue lease).
+    pub handed_over_by: Option<String>,
 }
 
 /// A checkpoint write that landed in the store.

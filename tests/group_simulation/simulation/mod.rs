@@ -33,8 +33,8 @@ use shardflow::lease::{Checkpoint, LeaseStore};
 use shardflow::memory::{KinesisFaults, LeaseFaults};
 use shardflow::AckHandle;
 use shardflow::{
-    Backend, CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory, Message,
-    Position, SequenceNumber, ShardEvent, ShutdownHandle,
+    Backend, BalanceBy, CheckpointPolicy, Concurrency, Consumer, Health, InitialPosition, Memory,
+    Message, Position, SequenceNumber, ShardEvent, ShutdownHandle,
 };
 use tokio::task::JoinHandle;
 
@@ -102,6 +102,10 @@ pub struct Stats {
     pub batch_workers: usize,
     pub dead_lettered: u64,
     pub bisected_batches: u64,
+    /// Takes written by the previous owner handing the lease over (planned hand-offs).
+    pub planned_handoffs: usize,
+    /// Shifts of the per-shard load (feature `skewed-load`).
+    pub load_shifts: usize,
 }
 
 impl Stats {
@@ -131,6 +135,8 @@ impl Stats {
         self.batch_workers += o.batch_workers;
         self.dead_lettered += o.dead_lettered;
         self.bisected_batches += o.bisected_batches;
+        self.planned_handoffs += o.planned_handoffs;
+        self.load_shifts += o.load_shifts;
     }
 }
 
@@ -217,6 +223,41 @@ struct Sim {
     /// gives every incarnation the owner name it had, and the other draws stay as they
     /// were.
     nonces: SmallRng,
+    /// The per-shard load of feature `skewed-load`, if on.
+    skew: Option<Arc<Mutex<Skew>>>,
+    /// The task feeding the shards at their loads (feature `skewed-load`).
+    feed: Option<JoinHandle<()>>,
+}
+
+/// How often the feed of feature `skewed-load` writes a record into every open shard.
+const FEED_EVERY: Duration = Duration::from_millis(500);
+
+/// Feature `skewed-load`: each shard's weight (by its position among the open shards
+/// in id order), drawn from a Zipf distribution (s = 1.2, 1 to 10) by a generator of its
+/// own, so the other draws of a history stay as they were.
+struct Skew {
+    rng: SmallRng,
+    weights: Vec<usize>,
+}
+
+impl Skew {
+    fn weight(&mut self, i: usize) -> usize {
+        let zipf = rand_distr::Zipf::new(10, 1.2).expect("valid Zipf parameters");
+        while self.weights.len() <= i {
+            let w = self.rng.sample(zipf) as usize;
+            self.weights.push(w);
+        }
+        self.weights[i]
+    }
+
+    /// The hottest shard cools to the coldest's weight and the coldest heats to the
+    /// hottest's; returns the two positions.
+    fn shift(&mut self) -> Option<(usize, usize)> {
+        let hot = (0..self.weights.len()).max_by_key(|i| (self.weights[*i], *i))?;
+        let cold = (0..self.weights.len()).min_by_key(|i| (self.weights[*i], *i))?;
+        self.weights.swap(hot, cold);
+        Some((hot, cold))
+    }
 }
 
 /// The messages of the panics the generator's handlers and hooks raise on purpose.
@@ -282,6 +323,10 @@ impl Sim {
                 stalled.map_err(|e| format!("{e}\n  {history}"))?;
                 invariants::check(&sim.memory, &sim.log, &sim.start)
                     .map_err(|e| format!("{e}\n  {history}"))?;
+                if sim.features.has(Feature::SkewedLoad) {
+                    invariants::check_planned_moves(&sim.log)
+                        .map_err(|e| format!("{e}\n  {history}"))?;
+                }
                 Ok(sim.finish_stats())
             }
         }
@@ -348,6 +393,13 @@ impl Sim {
             incarnations: 0,
             clock_skews: clock_skew::ClockSkews::new(seed),
             nonces: SmallRng::seed_from_u64(seed ^ 0x0_0ce5),
+            skew: features.has(Feature::SkewedLoad).then(|| {
+                Arc::new(Mutex::new(Skew {
+                    rng: SmallRng::seed_from_u64(seed ^ 0x5_4e3d),
+                    weights: Vec::new(),
+                }))
+            }),
+            feed: None,
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
@@ -365,6 +417,53 @@ impl Sim {
         self.next_value += n;
         self.note(format!("produce {n}"));
         testkit::produce(self.producer.kinesis().as_ref(), STREAM, range).await;
+    }
+
+    /// Feature `skewed-load`: while the history runs, a record into each open shard
+    /// every [`FEED_EVERY`], its size following the shard's weight (200 bytes per unit),
+    /// so the shards' throughputs differ as their weights do and hand-offs happen while
+    /// records flow. Stopped by [`Sim::stop_feed`].
+    fn start_feed(&mut self) {
+        let Some(skew) = self.skew.clone() else {
+            return;
+        };
+        let (memory, kinesis) = (self.memory.clone(), self.producer.kinesis());
+        self.feed = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(FEED_EVERY).await;
+                // The memory backend answers ListShards without faults and without awaiting.
+                let mut open: Vec<ShardInfo> = memory
+                    .streams()
+                    .list_shards(STREAM)
+                    .now_or_never()
+                    .and_then(Result::ok)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|s| !s.is_closed())
+                    .collect();
+                open.sort_by(|a, b| a.shard_id.cmp(&b.shard_id));
+                let records: Vec<shardflow::kinesis::PutRecord> = open
+                    .iter()
+                    .enumerate()
+                    .map(|(i, shard)| {
+                        let weight = skew.lock().unwrap().weight(i);
+                        shardflow::kinesis::PutRecord {
+                            data: bytes::Bytes::from(vec![b'l'; 200 * weight]),
+                            partition_key: format!("load-{i}"),
+                            explicit_hash_key: Some(shard.starting_hash_key.to_string()),
+                        }
+                    })
+                    .collect();
+                testkit::put_all(kinesis.as_ref(), STREAM, records).await;
+            }
+        }));
+    }
+
+    /// Stops the feed of [`Sim::start_feed`].
+    fn stop_feed(&mut self) {
+        if let Some(feed) = self.feed.take() {
+            feed.abort();
+        }
     }
 
     async fn open_shards(&self) -> Vec<ShardInfo> {
@@ -526,6 +625,11 @@ impl Sim {
         // allows (just under the renewal margin): a frozen worker's renewals, waiting at
         // its gate, are cut later, so it notices a lost lease later than another worker
         // takes it over, as a really frozen process (whose timers stop too) would.
+        let builder = if self.features.has(Feature::SkewedLoad) {
+            builder.balance_by(BalanceBy::Throughput)
+        } else {
+            builder
+        };
         let builder = if self.features.has(Feature::ProcessFreeze) {
             builder.lease_call_timeout(LEASE * 2 / 3 - Duration::from_millis(100))
         } else {
@@ -726,6 +830,7 @@ impl Sim {
         ));
         *self.decided_start.lock().unwrap() = Some(self.start.clone());
 
+        self.start_feed();
         let latest = matches!(self.start, Start::Latest);
         let first = if latest { 2 } else { self.rng.gen_range(1..=2) };
         for w in 0..first {
@@ -762,6 +867,10 @@ impl Sim {
             let n = self.rng.gen_range(1..=2);
             events.extend(std::iter::repeat_n(12, n));
         }
+        if self.features.has(Feature::SkewedLoad) {
+            let n = self.rng.gen_range(1..=2);
+            events.extend(std::iter::repeat_n(13, n));
+        }
         for i in (1..events.len()).rev() {
             let j = self.rng.gen_range(0..=i);
             events.swap(i, j);
@@ -779,6 +888,7 @@ impl Sim {
 
         // The end: everything is woken, one plain worker is surely there, and every
         // required record is handled within a bound.
+        self.stop_feed();
         for w in &self.workers {
             if w.control.is_frozen() {
                 w.control.freeze(false);
@@ -936,6 +1046,18 @@ impl Sim {
                 let after = Duration::from_millis(self.rng.gen_range(10..300));
                 tokio::time::sleep(after).await;
                 self.process_freeze();
+            }
+            13 => {
+                // The load shifts, then records flow at the new weights.
+                let shifted = self.skew.as_ref().and_then(|s| s.lock().unwrap().shift());
+                if let Some((hot, cold)) = shifted {
+                    self.note(format!(
+                        "load shifts: shard #{hot} cools, shard #{cold} heats"
+                    ));
+                    self.stats.load_shifts += 1;
+                }
+                let n = self.rng.gen_range(50..200);
+                self.produce(n).await;
             }
             _ => {
                 // A quiet period longer than a lease.
@@ -1132,6 +1254,13 @@ impl Sim {
         s.stuck_events = log.stuck_events.load(Ordering::SeqCst);
         s.dead_lettered = log.dead_lettered.load(Ordering::SeqCst);
         s.bisected_batches = log.bisected_batches.load(Ordering::SeqCst);
+        s.planned_handoffs = log
+            .takes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|t| t.handed_over_by.is_some())
+            .count();
         s
     }
 }
