@@ -1,9 +1,10 @@
 //! Compatibility with the Java KCL's lease table: moving a KCL application over in place,
 //! a mixed fleet, the rows of finished shards as the KCL writes them, and the KCL 3.5
-//! single-table format.
+//! single-table format; the same for the KCL's DynamoDB Streams Kinesis Adapter.
 
 mod kcl_rs;
 mod migration;
+mod dynamodb_streams_adapter;
 mod mixed_fleet;
 mod shard_end;
 mod single_table;
