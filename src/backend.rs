@@ -21,6 +21,13 @@ pub trait Backend: Send + Sync + 'static {
     fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
         None
     }
+    /// The DynamoDB Streams API of this backend: tables' change streams served through the
+    /// same trait as Kinesis streams (the `stream` argument of every call is the stream ARN).
+    /// `None` (the default) for a backend without table streams: a consumer of a table's
+    /// stream is then refused by `build`.
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        None
+    }
 }
 
 /// The timeouts of the SDK clients [`Aws`] builds. The SDK has none by default (a hung

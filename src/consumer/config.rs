@@ -181,6 +181,50 @@ pub(crate) fn stream_name(field: &'static str, given: &str) -> Result<String, Co
     Ok(name.to_owned())
 }
 
+/// How a table-stream consumer names its stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum TableStream {
+    /// [`ConsumerBuilder::table_stream`]: the table, whose current stream ARN is resolved
+    /// when the consumer starts.
+    Table(String),
+    /// [`ConsumerBuilder::table_stream_arn`]: the stream ARN itself.
+    Arn,
+}
+
+/// The most records one DynamoDB Streams GetRecords call returns, and so the largest
+/// [`ConsumerBuilder::max_records_per_read`] of a table-stream consumer (its default).
+pub const MAX_TABLE_STREAM_RECORDS_PER_READ: u32 = 1_000;
+
+/// Whether `arn` looks like a DynamoDB stream ARN,
+/// `arn:<partition>:dynamodb:<region>:<account>:table/<table>/stream/<label>`.
+pub(crate) fn is_table_stream_arn(arn: &str) -> bool {
+    let mut parts = arn.splitn(6, ':');
+    let (Some("arn"), Some(_), Some("dynamodb"), Some(_), Some(account), Some(resource)) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return false;
+    };
+    let mut resource = resource.splitn(4, '/');
+    !account.is_empty()
+        && resource.next() == Some("table")
+        && resource.next().is_some_and(|t| !t.is_empty())
+        && resource.next() == Some("stream")
+        && resource.next().is_some_and(|l| !l.is_empty())
+}
+
+/// Whether `table` is a DynamoDB table name (3-255 of a-z A-Z 0-9 _ . -).
+fn is_table_name(table: &str) -> bool {
+    (3..=255).contains(&table.len())
+        && table
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+}
+
 /// A validated consumer configuration (see [`ConsumerBuilder`] for each field).
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -189,6 +233,10 @@ pub struct Config {
     pub(crate) stream: String,
     /// `Some`: a multi-stream consumer (see [`ConsumerBuilder::streams`]).
     pub(crate) streams: Option<StreamList>,
+    /// `Some`: the stream is a table's DynamoDB stream, read through
+    /// [`Backend::table_streams`]; `stream` is its ARN (or, before the consumer starts,
+    /// the table's name when given by table).
+    pub(crate) table_stream: Option<TableStream>,
     pub(crate) group: String,
     pub(crate) worker_id: String,
     /// This incarnation's name in `leaseOwner`: the worker id and a per-start nonce.
@@ -296,6 +344,11 @@ impl Config {
     pub fn fan_out_consumer(&self) -> Option<&str> {
         self.fan_out.as_deref()
     }
+    /// Whether the consumer reads a table's DynamoDB stream
+    /// ([`ConsumerBuilder::table_stream`], [`ConsumerBuilder::table_stream_arn`]).
+    pub fn is_table_stream(&self) -> bool {
+        self.table_stream.is_some()
+    }
 }
 
 /// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`),
@@ -305,11 +358,13 @@ pub struct ConsumerBuilder {
     stream: Option<String>,
     streams: Option<Vec<String>>,
     streams_from: Option<watch::Receiver<Vec<String>>>,
+    table_stream: Option<String>,
+    table_stream_arn: Option<String>,
     group: Option<String>,
     worker_id: Option<String>,
     lease_table: Option<String>,
     initial_position: InitialPosition,
-    max_records_per_read: u32,
+    max_records_per_read: Option<u32>,
     idle_read_interval: Duration,
     fan_out: Option<String>,
     prefetch_batches: usize,
@@ -346,11 +401,13 @@ impl Default for ConsumerBuilder {
             stream: None,
             streams: None,
             streams_from: None,
+            table_stream: None,
+            table_stream_arn: None,
             group: None,
             worker_id: None,
             lease_table: None,
             initial_position: InitialPosition::default(),
-            max_records_per_read: 10_000,
+            max_records_per_read: None,
             idle_read_interval: DEFAULT_IDLE_READ_INTERVAL,
             fan_out: None,
             prefetch_batches: 2,
@@ -384,9 +441,33 @@ impl Default for ConsumerBuilder {
 }
 
 impl ConsumerBuilder {
-    /// The Kinesis stream to consume (required).
+    /// The Kinesis stream to consume (required, unless the consumer reads several
+    /// streams or a table's stream).
     pub fn stream(mut self, name: impl Into<String>) -> Self {
         self.stream = Some(name.into());
+        self
+    }
+
+    /// Reads the DynamoDB stream of table `table` instead of a Kinesis stream: each
+    /// message carries one change (see [`crate::dynamodb_streams`]), keyed by the item's
+    /// keys so that per-key order is per-item order. The table's current stream ARN
+    /// (DescribeTable's `LatestStreamArn`) is resolved when the consumer starts, through
+    /// the backend's [`Backend::table_streams`]; a table without a stream stops the
+    /// consumer with [`KinesisError::NotFound`](crate::kinesis::KinesisError::NotFound).
+    /// The group's leases are keyed by shard id, as for a single Kinesis stream, and the
+    /// stream the group reads is the ARN. Enhanced fan-out does not exist for table
+    /// streams (refused by `build`, field `fan_out`); reads take at most 1,000 records.
+    pub fn table_stream(mut self, table: impl Into<String>) -> Self {
+        self.table_stream = Some(table.into());
+        self
+    }
+
+    /// Like [`ConsumerBuilder::table_stream`], with the stream given by its ARN
+    /// (`arn:aws:dynamodb:<region>:<account>:table/<table>/stream/<label>`): the consumer
+    /// keeps reading that stream even after the table's stream was disabled and enabled
+    /// again (which gives the table a new stream, and a new ARN).
+    pub fn table_stream_arn(mut self, arn: impl Into<String>) -> Self {
+        self.table_stream_arn = Some(arn.into());
         self
     }
 
@@ -454,9 +535,10 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Records per GetRecords call, 1..=10000 (default 10000).
+    /// Records per GetRecords call, 1..=10000 (default 10000); for a table's stream
+    /// 1..=1000 (default 1000, the most DynamoDB Streams returns).
     pub fn max_records_per_read(mut self, n: u32) -> Self {
-        self.max_records_per_read = n;
+        self.max_records_per_read = Some(n);
         self
     }
 
@@ -828,7 +910,76 @@ impl ConsumerBuilder {
             }
             Ok(d)
         }
+        let table_stream = match (&self.table_stream, &self.table_stream_arn) {
+            (None, None) => None,
+            (Some(_), Some(_)) => return Err(ConfigError::Invalid {
+                field: "table_stream_arn",
+                reason:
+                    "set either table_stream (a table) or table_stream_arn (a stream ARN), not both"
+                        .into(),
+            }),
+            (Some(table), None) => {
+                if !is_table_name(table) {
+                    return Err(ConfigError::Invalid {
+                        field: "table_stream",
+                        reason: format!(
+                            "{table:?} is not a DynamoDB table name (3-255 of a-z A-Z 0-9 _ . -)"
+                        ),
+                    });
+                }
+                Some((table.clone(), TableStream::Table(table.clone())))
+            }
+            (None, Some(arn)) => {
+                if !is_table_stream_arn(arn) {
+                    return Err(ConfigError::Invalid {
+                        field: "table_stream_arn",
+                        reason: format!(
+                            "{arn:?} is not a DynamoDB stream ARN (arn:aws:dynamodb:<region>:<account>:table/<table>/stream/<label>)"
+                        ),
+                    });
+                }
+                Some((arn.clone(), TableStream::Arn))
+            }
+        };
+        if let Some((_, which)) = &table_stream {
+            let field = match which {
+                TableStream::Table(_) => "table_stream",
+                TableStream::Arn => "table_stream_arn",
+            };
+            if self.stream.is_some() || self.streams.is_some() || self.streams_from.is_some() {
+                return Err(ConfigError::Invalid {
+                    field,
+                    reason: "a consumer reads either a table's stream or Kinesis streams (stream, streams, streams_from), not both".into(),
+                });
+            }
+            if self.fan_out.is_some() {
+                return Err(ConfigError::Invalid {
+                    field: "fan_out",
+                    reason: "DynamoDB Streams has no enhanced fan-out: a table's stream is always polled".into(),
+                });
+            }
+        }
+        let max_records_per_read = match (&table_stream, self.max_records_per_read) {
+            (None, n) => n.unwrap_or(10_000),
+            (Some(_), None) => MAX_TABLE_STREAM_RECORDS_PER_READ,
+            (Some(_), Some(n)) if n > MAX_TABLE_STREAM_RECORDS_PER_READ => {
+                return Err(ConfigError::Invalid {
+                    field: "max_records_per_read",
+                    reason: format!(
+                        "{n} is more than the {MAX_TABLE_STREAM_RECORDS_PER_READ} records a DynamoDB Streams read returns"
+                    ),
+                })
+            }
+            (Some(_), Some(n)) => n,
+        };
         let (stream, streams) = match (&self.stream, &self.streams, &self.streams_from) {
+            _ if table_stream.is_some() => (
+                table_stream
+                    .as_ref()
+                    .map(|(s, _)| s.clone())
+                    .unwrap_or_default(),
+                None,
+            ),
             (Some(_), None, None) => (stream_name("stream", &name("stream", &self.stream)?)?, None),
             (None, Some(list), None) => {
                 if list.is_empty() {
@@ -906,10 +1057,10 @@ impl ConsumerBuilder {
             Some(_) => name("worker_id", &self.worker_id)?,
             None => format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
         };
-        if !(1..=10_000).contains(&self.max_records_per_read) {
+        if !(1..=10_000).contains(&max_records_per_read) {
             return Err(ConfigError::Invalid {
                 field: "max_records_per_read",
-                reason: format!("{} is outside 1..=10000", self.max_records_per_read),
+                reason: format!("{max_records_per_read} is outside 1..=10000"),
             });
         }
         if !(1..=MAX_PREFETCH).contains(&self.prefetch_batches) {
@@ -1049,12 +1200,13 @@ impl ConsumerBuilder {
         Ok(Config {
             stream,
             streams,
+            table_stream: table_stream.map(|(_, which)| which),
             group,
             owner,
             worker_id,
             lease_table,
             initial_position: self.initial_position.clone(),
-            max_records_per_read: self.max_records_per_read,
+            max_records_per_read,
             idle_read_interval: positive("idle_read_interval", self.idle_read_interval)?,
             fan_out,
             prefetch_batches: self.prefetch_batches,

@@ -342,6 +342,15 @@ impl KinesisApi for BoundedKinesis {
             .await
     }
 
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        self.bound("DescribeTable", self.inner.resolve_table_stream(table))
+            .await
+    }
+
+    fn records_may_be_aggregated(&self) -> bool {
+        self.inner.records_may_be_aggregated()
+    }
+
     async fn shard_iterator(
         &self,
         stream: &str,

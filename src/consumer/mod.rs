@@ -185,9 +185,18 @@ impl ConsumerBuilder {
     pub fn build(mut self) -> Result<Consumer, ConfigError> {
         let config = self.validate()?;
         let backend = self.take_backend()?;
+        let kinesis = match &config.table_stream {
+            None => backend.kinesis(),
+            Some(_) => backend
+                .table_streams()
+                .ok_or_else(|| ConfigError::Invalid {
+                    field: "backend",
+                    reason: "this backend does not serve DynamoDB table streams".into(),
+                })?,
+        };
         Ok(Consumer {
             worker: WorkerContext::new(&config),
-            kinesis: backend.kinesis(),
+            kinesis,
             store: backend.lease_store(&config.lease_table),
             config: Arc::new(config),
             shutdown: CancellationToken::new(),

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::kinesis::KinesisApi;
 use crate::lease::{LeaseStore, SharedListing};
 
-use super::config::{stream_name, Config, StreamList};
+use super::config::{stream_name, Config, StreamList, TableStream};
 use super::context::WorkerContext;
 use super::coordinator::Coordinator;
 use super::health::HealthState;
@@ -56,8 +56,20 @@ impl Group {
     /// drained, committed and released.
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
         let Some(list) = self.config.streams.clone() else {
+            let config = match &self.config.table_stream {
+                // The table's stream is the one it has when the consumer starts.
+                Some(TableStream::Table(table)) => {
+                    let arn = self.kinesis.resolve_table_stream(table).await?;
+                    tracing::info!(%table, stream = %arn, "reading the table's stream");
+                    Arc::new(Config {
+                        stream: arn,
+                        ..(*self.config).clone()
+                    })
+                }
+                _ => self.config.clone(),
+            };
             let coordinator = Coordinator::new(
-                self.config.clone(),
+                config,
                 self.worker.clone(),
                 self.kinesis.clone(),
                 self.store.clone(),

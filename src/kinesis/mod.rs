@@ -370,6 +370,21 @@ pub trait KinesisApi: Send + Sync + 'static {
         ))
     }
 
+    /// The ARN of the table's current stream (DescribeTable's `LatestStreamArn`); sources
+    /// that are not table streams answer `Unsupported`. A table without a stream (or no
+    /// such table) is `NotFound`.
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        let _ = table;
+        Err(KinesisError::Unsupported(
+            "DynamoDB table streams (resolving a table's stream)".into(),
+        ))
+    }
+
+    /// Whether records may be KPL-aggregated (false for table streams: never de-aggregate).
+    fn records_may_be_aggregated(&self) -> bool {
+        true
+    }
+
     /// An iterator into a shard.
     async fn shard_iterator(
         &self,

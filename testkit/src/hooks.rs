@@ -95,6 +95,14 @@ impl<B: Backend, H: Hooks> Backend for Hooked<B, H> {
     fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
         self.backend.admin()
     }
+
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        let inner = self.backend.table_streams()?;
+        Some(Arc::new(HookedKinesis {
+            inner,
+            hooks: self.hooks.clone(),
+        }))
+    }
 }
 
 /// A lease store calling its hooks around every call of `inner`.
@@ -342,6 +350,16 @@ impl<H: Hooks> KinesisApi for HookedKinesis<H> {
         self.call("max_record_size", self.inner.max_record_size(stream))
             .await
     }
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        self.call(
+            "resolve_table_stream",
+            self.inner.resolve_table_stream(table),
+        )
+        .await
+    }
+    fn records_may_be_aggregated(&self) -> bool {
+        self.inner.records_may_be_aggregated()
+    }
     async fn shard_iterator(
         &self,
         stream: &str,
@@ -411,6 +429,14 @@ pub trait ForwardKinesis: Send + Sync + 'static {
     /// [`KinesisApi::max_record_size`].
     async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
         self.inner().max_record_size(stream).await
+    }
+    /// [`KinesisApi::resolve_table_stream`].
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        self.inner().resolve_table_stream(table).await
+    }
+    /// [`KinesisApi::records_may_be_aggregated`].
+    fn records_may_be_aggregated(&self) -> bool {
+        self.inner().records_may_be_aggregated()
     }
     /// [`KinesisApi::shard_iterator`].
     async fn shard_iterator(
@@ -558,6 +584,12 @@ impl<T: ForwardKinesis> KinesisApi for Forward<T> {
     }
     async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
         self.0.max_record_size(stream).await
+    }
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        self.0.resolve_table_stream(table).await
+    }
+    fn records_may_be_aggregated(&self) -> bool {
+        self.0.records_may_be_aggregated()
     }
     async fn shard_iterator(
         &self,

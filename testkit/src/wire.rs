@@ -326,6 +326,14 @@ impl Backend for FaultyMemory {
         }))
     }
 
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        let inner = self.memory.table_streams()?;
+        Some(Arc::new(Forward(FaultyKinesis {
+            inner,
+            faults: self.faults.clone(),
+        })))
+    }
+
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         Arc::new(Forward(FaultyStore {
             inner: self.memory.lease_store(table),

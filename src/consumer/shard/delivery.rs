@@ -36,7 +36,14 @@ impl ShardReader {
             self.metrics.millis_behind.set(ms as f64);
         }
         let mut messages = Vec::with_capacity(raw);
+        // A table's stream carries change records, never KPL aggregates: one that
+        // happened to look like one must not be split.
+        let aggregated = self.kinesis.records_may_be_aggregated();
         for record in records {
+            if !aggregated {
+                self.push_plain(record, handled, &mut messages);
+                continue;
+            }
             match aggregation::deaggregate(record) {
                 Deaggregated::Plain(record) => self.push_plain(record, handled, &mut messages),
                 Deaggregated::Corrupt { record, reason } => {
