@@ -29,7 +29,7 @@ use shardflow::kinesis::{
     StartingPosition,
 };
 use shardflow::lease::LeaseStore;
-use shardflow::{Aws, Backend, ErrorDetail, SequenceNumber};
+use shardflow::{Aws, Backend, Consumer, ErrorDetail, SequenceNumber};
 use testkit::*;
 
 use super::migration::assert_kcl_reads;
@@ -48,6 +48,9 @@ const Q: &str = "shardId-00000001764835200000-5b2e9d07";
 const E: &str = "shardId-00000001764806400000-0d4f6a88";
 /// E's child, open, not in the table yet (the adapter had not synced it).
 const F: &str = "shardId-00000001764849600000-71e3b0c5";
+/// The table's stream.
+const STREAM_ARN: &str =
+    "arn:aws:dynamodb:us-east-1:123456789012:table/orders/stream/2026-12-04T08:00:00.000";
 /// A shard trimmed from the stream (past 24 h), its row not yet deleted.
 const TRIMMED: &str = "shardId-00000001764748800000-aa11bb22";
 
@@ -137,7 +140,10 @@ fn not_found(what: &str) -> KinesisError {
 
 #[async_trait]
 impl KinesisApi for TableStream {
-    async fn list_shards(&self, _stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+    async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
+        if stream != STREAM_ARN {
+            return Err(not_found(stream));
+        }
         Ok(self
             .shards
             .lock()
@@ -151,12 +157,19 @@ impl KinesisApi for TableStream {
         Ok(false)
     }
 
+    fn records_may_be_aggregated(&self) -> bool {
+        false
+    }
+
     async fn shard_iterator(
         &self,
-        _stream: &str,
+        stream: &str,
         shard_id: &str,
         from: &StartingPosition,
     ) -> Result<String, KinesisError> {
+        if stream != STREAM_ARN {
+            return Err(not_found(stream));
+        }
         let shards = self.shards.lock().unwrap();
         let shard = shards
             .iter()
@@ -225,10 +238,13 @@ struct AdapterSetup {
 
 impl Backend for AdapterSetup {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.stream.clone()
+        self.aws.kinesis()
     }
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
         self.aws.lease_store(table)
+    }
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        Some(self.stream.clone())
     }
 }
 
@@ -380,8 +396,14 @@ async fn take_over() {
     let recorder = Recorder::default();
     let group = unique("orders-cdc");
     let running = start(
-        test_consumer(setup, "orders-changes", &group, "w1")
-            .lease_table(&table)
+        test_timings(
+            Consumer::builder()
+                .table_stream_arn(STREAM_ARN)
+                .group(&group)
+                .worker_id("w1")
+                .backend(setup),
+        )
+        .lease_table(&table)
             .build()
             .unwrap(),
         &recorder,
@@ -442,6 +464,10 @@ async fn take_over() {
         .collect();
     for item in by_key.values() {
         assert_adapter_reads(item);
+        // Claimed for the stream (the adapter's single-stream reader ignores it).
+        if let Some(stream) = item.get("streamName") {
+            assert_eq!(stream, &s(STREAM_ARN), "{item:?}");
+        }
         assert!(
             !item.contains_key("leaseOwner"),
             "released on shutdown: {item:?}"
