@@ -12,7 +12,6 @@ use shardflow::admin::{
 };
 use shardflow::kinesis::KinesisError;
 use shardflow::lease::{Checkpoint, LeaseStore};
-use shardflow::Backend;
 
 use crate::position::{future_warning, parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
@@ -39,7 +38,7 @@ pub struct ResetArgs {
 }
 
 /// `group reset`.
-pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
+pub async fn reset(cx: &Context, mut args: ResetArgs) -> CliResult {
     let spot = match parse(&args.to) {
         Ok(spot) => spot,
         Err(e) => {
@@ -50,7 +49,18 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     if let Some(warning) = future_warning(&spot) {
         eprintln!("shardflow: warning: --to {warning} (the shards skip every record until then)");
     }
-    let to = spot.checkpoint();
+    let (group, source) = args.group.resolve(&cx.aws).await?;
+    args.group = group;
+    let to = match (&spot, source.table_stream) {
+        // DynamoDB Streams has no timestamp iterator: a table stream's rows hold the
+        // sentinels the DynamoDB Streams adapter writes.
+        (Spot::Timestamp(_), true) => {
+            eprintln!("shardflow: error: --to timestamp: a DynamoDB table stream has no timestamp positions (trim-horizon, latest or sequence N)");
+            return Ok(ExitCode::from(2));
+        }
+        (Spot::Latest, true) => Checkpoint::Latest,
+        _ => spot.checkpoint(),
+    };
     let store = args.group.store(&cx.aws);
     let table_name = args.group.table();
     let all = table_rows(store.list().await?)?;
@@ -85,7 +95,7 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     // must be readable after it, checked before anything is written (a reset of every
     // shard to one shard's sequence number is refused, naming both shards).
     if let Spot::Sequence(sequence) = &spot {
-        let kinesis = cx.aws.kinesis();
+        let kinesis = source.kinesis.clone();
         for (r, to) in &chosen {
             if *to != Checkpoint::At(shardflow::Position::new(sequence.clone(), 0)) {
                 continue;
