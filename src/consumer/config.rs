@@ -1254,6 +1254,63 @@ mod tests {
     }
 
     #[test]
+    fn table_streams_refuse_what_they_cannot_do_naming_the_field() {
+        let field = |b: ConsumerBuilder| match b.validate() {
+            Err(ConfigError::Missing { field }) | Err(ConfigError::Invalid { field, .. }) => field,
+            Ok(_) => "accepted",
+        };
+        let table = || {
+            ConsumerBuilder::default()
+                .table_stream("orders")
+                .group("cdc")
+        };
+        let arn =
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders/stream/2026-01-01T00:00:00.000";
+        let by_arn = || {
+            ConsumerBuilder::default()
+                .table_stream_arn(arn)
+                .group("cdc")
+        };
+        assert_eq!(field(table()), "accepted");
+        assert_eq!(field(by_arn()), "accepted");
+        assert_eq!(field(table().fan_out("efo")), "fan_out");
+        assert_eq!(field(by_arn().fan_out("efo")), "fan_out");
+        assert_eq!(field(table().stream("orders")), "table_stream");
+        assert_eq!(field(by_arn().streams(["a", "b"])), "table_stream_arn");
+        assert_eq!(field(table().table_stream_arn(arn)), "table_stream_arn");
+        assert_eq!(
+            field(table().max_records_per_read(1_001)),
+            "max_records_per_read"
+        );
+        assert_eq!(field(table().max_records_per_read(1_000)), "accepted");
+        assert_eq!(
+            field(ConsumerBuilder::default().table_stream("no").group("g")),
+            "table_stream"
+        );
+        for bad in [
+            "orders",
+            "arn:aws:kinesis:eu-west-1:123456789012:stream/orders",
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders",
+            "arn:aws:dynamodb:eu-west-1::table/orders/stream/x",
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders/stream/",
+        ] {
+            assert_eq!(
+                field(ConsumerBuilder::default().table_stream_arn(bad).group("g")),
+                "table_stream_arn",
+                "{bad}"
+            );
+        }
+        let c = table().validate().unwrap();
+        assert_eq!(c.max_records_per_read, MAX_TABLE_STREAM_RECORDS_PER_READ);
+        assert!(c.is_table_stream());
+        assert_eq!(c.table_stream, Some(TableStream::Table("orders".into())));
+        assert_eq!(by_arn().validate().unwrap().stream(), arn);
+        // A Kinesis consumer keeps its default and its limit.
+        assert_eq!(base().validate().unwrap().max_records_per_read, 10_000);
+        assert!(!base().validate().unwrap().is_table_stream());
+    }
+
+    #[test]
     fn refuses_bad_values_naming_the_field() {
         let field = |b: ConsumerBuilder| match b.validate() {
             Err(ConfigError::Missing { field }) | Err(ConfigError::Invalid { field, .. }) => field,
