@@ -43,7 +43,13 @@ pub fn user_records(shard: &str, record: Record, aggregates: bool) -> Vec<UserRe
         aggregated,
     };
     if !aggregates {
-        return vec![one(&record, 0, &record.partition_key, record.data.clone(), false)];
+        return vec![one(
+            &record,
+            0,
+            &record.partition_key,
+            record.data.clone(),
+            false,
+        )];
     }
     match deaggregate(record) {
         Deaggregated::Aggregated {

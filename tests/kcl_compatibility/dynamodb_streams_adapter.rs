@@ -356,7 +356,10 @@ async fn take_over() {
     // A stopped KCL 3 worker's row in the middle of C1.
     let mut c1_row = v2_row(C1, c1[4].as_str(), Some(P1));
     c1_row.insert("checkpoint".into(), s(&format!("{:0>21}", c1[4].as_str())));
-    c1_row.insert("leaseOwner".into(), s("5d0e4b8a-1c2f-4e6a-8b3d-7f9a0c1e2d3b"));
+    c1_row.insert(
+        "leaseOwner".into(),
+        s("5d0e4b8a-1c2f-4e6a-8b3d-7f9a0c1e2d3b"),
+    );
     c1_row.insert("leaseCounter".into(), n("871"));
     c1_row.insert("ownerSwitchesSinceCheckpoint".into(), n("1"));
     c1_row.insert("throughputKBps".into(), n("0.8125"));
@@ -370,7 +373,10 @@ async fn take_over() {
         ),
         ("leaseCounter".to_owned(), n("2214")),
         ("ownerSwitchesSinceCheckpoint".to_owned(), n("0")),
-        ("checkpoint".to_owned(), s(&format!("{:0>21}", q[4].as_str()))),
+        (
+            "checkpoint".to_owned(),
+            s(&format!("{:0>21}", q[4].as_str())),
+        ),
         ("checkpointSubSequenceNumber".to_owned(), n("0")),
     ]);
     let e = v2_row(E, "TRIM_HORIZON", None);
@@ -404,8 +410,8 @@ async fn take_over() {
                 .backend(setup),
         )
         .lease_table(&table)
-            .build()
-            .unwrap(),
+        .build()
+        .unwrap(),
         &recorder,
     );
     recorder
