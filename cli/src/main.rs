@@ -138,7 +138,6 @@ impl GroupArgs {
             None => Source {
                 kinesis: aws.kinesis(),
                 stream: self.stream.clone().unwrap_or_default(),
-                table_stream: false,
             },
         };
         Ok((self, source))
@@ -160,8 +159,6 @@ pub struct Source {
     pub kinesis: Arc<dyn KinesisApi>,
     /// The stream (for a table's stream, its ARN).
     pub stream: String,
-    /// Whether `stream` is a table's stream: no AT_TIMESTAMP iterators, no aggregation.
-    pub table_stream: bool,
 }
 
 impl Source {
@@ -180,11 +177,7 @@ impl Source {
                 .await
                 .map_err(|e| format!("the stream of table {given}: {e}"))?
         };
-        Ok(Source {
-            kinesis,
-            stream,
-            table_stream: true,
-        })
+        Ok(Source { kinesis, stream })
     }
 }
 

@@ -51,16 +51,7 @@ pub async fn reset(cx: &Context, mut args: ResetArgs) -> CliResult {
     }
     let (group, source) = args.group.resolve(&cx.aws).await?;
     args.group = group;
-    let to = match (&spot, source.table_stream) {
-        // DynamoDB Streams has no timestamp iterator: a table stream's rows hold the
-        // sentinels the DynamoDB Streams adapter writes.
-        (Spot::Timestamp(_), true) => {
-            eprintln!("shardflow: error: --to timestamp: a DynamoDB table stream has no timestamp positions (trim-horizon, latest or sequence N)");
-            return Ok(ExitCode::from(2));
-        }
-        (Spot::Latest, true) => Checkpoint::Latest,
-        _ => spot.checkpoint(),
-    };
+    let to = spot.checkpoint();
     let store = args.group.store(&cx.aws);
     let table_name = args.group.table();
     let all = table_rows(store.list().await?)?;

@@ -39,7 +39,7 @@ pub struct TailArgs {
     #[arg(required_unless_present = "table_stream")]
     stream: Option<String>,
     /// A DynamoDB table's stream instead: the table (its current stream) or the stream's
-    /// ARN. Its records are the changes' JSON; `--from timestamp` does not exist there.
+    /// ARN. Its records are the changes' JSON.
     #[arg(long, value_name = "TABLE_OR_ARN", conflicts_with = "stream")]
     table_stream: Option<String>,
     /// Where to start, in every shard read (children included): trim-horizon, latest,
@@ -193,18 +193,11 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
         args.format
     };
     let source = match args.table_stream.as_deref() {
-        Some(given) => {
-            if matches!(spot, Spot::Timestamp(_)) {
-                eprintln!("shardflow: error: --from timestamp: a DynamoDB table stream has no timestamp positions (trim-horizon or latest)");
-                return Ok(ExitCode::from(2));
-            }
-            Source::table_stream(&cx.aws, given).await?
-        }
+        Some(given) => Source::table_stream(&cx.aws, given).await?,
         None => Source {
             kinesis: cx.aws.kinesis(),
             // clap requires the stream unless --table-stream is given.
             stream: args.stream.clone().unwrap_or_default(),
-            table_stream: false,
         },
     };
     let kinesis = source.kinesis.clone();
@@ -221,8 +214,6 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     // time tail started, so that a child's records from then on are all shown.
     let started = SystemTime::now();
     let children_from = match &spot {
-        // A table stream's child opened after tail started holds only newer records.
-        Spot::Latest if source.table_stream => StartingPosition::TrimHorizon,
         Spot::Latest => StartingPosition::AtTimestamp(started),
         other => other.starting(),
     };

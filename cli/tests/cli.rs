@@ -2848,22 +2848,4 @@ async fn a_table_stream_is_tailed_described_and_reset() {
         .unwrap();
     assert_eq!(item["checkpoint"], AttributeValue::S("TRIM_HORIZON".into()));
     assert_eq!(item["endingHashKey"], AttributeValue::S("1".into()));
-    // No timestamp positions on a table's stream: a usage error, nothing changed.
-    let out = run_with(
-        &[
-            "group",
-            "reset",
-            "--table-stream",
-            &table,
-            "--table",
-            &leases,
-            "--to",
-            "timestamp",
-            "1700000000000",
-            "--yes",
-        ],
-        &env,
-    )
-    .await;
-    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
 }

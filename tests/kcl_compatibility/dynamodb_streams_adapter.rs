@@ -185,7 +185,7 @@ impl KinesisApi for TableStream {
             StartingPosition::AfterSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number <= *seq)
             }
-            // The DynamoDB Streams API has no AT_TIMESTAMP iterator.
+            // Not needed here: every row holds a sequence number or a sentinel.
             StartingPosition::AtTimestamp(_) => {
                 return Err(KinesisError::Unsupported("AT_TIMESTAMP".into()))
             }
@@ -276,7 +276,7 @@ fn v2_row(shard: &str, checkpoint: &str, parent: Option<&str>) -> HashMap<String
 }
 
 /// Checks `item` is a row the adapter reads and can resume from: the KCL's names and
-/// types, a checkpoint the DynamoDB Streams API accepts (a sentinel it has, or 21 to 40
+/// types, a checkpoint the DynamoDB Streams API accepts (a sentinel, or 21 to 40
 /// digits), no sub-sequence, at most one parent.
 fn assert_adapter_reads(item: &HashMap<String, AttributeValue>) {
     assert_kcl_reads(item);
@@ -285,7 +285,7 @@ fn assert_adapter_reads(item: &HashMap<String, AttributeValue>) {
         panic!("{what}")
     };
     assert!(
-        ["TRIM_HORIZON", "LATEST", "SHARD_END"].contains(&checkpoint.as_str())
+        ["TRIM_HORIZON", "LATEST", "SHARD_END", "AT_TIMESTAMP"].contains(&checkpoint.as_str())
             || (21..=40).contains(&checkpoint.len()),
         "a checkpoint DynamoDB Streams refuses: {what}"
     );
