@@ -4,7 +4,9 @@
 //! without a stream is a typed error.
 //!
 //! `scripts/test.sh` starts moto and sets `SHARDFLOW_TABLE_STREAMS_ENDPOINT`; without it
-//! every test here returns at once. The leases are on moto too: one `Aws` backend has one
+//! the emulator tests here return at once. The `wire_*` tests need no emulator: they talk
+//! to a scripted endpoint (`testkit::fake_endpoint`) to show what moto cannot — paging by
+//! `ExclusiveStartShardId`, the service's errors, trimmed positions. The leases are on moto too: one `Aws` backend has one
 //! DynamoDB client, which both resolves the table's stream and keeps the leases (as on
 //! AWS, where both are the same service).
 
@@ -108,10 +110,13 @@ async fn write(dynamodb: &aws_sdk_dynamodb::Client, table: &str, w: Write) {
     }
 }
 
-/// What the handler saw: per change, its sequence number, partition key, event and the
-/// new image's `version`.
+/// One handled change: its sequence number, partition key, event and the new image's
+/// `version`.
+type Change = (String, String, EventName, Option<u32>);
+
+/// What the handler saw, in order.
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, String, EventName, Option<u32>)>>>);
+struct Seen(Arc<Mutex<Vec<Change>>>);
 
 #[derive(serde::Deserialize)]
 struct Item {
@@ -299,5 +304,163 @@ async fn a_table_without_a_stream_is_a_typed_error() {
             Err(ConsumerError::Kinesis(KinesisError::NotFound(_)))
         ),
         "{result:?}"
+    );
+}
+
+/// DynamoDB Streams (and DynamoDB) talking to a scripted endpoint, with the SDK's own
+/// retries off so every error surfaces. No emulator needed: these show what moto cannot
+/// (paging, the service's errors).
+fn streams_at(fake: &testkit::fake_endpoint::Fake) -> shardflow::dynamodb_streams::AwsTableStreams {
+    use aws_sdk_dynamodbstreams::config::{
+        retry::RetryConfig, BehaviorVersion, Credentials, Region,
+    };
+    let streams = aws_sdk_dynamodbstreams::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .credentials_provider(Credentials::new("test", "test", None, None, "test"))
+        .endpoint_url(&fake.url)
+        .retry_config(RetryConfig::disabled())
+        .build();
+    let dynamodb = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(aws_sdk_dynamodb::config::BehaviorVersion::latest())
+        .region(aws_sdk_dynamodb::config::Region::new("us-east-1"))
+        .credentials_provider(aws_sdk_dynamodb::config::Credentials::new(
+            "test", "test", None, None, "test",
+        ))
+        .endpoint_url(&fake.url)
+        .build();
+    shardflow::dynamodb_streams::AwsTableStreams::new(
+        aws_sdk_dynamodbstreams::Client::from_conf(streams),
+        aws_sdk_dynamodb::Client::from_conf(dynamodb),
+    )
+}
+
+const WIRE_ARN: &str =
+    "arn:aws:dynamodb:us-east-1:123456789012:table/orders/stream/2026-01-01T00:00:00.000";
+
+fn error(code: &str, message: &str) -> (u16, serde_json::Value) {
+    (
+        400,
+        serde_json::json!({
+            "__type": format!("com.amazonaws.dynamodb.v20120810#{code}"),
+            "message": message,
+        }),
+    )
+}
+
+#[tokio::test]
+async fn wire_describe_stream_pages_by_exclusive_start_shard_id() {
+    use shardflow::kinesis::KinesisApi;
+    let fake = testkit::fake_endpoint::Fake::start(vec![
+        (
+            200,
+            serde_json::json!({"StreamDescription": {
+                "StreamArn": WIRE_ARN,
+                "Shards": [{
+                    "ShardId": "shardId-0001",
+                    "SequenceNumberRange": {"StartingSequenceNumber": "100", "EndingSequenceNumber": "199"},
+                }],
+                "LastEvaluatedShardId": "shardId-0001",
+            }}),
+        ),
+        (
+            200,
+            serde_json::json!({"StreamDescription": {
+                "StreamArn": WIRE_ARN,
+                "Shards": [{
+                    "ShardId": "shardId-0002",
+                    "ParentShardId": "shardId-0001",
+                    "SequenceNumberRange": {"StartingSequenceNumber": "200"},
+                }],
+            }}),
+        ),
+    ]);
+    let shards = streams_at(&fake).list_shards(WIRE_ARN).await.unwrap();
+    let ids: Vec<&str> = shards.iter().map(|s| s.shard_id.as_str()).collect();
+    assert_eq!(ids, ["shardId-0001", "shardId-0002"]);
+    assert!(shards[0].is_closed() && !shards[1].is_closed());
+    assert_eq!(shards[1].parents(), ["shardId-0001"]);
+    assert!(shards
+        .iter()
+        .all(|s| (s.starting_hash_key, s.ending_hash_key) == (0, u128::MAX)));
+    let seen = fake.seen();
+    assert_eq!(fake.ops(), ["DescribeStream", "DescribeStream"]);
+    assert_eq!(seen[0].body["StreamArn"], WIRE_ARN);
+    assert!(seen[0].body.get("ExclusiveStartShardId").is_none());
+    assert_eq!(seen[1].body["ExclusiveStartShardId"], "shardId-0001");
+}
+
+#[tokio::test]
+async fn wire_records_errors_and_trimmed_positions() {
+    use shardflow::kinesis::{KinesisApi, StartingPosition};
+    let fake = testkit::fake_endpoint::Fake::start(vec![
+        // AFTER a sequence number past the retention: read from the horizon instead.
+        error("TrimmedDataAccessException", "trimmed"),
+        (200, serde_json::json!({"ShardIterator": "it-1"})),
+        // A read of at most 1,000 records, mapped to a change record.
+        (
+            200,
+            serde_json::json!({
+                "Records": [{
+                    "eventID": "e1",
+                    "eventName": "INSERT",
+                    "eventSource": "aws:dynamodb",
+                    "dynamodb": {
+                        "ApproximateCreationDateTime": 1_700_000_000,
+                        "Keys": {"pk": {"S": "order-7"}},
+                        "NewImage": {"pk": {"S": "order-7"}, "blob": {"B": "AAH/"}},
+                        "SequenceNumber": "300",
+                        "SizeBytes": 20,
+                        "StreamViewType": "NEW_IMAGE",
+                    },
+                }],
+                "NextShardIterator": "it-2",
+            }),
+        ),
+        error("ExpiredIteratorException", "expired"),
+        error("TrimmedDataAccessException", "trimmed"),
+        error("LimitExceededException", "slow down"),
+        error("ResourceNotFoundException", "no such stream"),
+    ]);
+    let streams = streams_at(&fake);
+    let after = StartingPosition::AfterSequenceNumber("150".parse().unwrap());
+    assert_eq!(
+        streams
+            .shard_iterator(WIRE_ARN, "shardId-0002", &after)
+            .await
+            .unwrap(),
+        "it-1"
+    );
+    let page = streams.get_records("it-1", 10_000).await.unwrap();
+    assert_eq!(page.next_iterator.as_deref(), Some("it-2"));
+    assert_eq!(page.records.len(), 1);
+    let record = &page.records[0];
+    assert_eq!(record.partition_key, r#"{"pk":{"S":"order-7"}}"#);
+    assert_eq!(record.sequence_number.as_str(), "300");
+    let change = ChangeRecord::from_payload(&record.data).unwrap();
+    assert_eq!(change.event_name, EventName::Insert);
+    assert_eq!(
+        change.dynamodb.new_image.unwrap()["blob"],
+        shardflow::dynamodb_streams::AttributeValue::B(vec![0, 1, 255])
+    );
+    let read = |_: ()| streams.get_records("it-2", 100);
+    assert!(matches!(
+        read(()).await,
+        Err(KinesisError::ExpiredIterator(_))
+    ));
+    assert!(matches!(
+        read(()).await,
+        Err(KinesisError::ExpiredIterator(_))
+    ));
+    assert!(matches!(read(()).await, Err(KinesisError::Throttled(_))));
+    assert!(matches!(read(()).await, Err(KinesisError::NotFound(_))));
+
+    let seen = fake.seen();
+    assert_eq!(seen[0].body["ShardIteratorType"], "AFTER_SEQUENCE_NUMBER");
+    assert_eq!(seen[0].body["SequenceNumber"], "150");
+    assert_eq!(seen[1].body["ShardIteratorType"], "TRIM_HORIZON");
+    assert_eq!(
+        seen[2].body["Limit"], 1000,
+        "GetRecords asks for at most 1,000"
     );
 }

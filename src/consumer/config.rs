@@ -284,8 +284,13 @@ impl Config {
         self.lease_duration.saturating_sub(self.renew_interval)
     }
     /// The labels of this consumer's metrics.
+    /// A table's stream given by table is labelled with the table's name, before and
+    /// after its ARN was resolved, so every metric of the consumer carries the same label.
     pub(crate) fn labels(&self) -> Labels {
-        Labels::new(&self.stream, &self.group)
+        match &self.table_stream {
+            Some(TableStream::Table(table)) => Labels::new(table, &self.group),
+            _ => Labels::new(&self.stream, &self.group),
+        }
     }
     /// The stream's name (empty for a multi-stream consumer: see [`Config::streams`]).
     pub fn stream(&self) -> &str {
@@ -351,8 +356,8 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`),
-/// `group` and `backend` are required
+/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`, or a
+/// table's stream: `table_stream`/`table_stream_arn`), `group` and `backend` are required
 /// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,

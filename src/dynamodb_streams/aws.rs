@@ -49,8 +49,9 @@ use crate::sequence::SequenceNumber;
 const MAX_GET_RECORDS_LIMIT: u32 = 1_000;
 
 /// A table's change streams through the official SDK (DynamoDB Streams for the shards and
-/// records, DynamoDB for the table's current stream ARN). [`crate::Aws::table_streams`]
-/// gives one with the backend's clients.
+/// records, DynamoDB for the table's current stream ARN).
+/// [`Backend::table_streams`](crate::Backend::table_streams) of [`crate::Aws`] gives one
+/// with the backend's clients.
 #[derive(Clone, Debug)]
 pub struct AwsTableStreams {
     streams: aws_sdk_dynamodbstreams::Client,
