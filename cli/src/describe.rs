@@ -19,7 +19,6 @@ use shardflow::lease::entity::summarize;
 use shardflow::lease::{
     worker_of, Checkpoint, CoordinatorState, EntityRow, Lease, LeaseError, LeaseStore, LEADER_KEY,
 };
-use shardflow::Backend;
 
 use crate::position::{after_checkpoint, show};
 use crate::read::read_to_tip;
@@ -247,9 +246,11 @@ type Described<'a> = (
 );
 
 /// `group describe`.
-pub async fn describe(cx: &Context, args: DescribeArgs) -> CliResult {
+pub async fn describe(cx: &Context, mut args: DescribeArgs) -> CliResult {
+    let (group, source) = args.group.resolve(&cx.aws).await?;
+    args.group = group;
     let store = args.group.store(&cx.aws);
-    let kinesis = cx.aws.kinesis();
+    let kinesis = source.kinesis;
     let (rows, others, moved) =
         sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
     let all = table_rows(rows)?;

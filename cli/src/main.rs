@@ -1,6 +1,6 @@
 //! `shardflow`: the command line of a shardflow consumer group. It describes a group and
 //! its lag, resets checkpoints safely while the group runs, tails a stream and replays
-//! dead letters, talking to AWS through `aws-config` (regions, profiles, credentials and
+//! dead letters (a group or a tail may read a DynamoDB table's stream, `--table-stream`), talking to AWS through `aws-config` (regions, profiles, credentials and
 //! `AWS_ENDPOINT_URL`, `AWS_ENDPOINT_URL_KINESIS`, `AWS_ENDPOINT_URL_DYNAMODB` work the
 //! standard way).
 //!
@@ -23,8 +23,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use shardflow::admin::AdminError;
+use shardflow::kinesis::KinesisApi;
 use shardflow::lease::dynamo::DynamoLeaseStore;
-use shardflow::Aws;
+use shardflow::{Aws, Backend};
 
 /// Exit code: a plan was printed and nothing changed (no `--yes`).
 pub const EXIT_PLAN_ONLY: u8 = 3;
@@ -86,6 +87,16 @@ pub struct GroupArgs {
     /// stream's rows, and without it `describe` shows every stream.
     #[arg(long, env = "SHARDFLOW_STREAM")]
     pub stream: Option<String>,
+    /// The DynamoDB table (its current stream) or the table stream's ARN the group reads,
+    /// instead of --stream (a single-stream table keyed by the stream's shard ids, as
+    /// shardflow and the KCL's DynamoDB Streams adapter write it).
+    #[arg(
+        long,
+        env = "SHARDFLOW_TABLE_STREAM",
+        value_name = "TABLE_OR_ARN",
+        conflicts_with = "stream"
+    )]
+    pub table_stream: Option<String>,
     /// The consumer group (its lease table has the group's name unless --table).
     #[arg(long, env = "SHARDFLOW_GROUP", required_unless_present = "table")]
     pub group: Option<String>,
@@ -115,6 +126,23 @@ impl GroupArgs {
         })
     }
 
+    /// Where the group reads: `--table-stream` resolved to its ARN through the DynamoDB
+    /// Streams API (then `stream` names it), or the Kinesis API and `--stream` as given.
+    pub async fn resolve(mut self, aws: &Aws) -> Result<(Self, Source), CliError> {
+        let source = match self.table_stream.as_deref() {
+            Some(given) => {
+                let source = Source::table_stream(aws, given).await?;
+                self.stream = Some(source.stream.clone());
+                source
+            }
+            None => Source {
+                kinesis: aws.kinesis(),
+                stream: self.stream.clone().unwrap_or_default(),
+            },
+        };
+        Ok((self, source))
+    }
+
     /// The lease store over the group's table.
     pub fn store(&self, aws: &Aws) -> Arc<DynamoLeaseStore> {
         Arc::new(DynamoLeaseStore::new(
@@ -122,6 +150,56 @@ impl GroupArgs {
             self.table(),
         ))
     }
+}
+
+/// Where a command reads records: the API that serves the stream, and the stream's name
+/// in it (a Kinesis stream's name or ARN, or a DynamoDB table stream's ARN).
+pub struct Source {
+    /// Kinesis, or the DynamoDB Streams API for a table's stream.
+    pub kinesis: Arc<dyn KinesisApi>,
+    /// The stream (for a table's stream, its ARN).
+    pub stream: String,
+}
+
+impl Source {
+    /// The stream of `given`, a DynamoDB table (its current stream, DescribeTable's
+    /// `LatestStreamArn`) or a table stream's ARN, served by the backend's DynamoDB
+    /// Streams API.
+    pub async fn table_stream(aws: &Aws, given: &str) -> Result<Source, CliError> {
+        let kinesis = aws
+            .table_streams()
+            .ok_or("this backend serves no DynamoDB table streams")?;
+        let stream = if is_table_stream_arn(given) {
+            given.to_owned()
+        } else {
+            kinesis
+                .resolve_table_stream(given)
+                .await
+                .map_err(|e| format!("the stream of table {given}: {e}"))?
+        };
+        Ok(Source { kinesis, stream })
+    }
+}
+
+/// Whether `given` is a DynamoDB table stream's ARN,
+/// `arn:<partition>:dynamodb:<region>:<account>:table/<table>/stream/<label>` (a table
+/// name has no colon, so anything else is a table name).
+fn is_table_stream_arn(given: &str) -> bool {
+    let mut parts = given.splitn(6, ':');
+    let (Some("arn"), Some(_), Some("dynamodb"), Some(_), Some(_), Some(resource)) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return false;
+    };
+    resource
+        .strip_prefix("table/")
+        .and_then(|rest| rest.split_once("/stream/"))
+        .is_some_and(|(table, label)| !table.is_empty() && !label.is_empty())
 }
 
 /// What every command gets: the AWS clients and the output mode.

@@ -29,9 +29,10 @@ pub struct UserRecord {
     pub aggregated: bool,
 }
 
-/// The user records of a Kinesis record of `shard`: an aggregate split, anything else
-/// (a corrupt aggregate too) as it is.
-pub fn user_records(shard: &str, record: Record) -> Vec<UserRecord> {
+/// The user records of a Kinesis record of `shard`: an aggregate split (when `aggregates`,
+/// false for a table's stream, whose records are never aggregated), anything else (a
+/// corrupt aggregate too) as it is.
+pub fn user_records(shard: &str, record: Record, aggregates: bool) -> Vec<UserRecord> {
     let one = |r: &Record, sub, pk: &str, data: Bytes, aggregated| UserRecord {
         shard: shard.to_owned(),
         sequence_number: r.sequence_number.as_str().to_owned(),
@@ -41,6 +42,15 @@ pub fn user_records(shard: &str, record: Record) -> Vec<UserRecord> {
         data,
         aggregated,
     };
+    if !aggregates {
+        return vec![one(
+            &record,
+            0,
+            &record.partition_key,
+            record.data.clone(),
+            false,
+        )];
+    }
     match deaggregate(record) {
         Deaggregated::Aggregated {
             record,
@@ -77,7 +87,7 @@ pub async fn read_to_tip(
         let page = kinesis.get_records(&iterator, PAGE).await?;
         let done = at_tip(&page);
         for record in page.records {
-            for user in user_records(shard, record) {
+            for user in user_records(shard, record, kinesis.records_may_be_aggregated()) {
                 if !each(user) {
                     return Ok(page.millis_behind_latest);
                 }

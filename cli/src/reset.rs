@@ -12,7 +12,6 @@ use shardflow::admin::{
 };
 use shardflow::kinesis::KinesisError;
 use shardflow::lease::{Checkpoint, LeaseStore};
-use shardflow::Backend;
 
 use crate::position::{future_warning, parse, show, Spot};
 use crate::{print_json, table, CliResult, Context, GroupArgs, EXIT_PLAN_ONLY};
@@ -39,7 +38,7 @@ pub struct ResetArgs {
 }
 
 /// `group reset`.
-pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
+pub async fn reset(cx: &Context, mut args: ResetArgs) -> CliResult {
     let spot = match parse(&args.to) {
         Ok(spot) => spot,
         Err(e) => {
@@ -50,6 +49,8 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     if let Some(warning) = future_warning(&spot) {
         eprintln!("shardflow: warning: --to {warning} (the shards skip every record until then)");
     }
+    let (group, source) = args.group.resolve(&cx.aws).await?;
+    args.group = group;
     let to = spot.checkpoint();
     let store = args.group.store(&cx.aws);
     let table_name = args.group.table();
@@ -85,7 +86,7 @@ pub async fn reset(cx: &Context, args: ResetArgs) -> CliResult {
     // must be readable after it, checked before anything is written (a reset of every
     // shard to one shard's sequence number is refused, naming both shards).
     if let Spot::Sequence(sequence) = &spot {
-        let kinesis = cx.aws.kinesis();
+        let kinesis = source.kinesis.clone();
         for (r, to) in &chosen {
             if *to != Checkpoint::At(shardflow::Position::new(sequence.clone(), 0)) {
                 continue;

@@ -16,7 +16,7 @@ use shardflow_middleware::DeadLetterEnvelope;
 
 use crate::position::{future_warning, parse, rfc3339, Spot};
 use crate::read::{user_records, UserRecord, PAGE};
-use crate::{CliResult, Context};
+use crate::{CliResult, Context, Source};
 
 /// How long tail waits before reading again when every shard is at its tip.
 const IDLE: Duration = Duration::from_millis(500);
@@ -35,8 +35,13 @@ pub enum TailFormat {
 /// `stream tail`.
 #[derive(Args, Debug)]
 pub struct TailArgs {
-    /// The stream.
-    stream: String,
+    /// The stream (a name or ARN).
+    #[arg(required_unless_present = "table_stream")]
+    stream: Option<String>,
+    /// A DynamoDB table's stream instead: the table (its current stream) or the stream's
+    /// ARN. Its records are the changes' JSON.
+    #[arg(long, value_name = "TABLE_OR_ARN", conflicts_with = "stream")]
+    table_stream: Option<String>,
     /// Where to start, in every shard read (children included): trim-horizon, latest,
     /// timestamp T (RFC 3339 with any UTC offset, or epoch ms).
     #[arg(long, num_args = 1..=2, default_values_t = ["latest".to_owned()], value_names = ["POSITION", "VALUE"])]
@@ -187,8 +192,16 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
     } else {
         args.format
     };
-    let kinesis = cx.aws.kinesis();
-    let stream = args.stream.as_str();
+    let source = match args.table_stream.as_deref() {
+        Some(given) => Source::table_stream(&cx.aws, given).await?,
+        None => Source {
+            kinesis: cx.aws.kinesis(),
+            // clap requires the stream unless --table-stream is given.
+            stream: args.stream.clone().unwrap_or_default(),
+        },
+    };
+    let kinesis = source.kinesis.clone();
+    let stream = source.stream.as_str();
     // Installed before the first read: from here on ctrl-c stops tail cleanly.
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
@@ -229,7 +242,7 @@ pub async fn tail(cx: &Context, args: TailArgs) -> CliResult {
             };
             let last = page.records.last().map(|r| r.sequence_number.clone());
             for record in page.records.iter().cloned() {
-                for user in user_records(&shard, record) {
+                for user in user_records(&shard, record, kinesis.records_may_be_aggregated()) {
                     if printed >= limit {
                         break;
                     }

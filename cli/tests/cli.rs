@@ -2757,3 +2757,205 @@ async fn dlq_replay_republishes_a_dead_letter_of_several_mib_byte_exact() {
         );
     }
 }
+
+/// A table on moto's server (DynamoDB with DynamoDB Streams) with a stream of new and old
+/// images, `writes` items put into it; the client and the table's stream ARN.
+async fn table_with_changes(
+    table: &str,
+    writes: usize,
+) -> Option<(aws_sdk_dynamodb::Client, String)> {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+        ScalarAttributeType, StreamSpecification, StreamViewType,
+    };
+    let endpoint = table_streams_endpoint()?;
+    let sdk = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+    let dynamodb = aws_sdk_dynamodb::Client::from_conf(
+        aws_sdk_dynamodb::config::Builder::from(&sdk)
+            .endpoint_url(&endpoint)
+            .build(),
+    );
+    let created = dynamodb
+        .create_table()
+        .table_name(table)
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("pk")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("pk")
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .unwrap(),
+        )
+        .billing_mode(BillingMode::PayPerRequest)
+        .stream_specification(
+            StreamSpecification::builder()
+                .stream_enabled(true)
+                .stream_view_type(StreamViewType::NewAndOldImages)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .expect("CreateTable");
+    let arn = created
+        .table_description
+        .and_then(|t| t.latest_stream_arn)
+        .expect("LatestStreamArn");
+    for i in 0..writes {
+        dynamodb
+            .put_item()
+            .table_name(table)
+            .item("pk", AttributeValue::S(format!("order-{i}")))
+            .item("n", AttributeValue::N(i.to_string()))
+            .send()
+            .await
+            .expect("PutItem");
+    }
+    Some((dynamodb, arn))
+}
+
+#[tokio::test]
+async fn a_table_stream_is_tailed_described_and_reset() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let table = unique("cli-orders");
+    let Some((dynamodb, arn)) = table_with_changes(&table, 5).await else {
+        return;
+    };
+    let endpoint = table_streams_endpoint().unwrap_or_default();
+    // The CLI talks to moto for DynamoDB (the lease table too) and DynamoDB Streams.
+    let env = [
+        ("AWS_ENDPOINT_URL_DYNAMODB", endpoint.as_str()),
+        ("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", endpoint.as_str()),
+    ];
+
+    // tail by table name: the changes' JSON, one per write, keyed by the item.
+    let out = run_with(
+        &[
+            "stream",
+            "tail",
+            "--table-stream",
+            &table,
+            "--from",
+            "trim-horizon",
+            "--limit",
+            "5",
+            "--format",
+            "json",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let lines: Vec<Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 5, "{}", out.stdout);
+    let mut sequences = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let change: Value = serde_json::from_str(line["data"].as_str().unwrap()).unwrap();
+        assert_eq!(change["eventName"], "INSERT", "{line}");
+        assert_eq!(
+            change["dynamodb"]["Keys"]["pk"]["S"],
+            format!("order-{i}"),
+            "{line}"
+        );
+        assert_eq!(line["aggregated"], false);
+        sequences.push(line["sequence_number"].as_str().unwrap().to_owned());
+    }
+    let shard = lines[0]["shard"].as_str().unwrap().to_owned();
+
+    // An adapter application's lease table, checkpointed after the second change.
+    let leases = unique("cli-orders-app");
+    let store = shardflow::lease::dynamo::DynamoLeaseStore::new(dynamodb.clone(), &leases);
+    store.ensure_table().await.unwrap();
+    let row = std::collections::HashMap::from([
+        ("leaseKey".to_owned(), AttributeValue::S(shard.clone())),
+        ("leaseCounter".to_owned(), AttributeValue::N("12".into())),
+        (
+            "ownerSwitchesSinceCheckpoint".to_owned(),
+            AttributeValue::N("0".into()),
+        ),
+        (
+            "checkpoint".to_owned(),
+            AttributeValue::S(sequences[1].clone()),
+        ),
+        (
+            "checkpointSubSequenceNumber".to_owned(),
+            AttributeValue::N("0".into()),
+        ),
+        ("startingHashKey".to_owned(), AttributeValue::S("0".into())),
+        ("endingHashKey".to_owned(), AttributeValue::S("1".into())),
+    ]);
+    dynamodb
+        .put_item()
+        .table_name(&leases)
+        .set_item(Some(row))
+        .send()
+        .await
+        .unwrap();
+
+    // describe by stream ARN: the shard, its checkpoint and the 3 changes behind it.
+    let out = run_with(
+        &[
+            "group",
+            "describe",
+            "--table-stream",
+            &arn,
+            "--table",
+            &leases,
+            "--json",
+            "--count",
+            "--sample-ms",
+            "0",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let described = out.json();
+    assert_eq!(described["stream"], arn.as_str(), "{described}");
+    assert_eq!(
+        described["shards"][0]["shard"],
+        shard.as_str(),
+        "{described}"
+    );
+    assert_eq!(described["records_behind"], 3, "{described}");
+
+    // reset to trim-horizon: the adapter's row, moved, its range kept.
+    let out = run_with(
+        &[
+            "group",
+            "reset",
+            "--table-stream",
+            &table,
+            "--table",
+            &leases,
+            "--to",
+            "trim-horizon",
+            "--yes",
+        ],
+        &env,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let item = dynamodb
+        .get_item()
+        .table_name(&leases)
+        .key("leaseKey", AttributeValue::S(shard.clone()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .unwrap();
+    assert_eq!(item["checkpoint"], AttributeValue::S("TRIM_HORIZON".into()));
+    assert_eq!(item["endingHashKey"], AttributeValue::S("1".into()));
+}

@@ -36,6 +36,12 @@ use crate::sequence::{Position, SequenceNumber};
 /// gap).
 pub const LATEST_CLOCK_MARGIN: Duration = Duration::from_secs(2);
 
+/// The fewest digits a sequence number is stored with in the `checkpoint` attribute:
+/// DynamoDB Streams' sequence numbers are 21 to 40 digits and its API refuses shorter
+/// ones, so a number read with leading zeros (DynamoDB Local writes them) goes back as
+/// it came. Kinesis' numbers are always longer, so they are stored as they are.
+pub(crate) const MIN_CHECKPOINT_DIGITS: usize = 21;
+
 /// How far a shard has been handled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Checkpoint {
@@ -57,14 +63,22 @@ pub enum Checkpoint {
 }
 
 impl Checkpoint {
-    /// The KCL's string form of the `checkpoint` attribute: a sentinel or the digits.
+    /// The KCL's string form of the `checkpoint` attribute: a sentinel or the digits
+    /// (at least [`MIN_CHECKPOINT_DIGITS`] of them, zero-padded).
     pub(crate) fn as_attribute(&self) -> (String, u64) {
         match self {
             Checkpoint::TrimHorizon => ("TRIM_HORIZON".into(), 0),
             Checkpoint::Latest => ("LATEST".into(), 0),
             Checkpoint::AtTimestamp(_) => ("AT_TIMESTAMP".into(), 0),
             Checkpoint::ShardEnd => ("SHARD_END".into(), 0),
-            Checkpoint::At(p) => (p.sequence.as_str().to_owned(), p.sub_sequence),
+            Checkpoint::At(p) => (
+                format!(
+                    "{:0>width$}",
+                    p.sequence.as_str(),
+                    width = MIN_CHECKPOINT_DIGITS
+                ),
+                p.sub_sequence,
+            ),
         }
     }
 

@@ -11,7 +11,7 @@
 //! | `shardId` | S, multi-stream rows only | the shard id, as the KCL's multi-stream serializer writes it |
 //! | `leaseOwner` | S, absent when unowned | the worker incarnation holding the lease: `<worker id>#<nonce>` (see [`worker_of`](crate::lease::worker_of)) |
 //! | `leaseCounter` | N | bumped by every take, renewal and release: the fencing token |
-//! | `checkpoint` | S | the sequence number's digits, or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
+//! | `checkpoint` | S | the sequence number's digits (at least 21, zero-padded: DynamoDB Streams refuses shorter ones), or `TRIM_HORIZON`, `LATEST`, `AT_TIMESTAMP`, `SHARD_END` |
 //! | `checkpointSubSequenceNumber` | N | the user record within a KPL aggregate (0 for plain records) |
 //! | `checkpointTimestamp` | N, optional | shardflow's: with `AT_TIMESTAMP`, the start in epoch milliseconds (a LATEST or AT_TIMESTAMP start resolved by the first owner); without it, the consumer's configured timestamp, as in the KCL |
 //! | `parentShardId` | SS, absent when the shard has no parent (DynamoDB refuses empty sets) | the shard's parents (read back sorted: a set has no order) |
@@ -932,5 +932,121 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    fn adapter_fixture(name: &str) -> HashMap<String, AttributeValue> {
+        let path = format!(
+            "{}/tests/fixtures/dynamodb_streams_adapter/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        item_from_json(&std::fs::read_to_string(&path).unwrap())
+    }
+
+    /// `item` with its string sets sorted (DynamoDB keeps no order in a set).
+    fn sorted_sets(item: &HashMap<String, AttributeValue>) -> HashMap<String, AttributeValue> {
+        item.iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    AttributeValue::Ss(set) => {
+                        let mut set = set.clone();
+                        set.sort();
+                        AttributeValue::Ss(set)
+                    }
+                    other => other.clone(),
+                };
+                (k.clone(), v)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dynamodb_streams_adapter_rows_parse_and_are_written_back_attribute_for_attribute() {
+        for name in [
+            "v1_checkpointed.json",
+            "v1_shard_end.json",
+            "v2_checkpointed.json",
+            "v2_shard_end.json",
+            "v2_trim_horizon.json",
+            "v2_multi_stream.json",
+        ] {
+            let item = adapter_fixture(name);
+            assert_kcl_reads(&item);
+            let lease = lease_from_item(&item).unwrap();
+            // The row shardflow writes from it is the adapter's, to the digit: a
+            // sequence number keeps its leading zeros, the range stays 0..1.
+            let written = item_from_lease(&lease);
+            assert_eq!(sorted_sets(&written), sorted_sets(&item), "{name}");
+            assert_eq!(lease_from_item(&written).unwrap(), lease, "{name}");
+        }
+
+        let v1 = lease_from_item(&adapter_fixture("v1_checkpointed.json")).unwrap();
+        assert_eq!(v1.key, "shardId-00000001764835200000-3f9c2a1b");
+        assert_eq!(
+            v1.checkpoint,
+            Checkpoint::At(Position::new(SequenceNumber::from(317), 0))
+        );
+        assert_eq!(v1.parents, vec!["shardId-00000001764820800000-9e1d7c42"]);
+        assert_eq!(v1.hash_range, None);
+        let v1_end = lease_from_item(&adapter_fixture("v1_shard_end.json")).unwrap();
+        assert_eq!(v1_end.checkpoint, Checkpoint::ShardEnd);
+        assert!(v1_end.children.is_empty());
+
+        let v2 = lease_from_item(&adapter_fixture("v2_checkpointed.json")).unwrap();
+        assert_eq!(
+            v2.checkpoint,
+            Checkpoint::At(Position::new(
+                SequenceNumber::new("4421584500000000017450439091").unwrap(),
+                0
+            ))
+        );
+        assert_eq!(v2.hash_range, Some((0, 1)));
+        assert_eq!(v2.owner_switches, 1);
+        assert_eq!(v2.throughput_kbps, Some(0.8125));
+        let end = lease_from_item(&adapter_fixture("v2_shard_end.json")).unwrap();
+        assert_eq!(end.checkpoint, Checkpoint::ShardEnd);
+        assert_eq!(end.owner, None);
+        assert_eq!(end.children, vec!["shardId-00000001764835200000-3f9c2a1b"]);
+        let child = lease_from_item(&adapter_fixture("v2_trim_horizon.json")).unwrap();
+        assert_eq!(
+            (child.checkpoint, child.owner, child.counter),
+            (Checkpoint::TrimHorizon, None, 0)
+        );
+
+        // Multi-stream: the stream name is `region$account$table$label`.
+        let multi = lease_from_item(&adapter_fixture("v2_multi_stream.json")).unwrap();
+        let (identity, shard) = StreamIdentity::split_lease_key(&multi.key).unwrap();
+        assert_eq!(
+            (
+                identity.account.as_str(),
+                identity.name.as_str(),
+                identity.creation_epoch,
+                shard
+            ),
+            (
+                "123456789012",
+                "us-east-1$123456789012$orders$2026-12-04T08_00_00.000",
+                1,
+                "shardId-00000001764835200000-3f9c2a1b"
+            )
+        );
+    }
+
+    #[test]
+    fn checkpoints_are_stored_with_at_least_the_digits_dynamodb_streams_accepts() {
+        let stored = |digits: &str| {
+            Checkpoint::At(Position::new(SequenceNumber::new(digits).unwrap(), 0))
+                .as_attribute()
+                .0
+        };
+        // DynamoDB Local's padded form goes back as it came.
+        assert_eq!(stored("000000000000000000318"), "000000000000000000318");
+        assert_eq!(stored("318"), "000000000000000000318");
+        // DynamoDB's and Kinesis' numbers are longer: stored as they are.
+        assert_eq!(
+            stored("4421584500000000017450439091"),
+            "4421584500000000017450439091"
+        );
+        let kinesis = "49654231871269856788003409185127350380960574536328806434";
+        assert_eq!(stored(kinesis), kinesis);
     }
 }
