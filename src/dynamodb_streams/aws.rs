@@ -131,6 +131,17 @@ fn classify_code(op: &str, code: &str, message: &str, detail: ErrorDetail) -> Ki
     }
 }
 
+/// A sequence number as DynamoDB Streams takes it back: at least 21 digits. The API's
+/// numbers have 21 to 40 digits, some with leading zeros, which [`SequenceNumber`] drops
+/// (it orders numerically); sent back unpadded, a short one would be refused.
+fn wire_sequence(seq: &SequenceNumber) -> String {
+    format!(
+        "{:0>width$}",
+        seq.as_str(),
+        width = crate::lease::MIN_CHECKPOINT_DIGITS
+    )
+}
+
 fn parse_sequence(op: &str, value: String) -> Result<SequenceNumber, KinesisError> {
     SequenceNumber::new(value)
         .map_err(|e| KinesisError::Other(format!("{op}: invalid sequence number: {e}").into()))
@@ -355,10 +366,10 @@ impl KinesisApi for AwsTableStreams {
                 .timestamp(DateTime::from(*at)),
             StartingPosition::AtSequenceNumber(seq) => request
                 .shard_iterator_type(ShardIteratorType::AtSequenceNumber)
-                .sequence_number(seq.as_str()),
+                .sequence_number(wire_sequence(seq)),
             StartingPosition::AfterSequenceNumber(seq) => request
                 .shard_iterator_type(ShardIteratorType::AfterSequenceNumber)
-                .sequence_number(seq.as_str()),
+                .sequence_number(wire_sequence(seq)),
         };
         match request.send().await {
             Ok(out) => iterator_of(stream, shard_id, out.shard_iterator),
@@ -416,6 +427,15 @@ impl KinesisApi for AwsTableStreams {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn sequence_numbers_go_back_with_at_least_21_digits() {
+        let padded = SequenceNumber::new("000000000000000000317".to_owned()).unwrap();
+        assert_eq!(wire_sequence(&padded), "000000000000000000317");
+        let long = SequenceNumber::new("4000000000000000000123456".to_owned()).unwrap();
+        assert_eq!(wire_sequence(&long), "4000000000000000000123456");
+    }
+
     use super::*;
     use std::collections::HashMap;
     use std::time::SystemTime;
