@@ -101,31 +101,34 @@ impl<T> Avro<T> {
         self
     }
 
-    fn read(
-        &self,
-        mut payload: &[u8],
-        writer: &Schema,
-    ) -> Result<apache_avro::types::Value, AvroError>
+    fn decode_value(&self, mut payload: &[u8], writer: &Schema) -> Result<T, AvroError>
     where
         T: DeserializeOwned,
     {
         let value =
-            apache_avro::from_avro_datum(writer, &mut payload, None).map_err(AvroError::payload)?;
+            apache_avro::from_avro_datum(writer, &mut payload, None).map_err(AvroError::Payload)?;
         if !payload.is_empty() {
             return Err(AvroError::TrailingBytes(payload.len()));
         }
-        if std::ptr::eq(writer, &*self.reader) {
-            return Ok(value);
-        }
-        value.resolve(&self.reader).map_err(AvroError::mismatch)
-    }
-
-    fn decode_value(&self, payload: &[u8], writer: &Schema) -> Result<T, AvroError>
-    where
-        T: DeserializeOwned,
-    {
-        let value = self.read(payload, writer)?;
-        apache_avro::from_value::<T>(&value).map_err(AvroError::mismatch)
+        let resolved = if std::ptr::eq(writer, &*self.reader) {
+            Ok(value)
+        } else {
+            value.clone().resolve(&self.reader).map_err(|e| (e, value))
+        };
+        let result = match resolved {
+            Ok(value) => apache_avro::from_value::<T>(&value).map_err(|e| (e, value)),
+            Err(failed) => Err(failed),
+        };
+        result.map_err(|(error, value)| {
+            // `apache-avro` reads a datum cut short inside a string or bytes as a null
+            // instead of failing: a value that does not fit the writer's own schema is
+            // a broken payload, not a schema mismatch. Checked on failure only.
+            if value.validate(writer) {
+                AvroError::Mismatch(error)
+            } else {
+                AvroError::Truncated
+            }
+        })
     }
 }
 
@@ -230,13 +233,11 @@ pub enum AvroError {
     Schema(apache_avro::Error),
     /// The datum ended before the payload did: this many bytes were left.
     TrailingBytes(usize),
+    /// The payload ended before the datum did.
+    Truncated,
 }
 
 impl AvroError {
-    fn payload(e: apache_avro::Error) -> Self {
-        AvroError::Payload(e)
-    }
-
     fn mismatch(e: apache_avro::Error) -> Self {
         AvroError::Mismatch(e)
     }
@@ -249,7 +250,7 @@ impl AvroError {
     pub fn inner(&self) -> Option<&apache_avro::Error> {
         match self {
             AvroError::Payload(e) | AvroError::Mismatch(e) | AvroError::Schema(e) => Some(e),
-            AvroError::TrailingBytes(_) => None,
+            AvroError::TrailingBytes(_) | AvroError::Truncated => None,
         }
     }
 
@@ -271,6 +272,7 @@ impl fmt::Display for AvroError {
             }
             AvroError::Schema(_) => f.write_str("schema text is not a valid Avro schema"),
             AvroError::TrailingBytes(n) => write!(f, "{n} bytes left after the datum"),
+            AvroError::Truncated => f.write_str("payload ends before the datum does"),
         }
     }
 }
