@@ -2,7 +2,7 @@
 //! named by the record's `contentType` and for schema languages whose writer schema a
 //! registry or the user supplies.
 //!
-//! The decode side is [`Format`](crate::decode::Format) (read by
+//! The decode side is [`Format`] (read by
 //! [`DecodeLayer`](crate::DecodeLayer)); a format that can also read a payload written
 //! with a given writer schema implements [`SchemaFormat`]. The producer side is
 //! [`Encoder`]: a value to bytes plus the `contentType` it writes, used by
