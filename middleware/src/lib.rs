@@ -115,6 +115,7 @@
 
 pub mod batch;
 pub mod bisect;
+pub mod codec;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
@@ -130,6 +131,7 @@ mod splits;
 pub use batch::{BatchConfig, BatchLayer, Batching};
 pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Splits};
 pub use builder::ServiceBuilderExt;
+pub use codec::{DataFormat, EncodeRecord, Encoder, SchemaFormat, WriterSchema};
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
     ProducerSink,

@@ -1,0 +1,465 @@
+//! Typed payloads through the codecs: producer → embedded stream → consumer → the
+//! user's type, Spring's contentTypes, corrupt payloads on the dead-letter path, and
+//! hostile bytes that never panic a decoder.
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{message, within, Rng};
+use shardflow::producer::Producer;
+use shardflow::{Backend, Consumer, Memory, Message, ProducerRecord};
+use shardflow_middleware::codec::{
+    Avro, AvroError, EncodeRecord, Encoder, JsonSchema, Protobuf, SchemaFormat, WriterSchema,
+};
+use shardflow_middleware::dead_letter::DeadLetterRecord;
+use shardflow_middleware::decode::CONTENT_TYPE;
+use shardflow_middleware::produce::Output;
+use shardflow_middleware::{
+    DecodeError, DecodeErrorKind, DecodeLayer, Format, Json, ServiceBuilderExt,
+};
+use tokio::sync::Notify;
+use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
+
+/// The serde / Avro shape of an order.
+#[derive(
+    Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+)]
+struct Order {
+    id: i64,
+    customer: String,
+}
+
+/// The same order as a Protobuf message (`message Order { int64 id = 1; string customer = 2; }`).
+#[derive(Clone, PartialEq, prost::Message)]
+struct OrderPb {
+    #[prost(int64, tag = "1")]
+    id: i64,
+    #[prost(string, tag = "2")]
+    customer: String,
+}
+
+const ORDER_SCHEMA: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["id", "customer"],
+  "properties": {
+    "id": {"type": "integer", "minimum": 1},
+    "customer": {"type": "string", "minLength": 1}
+  }
+}"#;
+
+fn orders(n: i64) -> Vec<Order> {
+    (1..=n)
+        .map(|id| Order {
+            id,
+            customer: format!("customer-{}", id % 7),
+        })
+        .collect()
+}
+
+/// Writes `values` with `encoder` through a producer that embeds headers into a fresh
+/// embedded stream, consumes it through `DecodeLayer::with_format(format)` and returns
+/// what the handler received, in order.
+async fn round_trip<T, F, E>(format: F, encoder: E, values: &[T]) -> Vec<T>
+where
+    T: Clone + Send + Sync + 'static,
+    F: Format<T> + Clone + Send + Sync + 'static,
+    E: Encoder<T>,
+{
+    let backend = Memory::new();
+    backend
+        .admin()
+        .unwrap()
+        .create_stream("orders", 1)
+        .await
+        .unwrap();
+    let producer = Producer::builder()
+        .stream("orders")
+        .backend(backend.clone())
+        .embed_headers(true)
+        .build()
+        .unwrap();
+    for value in values {
+        let record = ProducerRecord::encode(&encoder, value, "customer").unwrap();
+        producer.send(record).await.unwrap();
+    }
+
+    let seen: Arc<Mutex<Vec<T>>> = Arc::default();
+    let progress = Arc::new(Notify::new());
+    let handler = service_fn({
+        let (seen, progress) = (seen.clone(), progress.clone());
+        move |m: Message<T>| {
+            seen.lock().unwrap().push(m.payload);
+            progress.notify_one();
+            async { Ok::<_, Infallible>(()) }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(DecodeLayer::with_format(format))
+        .service(handler);
+    let consumer = Consumer::builder()
+        .stream("orders")
+        .group("codecs")
+        .backend(backend)
+        .idle_read_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let running = consumer.run(stack).spawn();
+    within("every record decoded", async {
+        while seen.lock().unwrap().len() < values.len() {
+            progress.notified().await;
+        }
+    })
+    .await;
+    within("the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap().clone();
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_codec_round_trips_from_producer_to_the_consumers_handler() {
+    let sent = orders(50);
+    assert_eq!(round_trip(Json, Json, &sent).await, sent, "JSON");
+    assert_eq!(
+        round_trip(Avro::<Order>::new(), Avro::<Order>::new(), &sent).await,
+        sent,
+        "Avro"
+    );
+    let schema = JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap();
+    assert_eq!(
+        round_trip(schema.clone(), schema, &sent).await,
+        sent,
+        "JSON Schema"
+    );
+    let sent_pb: Vec<OrderPb> = sent
+        .iter()
+        .map(|o| OrderPb {
+            id: o.id,
+            customer: o.customer.clone(),
+        })
+        .collect();
+    assert_eq!(
+        round_trip(
+            Protobuf::<OrderPb>::new(),
+            Protobuf::<OrderPb>::new(),
+            &sent_pb
+        )
+        .await,
+        sent_pb,
+        "Protobuf"
+    );
+}
+
+/// Decodes one record with `format` and the given `contentType` through the layer.
+async fn decode_one<T, F>(format: F, content_type: &str, raw: &[u8]) -> Result<T, DecodeError>
+where
+    T: Send + 'static,
+    F: Format<T> + Clone,
+{
+    let svc = DecodeLayer::with_format(format).layer(service_fn(|m: Message<T>| async move {
+        Ok::<_, Infallible>(m.payload)
+    }));
+    let msg = message("shardId-0", 1, Bytes::copy_from_slice(raw))
+        .with_header(CONTENT_TYPE, content_type);
+    svc.oneshot(msg).await.map_err(|e| {
+        *e.downcast::<DecodeError>()
+            .unwrap_or_else(|e| panic!("not a DecodeError: {e}"))
+    })
+}
+
+// Bytes written by hand from the formats' specifications, not by the encoders above:
+// Avro's binary encoding of {id: 7, customer: "c-1"} (zig-zag long 7 = 0x0e, string of
+// length 3 = 0x06 then UTF-8), as Spring's Avro converters write a raw datum; and the
+// Protobuf wire form (field 1 varint 7, field 2 length-delimited "c-1").
+const AVRO_ORDER_7: &[u8] = &[0x0e, 0x06, b'c', b'-', b'1'];
+const PROTOBUF_ORDER_7: &[u8] = &[0x08, 0x07, 0x12, 0x03, b'c', b'-', b'1'];
+
+#[tokio::test]
+async fn springs_avro_and_protobuf_content_types_decode() {
+    let expected = Order {
+        id: 7,
+        customer: "c-1".into(),
+    };
+    for content_type in [
+        "application/avro",
+        "application/vnd.order.v1+avro",
+        "application/vnd.orders+avro",
+        "avro/binary",
+        "Application/AVRO; charset=UTF-8",
+    ] {
+        let order = decode_one(Avro::<Order>::new(), content_type, AVRO_ORDER_7)
+            .await
+            .unwrap_or_else(|e| panic!("{content_type}: {e}"));
+        assert_eq!(order, expected, "{content_type}");
+    }
+    for content_type in [
+        "application/x-protobuf",
+        "application/x-protobuf;charset=UTF-8",
+        "application/protobuf",
+        "application/vnd.google.protobuf",
+    ] {
+        let order: OrderPb = decode_one(Protobuf::<OrderPb>::new(), content_type, PROTOBUF_ORDER_7)
+            .await
+            .unwrap_or_else(|e| panic!("{content_type}: {e}"));
+        assert_eq!(
+            (order.id, order.customer.as_str()),
+            (7, "c-1"),
+            "{content_type}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_content_type_of_another_codec_is_refused_without_decoding() {
+    let cases: Vec<(&str, Result<(), DecodeError>)> = vec![
+        (
+            "application/json",
+            decode_one(
+                Protobuf::<OrderPb>::new(),
+                "application/json",
+                PROTOBUF_ORDER_7,
+            )
+            .await
+            .map(drop),
+        ),
+        (
+            "application/x-protobuf",
+            decode_one(Avro::<Order>::new(), "application/x-protobuf", AVRO_ORDER_7)
+                .await
+                .map(drop),
+        ),
+        (
+            "application/avro",
+            decode_one(
+                JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap(),
+                "application/avro",
+                br#"{"id":7,"customer":"c-1"}"#,
+            )
+            .await
+            .map(drop),
+        ),
+    ];
+    for (content_type, result) in cases {
+        let err = result.expect_err(content_type);
+        assert_eq!(
+            err.kind(),
+            &DecodeErrorKind::UnsupportedContentType {
+                content_type: content_type.to_owned()
+            }
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_payload_that_does_not_match_its_schema_is_dead_lettered_as_a_schema_mismatch() {
+    // Valid JSON, but `id` breaks the schema's minimum: the kind says schema, not syntax.
+    let schema = JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap();
+    let raw: &[u8] = br#"{"id":0,"customer":"secret-name"}"#;
+    let err = decode_one(schema.clone(), "application/json", raw)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), &DecodeErrorKind::SchemaMismatch);
+    assert_eq!(err.raw().as_ref(), raw);
+    assert!(!format!("{err:?} {}", err.source_chain()).contains("secret-name"));
+    // Not JSON at all: an invalid payload.
+    let err = decode_one(schema.clone(), "application/json", b"{\"id\":")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), &DecodeErrorKind::InvalidPayload);
+
+    // Avro: a datum cut short is an invalid payload; one whose long does not fit an int
+    // of the reader's schema would be a mismatch (tested through resolution below).
+    let err = decode_one(Avro::<Order>::new(), "application/avro", &AVRO_ORDER_7[..3])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        &DecodeErrorKind::InvalidPayload,
+        "{}",
+        err.source_chain()
+    );
+
+    // On the dead-letter path: the record reaches the sink byte for byte, with the reason.
+    let letters: Arc<Mutex<Vec<DeadLetterRecord>>> = Arc::default();
+    let sink = service_fn({
+        let letters = letters.clone();
+        move |record: DeadLetterRecord| {
+            letters.lock().unwrap().push(record);
+            async { Ok::<_, Infallible>(()) }
+        }
+    });
+    let handled = Arc::new(Mutex::new(0usize));
+    let stack = ServiceBuilder::new()
+        .dead_letter(sink)
+        .decode_with::<Order, _>(schema)
+        .service_fn({
+            let handled = handled.clone();
+            move |_m: Message<Order>| {
+                *handled.lock().unwrap() += 1;
+                async { Ok::<_, Infallible>(()) }
+            }
+        });
+    let msg = message("shardId-0", 9, Bytes::from_static(raw))
+        .with_header(CONTENT_TYPE, "application/json");
+    stack.oneshot(msg).await.expect("the sink took it");
+    let letters = letters.lock().unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].payload.as_ref(), raw);
+    assert!(
+        letters[0]
+            .error
+            .contains("does not match its JSON Schema schema"),
+        "{}",
+        letters[0].error
+    );
+    assert_eq!(*handled.lock().unwrap(), 0, "the handler never sees it");
+}
+
+trait SourceChain {
+    fn source_chain(&self) -> String;
+}
+
+impl SourceChain for DecodeError {
+    fn source_chain(&self) -> String {
+        let mut out = self.to_string();
+        let mut next = std::error::Error::source(self);
+        while let Some(e) = next {
+            out.push_str(": ");
+            out.push_str(&e.to_string());
+            next = e.source();
+        }
+        out
+    }
+}
+
+#[test]
+fn avro_resolves_the_writers_schema_to_the_readers() {
+    // The writer had a third field the reader's type does not know; the registry (or the
+    // user) names the writer's schema, the datum resolves to the reader's.
+    let writer = r#"{"type":"record","name":"Order","fields":[
+        {"name":"id","type":"long"},
+        {"name":"customer","type":"string"},
+        {"name":"note","type":"string"}]}"#;
+    let mut datum = AVRO_ORDER_7.to_vec();
+    datum.extend_from_slice(&[0x04, b'h', b'i']);
+    let expected = Order {
+        id: 7,
+        customer: "c-1".into(),
+    };
+    let avro = Avro::<Order>::new();
+    let schema = WriterSchema::new(shardflow_middleware::DataFormat::Avro, writer);
+    assert_eq!(avro.decode_with_schema(&datum, &schema).unwrap(), expected);
+    // Without the writer's schema the extra bytes are not silently ignored.
+    assert!(matches!(
+        avro.decode(&Bytes::from(datum.clone())),
+        Err(AvroError::TrailingBytes(3))
+    ));
+    // Given as the user's writer schema instead.
+    let avro = Avro::<Order>::new().writer_schema(writer).unwrap();
+    assert_eq!(avro.decode(&Bytes::from(datum)).unwrap(), expected);
+
+    // A writer whose field cannot become the reader's: a schema mismatch.
+    let writer = r#"{"type":"record","name":"Order","fields":[
+        {"name":"id","type":"string"},
+        {"name":"customer","type":"string"}]}"#;
+    let schema = WriterSchema::new(shardflow_middleware::DataFormat::Avro, writer);
+    let err = Avro::<Order>::new()
+        .decode_with_schema(&[0x02, b'x', 0x02, b'y'], &schema)
+        .unwrap_err();
+    assert_eq!(err.kind(), DecodeErrorKind::SchemaMismatch, "{err}");
+}
+
+#[test]
+fn avro_single_object_encoding_of_the_writers_schema_is_read() {
+    use apache_avro::headers::{HeaderBuilder, RabinFingerprintHeader};
+    use apache_avro::AvroSchema;
+    let mut payload = RabinFingerprintHeader::from_schema(&Order::get_schema()).build_header();
+    assert_eq!(&payload[..2], &[0xc3, 0x01]);
+    payload.extend_from_slice(AVRO_ORDER_7);
+    let order = Avro::<Order>::new().decode(&Bytes::from(payload)).unwrap();
+    assert_eq!(order.id, 7);
+}
+
+#[test]
+fn encoders_set_the_content_type_and_the_json_schema_encoder_validates() {
+    let order = Order {
+        id: 7,
+        customer: "c-1".into(),
+    };
+    let record = ProducerRecord::encode(&Avro::<Order>::new(), &order, "k").unwrap();
+    assert_eq!(
+        record.headers.get_str(CONTENT_TYPE),
+        Some("application/avro")
+    );
+    assert_eq!(
+        record.payload.as_ref(),
+        AVRO_ORDER_7,
+        "a raw datum, as Spring writes"
+    );
+    let pb = OrderPb {
+        id: 7,
+        customer: "c-1".into(),
+    };
+    let output = Output::encode(&Protobuf::<OrderPb>::new(), &pb).unwrap();
+    assert_eq!(
+        output.header_map().get_str(CONTENT_TYPE),
+        Some("application/x-protobuf")
+    );
+    assert_eq!(output.payload().as_ref(), PROTOBUF_ORDER_7);
+
+    let schema = JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap();
+    let bad = Order {
+        id: 0,
+        customer: String::new(),
+    };
+    let err = ProducerRecord::encode(&schema, &bad, "k").unwrap_err();
+    assert_eq!(err.kind(), DecodeErrorKind::SchemaMismatch, "{err}");
+    assert_eq!(
+        schema.writer_schema().map(|s| s.format),
+        Some(shardflow_middleware::DataFormat::JsonSchema)
+    );
+}
+
+/// Random bytes, and valid encodings with random bytes changed, into every decoder:
+/// each answers Ok or a typed error, never a panic. Fixed seed.
+#[test]
+fn hostile_bytes_never_panic_a_decoder() {
+    let avro = Avro::<Order>::new();
+    let schema = JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap();
+    let pb = Protobuf::<OrderPb>::new();
+    let avro_schema = WriterSchema::new(
+        shardflow_middleware::DataFormat::Avro,
+        r#"{"type":"record","name":"Order","fields":[{"name":"id","type":"long"},{"name":"customer","type":"string"},{"name":"tags","type":{"type":"array","items":"string"}}]}"#,
+    );
+    let valid: [&[u8]; 3] = [
+        AVRO_ORDER_7,
+        PROTOBUF_ORDER_7,
+        br#"{"id":7,"customer":"c-1"}"#,
+    ];
+    let mut rng = Rng::new(32);
+    for round in 0..20_000u64 {
+        let payload: Vec<u8> = if round % 2 == 0 {
+            let len = rng.below(64) as usize;
+            (0..len).map(|_| rng.next_u64() as u8).collect()
+        } else {
+            let mut p = valid[rng.below(3) as usize].to_vec();
+            for _ in 0..=rng.below(3) {
+                let at = rng.below(p.len() as u64) as usize;
+                p[at] = rng.next_u64() as u8;
+            }
+            p
+        };
+        let bytes = Bytes::from(payload);
+        let _ = Format::<Order>::decode(&avro, &bytes);
+        let _ = avro.decode_with_schema(&bytes, &avro_schema);
+        let _ = Format::<Order>::decode(&schema, &bytes);
+        let _ = Format::<OrderPb>::decode(&pb, &bytes);
+        let _ = Format::<Order>::decode(&Json, &bytes);
+    }
+}
