@@ -135,7 +135,13 @@ impl CallCounts {
     fn print_timeline(&self, start: Instant, first: Instant) {
         let ms = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e3;
         println!("    timeline of the last run (ms from Consumer::builder()):");
-        for (at, what, op) in self.2.lock().unwrap().iter().filter(|(at, ..)| *at <= first) {
+        for (at, what, op) in self
+            .2
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, ..)| *at <= first)
+        {
             println!("      {:>7.1}  {what:<8} {op}", ms(*at));
         }
         println!("      {:>7.1}  first record handled", ms(first));
@@ -189,7 +195,10 @@ impl Hooks for CallCounts {
         Ok(())
     }
 
-    async fn before_kinesis(&self, op: &'static str) -> Result<(), shardflow::kinesis::KinesisError> {
+    async fn before_kinesis(
+        &self,
+        op: &'static str,
+    ) -> Result<(), shardflow::kinesis::KinesisError> {
         if timeline_on() {
             self.mark("sent", op);
         }
