@@ -32,6 +32,8 @@
 //! `BENCH_READ_LIMIT` (sets `max_records_per_read`, default: the consumer's default),
 //! `BENCH_IDLE_MS` (sets `idle_read_interval`, default: the consumer's default),
 //! `BENCH_LOG` (a tracing filter such as `shardflow=debug`: prints the consumer's timeline),
+//! `BENCH_TIMELINE=1` (on the emulators: prints, for the last run of each case, when each
+//! lease-store and Kinesis call before the first record was sent and answered),
 //! `BENCH_LEADER=coordinator` (on the emulators: the group's leader item in a table of its
 //! own beside the lease table, as for a table taken over from a KCL older than 3.5).
 //!
@@ -47,7 +49,7 @@ mod common;
 use testkit::hooks;
 
 use common::*;
-use hooks::{HookedStore, Hooks};
+use hooks::{HookedKinesis, HookedStore, Hooks};
 use std::collections::BTreeMap;
 use std::future::ready;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,10 +94,23 @@ const OPS: [&str; 15] = [
     "record_children",
 ];
 
-/// Lease-store calls per operation (indexes into `OPS`), and when the lease table was
-/// last ready (its `ensure_table` returned).
+/// Lease-store calls per operation (indexes into `OPS`), when the lease table was
+/// last ready (its `ensure_table` returned), and (`BENCH_TIMELINE=1`) the timeline of
+/// every lease-store and Kinesis call: when each was sent and answered.
 #[derive(Default)]
-struct CallCounts([AtomicU64; OPS.len()], Mutex<Option<Instant>>);
+struct CallCounts(
+    [AtomicU64; OPS.len()],
+    Mutex<Option<Instant>>,
+    Mutex<Vec<(Instant, &'static str, &'static str)>>,
+);
+
+/// The calls kept for the timeline of one run (the first ones are those before the
+/// first record; the rest is the backlog being read).
+const TIMELINE_CAP: usize = 400;
+
+fn timeline_on() -> bool {
+    std::env::var("BENCH_TIMELINE").is_ok_and(|v| v == "1")
+}
 
 impl CallCounts {
     fn bump(&self, op: usize) {
@@ -107,6 +122,29 @@ impl CallCounts {
     fn reset(&self) {
         self.0.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         *self.1.lock().unwrap() = None;
+        self.2.lock().unwrap().clear();
+    }
+    fn mark(&self, what: &'static str, op: &'static str) {
+        let mut timeline = self.2.lock().unwrap();
+        if timeline.len() < TIMELINE_CAP {
+            timeline.push((Instant::now(), what, op));
+        }
+    }
+    /// Prints the calls made before the first record was handled, as offsets from
+    /// the start of the run.
+    fn print_timeline(&self, start: Instant, first: Instant) {
+        let ms = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e3;
+        println!("    timeline of the last run (ms from Consumer::builder()):");
+        for (at, what, op) in self
+            .2
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, ..)| *at <= first)
+        {
+            println!("      {:>7.1}  {what:<8} {op}", ms(*at));
+        }
+        println!("      {:>7.1}  first record handled", ms(first));
     }
     fn table_ready(&self) -> Option<Instant> {
         *self.1.lock().unwrap()
@@ -122,7 +160,8 @@ impl CallCounts {
     }
 }
 
-/// A backend whose lease stores count every call; Kinesis passes through.
+/// A backend whose lease stores count every call; Kinesis calls are only timed (for the
+/// timeline).
 struct CountingBackend {
     inner: Arc<dyn Backend>,
     calls: Arc<CallCounts>,
@@ -130,7 +169,10 @@ struct CountingBackend {
 
 impl Backend for CountingBackend {
     fn kinesis(&self) -> Arc<dyn KinesisApi> {
-        self.inner.kinesis()
+        Arc::new(HookedKinesis {
+            inner: self.inner.kinesis(),
+            hooks: self.calls.clone(),
+        })
     }
 
     fn lease_store(&self, table: &str) -> Arc<dyn LeaseStore> {
@@ -147,7 +189,26 @@ impl Hooks for CallCounts {
         if let Some(i) = OPS.iter().position(|o| *o == op) {
             self.bump(i);
         }
+        if timeline_on() {
+            self.mark("sent", op);
+        }
         Ok(())
+    }
+
+    async fn before_kinesis(
+        &self,
+        op: &'static str,
+    ) -> Result<(), shardflow::kinesis::KinesisError> {
+        if timeline_on() {
+            self.mark("sent", op);
+        }
+        Ok(())
+    }
+
+    async fn after_kinesis(&self, op: &'static str) {
+        if timeline_on() {
+            self.mark("answered", op);
+        }
     }
 
     async fn after_lease(
@@ -158,6 +219,9 @@ impl Hooks for CallCounts {
     ) {
         if op == "ensure_table" {
             *self.1.lock().unwrap() = Some(Instant::now());
+        }
+        if timeline_on() {
+            self.mark("answered", op);
         }
     }
 }
@@ -241,6 +305,9 @@ impl Progress {
 }
 
 struct Sample {
+    /// When the run started (`Consumer::builder()`) and its first record was handled.
+    start: Instant,
+    first_at: Instant,
     first: Duration,
     /// From the start to the lease table being ready (its `ensure_table` returned),
     /// where the backend reports it.
@@ -309,6 +376,8 @@ async fn consume(
     let first = progress.first.lock().unwrap().unwrap();
     let cpu_at_all = progress.cpu_at_all.lock().unwrap().unwrap();
     Sample {
+        start,
+        first_at: first,
         first: first - start,
         table_ready: table_ready().map(|t| t - start),
         all: handled_all - start,
@@ -527,6 +596,9 @@ async fn emulators(iters: usize, records: u64) {
                 || calls.table_ready(),
             )
             .await;
+            if timeline_on() && i == iters {
+                calls.print_timeline(s.start, s.first_at);
+            }
             last = (
                 calls.breakdown(),
                 format!("{} requests: {}", http.total(), http.breakdown()),

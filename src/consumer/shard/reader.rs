@@ -45,8 +45,12 @@ pub(crate) struct ShardReader {
     pub(crate) health: Arc<HealthState>,
 }
 
-/// The record limit of a shard's first GetRecords call (see `poll`).
-const FIRST_READ_LIMIT: u32 = 1_000;
+/// The record limit of a shard's first GetRecords call (see `poll`). Small: the time a
+/// GetRecords call takes grows with the records it returns (on Kinesis and even more on
+/// an emulator), and a fresh worker's first records wait for that first answer. Each
+/// full page doubles the next, so a backlog is read in pages of `max_records_per_read`
+/// after a few calls.
+const FIRST_READ_LIMIT: u32 = 100;
 
 /// Whether a reader goes on after handing out a read.
 #[derive(Debug, PartialEq, Eq)]
