@@ -541,7 +541,9 @@ impl ConsumerBuilder {
     }
 
     /// Records per GetRecords call, 1..=10000 (default 10000); for a table's stream
-    /// 1..=1000 (default 1000, the most DynamoDB Streams returns).
+    /// 1..=1000 (default 1000, the most DynamoDB Streams returns). A shard's first read
+    /// asks for at most 100 records (a first record comes sooner after a small read), and
+    /// each full page doubles the next one up to this limit.
     pub fn max_records_per_read(mut self, n: u32) -> Self {
         self.max_records_per_read = Some(n);
         self
