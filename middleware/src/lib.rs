@@ -115,6 +115,7 @@
 
 pub mod batch;
 pub mod bisect;
+pub mod codec;
 pub mod dead_letter;
 pub mod decode;
 pub mod dedup;
@@ -122,6 +123,7 @@ pub mod metrics;
 pub mod panic;
 pub mod produce;
 pub mod retry;
+pub mod schema_registry;
 
 mod builder;
 mod observe;
