@@ -431,6 +431,37 @@ mod tests {
         );
     }
 
+    /// The hit rate's three counters, in the recorder the consumer's metrics use.
+    #[test]
+    fn lookups_hits_and_misses_are_counted() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        ::metrics::with_local_recorder(&recorder, || {
+            runtime.block_on(async {
+                let memory = MemoryRegistry::new();
+                let a = memory.register("orders", avro("a"));
+                let b = memory.register("orders", avro("b"));
+                let cached = CachedRegistry::new(memory);
+                for _ in 0..10 {
+                    cached.schema_version(a).await.unwrap();
+                    cached.schema_version(b).await.unwrap();
+                }
+            })
+        });
+        let text = handle.render();
+        for (name, value) in [
+            (crate::metrics::SCHEMA_LOOKUPS, 20),
+            (crate::metrics::SCHEMA_HITS, 18),
+            (crate::metrics::SCHEMA_MISSES, 2),
+        ] {
+            assert!(text.contains(&format!("{name} {value}")), "{name}: {text}");
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_registry_that_never_answers_times_out_as_transient() {
         struct Hung;
