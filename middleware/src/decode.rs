@@ -53,6 +53,15 @@ pub trait Format<T> {
         let _ = content_type;
         true
     }
+
+    /// The [`DecodeErrorKind`] a decode error of this format is reported with (the
+    /// dead-letter policy and metrics read it). The default is
+    /// [`DecodeErrorKind::InvalidPayload`]; schema formats report
+    /// [`DecodeErrorKind::SchemaMismatch`] for a payload that does not match its schema.
+    fn error_kind(&self, error: &Self::Error) -> DecodeErrorKind {
+        let _ = error;
+        DecodeErrorKind::InvalidPayload
+    }
 }
 
 /// The `contentType` header's name, as Spring's `MessageHeaders.CONTENT_TYPE`.
@@ -161,6 +170,10 @@ pub enum DecodeErrorKind {
     /// default dead-letter policy never dead-letters it; the consumer delivers the record
     /// again.
     RegistryUnavailable,
+    /// The payload is well-formed for its format but does not match its schema (a JSON
+    /// Schema validation failed, an Avro datum does not resolve to the reader's schema,
+    /// a value has the wrong shape for the user's type).
+    SchemaMismatch,
 }
 
 /// A payload that did not decode: the record's metadata, headers, raw bytes and the
@@ -194,6 +207,11 @@ impl fmt::Display for DecodeError {
             DecodeErrorKind::RegistryUnavailable => write!(
                 f,
                 "the writer schema of record {position} in shard {shard} could not be fetched from the registry"
+            ),
+            DecodeErrorKind::SchemaMismatch => write!(
+                f,
+                "payload of record {position} in shard {shard} does not match its {} schema",
+                self.format
             ),
             _ => write!(
                 f,
@@ -379,6 +397,7 @@ where
         match decoded {
             Ok(message) => ResponseFuture::called(self.inner.call(message)),
             Err((metadata, headers, (raw, error))) => {
+                let kind = format.error_kind(&error);
                 // Decoding is synchronous: the span exists only around this event, so
                 // the counter carries the same context as every other layer's.
                 message_span("decode", &metadata).in_scope(|| {
@@ -394,7 +413,7 @@ where
                     headers,
                     raw,
                     format: format.name(),
-                    kind: DecodeErrorKind::InvalidPayload,
+                    kind,
                     source: Some(Box::new(error)),
                 })
             }

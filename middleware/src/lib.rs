@@ -132,6 +132,7 @@ mod splits;
 pub use batch::{BatchConfig, BatchLayer, Batching};
 pub use bisect::{Bisect, BisectConfig, BisectLayer, LeaseLostWhileSplitting, Splits};
 pub use builder::ServiceBuilderExt;
+pub use codec::{DataFormat, EncodeRecord, Encoder, SchemaFormat, WriterSchema};
 pub use dead_letter::{
     DeadLetter, DeadLetterEnvelope, DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord,
     ProducerSink,

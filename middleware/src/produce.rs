@@ -115,6 +115,20 @@ impl Output {
         }
     }
 
+    /// An output holding `value` encoded by `encoder`, with its
+    /// [`content_type`](crate::codec::Encoder::content_type) as the `contentType` header,
+    /// routed by its input's partition key.
+    pub fn encode<T, E>(encoder: &E, value: &T) -> Result<Self, E::Error>
+    where
+        E: crate::codec::Encoder<T> + ?Sized,
+    {
+        let payload = encoder.encode(value)?;
+        Ok(Output::new(payload).with_header(
+            crate::decode::CONTENT_TYPE,
+            encoder.content_type().to_owned(),
+        ))
+    }
+
     /// Sets one header of the output (see [`Headers::insert`]).
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
         self.headers.insert(name, value);

@@ -1,47 +1,121 @@
-//! The schema-aware side of decoding and encoding: the schema languages
-//! ([`DataFormat`]), a writer's schema ([`WriterSchema`]), formats that decode with it
-//! ([`SchemaFormat`]) and the producer side ([`Encoder`]).
+//! Codecs behind one seam: how typed values become payloads and back, for plain formats
+//! named by the record's `contentType` and for schema languages whose writer schema a
+//! registry or the user supplies.
+//!
+//! The decode side is [`Format`](crate::decode::Format) (read by
+//! [`DecodeLayer`](crate::DecodeLayer)); a format that can also read a payload written
+//! with a given writer schema implements [`SchemaFormat`]. The producer side is
+//! [`Encoder`]: a value to bytes plus the `contentType` it writes, used by
+//! [`EncodeRecord`] for a [`ProducerRecord`] and by
+//! [`Output::encode`](crate::produce::Output::encode) for a processor's outputs.
 
-/// The schema languages the Glue Schema Registry knows (its `DataFormat`: AVRO, JSON, PROTOBUF).
+use std::sync::Arc;
+
+use shardflow::ProducerRecord;
+
+use crate::decode::{Format, CONTENT_TYPE};
+
+mod json;
+
+pub use json::JsonEncodeError;
+
+/// The schema languages the Glue Schema Registry knows (its `DataFormat`: AVRO, JSON,
+/// PROTOBUF).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DataFormat {
-    /// Apache Avro.
+    /// Apache Avro: the schema is Avro's JSON schema text.
     Avro,
-    /// JSON Schema.
+    /// JSON payloads described by a JSON Schema document.
     JsonSchema,
-    /// Protocol Buffers.
+    /// Protocol Buffers: the schema is `.proto` text.
     Protobuf,
 }
 
-/// A writer's schema: its language and its text (Avro JSON, JSON Schema JSON, .proto text).
+/// A writer's schema: its language and its text (Avro JSON, JSON Schema JSON, `.proto`
+/// text).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct WriterSchema {
-    /// The schema's language.
+    /// The schema language.
     pub format: DataFormat,
-    /// The schema's text.
-    pub definition: std::sync::Arc<str>,
+    /// The schema's text, as the writer registered it.
+    pub definition: Arc<str>,
+}
+
+impl WriterSchema {
+    /// A schema of `format` with the text `definition`.
+    pub fn new(format: DataFormat, definition: impl Into<Arc<str>>) -> Self {
+        WriterSchema {
+            format,
+            definition: definition.into(),
+        }
+    }
 }
 
 /// A decode format that can read a payload written with a schema the framing names.
-pub trait SchemaFormat<T>: crate::decode::Format<T> {
+pub trait SchemaFormat<T>: Format<T> {
     /// The schema language this format reads.
     fn data_format(&self) -> DataFormat;
+
     /// Decodes a payload written with `writer` (Avro resolves writer → reader schema;
     /// JSON Schema validates against `writer` then deserializes; Protobuf may ignore it).
     fn decode_with_schema(&self, payload: &[u8], writer: &WriterSchema) -> Result<T, Self::Error>;
 }
 
-/// The producer side of a format: a typed value to bytes, with the `contentType` it writes.
+/// The producer side of a format: a typed value to bytes, with the `contentType` it
+/// writes.
 pub trait Encoder<T> {
     /// Why a value could not be encoded.
     type Error: std::error::Error + Send + Sync + 'static;
-    /// The `contentType` of what it writes.
+
+    /// The MIME type of what [`Encoder::encode`] writes, set as the record's
+    /// `contentType` header.
     fn content_type(&self) -> &str;
+
     /// Encodes one value.
     fn encode(&self, value: &T) -> Result<bytes::Bytes, Self::Error>;
+
     /// The schema the encoder writes with, for a registry to register or look up.
     fn writer_schema(&self) -> Option<WriterSchema> {
         None
+    }
+}
+
+/// A [`ProducerRecord`] from a typed value: the encoder's bytes as the payload and its
+/// [`content_type`](Encoder::content_type) as the `contentType` header.
+///
+/// ```
+/// use shardflow::ProducerRecord;
+/// use shardflow_middleware::codec::EncodeRecord;
+/// use shardflow_middleware::Json;
+///
+/// #[derive(serde::Serialize)]
+/// struct Order { id: u64 }
+///
+/// let record = ProducerRecord::encode(&Json, &Order { id: 7 }, "customer-7")?;
+/// assert_eq!(record.headers.get_str("contentType"), Some("application/json"));
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
+///
+/// The header reaches the consumer when the producer embeds headers
+/// ([`ProducerBuilder::embed_headers`](shardflow::ProducerBuilder::embed_headers)).
+pub trait EncodeRecord: Sized {
+    /// Encodes `value` with `encoder` into a record routed by `partition_key`.
+    fn encode<T, E: Encoder<T> + ?Sized>(
+        encoder: &E,
+        value: &T,
+        partition_key: impl Into<String>,
+    ) -> Result<Self, E::Error>;
+}
+
+impl EncodeRecord for ProducerRecord {
+    fn encode<T, E: Encoder<T> + ?Sized>(
+        encoder: &E,
+        value: &T,
+        partition_key: impl Into<String>,
+    ) -> Result<Self, E::Error> {
+        let payload = encoder.encode(value)?;
+        Ok(ProducerRecord::new(payload, partition_key)
+            .with_header(CONTENT_TYPE, encoder.content_type().to_owned()))
     }
 }

@@ -14,7 +14,7 @@ use tower::{Layer, Service};
 
 use super::framing;
 use super::registry::{CachedRegistry, RegistryError, SchemaRegistry};
-use crate::codec::{DataFormat, SchemaFormat, WriterSchema};
+use crate::codec::{DataFormat, SchemaFormat};
 use crate::decode::{DecodeError, DecodeErrorKind, CONTENT_TYPE};
 use crate::observe::message_span;
 use crate::BoxError;
@@ -131,12 +131,10 @@ where
         }
         return match format.decode(&message.payload) {
             Ok(value) => Ok(message.map(|_| value)),
-            Err(e) => Err(failed(
-                format.name(),
-                message,
-                DecodeErrorKind::InvalidPayload,
-                Some(Box::new(e)),
-            )),
+            Err(e) => {
+                let kind = format.error_kind(&e);
+                Err(failed(format.name(), message, kind, Some(Box::new(e))))
+            }
         };
     }
     let frame = match framing::parse(&message.payload) {
@@ -184,15 +182,10 @@ where
         Err(e) => Err(failed(
             format.name(),
             message,
-            schema_failure_kind(&writer),
+            format.error_kind(&e),
             Some(Box::new(e)),
         )),
     }
-}
-
-/// The kind of a payload that did not decode with its writer schema.
-fn schema_failure_kind(_writer: &WriterSchema) -> DecodeErrorKind {
-    DecodeErrorKind::InvalidPayload
 }
 
 /// A framed record whose writer schema is in another schema language than the layer's
