@@ -43,9 +43,12 @@ async fn looks_up_registers_and_fetches_schema_versions() {
         .map(|d| d.as_nanos())
         .unwrap_or_default();
     let registry_name = format!("orders-{nanos}");
-    let registry =
-        GlueRegistry::from_config_with(&config, shardflow::AwsTimeouts::default(), registry_name.as_str())
-            .expect("valid timeouts");
+    let registry = GlueRegistry::from_config_with(
+        &config,
+        shardflow::AwsTimeouts::default(),
+        registry_name.as_str(),
+    )
+    .expect("valid timeouts");
     let client = registry.client();
     client
         .create_registry()
@@ -68,19 +71,40 @@ async fn looks_up_registers_and_fetches_schema_versions() {
         .await
         .expect("create the schema");
 
-    let v1 = registry.version_id("orders", &avro(V1), false).await.expect("v1 is there");
-    assert_eq!(registry.schema_version(v1).await.expect("fetched"), avro(V1));
+    let v1 = registry
+        .version_id("orders", &avro(V1), false)
+        .await
+        .expect("v1 is there");
+    assert_eq!(
+        registry.schema_version(v1).await.expect("fetched"),
+        avro(V1)
+    );
 
-    let err = registry.version_id("orders", &avro(V2), false).await.unwrap_err();
+    let err = registry
+        .version_id("orders", &avro(V2), false)
+        .await
+        .unwrap_err();
     assert!(matches!(err, RegistryError::NotRegistered { .. }), "{err}");
 
-    let v2 = registry.version_id("orders", &avro(V2), true).await.expect("registered");
+    let v2 = registry
+        .version_id("orders", &avro(V2), true)
+        .await
+        .expect("registered");
     assert_ne!(v1, v2);
-    assert_eq!(registry.version_id("orders", &avro(V2), false).await.unwrap(), v2);
+    assert_eq!(
+        registry
+            .version_id("orders", &avro(V2), false)
+            .await
+            .unwrap(),
+        v2
+    );
     assert_eq!(registry.schema_version(v2).await.unwrap(), avro(V2));
 
     let unknown = Uuid::from_u128(0x5eed);
     let err = registry.schema_version(unknown).await.unwrap_err();
-    assert!(matches!(err, RegistryError::UnknownVersion(u) if u == unknown), "{err}");
+    assert!(
+        matches!(err, RegistryError::UnknownVersion(u) if u == unknown),
+        "{err}"
+    );
     assert!(!err.is_transient());
 }

@@ -245,3 +245,53 @@ async fn framed_records_decode_outages_are_redelivered_and_unknown_versions_dead
         assert!(framing::is_framed(&dead.payload), "the raw framed bytes");
     }
 }
+
+/// A Protobuf record framed as the reference serializer writes it (header, message index
+/// 1 of a file with two messages, the message's bytes; zlib) decodes into the user's
+/// prost type through the codec module's Protobuf format.
+#[cfg(feature = "protobuf")]
+#[tokio::test]
+async fn protobuf_records_framed_by_the_reference_layout_decode_into_prost_types() {
+    use shardflow_middleware::codec::Protobuf;
+    use shardflow_middleware::schema_registry::SchemaRegistryLayer;
+    use tower::{Layer, ServiceExt};
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Shipment {
+        #[prost(uint64, tag = "1")]
+        id: u64,
+        #[prost(string, tag = "2")]
+        city: String,
+    }
+    const PROTO: &str = "syntax = \"proto3\";\nmessage Order { uint64 id = 1; }\nmessage Shipment { uint64 id = 1; string city = 2; }\n";
+
+    let registry = MemoryRegistry::new();
+    let id = registry.register(
+        "shipments",
+        WriterSchema {
+            format: DataFormat::Protobuf,
+            definition: Arc::from(PROTO),
+        },
+    );
+    let shipment = Shipment {
+        id: 7,
+        city: "Lyon".into(),
+    };
+    // `Order` is 0 and `Shipment` 1 (messages sorted by full name).
+    let mut body = vec![0x01];
+    body.extend_from_slice(&prost::Message::encode_to_vec(&shipment));
+    let framed = framing::write(id, Compression::Zlib, &body).unwrap();
+
+    let seen: Arc<Mutex<Vec<Shipment>>> = Arc::default();
+    let into = seen.clone();
+    let svc = SchemaRegistryLayer::new(Protobuf::<Shipment>::new(), registry).layer(service_fn(
+        move |m: Message<Shipment>| {
+            into.lock().unwrap().push(m.payload);
+            async { Ok::<_, BoxError>(()) }
+        },
+    ));
+    svc.oneshot(common::message("shardId-000000000000", 1, framed))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), [shipment]);
+}

@@ -15,9 +15,21 @@ use shardflow::ProducerRecord;
 
 use crate::decode::{Format, CONTENT_TYPE};
 
+#[cfg(feature = "avro")]
+pub mod avro;
 mod json;
+#[cfg(feature = "json-schema")]
+pub mod json_schema;
+#[cfg(feature = "protobuf")]
+pub mod protobuf;
 
+#[cfg(feature = "avro")]
+pub use avro::{Avro, AvroError};
 pub use json::JsonEncodeError;
+#[cfg(feature = "json-schema")]
+pub use json_schema::{JsonSchema, JsonSchemaError};
+#[cfg(feature = "protobuf")]
+pub use protobuf::{Protobuf, ProtobufError};
 
 /// The schema languages the Glue Schema Registry knows (its `DataFormat`: AVRO, JSON,
 /// PROTOBUF).
@@ -117,5 +129,58 @@ impl EncodeRecord for ProducerRecord {
         let payload = encoder.encode(value)?;
         Ok(ProducerRecord::new(payload, partition_key)
             .with_header(CONTENT_TYPE, encoder.content_type().to_owned()))
+    }
+}
+
+/// The MIME type's essence: type and subtype, lower-cased, parameters
+/// (`;charset=UTF-8`) aside.
+#[cfg(any(feature = "protobuf", feature = "avro"))]
+pub(crate) fn essence(content_type: &str) -> String {
+    content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
+}
+
+/// A small map of parsed writer schemas keyed by their text, so that a schema named by
+/// every record of a stream is parsed once per process, not per record. Bounded: past
+/// `CACHED_SCHEMAS` distinct schemas it starts over.
+#[cfg(any(feature = "avro", feature = "json-schema"))]
+pub(crate) struct SchemaCache<S> {
+    parsed: std::sync::Mutex<std::collections::HashMap<Arc<str>, Arc<S>>>,
+}
+
+#[cfg(any(feature = "avro", feature = "json-schema"))]
+const CACHED_SCHEMAS: usize = 64;
+
+#[cfg(any(feature = "avro", feature = "json-schema"))]
+impl<S> SchemaCache<S> {
+    pub(crate) fn new() -> Self {
+        SchemaCache {
+            parsed: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    pub(crate) fn get_or_parse<E>(
+        &self,
+        definition: &Arc<str>,
+        parse: impl FnOnce(&str) -> Result<S, E>,
+    ) -> Result<Arc<S>, E> {
+        // A panic while the lock was held cannot leave the map half-written (insert and
+        // clear are single calls): the poisoned map is still valid.
+        let lookup =
+            |map: &std::collections::HashMap<Arc<str>, Arc<S>>| map.get(definition).cloned();
+        if let Some(hit) = lookup(&self.parsed.lock().unwrap_or_else(|p| p.into_inner())) {
+            return Ok(hit);
+        }
+        let parsed = Arc::new(parse(definition)?);
+        let mut map = self.parsed.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= CACHED_SCHEMAS {
+            map.clear();
+        }
+        map.insert(definition.clone(), parsed.clone());
+        Ok(parsed)
     }
 }
