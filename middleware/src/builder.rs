@@ -10,6 +10,7 @@ use crate::decode::{DecodeLayer, Json};
 use crate::dedup::DedupLayer;
 use crate::produce::ProduceToLayer;
 use crate::retry::{RetryLayer, RetryPolicy};
+use crate::schema_registry::{SchemaRegistry, SchemaRegistryLayer};
 
 mod sealed {
     pub trait Sealed {}
@@ -43,6 +44,16 @@ pub trait ServiceBuilderExt<L>: sealed::Sealed + Sized {
 
     /// Decodes payloads into `T` with another [`Format`](crate::decode::Format).
     fn decode_with<T, F>(self, format: F) -> ServiceBuilder<Stack<DecodeLayer<T, F>, L>>;
+
+    /// Decodes records in the AWS Glue Schema Registry framing into `T` with `format` and
+    /// the writer schemas of `registry`, unframed ones with `format` alone
+    /// ([`schema_registry`](crate::schema_registry)). For a shared cache or to refuse
+    /// unframed records, use `.layer(SchemaRegistryLayer::with_cache(..).require_framing())`.
+    fn schema_registry<T, F, R: SchemaRegistry>(
+        self,
+        format: F,
+        registry: R,
+    ) -> ServiceBuilder<Stack<SchemaRegistryLayer<T, F, R>, L>>;
 
     /// Skips records already handled, keyed by position, in `store`
     /// ([`dedup`](crate::dedup)); the store must serve this consumer group alone. For
@@ -79,6 +90,14 @@ impl<L> ServiceBuilderExt<L> for ServiceBuilder<L> {
 
     fn decode_with<T, F>(self, format: F) -> ServiceBuilder<Stack<DecodeLayer<T, F>, L>> {
         self.layer(DecodeLayer::with_format(format))
+    }
+
+    fn schema_registry<T, F, R: SchemaRegistry>(
+        self,
+        format: F,
+        registry: R,
+    ) -> ServiceBuilder<Stack<SchemaRegistryLayer<T, F, R>, L>> {
+        self.layer(SchemaRegistryLayer::new(format, registry))
     }
 
     fn dedup<St>(self, store: St) -> ServiceBuilder<Stack<DedupLayer<St>, L>> {

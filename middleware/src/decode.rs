@@ -155,6 +155,21 @@ pub enum DecodeErrorKind {
         /// The header's value, as the producer wrote it.
         content_type: String,
     },
+    /// The record is not in the schema registry framing it claims (an unknown header
+    /// version or compression byte, a truncated header, a zlib payload that does not
+    /// inflate, a missing Protobuf message index), or is unframed where framing is
+    /// required (see [`schema_registry`](crate::schema_registry)).
+    InvalidFraming,
+    /// The record names a schema version the registry does not know.
+    UnknownSchemaVersion {
+        /// The schema version id the record carries.
+        schema_version: uuid::Uuid,
+    },
+    /// The schema registry refused the lookup, failed or did not answer in time.
+    /// Transient ([`DecodeError::is_transient`]): says nothing about the record, so the
+    /// default dead-letter policy never dead-letters it; the consumer delivers the record
+    /// again.
+    RegistryUnavailable,
     /// The payload is well-formed for its format but does not match its schema (a JSON
     /// Schema validation failed, an Avro datum does not resolve to the reader's schema,
     /// a value has the wrong shape for the user's type).
@@ -181,6 +196,18 @@ impl fmt::Display for DecodeError {
                 "record {position} in shard {shard} has contentType {content_type:?}, which the {} format does not decode",
                 self.format
             ),
+            DecodeErrorKind::InvalidFraming => write!(
+                f,
+                "record {position} in shard {shard} is not in the schema registry framing"
+            ),
+            DecodeErrorKind::UnknownSchemaVersion { schema_version } => write!(
+                f,
+                "record {position} in shard {shard} names schema version {schema_version}, which the registry does not know"
+            ),
+            DecodeErrorKind::RegistryUnavailable => write!(
+                f,
+                "the writer schema of record {position} in shard {shard} could not be fetched from the registry"
+            ),
             DecodeErrorKind::SchemaMismatch => write!(
                 f,
                 "payload of record {position} in shard {shard} does not match its {} schema",
@@ -204,6 +231,29 @@ impl std::error::Error for DecodeError {
 }
 
 impl DecodeError {
+    /// A failure of `message` (as it was read) in `format`.
+    pub(crate) fn for_message(
+        message: Message<Bytes>,
+        format: &'static str,
+        kind: DecodeErrorKind,
+        source: Option<BoxError>,
+    ) -> Self {
+        DecodeError {
+            metadata: message.metadata,
+            headers: message.headers,
+            raw: message.payload,
+            format,
+            kind,
+            source,
+        }
+    }
+
+    /// Whether the failure says nothing about the record and the same record may decode
+    /// later: [`DecodeErrorKind::RegistryUnavailable`].
+    pub fn is_transient(&self) -> bool {
+        matches!(self.kind, DecodeErrorKind::RegistryUnavailable)
+    }
+
     /// The record's metadata.
     pub fn metadata(&self) -> &Metadata {
         &self.metadata

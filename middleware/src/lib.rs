@@ -123,6 +123,7 @@ pub mod metrics;
 pub mod panic;
 pub mod produce;
 pub mod retry;
+pub mod schema_registry;
 
 mod builder;
 mod observe;

@@ -20,3 +20,15 @@ pub(crate) fn dead_lettered(stream: &std::sync::Arc<str>, reason: &'static str) 
     )
     .increment(1);
 }
+
+/// Counter, no labels: writer-schema lookups through a schema registry's cache
+/// ([`CachedRegistry`](crate::schema_registry::CachedRegistry)), by the decode layer and
+/// the encoder; each is also counted as a hit or a miss. Hit rate:
+/// `rate(shardflow_schema_registry_hits_total) / rate(shardflow_schema_registry_lookups_total)`.
+pub const SCHEMA_LOOKUPS: &str = "shardflow_schema_registry_lookups_total";
+
+/// Counter, no labels: lookups the cache answered.
+pub const SCHEMA_HITS: &str = "shardflow_schema_registry_hits_total";
+
+/// Counter, no labels: lookups that called the registry (answered or failed).
+pub const SCHEMA_MISSES: &str = "shardflow_schema_registry_misses_total";

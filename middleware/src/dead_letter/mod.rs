@@ -15,7 +15,8 @@
 //! ones: the [`dedup`](crate::dedup) layer's errors (store down, record in progress
 //! elsewhere), a [`batch`](crate::batch) worker that stopped or whose bulk handler was
 //! not ready, a [`produce`](crate::produce) output that failed for a transient reason
-//! (throttling, a service error, the producer closing), an I/O error that says the
+//! (throttling, a service error, the producer closing), a [`DecodeError`](crate::DecodeError)
+//! whose schema registry was unavailable ([`DecodeError::is_transient`](crate::DecodeError::is_transient)), an I/O error that says the
 //! other side could not be reached or did not answer in time (a [`std::io::Error`] of
 //! kind `ConnectionRefused`, `ConnectionReset`, `TimedOut`, `HostUnreachable` and the
 //! like, anywhere in the error's chain: a database that is down), a tokio timeout

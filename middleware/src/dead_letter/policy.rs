@@ -29,6 +29,7 @@ impl DeadLetterPolicy for PermanentFailures {
     ) -> bool {
         !metadata.lease_lost.is_cancelled()
             && !chain_any::<crate::dedup::DedupError>(error, |_| true)
+            && !chain_any::<crate::decode::DecodeError>(error, |e| e.is_transient())
             && !chain_any::<crate::batch::BatchError>(error, |e| e.is_transient())
             && !chain_any::<crate::produce::ProduceToError>(error, |e| e.is_transient())
             && !chain_any::<std::io::Error>(error, |e| is_unreachable(e.kind()))

@@ -1,0 +1,135 @@
+//! [`SchemaRegistryEncoder`]: the producer side, an [`Encoder`]'s bytes framed with the
+//! version id of its writer schema.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::framing::{self, Compression, FramingError};
+use super::registry::{CachedRegistry, RegistryError, SchemaRegistry};
+use crate::codec::{DataFormat, Encoder};
+use crate::BoxError;
+
+/// Frames what an [`Encoder`] writes in the AWS Glue Schema Registry framing, as the
+/// reference serializer does: it looks up the version id of the encoder's
+/// [`writer_schema`](Encoder::writer_schema) under the schema name (registering it only
+/// when [`auto_register`](Self::auto_register) is on; off by default), then writes the
+/// header, the Protobuf message index when the schema is Protobuf, and the payload,
+/// zlib-compressed when asked.
+///
+/// Lookups go through a [`CachedRegistry`]: one call per schema per process.
+pub struct SchemaRegistryEncoder<E, R> {
+    encoder: E,
+    registry: CachedRegistry<R>,
+    schema_name: Arc<str>,
+    register: bool,
+    compression: Compression,
+    message_index: u32,
+}
+
+/// Why a value could not be encoded and framed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SchemaEncodeError {
+    /// The encoder names no writer schema ([`Encoder::writer_schema`] is `None`).
+    #[error("the encoder has no writer schema to register or look up")]
+    NoWriterSchema,
+    /// The encoder failed.
+    #[error("the value did not encode")]
+    Encode(#[source] BoxError),
+    /// The registry lookup failed ([`RegistryError::is_transient`] says whether to try
+    /// again).
+    #[error("the writer schema's version id could not be found")]
+    Registry(#[source] RegistryError),
+    /// Compression failed.
+    #[error("the payload could not be framed")]
+    Framing(#[source] FramingError),
+}
+
+impl SchemaEncodeError {
+    /// Whether the same call may succeed later (the registry was unavailable).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, SchemaEncodeError::Registry(e) if e.is_transient())
+    }
+}
+
+impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
+    /// Frames what `encoder` writes, with the version of its writer schema under
+    /// `schema_name` in `registry`.
+    pub fn new(encoder: E, registry: CachedRegistry<R>, schema_name: impl Into<Arc<str>>) -> Self {
+        SchemaRegistryEncoder {
+            encoder,
+            registry,
+            schema_name: schema_name.into(),
+            register: false,
+            compression: Compression::None,
+            message_index: 0,
+        }
+    }
+
+    /// Registers the writer schema as a new version when the registry does not have it
+    /// (off by default: an unknown schema is [`RegistryError::NotRegistered`]).
+    pub fn auto_register(mut self, on: bool) -> Self {
+        self.register = on;
+        self
+    }
+
+    /// Compresses payloads (none by default).
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// For Protobuf: the index of the message type in the writer schema's `.proto` file
+    /// (all messages, nested ones included, sorted by full name; 0 by default, right for
+    /// a file with one message). See [`framing::read_message_index`].
+    pub fn message_index(mut self, index: u32) -> Self {
+        self.message_index = index;
+        self
+    }
+
+    /// The wrapped encoder.
+    pub fn get_ref(&self) -> &E {
+        &self.encoder
+    }
+
+    /// Encodes `value` and frames it.
+    pub async fn encode<T>(&self, value: &T) -> Result<Bytes, SchemaEncodeError>
+    where
+        E: Encoder<T>,
+    {
+        let schema = self
+            .encoder
+            .writer_schema()
+            .ok_or(SchemaEncodeError::NoWriterSchema)?;
+        let payload = self
+            .encoder
+            .encode(value)
+            .map_err(|e| SchemaEncodeError::Encode(Box::new(e)))?;
+        let id = self
+            .registry
+            .version_id(&self.schema_name, &schema, self.register)
+            .await
+            .map_err(SchemaEncodeError::Registry)?;
+        let framed = if schema.format == DataFormat::Protobuf {
+            let indexed = framing::write_message_index(self.message_index, &payload);
+            framing::write(id, self.compression, &indexed)
+        } else {
+            framing::write(id, self.compression, &payload)
+        };
+        framed.map_err(SchemaEncodeError::Framing)
+    }
+}
+
+impl<E: fmt::Debug, R> fmt::Debug for SchemaRegistryEncoder<E, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SchemaRegistryEncoder")
+            .field("encoder", &self.encoder)
+            .field("schema_name", &self.schema_name)
+            .field("auto_register", &self.register)
+            .field("compression", &self.compression)
+            .field("message_index", &self.message_index)
+            .finish()
+    }
+}
