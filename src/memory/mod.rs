@@ -27,10 +27,21 @@
 //! ([`no_rate_limit`](crate::ProducerBuilder::no_rate_limit)) or runs on tokio's paused
 //! clock.
 //!
+//! DynamoDB tables with change streams live here too ([`Memory::tables`]): a table's
+//! put, update and delete appear in its stream as DynamoDB Streams records them, and a
+//! consumer reads it with [`ConsumerBuilder::table_stream`](crate::ConsumerBuilder::table_stream)
+//! as it would on AWS. Its shards roll over as DynamoDB's do, on demand
+//! ([`MemoryTable::rollover`]), on a schedule ([`MemoryTableBuilder::rollover_every`])
+//! and on partition splits ([`MemoryTable::split`]); the stream keeps records 24 hours,
+//! its iterators expire after 15 minutes and a read returns at most 1,000 records, so a
+//! CDC pipeline's tests run without a server. Wait for a group with
+//! [`Memory::wait_caught_up`] on the stream's ARN ([`MemoryTable::stream_arn`]).
+//!
 //! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
 //! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store,
-//! `caught_up.rs` the stream set-up and progress checks a test of one's own needs; this
-//! file the backend that bundles them.
+//! `caught_up.rs` the stream set-up and progress checks a test of one's own needs,
+//! `tables.rs` the DynamoDB tables and their streams; this file the backend that bundles
+//! them.
 //!
 //! # In a test of your own
 //!
