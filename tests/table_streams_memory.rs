@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shardflow::dynamodb_streams::{ChangeRecord, ChangeRecordError, EventName};
 use shardflow::kinesis::KinesisApi;
+use shardflow::lease::Checkpoint;
 use shardflow::{Concurrency, Consumer, Memory, Message};
 use shardflow_middleware::dead_letter::DeadLetterRecord;
 use shardflow_middleware::decode::Format;
@@ -30,19 +31,56 @@ struct Item {
     version: u64,
 }
 
-/// What the handler saw: each item's versions in the order they were handled.
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<HashMap<String, Vec<u64>>>>);
+/// What the handler saw: each item's versions in the order they were handled, and the
+/// changes of a child shard handled while a parent was not finished.
+#[derive(Clone)]
+struct Seen {
+    versions: Arc<Mutex<HashMap<String, Vec<u64>>>>,
+    early_children: Arc<Mutex<Vec<String>>>,
+    memory: Memory,
+}
 
 impl Seen {
+    fn new(memory: &Memory) -> Self {
+        Seen {
+            versions: Arc::default(),
+            early_children: Arc::default(),
+            memory: memory.clone(),
+        }
+    }
+
+    /// Children start only after their parents finish: when a change of `shard` is
+    /// handled, each of its parents' lease rows is at SHARD_END (its last change
+    /// checkpointed) or gone (cleaned up after it finished). A closed parent without
+    /// changes is finished too, so it holds its children no longer than it takes to
+    /// read it.
+    fn check_parents_finished(&self, arn: &str, shard: &str) {
+        let Some(info) = self.memory.streams().shard_info(arn, shard) else {
+            return;
+        };
+        let rows = self.memory.table("indexer").rows();
+        for parent in info.parents() {
+            if let Some(row) = rows.iter().find(|r| r.key == parent) {
+                if row.checkpoint != Checkpoint::ShardEnd {
+                    self.early_children.lock().unwrap().push(format!(
+                        "{shard} handled while its parent {parent} is at {:?}",
+                        row.checkpoint
+                    ));
+                }
+            }
+        }
+    }
+
     fn handler(
         &self,
     ) -> impl tower::Service<Message, Response = (), Error = std::io::Error, Future: Send> + Clone
     {
-        let seen = self.0.clone();
+        let this = self.clone();
         tower::service_fn(move |msg: Message| {
-            let seen = seen.clone();
+            let this = this.clone();
             async move {
+                this.check_parents_finished(&msg.metadata.stream, &msg.metadata.shard_id);
+                let seen = &this.versions;
                 let change = ChangeRecord::from_payload(&msg.payload).expect("a change record");
                 assert_eq!(msg.metadata.partition_key, change.partition_key());
                 let item: Item = change
@@ -60,7 +98,7 @@ impl Seen {
     }
 
     fn versions(&self) -> HashMap<String, Vec<u64>> {
-        self.0.lock().unwrap().clone()
+        self.versions.lock().unwrap().clone()
     }
 }
 
@@ -122,6 +160,11 @@ async fn write(
 /// every earlier version of its item was: after redeliveries an item's list may repeat
 /// versions, never skip ahead.
 fn assert_complete_and_in_item_order(seen: &Seen, last: &HashMap<String, u64>) {
+    let early = seen.early_children.lock().unwrap().clone();
+    assert!(
+        early.is_empty(),
+        "children before their parents finished: {early:?}"
+    );
     let versions = seen.versions();
     assert_eq!(versions.len(), last.len(), "every item seen");
     for (id, &n) in last {
@@ -148,7 +191,7 @@ async fn a_hundred_thousand_writes_over_16_partitions_and_50_rollovers_are_all_h
         .partitions(16)
         .build()
         .unwrap();
-    let seen = Seen::default();
+    let seen = Seen::new(&memory);
     let running = consumer(&memory, "w1")
         .concurrency(Concurrency::PerKey(64))
         .build()
@@ -179,7 +222,7 @@ async fn a_group_of_three_workers_handles_every_change_across_rollovers_and_spli
         .partitions(4)
         .build()
         .unwrap();
-    let seen = Seen::default();
+    let seen = Seen::new(&memory);
     let workers: Vec<_> = ["w1", "w2", "w3"]
         .into_iter()
         .map(|w| {

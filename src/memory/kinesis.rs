@@ -302,6 +302,17 @@ impl MemoryKinesis {
             .unwrap_or_default()
     }
 
+    /// A shard of `stream` as ListShards describes it (its parents, whether it is
+    /// closed), for assertions in tests; `None` if there is no such shard. No fault
+    /// applies.
+    pub fn shard_info(&self, stream: &str, shard_id: &str) -> Option<ShardInfo> {
+        let s = lock(&self.state);
+        s.streams
+            .get(stream)
+            .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
+            .map(|sh| sh.info.clone())
+    }
+
     /// Every record of a shard, for assertions in tests.
     pub fn records(&self, stream: &str, shard_id: &str) -> Vec<Record> {
         let s = lock(&self.state);
