@@ -16,6 +16,11 @@
 # scripts/kpl-requirements.txt (every version pinned; re-installed when it changes);
 # SHARDFLOW_KPL_PYTHON names its interpreter.
 #
+# moto's server (PyPI `moto[server]`), the emulator of DynamoDB with DynamoDB Streams
+# (dynalite has no streams), is installed into .cache/moto-venv from
+# scripts/moto-requirements.txt (every version pinned; re-installed when it changes) and
+# started too: its endpoint is SHARDFLOW_TABLE_STREAMS_ENDPOINT.
+#
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
 #   scripts/test.sh --test backend_aws   # a target selection (--lib, --test, --bin,
@@ -100,6 +105,29 @@ if ! kpl_installed; then
         ) 8>"$repo/.cache/kpl-venv.lock"
     else
         install_kpl
+    fi
+fi
+
+moto_venv="$repo/.cache/moto-venv"
+moto_requirements="$repo/scripts/moto-requirements.txt"
+moto_installed() { # the venv holds what the committed requirements pin
+    [[ -x "$moto_venv/bin/moto_server" && -f "$moto_venv/.installed-requirements-hash" &&
+       "$(cat "$moto_venv/.installed-requirements-hash")" == "$(sha256sum <"$moto_requirements" | cut -d' ' -f1)" ]]
+}
+install_moto() {
+    log "installing moto's server from scripts/moto-requirements.txt into .cache/moto-venv"
+    python3 -m venv --clear "$moto_venv" >&2
+    "$moto_venv/bin/pip" install --quiet --disable-pip-version-check -r "$moto_requirements" >&2
+    sha256sum <"$moto_requirements" | cut -d' ' -f1 >"$moto_venv/.installed-requirements-hash"
+}
+if ! moto_installed; then
+    if command -v flock >/dev/null 2>&1; then
+        (
+            flock -x 8
+            moto_installed || install_moto
+        ) 8>"$repo/.cache/moto-venv.lock"
+    else
+        install_moto
     fi
 fi
 
@@ -198,6 +226,9 @@ kinesis_local() { # port: kinesis-local takes its settings from the environment 
 start kinesis-local kinesis_local
 fanout_kinesis_port=$port
 
+start moto "$moto_venv/bin/moto_server" -H 127.0.0.1 -p
+table_streams_port=$port
+
 export AWS_ENDPOINT_URL_KINESIS="http://127.0.0.1:$kinesis_port"
 export AWS_ENDPOINT_URL_DYNAMODB="http://127.0.0.1:$dynamodb_port"
 export AWS_REGION=us-east-1
@@ -207,6 +238,7 @@ export AWS_EC2_METADATA_DISABLED=true
 export SHARDFLOW_EMULATORS=1
 export SHARDFLOW_FANOUT_KINESIS_ENDPOINT="http://127.0.0.1:$fanout_kinesis_port"
 export SHARDFLOW_KPL_PYTHON="$kpl_venv/bin/python"
+export SHARDFLOW_TABLE_STREAMS_ENDPOINT="http://127.0.0.1:$table_streams_port"
 # Keep any configured HTTP proxy away from the loopback emulators.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 export no_proxy="$NO_PROXY"

@@ -124,6 +124,8 @@ impl AwsTimeouts {
 pub struct Aws {
     kinesis: aws_sdk_kinesis::Client,
     dynamodb: aws_sdk_dynamodb::Client,
+    /// `None` for [`Aws::from_clients`] until [`Aws::with_streams_client`].
+    streams: Option<aws_sdk_dynamodbstreams::Client>,
     leader: crate::lease::dynamo::LeaderPlacement,
 }
 
@@ -169,9 +171,14 @@ impl Aws {
             ),
             dynamodb: aws_sdk_dynamodb::Client::from_conf(
                 aws_sdk_dynamodb::config::Builder::from(config)
-                    .timeout_config(timeouts)
+                    .timeout_config(timeouts.clone())
                     .build(),
             ),
+            streams: Some(aws_sdk_dynamodbstreams::Client::from_conf(
+                aws_sdk_dynamodbstreams::config::Builder::from(config)
+                    .timeout_config(timeouts)
+                    .build(),
+            )),
             leader: Default::default(),
         }
     }
@@ -190,6 +197,8 @@ impl Aws {
 
     /// Uses clients the caller built (custom retry, timeouts, interceptors) as they are:
     /// no [`AwsTimeouts`] are added, so give them timeouts of your own.
+    /// Tables' change streams ([`Backend::table_streams`]) need a DynamoDB Streams
+    /// client too: add it with [`Aws::with_streams_client`].
     pub fn from_clients(
         kinesis: aws_sdk_kinesis::Client,
         dynamodb: aws_sdk_dynamodb::Client,
@@ -197,8 +206,21 @@ impl Aws {
         Aws {
             kinesis,
             dynamodb,
+            streams: None,
             leader: Default::default(),
         }
+    }
+
+    /// Uses this DynamoDB Streams client for tables' change streams
+    /// ([`Backend::table_streams`]), as it is.
+    pub fn with_streams_client(mut self, streams: aws_sdk_dynamodbstreams::Client) -> Self {
+        self.streams = Some(streams);
+        self
+    }
+
+    /// The DynamoDB Streams client (tables' change streams), if there is one.
+    pub fn streams_client(&self) -> Option<&aws_sdk_dynamodbstreams::Client> {
+        self.streams.as_ref()
     }
 
     /// The Kinesis client.
@@ -227,6 +249,14 @@ impl Backend for Aws {
     fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
         Some(Arc::new(crate::kinesis::aws::AwsKinesis::new(
             self.kinesis.clone(),
+        )))
+    }
+
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        let streams = self.streams.clone()?;
+        Some(Arc::new(crate::dynamodb_streams::AwsTableStreams::new(
+            streams,
+            self.dynamodb.clone(),
         )))
     }
 }

@@ -99,6 +99,11 @@ pub use sequence::{Position, SequenceNumber};
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// The DynamoDB Streams guide's Rust blocks, compiled as doc tests like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/dynamodb-streams.md")]
+pub struct DynamodbStreamsDoctests;
+
 /// The trace-context page's Rust blocks, compiled as doc tests like the README's.
 #[cfg(doctest)]
 #[doc = include_str!("../docs/tracing.md")]

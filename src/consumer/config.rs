@@ -284,8 +284,13 @@ impl Config {
         self.lease_duration.saturating_sub(self.renew_interval)
     }
     /// The labels of this consumer's metrics.
+    /// A table's stream given by table is labelled with the table's name, before and
+    /// after its ARN was resolved, so every metric of the consumer carries the same label.
     pub(crate) fn labels(&self) -> Labels {
-        Labels::new(&self.stream, &self.group)
+        match &self.table_stream {
+            Some(TableStream::Table(table)) => Labels::new(table, &self.group),
+            _ => Labels::new(&self.stream, &self.group),
+        }
     }
     /// The stream's name (empty for a multi-stream consumer: see [`Config::streams`]).
     pub fn stream(&self) -> &str {
@@ -351,8 +356,8 @@ impl Config {
     }
 }
 
-/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`),
-/// `group` and `backend` are required
+/// Builds a [`Consumer`](super::Consumer). `stream` (or `streams`/`streams_from`, or a
+/// table's stream: `table_stream`/`table_stream_arn`), `group` and `backend` are required
 /// (for local development say `.backend(Memory::new())`).
 pub struct ConsumerBuilder {
     stream: Option<String>,
@@ -1251,6 +1256,63 @@ mod tests {
 
     fn base() -> ConsumerBuilder {
         ConsumerBuilder::default().stream("orders").group("billing")
+    }
+
+    #[test]
+    fn table_streams_refuse_what_they_cannot_do_naming_the_field() {
+        let field = |b: ConsumerBuilder| match b.validate() {
+            Err(ConfigError::Missing { field }) | Err(ConfigError::Invalid { field, .. }) => field,
+            Ok(_) => "accepted",
+        };
+        let table = || {
+            ConsumerBuilder::default()
+                .table_stream("orders")
+                .group("cdc")
+        };
+        let arn =
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders/stream/2026-01-01T00:00:00.000";
+        let by_arn = || {
+            ConsumerBuilder::default()
+                .table_stream_arn(arn)
+                .group("cdc")
+        };
+        assert_eq!(field(table()), "accepted");
+        assert_eq!(field(by_arn()), "accepted");
+        assert_eq!(field(table().fan_out("efo")), "fan_out");
+        assert_eq!(field(by_arn().fan_out("efo")), "fan_out");
+        assert_eq!(field(table().stream("orders")), "table_stream");
+        assert_eq!(field(by_arn().streams(["a", "b"])), "table_stream_arn");
+        assert_eq!(field(table().table_stream_arn(arn)), "table_stream_arn");
+        assert_eq!(
+            field(table().max_records_per_read(1_001)),
+            "max_records_per_read"
+        );
+        assert_eq!(field(table().max_records_per_read(1_000)), "accepted");
+        assert_eq!(
+            field(ConsumerBuilder::default().table_stream("no").group("g")),
+            "table_stream"
+        );
+        for bad in [
+            "orders",
+            "arn:aws:kinesis:eu-west-1:123456789012:stream/orders",
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders",
+            "arn:aws:dynamodb:eu-west-1::table/orders/stream/x",
+            "arn:aws:dynamodb:eu-west-1:123456789012:table/orders/stream/",
+        ] {
+            assert_eq!(
+                field(ConsumerBuilder::default().table_stream_arn(bad).group("g")),
+                "table_stream_arn",
+                "{bad}"
+            );
+        }
+        let c = table().validate().unwrap();
+        assert_eq!(c.max_records_per_read, MAX_TABLE_STREAM_RECORDS_PER_READ);
+        assert!(c.is_table_stream());
+        assert_eq!(c.table_stream, Some(TableStream::Table("orders".into())));
+        assert_eq!(by_arn().validate().unwrap().stream(), arn);
+        // A Kinesis consumer keeps its default and its limit.
+        assert_eq!(base().validate().unwrap().max_records_per_read, 10_000);
+        assert!(!base().validate().unwrap().is_table_stream());
     }
 
     #[test]

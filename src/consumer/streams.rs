@@ -59,7 +59,9 @@ impl Group {
             let config = match &self.config.table_stream {
                 // The table's stream is the one it has when the consumer starts.
                 Some(TableStream::Table(table)) => {
-                    let arn = self.kinesis.resolve_table_stream(table).await?;
+                    let Some(arn) = self.resolve_table_stream(table, &shutdown).await? else {
+                        return Ok(()); // shut down before it started
+                    };
                     tracing::info!(%table, stream = %arn, "reading the table's stream");
                     Arc::new(Config {
                         stream: arn,
@@ -181,6 +183,31 @@ impl Group {
             }
         }
         failure.map_or(Ok(()), Err)
+    }
+
+    /// The table's current stream ARN; a transient failure (throttling, network) is
+    /// retried with backoff until `shutdown` (then `None`), any other (no such table, no
+    /// stream) is returned.
+    async fn resolve_table_stream(
+        &self,
+        table: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<String>, ConsumerError> {
+        let mut delay = self.config.retry_min;
+        loop {
+            match self.kinesis.resolve_table_stream(table).await {
+                Ok(arn) => return Ok(Some(arn)),
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(%table, error = %e, "resolving the table's stream failed; retrying");
+                }
+                Err(e) => return Err(e.into()),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(self.config.retry_max);
+        }
     }
 
     /// The stream names in `list`: ARNs become names; invalid entries and repeats are

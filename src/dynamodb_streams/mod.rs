@@ -4,8 +4,10 @@
 //! DynamoDB Streams API and Lambda use) and a partition key derived from the item's keys,
 //! so per-key order means per-item order.
 
+pub mod aws;
 pub mod record;
 
+pub use aws::AwsTableStreams;
 pub use record::{
     AttributeValue, ChangeRecord, ChangeRecordError, EventName, Image, StreamViewType,
 };

@@ -27,3 +27,15 @@ pub fn unique(prefix: &str) -> String {
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// The endpoint of the DynamoDB emulator that also serves DynamoDB Streams (moto's
+/// server), from `SHARDFLOW_TABLE_STREAMS_ENDPOINT`; `None` (said on stderr) when
+/// `scripts/test.sh` did not start it. dynalite, the `AWS_ENDPOINT_URL_DYNAMODB` of the
+/// other tests, has no streams.
+pub fn table_streams_endpoint() -> Option<String> {
+    let endpoint = std::env::var("SHARDFLOW_TABLE_STREAMS_ENDPOINT").ok();
+    if endpoint.is_none() {
+        eprintln!("skipped: SHARDFLOW_TABLE_STREAMS_ENDPOINT not set (run scripts/test.sh)");
+    }
+    endpoint
+}

@@ -30,6 +30,7 @@
 
 mod assert;
 mod emulator;
+pub mod fake_endpoint;
 pub mod fleet;
 pub mod hooks;
 pub mod kcl;
