@@ -26,9 +26,15 @@
 //!   `None.read` over a mix of payloads that are not envelopes (the bench's 100-byte
 //!   records, JSON documents, binary data starting with `0xff`), 20 passes.
 //!
+//! * `table`: `run` over a DynamoDB table's change stream instead (an embedded table of
+//!   4 partitions holding as many items, one put each, so as many INSERT records of
+//!   about 300 bytes), against `table_loop`, the hand-written loop over the same stream
+//!   (GetRecords of at most 1,000 records, as DynamoDB Streams answers): the table
+//!   stream's per-record overhead next to the Kinesis stream's.
+//!
 //! Environment knobs: `BENCH_ITERS` (default 7), `BENCH_RECORDS` (default 400000),
-//! `BENCH_MODE` (`all`, `run`, `run_raw`, `batches`, `loop`, `detect`: one mode only,
-//! e.g. under `perf`).
+//! `BENCH_MODE` (`all`, `run`, `run_raw`, `batches`, `loop`, `table`, `detect`: one
+//! mode only, e.g. under `perf`; `table` runs `table_loop` too).
 //!
 //! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
 //! --all-targets` runs this binary without), it makes a smoke run instead: every mode
@@ -49,6 +55,7 @@ use shardflow::{Backend, Batch, Consumer, HeaderFormat, Memory, Message};
 use tokio::sync::Notify;
 
 const STREAM: &str = "bench";
+const TABLE: &str = "bench-table";
 const READ_LIMIT: u32 = 10_000;
 
 /// The "work" every mode does per record: count it (and touch the payload so the
@@ -102,11 +109,16 @@ async fn framework_records(
     group: &str,
     records: u64,
     headers: HeaderFormat,
+    table: bool,
 ) -> Timing {
     let done = Done::new(records);
     let start = Instant::now();
-    let consumer = Consumer::builder()
-        .stream(STREAM)
+    let builder = if table {
+        Consumer::builder().table_stream(TABLE)
+    } else {
+        Consumer::builder().stream(STREAM)
+    };
+    let consumer = builder
         .group(group)
         .backend(memory.clone())
         .idle_read_interval(Duration::from_millis(1))
@@ -204,18 +216,19 @@ fn detection_ns(check: impl Fn(&Bytes) -> bool, payloads: &[Bytes], passes: usiz
 }
 
 /// The baseline: read every shard directly, one task per shard.
-async fn hand_loop(kinesis: Arc<dyn KinesisApi>, records: u64) -> Duration {
+async fn hand_loop(kinesis: Arc<dyn KinesisApi>, stream: &str, records: u64) -> Duration {
     let done = Done::new(records);
     let start = Instant::now();
-    let shards = kinesis.list_shards(STREAM).await.expect("list shards");
+    let shards = kinesis.list_shards(stream).await.expect("list shards");
     let tasks: Vec<_> = shards
         .into_iter()
         .map(|shard| {
             let kinesis = kinesis.clone();
             let done = done.clone();
+            let stream = stream.to_owned();
             tokio::spawn(async move {
                 let mut it = kinesis
-                    .shard_iterator(STREAM, &shard.shard_id, &StartingPosition::TrimHorizon)
+                    .shard_iterator(&stream, &shard.shard_id, &StartingPosition::TrimHorizon)
                     .await
                     .expect("iterator");
                 loop {
@@ -246,6 +259,32 @@ async fn hand_loop(kinesis: Arc<dyn KinesisApi>, records: u64) -> Duration {
         "the loop saw every record"
     );
     start.elapsed()
+}
+
+/// An embedded table of 4 partitions with `records` items, one put each: as many
+/// INSERT records in its stream. The stream's ARN.
+fn fill_table(memory: &Memory, records: u64) -> String {
+    #[derive(serde::Serialize)]
+    struct Item {
+        id: String,
+        body: String,
+    }
+    let table = memory
+        .tables()
+        .create(TABLE, "id")
+        .partitions(4)
+        .build()
+        .expect("table");
+    let body = "x".repeat(RECORD_BYTES);
+    for i in 0..records {
+        table
+            .put(&Item {
+                id: format!("item-{i}"),
+                body: body.clone(),
+            })
+            .expect("put");
+    }
+    table.stream_arn()
 }
 
 fn rate(records: u64, d: Duration) -> f64 {
@@ -287,35 +326,48 @@ fn main() {
             t.elapsed()
         );
         let kinesis = Backend::kinesis(&memory);
+        let table_arn = if want("table") {
+            let t = Instant::now();
+            let arn = fill_table(&memory, records);
+            println!("  table: {records} items put in {:.2?}", t.elapsed());
+            Some(arn)
+        } else {
+            None
+        };
 
         // One untimed warm-up of each mode (allocator, page faults, lazy statics).
         if measure && want("loop") {
-            hand_loop(kinesis.clone(), records).await;
+            hand_loop(kinesis.clone(), STREAM, records).await;
         }
         if measure && want("run") {
-            framework_records(&memory, "warmup-run", records, HeaderFormat::Auto).await;
+            framework_records(&memory, "warmup-run", records, HeaderFormat::Auto, false).await;
         }
         if measure && want("run_raw") {
-            framework_records(&memory, "warmup-raw", records, HeaderFormat::None).await;
+            framework_records(&memory, "warmup-raw", records, HeaderFormat::None, false).await;
         }
         if measure && want("batches") {
             framework_batches(&memory, "warmup-batches", records).await;
         }
+        if let (true, Some(arn)) = (measure, &table_arn) {
+            hand_loop(kinesis.clone(), arn, records).await;
+            framework_records(&memory, "warmup-table", records, HeaderFormat::Auto, true).await;
+        }
+        let (mut tlp, mut tab, mut tab_sd) = (vec![], vec![], vec![]);
 
         let (mut lp, mut run, mut run_sd, mut bat, mut bat_sd) = (vec![], vec![], vec![], vec![], vec![]);
         let (mut raw, mut raw_sd) = (vec![], vec![]);
         for i in 0..iters {
             // Interleaved so that drift on the shared machine hits every mode alike.
             if want("loop") {
-                lp.push(hand_loop(kinesis.clone(), records).await);
+                lp.push(hand_loop(kinesis.clone(), STREAM, records).await);
             }
             if want("run") {
-                let t = framework_records(&memory, &format!("run-{i}"), records, HeaderFormat::Auto).await;
+                let t = framework_records(&memory, &format!("run-{i}"), records, HeaderFormat::Auto, false).await;
                 run.push(t.handled);
                 run_sd.push(t.shutdown);
             }
             if want("run_raw") {
-                let t = framework_records(&memory, &format!("raw-{i}"), records, HeaderFormat::None).await;
+                let t = framework_records(&memory, &format!("raw-{i}"), records, HeaderFormat::None, false).await;
                 raw.push(t.handled);
                 raw_sd.push(t.shutdown);
             }
@@ -323,6 +375,12 @@ fn main() {
                 let t = framework_batches(&memory, &format!("batches-{i}"), records).await;
                 bat.push(t.handled);
                 bat_sd.push(t.shutdown);
+            }
+            if let Some(arn) = &table_arn {
+                tlp.push(hand_loop(kinesis.clone(), arn, records).await);
+                let t = framework_records(&memory, &format!("table-{i}"), records, HeaderFormat::Auto, true).await;
+                tab.push(t.handled);
+                tab_sd.push(t.shutdown);
             }
         }
         let show = |name: &str, all: &mut Vec<Duration>| {
@@ -355,6 +413,25 @@ fn main() {
                     m.as_secs_f64() / b.as_secs_f64()
                 ),
                 None => println!(),
+            }
+        }
+        if !tab.is_empty() {
+            let tb = show("table_loop", &mut tlp);
+            let tm = show("table", &mut tab);
+            let table_overhead = overhead_ns(records, tm, tb);
+            println!(
+                "               graceful shutdown after the last record: {:.1} ms\n               \
+                 overhead vs table_loop: {table_overhead:+.0} ns/record, ratio {:.2}x",
+                median(&mut tab_sd).as_secs_f64() * 1e3,
+                tm.as_secs_f64() / tb.as_secs_f64()
+            );
+            if let (false, Some(b)) = (run.is_empty(), base) {
+                let kinesis_overhead = overhead_ns(records, median(&mut run), b);
+                println!(
+                    "  table stream vs Kinesis stream, per-record overhead: {table_overhead:+.0} vs \
+                     {kinesis_overhead:+.0} ns/record ({:+.1} %)  (target: within 10 %)",
+                    (table_overhead - kinesis_overhead) * 100.0 / kinesis_overhead
+                );
             }
         }
         if !run.is_empty() && !raw.is_empty() {

@@ -1,9 +1,10 @@
-//! The README's main example, the multi-stream example, the pipeline and the processor
+//! The README's main example, the multi-stream example, the pipeline, the processor and CDC
 //! run to completion on the embedded backend, and their rules are checked here from what
 //! they print (the examples only show, they do not check themselves): the quickstart's
 //! records per shard, split and checkpoints; each stream of the multi-stream example read
 //! once, its rows kept; the pipeline charging each good order once and dead-lettering each
-//! bad one; the processor shipping each order once and in order per customer.
+//! bad one; the processor shipping each order once and in order per customer; the CDC
+//! example publishing each order inserted into its outbox table once.
 //!
 //! Each test builds its example first (`common::build_example`: a no-op when the suite
 //! already built the examples), so it always runs the current code and never skips. A run
@@ -269,4 +270,32 @@ fn processor_ships_each_order_once_and_in_order_per_customer() {
         Some("1000 orders shipped"),
         "the demo ends when every order was shipped"
     );
+}
+
+#[test]
+fn cdc_publishes_each_inserted_order_once() {
+    let stdout = run("cdc");
+    // "published order order-7 of customer-7 (259)": a line per event the subscriber
+    // handled. The example writes orders 0..500 (inserts, then updates that must not be
+    // published) while the table's stream rolls over.
+    let mut published: BTreeMap<u64, u32> = BTreeMap::new();
+    for line in stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("published order order-"))
+    {
+        let (id, rest) = line
+            .split_once(" of customer-")
+            .unwrap_or_else(|| panic!("an event line: {line}"));
+        let id: u64 = id.parse().unwrap();
+        let (customer, _) = rest.split_once(' ').unwrap();
+        assert_eq!(customer.parse::<u64>().unwrap(), id % 23, "{line}");
+        *published.entry(id).or_default() += 1;
+    }
+    let twice: Vec<_> = published.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "orders published more than once: {twice:?}"
+    );
+    let missing: Vec<u64> = (0..500).filter(|i| !published.contains_key(i)).collect();
+    assert!(missing.is_empty(), "orders never published: {missing:?}");
 }

@@ -64,6 +64,13 @@ impl Backend for AnyBackend {
             Self::Aws(a) => a.admin(),
         }
     }
+
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        match self {
+            Self::Memory(m) => m.table_streams(),
+            Self::Aws(a) => a.table_streams(),
+        }
+    }
 }
 
 /// The examples' error type.

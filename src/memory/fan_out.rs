@@ -99,7 +99,9 @@ impl MemSubscription {
                 format!("shard {} of {}", self.shard_id, self.stream).into(),
             )));
         };
-        let start = self.next.max(s.first_retained(&shard.records));
+        let start = self
+            .next
+            .max(s.first_retained(&self.stream, &shard.records));
         let mut end = (start + self.max_records).min(shard.records.len());
         let sizes = shard.records[start..end]
             .iter()

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use tokio::sync::watch;
@@ -23,7 +24,16 @@ use super::fan_out::MemSubscription;
 use super::faults::KinesisFaults;
 use super::limits::{metered_size, KinesisLimits, Meters, ReadRefusal};
 use super::lock;
-use super::state::{behind_latest, KinesisState, MemShard, MemStream};
+use super::state::{behind_latest, KinesisState, MemShard, MemStream, StreamOverrides};
+
+/// A table stream's own settings (DynamoDB Streams': 24 h retention, iterators valid
+/// for 15 minutes, at most 1,000 records per GetRecords).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TableStreamSettings {
+    pub(super) retention: Duration,
+    pub(super) iterator_ttl: Duration,
+    pub(super) max_records_per_read: u32,
+}
 
 /// The account every embedded stream belongs to (in its ARN and multi-stream lease keys).
 pub const MEMORY_ACCOUNT: &str = "000000000000";
@@ -61,6 +71,7 @@ impl Default for MemoryKinesis {
                 shard_not_found: HashMap::new(),
                 created: HashMap::new(),
                 meters: Meters::default(),
+                table_streams: HashMap::new(),
             })),
             changes: watch::channel(()).0,
         }
@@ -291,6 +302,17 @@ impl MemoryKinesis {
             .unwrap_or_default()
     }
 
+    /// A shard of `stream` as ListShards describes it (its parents, whether it is
+    /// closed), for assertions in tests; `None` if there is no such shard. No fault
+    /// applies.
+    pub fn shard_info(&self, stream: &str, shard_id: &str) -> Option<ShardInfo> {
+        let s = lock(&self.state);
+        s.streams
+            .get(stream)
+            .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
+            .map(|sh| sh.info.clone())
+    }
+
     /// Every record of a shard, for assertions in tests.
     pub fn records(&self, stream: &str, shard_id: &str) -> Vec<Record> {
         let s = lock(&self.state);
@@ -299,6 +321,104 @@ impl MemoryKinesis {
             .and_then(|st| st.shards.iter().find(|sh| sh.info.shard_id == shard_id))
             .map(|sh| sh.records.clone())
             .unwrap_or_default()
+    }
+
+    /// Creates the change stream `arn` of table `table` with `shards` open shards (each
+    /// given the whole hash range: a table's shards have none) and the settings of
+    /// DynamoDB Streams; the table's current stream becomes `arn`. The shards' ids, in
+    /// order.
+    pub(super) fn create_table_stream(
+        &self,
+        table: &str,
+        arn: &str,
+        shards: usize,
+        overrides: TableStreamSettings,
+    ) -> Result<Vec<String>, KinesisError> {
+        let mut s = lock(&self.state);
+        if s.streams.contains_key(arn) {
+            return Err(KinesisError::Invalid(
+                format!("stream {arn} exists already").into(),
+            ));
+        }
+        let created = s
+            .wall_clock
+            .now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        s.streams.insert(
+            arn.to_owned(),
+            MemStream {
+                shards: Vec::new(),
+                updating: false,
+                created,
+                max_record_bytes: MAX_RECORD_BYTES,
+                overrides: StreamOverrides {
+                    retention: Some(overrides.retention),
+                    iterator_ttl: Some(overrides.iterator_ttl),
+                    max_records_per_read: Some(overrides.max_records_per_read),
+                },
+            },
+        );
+        s.table_streams.insert(table.to_owned(), arn.to_owned());
+        (0..shards)
+            .map(|_| Self::add_shard(&mut s, arn, (None, None), (0, MAX_HASH)))
+            .collect()
+    }
+
+    /// Appends one record to the open shard `shard_id` of `stream`: `build` makes its
+    /// partition key and data from the sequence number and arrival time the service
+    /// gives it (a change record carries both).
+    pub(super) fn append(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        build: impl FnOnce(&SequenceNumber, SystemTime) -> (String, Bytes),
+    ) -> Result<SequenceNumber, KinesisError> {
+        let mut s = lock(&self.state);
+        let sequence_number = Self::sequence(&mut s);
+        let arrival = s.wall_clock.now();
+        let shard = Self::shard_mut(&mut s, stream, shard_id)?;
+        if shard.info.is_closed() {
+            return Err(KinesisError::Invalid(
+                format!("shard {shard_id} is closed").into(),
+            ));
+        }
+        let (partition_key, data) = build(&sequence_number, arrival);
+        shard.records.push(Record {
+            sequence_number: sequence_number.clone(),
+            partition_key,
+            data,
+            approximate_arrival: Some(arrival),
+        });
+        drop(s);
+        self.changes.send_replace(());
+        Ok(sequence_number)
+    }
+
+    /// Closes the open shard `shard_id` of `stream` and opens `children` shards with it
+    /// as their parent (one for a table stream's rollover, two for a partition split),
+    /// each with the whole hash range; their ids.
+    pub(super) fn close_into(
+        &self,
+        stream: &str,
+        shard_id: &str,
+        children: usize,
+    ) -> Result<Vec<String>, KinesisError> {
+        let mut s = lock(&self.state);
+        Self::close(&mut s, stream, shard_id)?;
+        let ids = (0..children)
+            .map(|_| {
+                Self::add_shard(
+                    &mut s,
+                    stream,
+                    (Some(shard_id.to_owned()), None),
+                    (0, MAX_HASH),
+                )
+            })
+            .collect();
+        drop(s);
+        self.changes.send_replace(());
+        ids
     }
 
     fn sequence(s: &mut KinesisState) -> SequenceNumber {
@@ -339,7 +459,7 @@ impl MemoryKinesis {
         stream: &str,
         parents: (Option<String>, Option<String>),
         range: (u128, u128),
-    ) -> Result<(), KinesisError> {
+    ) -> Result<String, KinesisError> {
         let start = Self::sequence(s);
         let st = s
             .streams
@@ -348,7 +468,7 @@ impl MemoryKinesis {
         let shard_id = format!("shardId-{:012}", st.shards.len());
         st.shards.push(MemShard {
             info: ShardInfo {
-                shard_id,
+                shard_id: shard_id.clone(),
                 parent_shard_id: parents.0,
                 adjacent_parent_shard_id: parents.1,
                 starting_hash_key: range.0,
@@ -358,7 +478,7 @@ impl MemoryKinesis {
             },
             records: Vec::new(),
         });
-        Ok(())
+        Ok(shard_id)
     }
 
     fn iterator(s: &KinesisState, stream: &str, shard: &str, index: usize) -> String {
@@ -380,11 +500,12 @@ impl MemoryKinesis {
     /// refused, as Kinesis refuses it with `InvalidArgumentException`.
     fn start_index(
         s: &KinesisState,
+        stream: &str,
         records: &[Record],
         from: &StartingPosition,
     ) -> Result<usize, KinesisError> {
         Ok(match from {
-            StartingPosition::TrimHorizon => s.first_retained(records),
+            StartingPosition::TrimHorizon => s.first_retained(stream, records),
             StartingPosition::Latest => records.len(),
             StartingPosition::AtTimestamp(t) => {
                 let now = s.wall_clock.now();
@@ -406,7 +527,7 @@ impl MemoryKinesis {
                 }
                 records
                     .partition_point(|r| r.approximate_arrival.is_some_and(|a| a < *t))
-                    .max(s.first_retained(records))
+                    .max(s.first_retained(stream, records))
             }
             StartingPosition::AtSequenceNumber(seq) => {
                 records.partition_point(|r| r.sequence_number < *seq)
@@ -458,6 +579,15 @@ impl KinesisApi for MemoryKinesis {
         })
     }
 
+    /// The stream of a table made with [`Memory::tables`](super::Memory::tables).
+    async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        lock(&self.state)
+            .table_streams
+            .get(table)
+            .cloned()
+            .ok_or_else(|| KinesisError::NotFound(format!("table {table} (or its stream)").into()))
+    }
+
     async fn max_record_size(&self, stream: &str) -> Result<usize, KinesisError> {
         let s = lock(&self.state);
         s.streams
@@ -484,7 +614,7 @@ impl KinesisApi for MemoryKinesis {
         }
         let shard = Self::shard_mut(&mut s, stream, shard_id)?;
         let records = std::mem::take(&mut shard.records);
-        let index = Self::start_index(&s, &records, from);
+        let index = Self::start_index(&s, stream, &records, from);
         Self::shard_mut(&mut s, stream, shard_id)?.records = records;
         Ok(Self::iterator(&s, stream, shard_id, index?))
     }
@@ -500,7 +630,7 @@ impl KinesisApi for MemoryKinesis {
             .duration_since(s.epoch)
             .as_millis()
             .saturating_sub(issued);
-        if age > s.iterator_ttl.as_millis() || s.draw(|f| f.expire_iterator) {
+        if age > s.iterator_ttl_of(stream).as_millis() || s.draw(|f| f.expire_iterator) {
             return Err(KinesisError::ExpiredIterator(
                 format!("iterator for {shard_id} is {age} ms old").into(),
             ));
@@ -538,8 +668,12 @@ impl KinesisApi for MemoryKinesis {
             .find(|sh| sh.info.shard_id == shard_id)
             .ok_or_else(|| KinesisError::NotFound(format!("shard {shard_id}").into()))?;
         let start = index
-            .max(s.first_retained(&shard.records))
+            .max(s.first_retained(stream, &shard.records))
             .min(shard.records.len());
+        let limit = st
+            .overrides
+            .max_records_per_read
+            .map_or(limit, |cap| limit.min(cap));
         let mut end = (start + limit.max(1) as usize).min(shard.records.len());
         let mut bytes: u64 = 0;
         if let Some(max) = s.meters.answer_bytes() {
@@ -705,7 +839,7 @@ impl KinesisApi for MemoryKinesis {
             .ok_or_else(|| {
                 KinesisError::NotFound(format!("shard {shard_id} of {stream}").into())
             })?;
-        let next = Self::start_index(&s, &shard.records, from)?;
+        let next = Self::start_index(&s, &stream, &shard.records, from)?;
         let now = Instant::now();
         let subscription = MemSubscription {
             state: self.state.clone(),
@@ -760,6 +894,7 @@ impl StreamAdmin for MemoryKinesis {
                 updating: false,
                 created,
                 max_record_bytes: MAX_RECORD_BYTES,
+                overrides: StreamOverrides::default(),
             },
         );
         let width = MAX_HASH / shards as u128;

@@ -27,10 +27,21 @@
 //! ([`no_rate_limit`](crate::ProducerBuilder::no_rate_limit)) or runs on tokio's paused
 //! clock.
 //!
+//! DynamoDB tables with change streams live here too ([`Memory::tables`]): a table's
+//! put, update and delete appear in its stream as DynamoDB Streams records them, and a
+//! consumer reads it with [`ConsumerBuilder::table_stream`](crate::ConsumerBuilder::table_stream)
+//! as it would on AWS. Its shards roll over as DynamoDB's do, on demand
+//! ([`MemoryTable::rollover`]), on a schedule ([`MemoryTableBuilder::rollover_every`])
+//! and on partition splits ([`MemoryTable::split`]); the stream keeps records 24 hours,
+//! its iterators expire after 15 minutes and a read returns at most 1,000 records, so a
+//! CDC pipeline's tests run without a server. Wait for a group with
+//! [`Memory::wait_caught_up`] on the stream's ARN ([`MemoryTable::stream_arn`]).
+//!
 //! `kinesis.rs` holds the stream service, `fan_out.rs` its SubscribeToShard
 //! subscriptions, `limits.rs` the throughput meters, `leases.rs` the lease store,
-//! `caught_up.rs` the stream set-up and progress checks a test of one's own needs; this
-//! file the backend that bundles them.
+//! `caught_up.rs` the stream set-up and progress checks a test of one's own needs,
+//! `tables.rs` the DynamoDB tables and their streams; this file the backend that bundles
+//! them.
 //!
 //! # In a test of your own
 //!
@@ -74,12 +85,17 @@ mod leader;
 mod leases;
 mod limits;
 mod state;
+mod tables;
 
 pub use faults::{KinesisFaults, LeaseFaults};
 pub use kinesis::{MemoryKinesis, MEMORY_ACCOUNT};
 pub use leader::MemoryCoordinatorState;
 pub use leases::{MemoryLeaseStore, RowsRead};
 pub use limits::KinesisLimits;
+pub use tables::{
+    MemoryTable, MemoryTableBuilder, MemoryTables, TableError, TABLE_STREAM_ITERATOR_TTL,
+    TABLE_STREAM_MAX_RECORDS_PER_READ, TABLE_STREAM_RETENTION,
+};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -90,19 +106,51 @@ use crate::clock::WallClock;
 use crate::kinesis::{KinesisApi, StreamAdmin};
 use crate::lease::LeaseStore;
 
-/// The embedded backend: one [`MemoryKinesis`] and a [`MemoryLeaseStore`] per table name.
-/// Clones share the same streams and tables, so several consumers (workers of a group)
-/// in one process see each other.
-#[derive(Clone, Default)]
+/// The embedded backend: one [`MemoryKinesis`], a [`MemoryLeaseStore`] per lease table
+/// name, and DynamoDB tables with change streams ([`MemoryTables`]). Clones share the
+/// same streams and tables, so several consumers (workers of a group) in one process see
+/// each other.
+#[derive(Clone)]
 pub struct Memory {
     kinesis: Arc<MemoryKinesis>,
-    tables: Arc<Mutex<HashMap<String, Arc<MemoryLeaseStore>>>>,
+    lease_tables: Arc<Mutex<HashMap<String, Arc<MemoryLeaseStore>>>>,
+    dynamodb: Arc<MemoryTables>,
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        let kinesis = Arc::new(MemoryKinesis::default());
+        Memory {
+            dynamodb: Arc::new(MemoryTables::new(kinesis.clone())),
+            kinesis,
+            lease_tables: Arc::default(),
+        }
+    }
 }
 
 impl Memory {
     /// An empty backend: no streams, no tables, no throughput limits.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// DynamoDB tables whose writes appear in their change streams, which consumers
+    /// read with [`ConsumerBuilder::table_stream`](crate::ConsumerBuilder::table_stream):
+    ///
+    /// ```
+    /// # use shardflow::Memory;
+    /// # #[derive(serde::Serialize)] struct Order { id: String, total: u32 }
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let memory = Memory::new();
+    /// let orders = memory.tables().create("orders", "id").partitions(4).build()?;
+    /// orders.put(&Order { id: "order-1".into(), total: 30 })?; // an INSERT in the stream
+    /// orders.rollover()?; // every open shard closes, one child each
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn tables(&self) -> &Arc<MemoryTables> {
+        &self.dynamodb
     }
 
     /// A backend with settings: `Memory::builder().limits(KinesisLimits::aws()).build()`.
@@ -117,7 +165,7 @@ impl Memory {
 
     /// The lease table `table` (created empty on first use).
     pub fn table(&self, table: &str) -> Arc<MemoryLeaseStore> {
-        lock(&self.tables)
+        lock(&self.lease_tables)
             .entry(table.to_owned())
             .or_insert_with(|| Arc::new(MemoryLeaseStore::with_clock(self.kinesis.wall_clock())))
             .clone()
@@ -182,6 +230,12 @@ impl Backend for Memory {
     }
 
     fn admin(&self) -> Option<Arc<dyn StreamAdmin>> {
+        Some(self.kinesis.clone())
+    }
+
+    /// The tables' streams ([`Memory::tables`]) are served by the same stream service,
+    /// under their ARNs.
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
         Some(self.kinesis.clone())
     }
 }

@@ -29,6 +29,17 @@ pub(super) struct MemStream {
     /// The largest record (data plus partition key) the stream takes (see
     /// [`MemoryKinesis::update_max_record_size`](super::MemoryKinesis::update_max_record_size)).
     pub(super) max_record_bytes: usize,
+    /// Settings of this stream that differ from the service's (a table's change stream:
+    /// 24 h retention, 15-minute iterators, 1,000 records per GetRecords).
+    pub(super) overrides: StreamOverrides,
+}
+
+/// A stream's own retention, iterator lifetime and GetRecords cap, where it has one.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct StreamOverrides {
+    pub(super) retention: Option<Duration>,
+    pub(super) iterator_ttl: Option<Duration>,
+    pub(super) max_records_per_read: Option<u32>,
 }
 
 pub(super) struct KinesisState {
@@ -67,6 +78,8 @@ pub(super) struct KinesisState {
     pub(super) created: HashMap<String, u64>,
     /// Throughput limits in force and every shard's budget (see [`KinesisLimits`]).
     pub(super) meters: Meters,
+    /// Tables of the embedded DynamoDB ([`super::tables`]) and their current stream ARN.
+    pub(super) table_streams: HashMap<String, String>,
 }
 
 impl KinesisState {
@@ -80,13 +93,31 @@ impl KinesisState {
         self.cut_short > 0.0 && self.rng.gen_bool(self.cut_short.min(1.0))
     }
 
-    /// The index of the first record of `records` still within the retention period.
-    pub(super) fn first_retained(&self, records: &[Record]) -> usize {
+    /// The retention period of `stream`: its own, or the service's.
+    pub(super) fn retention_of(&self, stream: &str) -> Option<Duration> {
+        self.streams
+            .get(stream)
+            .and_then(|st| st.overrides.retention)
+            .or(self.retention)
+    }
+
+    /// How long an iterator of `stream` stays valid: its own lifetime, or the service's.
+    pub(super) fn iterator_ttl_of(&self, stream: &str) -> Duration {
+        self.streams
+            .get(stream)
+            .and_then(|st| st.overrides.iterator_ttl)
+            .unwrap_or(self.iterator_ttl)
+    }
+
+    /// The index of the first record of `records` (of `stream`) still within the
+    /// retention period.
+    pub(super) fn first_retained(&self, stream: &str, records: &[Record]) -> usize {
+        let retention = self.retention_of(stream);
         match (
-            self.retention,
+            retention,
             self.wall_clock
                 .now()
-                .checked_sub(self.retention.unwrap_or_default()),
+                .checked_sub(retention.unwrap_or_default()),
         ) {
             (Some(_), Some(cutoff)) => {
                 records.partition_point(|r| r.approximate_arrival.is_some_and(|t| t < cutoff))
