@@ -622,7 +622,7 @@ fn stream_data_size(record: &StreamRecord) -> u64 {
 mod tests {
     use super::*;
     use crate::kinesis::{KinesisApi, StartingPosition};
-    use crate::Memory;
+    use crate::memory::Memory;
     use serde::Deserialize;
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

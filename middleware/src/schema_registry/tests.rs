@@ -15,7 +15,7 @@ use crate::codec::{DataFormat, Encoder, SchemaFormat, WriterSchema};
 use crate::dead_letter::{DeadLetterOutcome, DeadLetterRecord};
 use crate::decode::{DecodeError, DecodeErrorKind, Format, CONTENT_TYPE};
 use crate::test_support::message;
-use crate::{BoxError, ServiceBuilderExt};
+use crate::BoxError;
 
 /// A format of UTF-8 text. With a writer schema it reads `upper` (the text, uppercased)
 /// or `lower`; any other definition does not match the payload.
@@ -136,7 +136,10 @@ async fn framed_records_decode_with_their_writer_schema_fetched_once() {
         .register("greetings", schema(DataFormat::Avro, "lower"));
     let seen = Handled::default();
     let svc = ServiceBuilder::new()
-        .schema_registry(Text(DataFormat::Avro), registry.clone())
+        .layer(SchemaRegistryLayer::new(
+            Text(DataFormat::Avro),
+            registry.clone(),
+        ))
         .service(handler(seen.clone()));
     for i in 0..100u64 {
         let (id, compression) = if i % 2 == 0 {
