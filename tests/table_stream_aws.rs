@@ -457,7 +457,8 @@ async fn wire_records_errors_and_trimmed_positions() {
 
     let seen = fake.seen();
     assert_eq!(seen[0].body["ShardIteratorType"], "AFTER_SEQUENCE_NUMBER");
-    assert_eq!(seen[0].body["SequenceNumber"], "150");
+    // Sent back with the 21 digits DynamoDB Streams requires at least.
+    assert_eq!(seen[0].body["SequenceNumber"], "000000000000000000150");
     assert_eq!(seen[1].body["ShardIteratorType"], "TRIM_HORIZON");
     assert_eq!(
         seen[2].body["Limit"], 1000,
