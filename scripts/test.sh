@@ -19,7 +19,8 @@
 # moto's server (PyPI `moto[server]`), the emulator of DynamoDB with DynamoDB Streams
 # (dynalite has no streams), is installed into .cache/moto-venv from
 # scripts/moto-requirements.txt (every version pinned; re-installed when it changes) and
-# started too: its endpoint is SHARDFLOW_TABLE_STREAMS_ENDPOINT.
+# started too: its endpoint is SHARDFLOW_TABLE_STREAMS_ENDPOINT, and SHARDFLOW_GLUE_ENDPOINT
+# for the Glue Schema Registry calls it serves as well.
 #
 #   scripts/test.sh                      # everything: all targets, then doc tests
 #   scripts/test.sh some_test_name       # extra args go to the first `cargo test`
@@ -239,6 +240,8 @@ export SHARDFLOW_EMULATORS=1
 export SHARDFLOW_FANOUT_KINESIS_ENDPOINT="http://127.0.0.1:$fanout_kinesis_port"
 export SHARDFLOW_KPL_PYTHON="$kpl_venv/bin/python"
 export SHARDFLOW_TABLE_STREAMS_ENDPOINT="http://127.0.0.1:$table_streams_port"
+# moto's server also serves the Glue Schema Registry calls (middleware/tests/glue_registry.rs).
+export SHARDFLOW_GLUE_ENDPOINT="$SHARDFLOW_TABLE_STREAMS_ENDPOINT"
 # Keep any configured HTTP proxy away from the loopback emulators.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 export no_proxy="$NO_PROXY"
