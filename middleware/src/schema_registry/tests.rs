@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::codec::{DataFormat, Encoder, SchemaFormat, WriterSchema};
-use crate::dead_letter::{DeadLetterOutcome, DeadLetterRecord};
+use crate::dead_letter::{DeadLetterLayer, DeadLetterOutcome, DeadLetterRecord};
 use crate::decode::{DecodeError, DecodeErrorKind, Format, CONTENT_TYPE};
 use crate::test_support::message;
 use crate::BoxError;
@@ -240,7 +240,7 @@ async fn broken_framing_and_unknown_versions_are_typed_and_dead_lettered() {
             async { Ok::<_, BoxError>(()) }
         });
         let outcome = ServiceBuilder::new()
-            .dead_letter(sink)
+            .layer(DeadLetterLayer::new(sink))
             .layer(layer.clone())
             .service(handler(Handled::default()))
             .oneshot(Message::new(
@@ -279,7 +279,7 @@ async fn a_registry_outage_is_transient_and_never_dead_lettered() {
     });
     let seen = Handled::default();
     let svc = ServiceBuilder::new()
-        .dead_letter(sink)
+        .layer(DeadLetterLayer::new(sink))
         .layer(layer)
         .service(handler(seen.clone()));
     let msg = Message::new(message(1, b"").metadata, framed);
