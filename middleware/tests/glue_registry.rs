@@ -24,11 +24,11 @@ fn avro(definition: &str) -> WriterSchema {
     }
 }
 
-#[tokio::test]
-async fn looks_up_registers_and_fetches_schema_versions() {
+/// The emulator's configuration, or `None` (the test is skipped) when there is none.
+async fn emulator() -> Option<aws_config::SdkConfig> {
     let Some(endpoint) = std::env::var_os("SHARDFLOW_GLUE_ENDPOINT") else {
         eprintln!("skipped: SHARDFLOW_GLUE_ENDPOINT is not set");
-        return;
+        return None;
     };
     let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
         .endpoint_url(endpoint.to_string_lossy())
@@ -38,6 +38,14 @@ async fn looks_up_registers_and_fetches_schema_versions() {
         ))
         .load()
         .await;
+    Some(config)
+}
+
+#[tokio::test]
+async fn looks_up_registers_and_fetches_schema_versions() {
+    let Some(config) = emulator().await else {
+        return;
+    };
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -107,4 +115,91 @@ async fn looks_up_registers_and_fetches_schema_versions() {
         "{err}"
     );
     assert!(!err.is_transient());
+}
+
+/// Auto-registration creates a schema that does not exist, as the reference serializer
+/// does (`CreateSchema` with the definition's data format and the compatibility setting),
+/// then adds versions to it; with auto-registration off nothing is created.
+#[tokio::test]
+async fn auto_registration_creates_a_missing_schema_then_adds_versions() {
+    let Some(config) = emulator().await else {
+        return;
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let registry_name = format!("people-{nanos}");
+    let registry = GlueRegistry::from_config_with(
+        &config,
+        shardflow::AwsTimeouts::default(),
+        registry_name.as_str(),
+    )
+    .expect("valid timeouts")
+    .compatibility(aws_sdk_glue::types::Compatibility::Full)
+    .description("created by auto-registration");
+    let client = registry.client().clone();
+    client
+        .create_registry()
+        .registry_name(&registry_name)
+        .send()
+        .await
+        .expect("create the registry");
+    let schema_id = || {
+        aws_sdk_glue::types::SchemaId::builder()
+            .registry_name(&registry_name)
+            .schema_name("people")
+            .build()
+    };
+
+    let err = registry
+        .version_id("people", &avro(V1), false)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RegistryError::NotRegistered { .. }), "{err}");
+    assert!(
+        client
+            .get_schema()
+            .schema_id(schema_id())
+            .send()
+            .await
+            .is_err(),
+        "auto-registration off: no schema created"
+    );
+
+    let v1 = registry
+        .version_id("people", &avro(V1), true)
+        .await
+        .expect("schema created");
+    let created = client
+        .get_schema()
+        .schema_id(schema_id())
+        .send()
+        .await
+        .expect("the schema exists");
+    assert_eq!(
+        created.data_format(),
+        Some(&aws_sdk_glue::types::DataFormat::Avro)
+    );
+    assert_eq!(
+        created.compatibility(),
+        Some(&aws_sdk_glue::types::Compatibility::Full)
+    );
+    assert_eq!(created.description(), Some("created by auto-registration"));
+    assert_eq!(registry.schema_version(v1).await.unwrap(), avro(V1));
+
+    let v2 = registry
+        .version_id("people", &avro(V2), true)
+        .await
+        .expect("a second version");
+    assert_ne!(v1, v2);
+    assert_eq!(registry.schema_version(v2).await.unwrap(), avro(V2));
+    assert_eq!(
+        registry
+            .version_id("people", &avro(V1), true)
+            .await
+            .unwrap(),
+        v1,
+        "a known definition is found, not registered again"
+    );
 }

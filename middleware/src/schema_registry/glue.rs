@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_glue::error::{DisplayErrorContext, SdkError};
-use aws_sdk_glue::types::{SchemaId, SchemaVersionStatus};
+use aws_sdk_glue::types::{Compatibility, RegistryId, SchemaId, SchemaVersionStatus};
 use aws_smithy_types::timeout::TimeoutConfig;
 use shardflow::{AwsTimeouts, ConfigError};
 use uuid::Uuid;
@@ -15,6 +15,10 @@ use crate::codec::{DataFormat, WriterSchema};
 
 /// The registry the reference serializer uses when none is configured.
 pub const DEFAULT_REGISTRY_NAME: &str = "default-registry";
+
+/// The compatibility mode of the schemas auto-registration creates, as the reference
+/// serializer's default.
+pub const DEFAULT_COMPATIBILITY: Compatibility = Compatibility::Backward;
 
 /// How many times a freshly registered version is checked for `AVAILABLE` (every
 /// [`REGISTRATION_POLL`]) before its id is used anyway.
@@ -30,12 +34,23 @@ const REGISTRATION_POLL: Duration = Duration::from_millis(500);
 /// on top. A missing version or definition is permanent
 /// ([`RegistryError::UnknownVersion`], [`RegistryError::NotRegistered`]); every other
 /// failure (throttling, access denied, a network error) is
-/// [`RegistryError::Unavailable`], transient. Auto-registration adds versions to an
-/// existing schema; it does not create the schema.
+/// [`RegistryError::Unavailable`], transient; a definition the registry refuses (invalid
+/// for its data format, or failing the compatibility check) is
+/// [`RegistryError::Rejected`].
+///
+/// Auto-registration does what the reference serializer does: a definition that
+/// `GetSchemaByDefinition` does not find is added as a new version
+/// (`RegisterSchemaVersion`) when the schema exists, and when it does not the schema is
+/// created with it as its first version (`CreateSchema`, with the definition's data
+/// format, the [`compatibility`](Self::compatibility) setting, `BACKWARD` by default,
+/// and the [`description`](Self::description)). Two producers creating the same schema
+/// at once both succeed: the one that loses the race registers its version instead.
 #[derive(Clone, Debug)]
 pub struct GlueRegistry {
     client: aws_sdk_glue::Client,
     registry_name: Arc<str>,
+    compatibility: Compatibility,
+    description: Option<Arc<str>>,
 }
 
 impl GlueRegistry {
@@ -44,6 +59,8 @@ impl GlueRegistry {
         GlueRegistry {
             client,
             registry_name: registry_name.into(),
+            compatibility: DEFAULT_COMPATIBILITY,
+            description: None,
         }
     }
 
@@ -80,7 +97,22 @@ impl GlueRegistry {
         GlueRegistry {
             client,
             registry_name,
+            compatibility: DEFAULT_COMPATIBILITY,
+            description: None,
         }
+    }
+
+    /// The compatibility mode of schemas that auto-registration creates (default
+    /// `BACKWARD`, the reference serializer's default). Schemas that exist keep theirs.
+    pub fn compatibility(mut self, compatibility: Compatibility) -> Self {
+        self.compatibility = compatibility;
+        self
+    }
+
+    /// The description of schemas that auto-registration creates (none by default).
+    pub fn description(mut self, description: impl Into<Arc<str>>) -> Self {
+        self.description = Some(description.into());
+        self
     }
 
     /// The client.
@@ -103,6 +135,15 @@ where
 {
     // The context's text names the service's error code and message, never record data.
     RegistryError::Unavailable(DisplayErrorContext(e).to_string().into())
+}
+
+fn rejected<E, R>(e: SdkError<E, R>) -> RegistryError
+where
+    E: std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
+{
+    // The service's message names the problem with the definition, not record data.
+    RegistryError::Rejected(DisplayErrorContext(e).to_string())
 }
 
 fn data_format(format: Option<&aws_sdk_glue::types::DataFormat>) -> Option<DataFormat> {
@@ -160,27 +201,133 @@ impl SchemaRegistry for GlueRegistry {
             .schema_definition(schema.definition.as_ref())
             .send()
             .await;
-        match found {
+        let missing = match found {
             Ok(out) => return parse_id(out.schema_version_id()),
-            Err(e) if matches!(e.as_service_error(), Some(E::EntityNotFoundException(_))) => {}
-            Err(e) => return Err(unavailable(e)),
-        }
+            Err(e) => match e.as_service_error() {
+                Some(E::EntityNotFoundException(not_found)) => {
+                    not_found.message().unwrap_or_default().to_owned()
+                }
+                _ => return Err(unavailable(e)),
+            },
+        };
         if !register {
             return Err(RegistryError::NotRegistered {
                 schema_name: schema_name.to_owned(),
             });
         }
+        // Glue says which is missing only in the message ("Schema version is not found."
+        // or "Schema is not found."), as the reference serializer reads it; each path
+        // falls back to the other when the guess was wrong (an emulator's wording, or
+        // another producer creating the schema meanwhile).
+        let (id, status) = if missing.starts_with(SCHEMA_VERSION_NOT_FOUND) {
+            match self.register_version(schema_name, schema).await? {
+                Some(registered) => registered,
+                None => self.create_schema(schema_name, schema).await?,
+            }
+        } else {
+            self.create_schema(schema_name, schema).await?
+        };
+        self.until_available(schema_name, id, status).await
+    }
+}
+
+/// The start of Glue's message when the schema exists but not the definition.
+const SCHEMA_VERSION_NOT_FOUND: &str = "Schema version is not found";
+
+impl GlueRegistry {
+    /// `RegisterSchemaVersion`; `None` when the schema does not exist.
+    async fn register_version(
+        &self,
+        schema_name: &str,
+        schema: &WriterSchema,
+    ) -> Result<Option<(Uuid, Option<SchemaVersionStatus>)>, RegistryError> {
+        use aws_sdk_glue::operation::register_schema_version::RegisterSchemaVersionError as E;
         let out = self
             .client
             .register_schema_version()
             .schema_id(self.schema_id(schema_name))
             .schema_definition(schema.definition.as_ref())
             .send()
-            .await
-            .map_err(unavailable)?;
-        let id = parse_id(out.schema_version_id())?;
-        // A new version is PENDING until Glue has checked its compatibility.
-        let mut status = out.status().cloned();
+            .await;
+        match out {
+            Ok(out) => Ok(Some((
+                parse_id(out.schema_version_id())?,
+                out.status().cloned(),
+            ))),
+            Err(e) => match e.as_service_error() {
+                Some(E::EntityNotFoundException(_)) => Ok(None),
+                Some(E::InvalidInputException(_)) => Err(rejected(e)),
+                _ => Err(unavailable(e)),
+            },
+        }
+    }
+
+    /// `CreateSchema` with the definition as its first version; `None` when the schema
+    /// exists already.
+    async fn create_schema_or_register(
+        &self,
+        schema_name: &str,
+        schema: &WriterSchema,
+    ) -> Result<Option<(Uuid, Option<SchemaVersionStatus>)>, RegistryError> {
+        use aws_sdk_glue::operation::create_schema::CreateSchemaError as E;
+        use aws_sdk_glue::types::DataFormat as Glue;
+        let data_format = match schema.format {
+            DataFormat::Avro => Glue::Avro,
+            DataFormat::JsonSchema => Glue::Json,
+            DataFormat::Protobuf => Glue::Protobuf,
+        };
+        let out = self
+            .client
+            .create_schema()
+            .registry_id(
+                RegistryId::builder()
+                    .registry_name(self.registry_name.as_ref())
+                    .build(),
+            )
+            .schema_name(schema_name)
+            .data_format(data_format)
+            .compatibility(self.compatibility.clone())
+            .set_description(self.description.as_deref().map(str::to_owned))
+            .schema_definition(schema.definition.as_ref())
+            .send()
+            .await;
+        match out {
+            Ok(out) => Ok(Some((
+                parse_id(out.schema_version_id())?,
+                out.schema_version_status().cloned(),
+            ))),
+            Err(e) => match e.as_service_error() {
+                Some(E::AlreadyExistsException(_)) => Ok(None),
+                Some(E::InvalidInputException(_)) => Err(rejected(e)),
+                _ => Err(unavailable(e)),
+            },
+        }
+    }
+
+    /// `CreateSchema`, or `RegisterSchemaVersion` when another producer created it.
+    async fn create_schema(
+        &self,
+        schema_name: &str,
+        schema: &WriterSchema,
+    ) -> Result<(Uuid, Option<SchemaVersionStatus>), RegistryError> {
+        match self.create_schema_or_register(schema_name, schema).await? {
+            Some(created) => Ok(created),
+            None => self
+                .register_version(schema_name, schema)
+                .await?
+                .ok_or_else(|| {
+                    RegistryError::Unavailable("the schema was neither created nor found".into())
+                }),
+        }
+    }
+
+    /// Waits while a new version is `PENDING` (Glue checks its compatibility first).
+    async fn until_available(
+        &self,
+        schema_name: &str,
+        id: Uuid,
+        mut status: Option<SchemaVersionStatus>,
+    ) -> Result<Uuid, RegistryError> {
         for _ in 0..REGISTRATION_CHECKS {
             match status {
                 Some(SchemaVersionStatus::Pending) => {}

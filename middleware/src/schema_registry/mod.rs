@@ -36,7 +36,7 @@ mod registry;
 pub use encoder::{SchemaEncodeError, SchemaRegistryEncoder};
 pub use framing::{Compression, Frame, FramingError};
 #[cfg(feature = "glue")]
-pub use glue::{GlueRegistry, DEFAULT_REGISTRY_NAME};
+pub use glue::{GlueRegistry, DEFAULT_COMPATIBILITY, DEFAULT_REGISTRY_NAME};
 pub use layer::{ResponseFuture, SchemaRegistryDecode, SchemaRegistryLayer, WrongDataFormat};
 pub use registry::{
     CachedRegistry, MemoryRegistry, RegistryError, SchemaRegistry, DEFAULT_CACHE_CAPACITY,

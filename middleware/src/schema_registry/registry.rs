@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use uuid::Uuid;
 
-use crate::codec::WriterSchema;
+use crate::codec::{DataFormat, WriterSchema};
 use crate::BoxError;
 
 /// A schema registry: writer schemas by version id, and version ids by schema name and
@@ -22,10 +22,14 @@ pub trait SchemaRegistry: Send + Sync + 'static {
     /// The schema of version `id` (Glue's `GetSchemaVersion`).
     async fn schema_version(&self, id: Uuid) -> Result<WriterSchema, RegistryError>;
 
-    /// The version id of `schema` under `schema_name` (Glue's `GetSchemaByDefinition`);
-    /// when it is not registered yet and `register` is true, registers it as a new version
-    /// (`RegisterSchemaVersion`), as the reference serializer does with auto-registration
-    /// on. With `register` false an unknown definition is [`RegistryError::NotRegistered`].
+    /// The version id of `schema` under `schema_name` (Glue's `GetSchemaByDefinition`).
+    ///
+    /// When it is not registered yet and `register` is true (auto-registration), it is
+    /// registered as the reference serializer does: as a new version of the schema
+    /// (`RegisterSchemaVersion`) when the schema exists, or by creating the schema with
+    /// the definition's data format and this as its first version (`CreateSchema`) when
+    /// it does not. With `register` false an unknown definition is
+    /// [`RegistryError::NotRegistered`].
     async fn version_id(
         &self,
         schema_name: &str,
@@ -65,8 +69,10 @@ pub enum RegistryError {
         /// The schema name looked up.
         schema_name: String,
     },
-    /// The registry refused a new version of the schema (its compatibility check
-    /// failed). Permanent until the schema or its compatibility setting changes.
+    /// The registry refused to register the definition: its compatibility check failed,
+    /// the definition is not valid in its data format, or (auto-registration) the schema
+    /// exists in another data format. Permanent until the schema, the definition or the
+    /// compatibility setting changes.
     #[error("the registry refused the schema version: {0}")]
     Rejected(String),
     /// The registry refused the call or could not be reached (throttled, access denied,
@@ -104,6 +110,8 @@ pub struct MemoryRegistry {
 struct MemoryState {
     versions: HashMap<Uuid, WriterSchema>,
     by_definition: HashMap<(String, WriterSchema), Uuid>,
+    /// Each schema's data format, set by its first version.
+    schemas: HashMap<String, DataFormat>,
     registered: u64,
 }
 
@@ -127,6 +135,7 @@ impl MemoryRegistry {
             0x8000_0000_0000_0000 | state.registered,
         );
         state.versions.insert(id, key.1.clone());
+        state.schemas.entry(key.0.clone()).or_insert(key.1.format);
         state.by_definition.insert(key, id);
         id
     }
@@ -136,8 +145,18 @@ impl MemoryRegistry {
         let mut state = self.lock();
         state.versions.insert(id, schema.clone());
         state
+            .schemas
+            .entry(schema_name.to_owned())
+            .or_insert(schema.format);
+        state
             .by_definition
             .insert((schema_name.to_owned(), schema), id);
+    }
+
+    /// The data format of the schema named `schema_name`, when the registry has it (set
+    /// by its first version).
+    pub fn data_format(&self, schema_name: &str) -> Option<DataFormat> {
+        self.lock().schemas.get(schema_name).copied()
     }
 
     /// How many versions the registry holds.
@@ -181,13 +200,25 @@ impl SchemaRegistry for MemoryRegistry {
         schema: &WriterSchema,
         register: bool,
     ) -> Result<Uuid, RegistryError> {
-        let found = self
-            .lock()
-            .by_definition
-            .get(&(schema_name.to_owned(), schema.clone()))
-            .copied();
+        let (found, format) = {
+            let state = self.lock();
+            let key = (schema_name.to_owned(), schema.clone());
+            (
+                state.by_definition.get(&key).copied(),
+                state.schemas.get(schema_name).copied(),
+            )
+        };
         match found {
             Some(id) => Ok(id),
+            // A schema has one data format, as in Glue: a definition in another is refused.
+            None if register && format.is_some_and(|f| f != schema.format) => {
+                Err(RegistryError::Rejected(format!(
+                    "schema {schema_name:?} is {:?}, the definition {:?}",
+                    format.unwrap_or(schema.format),
+                    schema.format
+                )))
+            }
+            // Creates the schema when it has none, adds a version otherwise.
             None if register => Ok(self.register(schema_name, schema.clone())),
             None => Err(RegistryError::NotRegistered {
                 schema_name: schema_name.to_owned(),
@@ -333,7 +364,6 @@ impl<R: SchemaRegistry> SchemaRegistry for CachedRegistry<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::DataFormat;
     use std::sync::atomic::AtomicUsize;
 
     fn avro(def: &str) -> WriterSchema {
@@ -400,6 +430,39 @@ mod tests {
             registry.schema_version(unknown).await,
             Err(RegistryError::UnknownVersion(u)) if u == unknown
         ));
+    }
+
+    /// Auto-registration as the reference serializer does it: off, nothing is created;
+    /// on, an unknown schema is created with the definition's data format and a known
+    /// one gets a new version; a definition in another data format is refused.
+    #[tokio::test]
+    async fn auto_registration_creates_missing_schemas_and_adds_versions() {
+        let registry = MemoryRegistry::new();
+        let json = WriterSchema::new(DataFormat::JsonSchema, r#"{"type":"object"}"#);
+        assert!(matches!(
+            registry.version_id("people", &json, false).await,
+            Err(RegistryError::NotRegistered { .. })
+        ));
+        assert_eq!(registry.data_format("people"), None, "not created");
+        let first = registry.version_id("people", &json, true).await.unwrap();
+        assert_eq!(registry.data_format("people"), Some(DataFormat::JsonSchema));
+        let v2 = WriterSchema::new(DataFormat::JsonSchema, r#"{"type":"object","title":"P"}"#);
+        let second = registry.version_id("people", &v2, true).await.unwrap();
+        assert_ne!(first, second, "a new version of the existing schema");
+        assert_eq!(registry.len(), 2);
+        let err = registry
+            .version_id("people", &avro("a"), true)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RegistryError::Rejected(_)), "{err}");
+        assert!(!err.is_transient());
+        assert_eq!(registry.len(), 2, "nothing registered");
+        // A schema of its own may be Avro.
+        registry
+            .version_id("orders", &avro("a"), true)
+            .await
+            .unwrap();
+        assert_eq!(registry.data_format("orders"), Some(DataFormat::Avro));
     }
 
     #[tokio::test]
