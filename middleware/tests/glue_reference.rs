@@ -32,6 +32,7 @@ use shardflow_middleware::codec::{Avro, DataFormat, JsonSchema, Protobuf, Writer
 use shardflow_middleware::dead_letter::DeadLetterRecord;
 use shardflow_middleware::schema_registry::{
     CachedRegistry, Compression, MemoryRegistry, SchemaRegistry, SchemaRegistryEncoder,
+    SchemaRegistryLayer,
 };
 use shardflow_middleware::{BoxError, ServiceBuilderExt};
 use tokio::sync::Notify;
@@ -639,4 +640,88 @@ fn the_independent_reader_refuses_broken_headers() {
     let mut v = good;
     v[1] = ZLIB;
     assert!(reference_read(&v).is_err(), "not a zlib stream");
+}
+
+impl prost::Name for PersonPb {
+    const NAME: &'static str = "Person";
+    const PACKAGE: &'static str = "people";
+}
+
+/// `message Address { string city = 1; }` of `PERSON_PROTO`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct AddressPb {
+    #[prost(string, tag = "1")]
+    city: String,
+}
+
+/// A framed Protobuf record whose message index names another message of the writer's
+/// `.proto` than the one the format decodes into is a schema mismatch when the format
+/// knows its message's name; without the name the same bytes decode into the wrong type
+/// (an `Address`'s city read as a `Person`'s name), which is why the check exists.
+#[tokio::test]
+async fn a_protobuf_message_index_naming_another_message_is_a_schema_mismatch() {
+    use shardflow_middleware::codec::protobuf::message_index;
+    use shardflow_middleware::{DecodeError, DecodeErrorKind};
+    use tower::{Layer, ServiceExt};
+
+    let registry = MemoryRegistry::new();
+    let version = registry.register(
+        "people",
+        WriterSchema::new(DataFormat::Protobuf, PERSON_PROTO),
+    );
+    assert_eq!(
+        message_index(PERSON_PROTO, "people.Address").unwrap(),
+        Some(0)
+    );
+    assert_eq!(
+        message_index(PERSON_PROTO, "people.Person").unwrap(),
+        Some(1)
+    );
+    let frame = |index: u8, message: Vec<u8>| {
+        let mut data = vec![index];
+        data.extend_from_slice(&message);
+        Bytes::from(reference_frame(version, false, &data))
+    };
+    let address = frame(
+        0,
+        prost::Message::encode_to_vec(&AddressPb {
+            city: "Lyon".into(),
+        }),
+    );
+    let ann = PersonPb {
+        name: "Ann".into(),
+        age: 30,
+    };
+    let person = frame(1, prost::Message::encode_to_vec(&ann));
+    let out_of_range = frame(7, prost::Message::encode_to_vec(&ann));
+
+    let decode = |format: Protobuf<PersonPb>, bytes: Bytes| {
+        let svc = SchemaRegistryLayer::new(format, registry.clone()).layer(service_fn(
+            |m: Message<PersonPb>| async move { Ok::<_, BoxError>(m.payload) },
+        ));
+        svc.oneshot(common::message("shardId-000000000000", 1, bytes))
+    };
+    let kind = |err: BoxError| {
+        err.downcast_ref::<DecodeError>()
+            .map(|e| e.kind().clone())
+            .expect("a DecodeError")
+    };
+
+    // Unnamed: the Address decodes as a Person with the city as its name.
+    let wrong = decode(Protobuf::new(), address.clone()).await.unwrap();
+    assert_eq!(wrong.name, "Lyon");
+
+    let named = Protobuf::<PersonPb>::new().named();
+    assert_eq!(decode(named.clone(), person).await.unwrap(), ann);
+    let err = decode(named.clone(), address).await.unwrap_err();
+    assert_eq!(kind(err), DecodeErrorKind::SchemaMismatch);
+    let err = decode(named, out_of_range).await.unwrap_err();
+    let reason = std::error::Error::source(&*err).map(|s| s.to_string());
+    assert!(
+        reason
+            .as_deref()
+            .is_some_and(|s| s.contains("names no message")),
+        "{reason:?}"
+    );
+    assert_eq!(kind(err), DecodeErrorKind::SchemaMismatch);
 }

@@ -9,6 +9,7 @@
 //! [`EncodeRecord`] for a [`ProducerRecord`] and by
 //! [`Output::encode`](crate::produce::Output::encode) for a processor's outputs.
 
+use std::fmt;
 use std::sync::Arc;
 
 use shardflow::ProducerRecord;
@@ -20,6 +21,8 @@ pub mod avro;
 mod json;
 #[cfg(feature = "json-schema")]
 pub mod json_schema;
+#[cfg(feature = "protobuf")]
+mod proto_file;
 #[cfg(feature = "protobuf")]
 pub mod protobuf;
 
@@ -72,7 +75,51 @@ pub trait SchemaFormat<T>: Format<T> {
     /// Decodes a payload written with `writer` (Avro resolves writer → reader schema;
     /// JSON Schema validates against `writer` then deserializes; Protobuf may ignore it).
     fn decode_with_schema(&self, payload: &[u8], writer: &WriterSchema) -> Result<T, Self::Error>;
+
+    /// For Protobuf: checks that message `index` of the writer's `.proto` (the framing's
+    /// message index) is the message this format decodes into. The default checks
+    /// nothing; [`Protobuf`](protobuf::Protobuf) checks when it knows its message's name
+    /// ([`Protobuf::named`](protobuf::Protobuf::named)).
+    fn check_message_index(
+        &self,
+        index: u32,
+        writer: &WriterSchema,
+    ) -> Result<(), MessageIndexMismatch> {
+        let _ = (index, writer);
+        Ok(())
+    }
 }
+
+/// A framed Protobuf record whose message index names another message than the one the
+/// format decodes into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MessageIndexMismatch {
+    /// The record's message index.
+    pub index: u32,
+    /// The message the index names in the writer's `.proto`, when it names one.
+    pub found: Option<String>,
+    /// The message the format decodes into (its full name).
+    pub expected: String,
+}
+
+impl fmt::Display for MessageIndexMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.found {
+            Some(found) => write!(
+                f,
+                "message index {} names {found}, the format decodes {}",
+                self.index, self.expected
+            ),
+            None => write!(
+                f,
+                "message index {} names no message of the writer's schema; the format decodes {}",
+                self.index, self.expected
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MessageIndexMismatch {}
 
 /// The producer side of a format: a typed value to bytes, with the `contentType` it
 /// writes.
@@ -147,15 +194,15 @@ pub(crate) fn essence(content_type: &str) -> String {
 /// A small map of parsed writer schemas keyed by their text, so that a schema named by
 /// every record of a stream is parsed once per process, not per record. Bounded: past
 /// `CACHED_SCHEMAS` distinct schemas it starts over.
-#[cfg(any(feature = "avro", feature = "json-schema"))]
+#[cfg(any(feature = "avro", feature = "json-schema", feature = "protobuf"))]
 pub(crate) struct SchemaCache<S> {
     parsed: std::sync::Mutex<std::collections::HashMap<Arc<str>, Arc<S>>>,
 }
 
-#[cfg(any(feature = "avro", feature = "json-schema"))]
+#[cfg(any(feature = "avro", feature = "json-schema", feature = "protobuf"))]
 const CACHED_SCHEMAS: usize = 64;
 
-#[cfg(any(feature = "avro", feature = "json-schema"))]
+#[cfg(any(feature = "avro", feature = "json-schema", feature = "protobuf"))]
 impl<S> SchemaCache<S> {
     pub(crate) fn new() -> Self {
         SchemaCache {

@@ -3,11 +3,16 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{essence, DataFormat, Encoder, SchemaFormat, WriterSchema};
+use super::{
+    essence, DataFormat, Encoder, MessageIndexMismatch, SchemaCache, SchemaFormat, WriterSchema,
+};
 use crate::decode::Format;
+
+pub use super::proto_file::{message_index, message_names, ProtoFileError};
 
 /// The `contentType`s read as Protobuf: Spring's `application/x-protobuf` (what its
 /// `ProtobufMessageConverter` writes), `application/protobuf` and
@@ -21,11 +26,23 @@ pub const PROTOBUF_CONTENT_TYPES: [&str; 3] = [
 /// Protobuf payloads as the `prost::Message` type `T`; decodes and encodes.
 ///
 /// The wire format carries no schema: the type decides. [`SchemaFormat`] therefore
-/// ignores the writer's `.proto` text (a registry's framing has already picked the
-/// message). An optional [`writer_schema`](Protobuf::with_writer_schema) is what the
-/// encoder hands a registry.
+/// reads the payload as `T` whatever the writer's `.proto` says. An optional
+/// [`writer_schema`](Protobuf::with_writer_schema) is what the encoder hands a registry.
+///
+/// # The message index
+///
+/// A framed record's message index says which message of the writer's `.proto` it holds.
+/// Protobuf's wire format does not: bytes of another message often decode as `T`, with
+/// wrong or missing fields. Given `T`'s full name ([`named`](Protobuf::named) for a type
+/// with `prost::Name`, [`with_message_name`](Protobuf::with_message_name) otherwise), the
+/// format checks the index against the message names of the writer's `.proto`
+/// ([`message_names`]) and refuses a record of another message as a schema mismatch.
+/// The check compares names, not fields: a `T` generated from another file that reuses
+/// the name passes. A writer's `.proto` that does not parse is not checked.
 pub struct Protobuf<T> {
     schema: Option<WriterSchema>,
+    message_name: Option<Arc<str>>,
+    names: Arc<SchemaCache<Option<Vec<String>>>>,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -34,13 +51,31 @@ impl<T> Protobuf<T> {
     pub fn new() -> Self {
         Protobuf {
             schema: None,
+            message_name: None,
+            names: Arc::new(SchemaCache::new()),
             _message: PhantomData,
         }
     }
 
+    /// Checks framed records' message index against `T`'s full name from `prost::Name`
+    /// (`package.Message`; prost-build writes it with `enable_type_names`).
+    pub fn named(self) -> Self
+    where
+        T: prost::Name,
+    {
+        self.with_message_name(T::full_name())
+    }
+
+    /// Checks framed records' message index against `full_name`, the full name
+    /// (`package.Message`, `package.Outer.Inner`) of the message `T` was generated from.
+    pub fn with_message_name(mut self, full_name: impl Into<Arc<str>>) -> Self {
+        self.message_name = Some(full_name.into());
+        self
+    }
+
     /// The `.proto` text `T` was generated from, returned by
     /// [`Encoder::writer_schema`] for a registry.
-    pub fn with_writer_schema(mut self, proto: impl Into<std::sync::Arc<str>>) -> Self {
+    pub fn with_writer_schema(mut self, proto: impl Into<Arc<str>>) -> Self {
         self.schema = Some(WriterSchema::new(DataFormat::Protobuf, proto));
         self
     }
@@ -56,6 +91,8 @@ impl<T> Clone for Protobuf<T> {
     fn clone(&self) -> Self {
         Protobuf {
             schema: self.schema.clone(),
+            message_name: self.message_name.clone(),
+            names: self.names.clone(),
             _message: PhantomData,
         }
     }
@@ -65,6 +102,7 @@ impl<T> fmt::Debug for Protobuf<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Protobuf")
             .field("message", &std::any::type_name::<T>())
+            .field("message_name", &self.message_name)
             .finish()
     }
 }
@@ -102,6 +140,34 @@ impl<T: prost::Message + Default> SchemaFormat<T> for Protobuf<T> {
         _writer: &WriterSchema,
     ) -> Result<T, ProtobufError> {
         T::decode(payload).map_err(ProtobufError)
+    }
+
+    fn check_message_index(
+        &self,
+        index: u32,
+        writer: &WriterSchema,
+    ) -> Result<(), MessageIndexMismatch> {
+        let Some(expected) = &self.message_name else {
+            return Ok(());
+        };
+        let parsed = self
+            .names
+            .get_or_parse(&writer.definition, |proto| {
+                Ok::<_, std::convert::Infallible>(message_names(proto).ok())
+            })
+            .unwrap_or_else(|never| match never {});
+        let Some(names) = parsed.as_ref() else {
+            return Ok(());
+        };
+        let found = usize::try_from(index).ok().and_then(|i| names.get(i));
+        if found.is_some_and(|name| **name == **expected) {
+            return Ok(());
+        }
+        Err(MessageIndexMismatch {
+            index,
+            found: found.cloned(),
+            expected: expected.to_string(),
+        })
     }
 }
 

@@ -168,7 +168,13 @@ where
     }
     let body = if writer.format == DataFormat::Protobuf {
         match framing::read_message_index(&frame.payload) {
-            Ok((_index, body)) => body,
+            Ok((index, body)) => {
+                if let Err(e) = format.check_message_index(index, &writer) {
+                    let kind = DecodeErrorKind::SchemaMismatch;
+                    return Err(failed(format.name(), message, kind, Some(Box::new(e))));
+                }
+                body
+            }
             Err(e) => {
                 let kind = DecodeErrorKind::InvalidFraming;
                 return Err(failed(format.name(), message, kind, Some(Box::new(e))));
