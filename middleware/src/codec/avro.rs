@@ -47,7 +47,7 @@ pub struct Avro<T> {
     writer_text: Arc<str>,
     single_object_header: Arc<[u8]>,
     content_type: Arc<str>,
-    parsed: Arc<SchemaCache<Schema>>,
+    parsed: Arc<SchemaCache<ParsedWriter>>,
     _payload: PhantomData<fn() -> T>,
 }
 
@@ -132,6 +132,12 @@ impl<T> Avro<T> {
     }
 }
 
+/// A writer schema from a registry, parsed, and whether it is the reader's own.
+struct ParsedWriter {
+    schema: Schema,
+    same_as_reader: bool,
+}
+
 impl<T> Clone for Avro<T> {
     fn clone(&self) -> Self {
         Avro {
@@ -186,10 +192,21 @@ impl<T: DeserializeOwned> SchemaFormat<T> for Avro<T> {
     }
 
     fn decode_with_schema(&self, payload: &[u8], writer: &WriterSchema) -> Result<T, AvroError> {
-        let schema = self.parsed.get_or_parse(&writer.definition, |text| {
-            Schema::parse_str(text).map_err(AvroError::schema)
+        let parsed = self.parsed.get_or_parse(&writer.definition, |text| {
+            let schema = Schema::parse_str(text).map_err(AvroError::schema)?;
+            // Once per writer schema: the same schema as the reader's needs no resolution.
+            let same_as_reader = schema.canonical_form() == self.reader.canonical_form();
+            Ok(ParsedWriter {
+                schema,
+                same_as_reader,
+            })
         })?;
-        self.decode_value(payload, &schema)
+        let schema = if parsed.same_as_reader {
+            &*self.reader
+        } else {
+            &parsed.schema
+        };
+        self.decode_value(payload, schema)
     }
 }
 
