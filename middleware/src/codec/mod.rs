@@ -78,8 +78,8 @@ pub trait SchemaFormat<T>: Format<T> {
 
     /// For Protobuf: checks that message `index` of the writer's `.proto` (the framing's
     /// message index) is the message this format decodes into. The default checks
-    /// nothing; [`Protobuf`](protobuf::Protobuf) checks when it knows its message's name
-    /// ([`Protobuf::named`](protobuf::Protobuf::named)).
+    /// nothing; [`Protobuf`] checks when it knows its message's name
+    /// ([`Protobuf::named`]).
     fn check_message_index(
         &self,
         index: u32,
