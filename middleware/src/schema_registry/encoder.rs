@@ -68,8 +68,10 @@ impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
         }
     }
 
-    /// Registers the writer schema as a new version when the registry does not have it
-    /// (off by default: an unknown schema is [`RegistryError::NotRegistered`]).
+    /// Registers the writer schema when the registry does not have it, as the reference
+    /// serializer does: a new version of the schema, or a new schema with it as its first
+    /// version when none has the name (off by default: an unknown definition is
+    /// [`RegistryError::NotRegistered`]). See [`SchemaRegistry::version_id`].
     pub fn auto_register(mut self, on: bool) -> Self {
         self.register = on;
         self
@@ -83,7 +85,9 @@ impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
 
     /// For Protobuf: the index of the message type in the writer schema's `.proto` file
     /// (all messages, nested ones included, sorted by full name; 0 by default, right for
-    /// a file with one message). See [`framing::read_message_index`].
+    /// a file with one message). See [`framing::read_message_index`];
+    /// `codec::protobuf::message_index` computes it from the `.proto` text and the
+    /// message's full name.
     pub fn message_index(mut self, index: u32) -> Self {
         self.message_index = index;
         self
