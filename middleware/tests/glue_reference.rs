@@ -585,8 +585,11 @@ async fn what_the_encoder_writes_the_reference_layout_reads() {
         assert_eq!(value, vector, "the vector's document");
     }
 
-    // Protobuf: message index 1 (`people.Address` 0, `people.Person` 1), then the message.
-    let pb = Protobuf::<PersonPb>::new().with_writer_schema(PERSON_PROTO);
+    // Protobuf: message index 1 (`people.Address` 0, `people.Person` 1), then the message;
+    // the index derived from the message's name.
+    let pb = Protobuf::<PersonPb>::new()
+        .with_writer_schema(PERSON_PROTO)
+        .named();
     let ann = PersonPb {
         name: "Ann".into(),
         age: 30,
@@ -594,7 +597,6 @@ async fn what_the_encoder_writes_the_reference_layout_reads() {
     for compression in [Compression::None, Compression::Zlib] {
         let encoder = SchemaRegistryEncoder::new(pb.clone(), cache.clone(), "Person-Proto")
             .auto_register(true)
-            .message_index(1)
             .compression(compression);
         let framed = encoder.encode(&ann).await.unwrap();
         let read = reference_read(&framed).unwrap();
@@ -724,4 +726,38 @@ async fn a_protobuf_message_index_naming_another_message_is_a_schema_mismatch() 
         "{reason:?}"
     );
     assert_eq!(kind(err), DecodeErrorKind::SchemaMismatch);
+}
+
+/// The encoder derives the message index from the message's name; a message the writer's
+/// `.proto` does not declare is refused before anything is written.
+#[tokio::test]
+async fn the_encoder_refuses_a_message_its_proto_does_not_declare() {
+    use shardflow_middleware::schema_registry::SchemaEncodeError;
+    let cache = CachedRegistry::new(MemoryRegistry::new());
+    let ann = PersonPb {
+        name: "Ann".into(),
+        age: 30,
+    };
+    let stray = Protobuf::<PersonPb>::new()
+        .with_writer_schema(PERSON_PROTO)
+        .with_message_name("people.Customer");
+    let encoder = SchemaRegistryEncoder::new(stray, cache.clone(), "people").auto_register(true);
+    let err = encoder.encode(&ann).await.unwrap_err();
+    assert!(
+        matches!(&err, SchemaEncodeError::MessageNotInSchema { message } if message == "people.Customer"),
+        "{err}"
+    );
+    // An explicit index wins over the name.
+    let pinned = SchemaRegistryEncoder::new(
+        Protobuf::<PersonPb>::new()
+            .with_writer_schema(PERSON_PROTO)
+            .with_message_name("people.Customer"),
+        cache,
+        "people",
+    )
+    .auto_register(true)
+    .message_index(1);
+    let framed = pinned.encode(&ann).await.unwrap();
+    let read = reference_read(&framed).unwrap();
+    assert_eq!(reference_message_index(&read.data).unwrap().0, 1);
 }

@@ -138,6 +138,13 @@ pub trait Encoder<T> {
     fn writer_schema(&self) -> Option<WriterSchema> {
         None
     }
+
+    /// For Protobuf: the full name (`package.Message`) of the message the encoder
+    /// writes, from which a schema registry's framing derives its message index. `None`
+    /// by default.
+    fn message_name(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// A [`ProducerRecord`] from a typed value: the encoder's bytes as the payload and its

@@ -186,6 +186,10 @@ impl<T: prost::Message> Encoder<T> for Protobuf<T> {
     fn writer_schema(&self) -> Option<WriterSchema> {
         self.schema.clone()
     }
+
+    fn message_name(&self) -> Option<&str> {
+        self.message_name.as_deref()
+    }
 }
 
 /// Why a payload is not a valid Protobuf encoding of the message (prost's description:

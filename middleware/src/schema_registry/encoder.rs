@@ -25,7 +25,11 @@ pub struct SchemaRegistryEncoder<E, R> {
     schema_name: Arc<str>,
     register: bool,
     compression: Compression,
-    message_index: u32,
+    /// Set by [`SchemaRegistryEncoder::message_index`]; otherwise derived from the
+    /// encoder's message name, or 0.
+    message_index: Option<u32>,
+    /// The index derived from the message name, with the `.proto` it was derived from.
+    derived: std::sync::OnceLock<(Arc<str>, u32)>,
 }
 
 /// Why a value could not be encoded and framed.
@@ -45,6 +49,14 @@ pub enum SchemaEncodeError {
     /// Compression failed.
     #[error("the payload could not be framed")]
     Framing(#[source] FramingError),
+    /// The encoder's Protobuf message ([`Encoder::message_name`]) is not declared in its
+    /// writer schema's `.proto` (or the `.proto` text could not be read), so no message
+    /// index says which message the record holds.
+    #[error("message {message:?} is not declared in the writer schema's .proto")]
+    MessageNotInSchema {
+        /// The message's full name.
+        message: String,
+    },
 }
 
 impl SchemaEncodeError {
@@ -64,7 +76,8 @@ impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
             schema_name: schema_name.into(),
             register: false,
             compression: Compression::None,
-            message_index: 0,
+            message_index: None,
+            derived: std::sync::OnceLock::new(),
         }
     }
 
@@ -85,11 +98,13 @@ impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
 
     /// For Protobuf: the index of the message type in the writer schema's `.proto` file
     /// (all messages, nested ones included, sorted by full name; 0 by default, right for
-    /// a file with one message). See [`framing::read_message_index`];
-    /// `codec::protobuf::message_index` computes it from the `.proto` text and the
-    /// message's full name.
+    /// a file with one message). See [`framing::read_message_index`].
+    ///
+    /// Without it, an encoder that names its message ([`Encoder::message_name`]:
+    /// `Protobuf::named`, `Protobuf::with_message_name`) gets the index from the writer
+    /// schema's `.proto` (`codec::protobuf::message_index`, once per encoder).
     pub fn message_index(mut self, index: u32) -> Self {
-        self.message_index = index;
+        self.message_index = Some(index);
         self
     }
 
@@ -117,12 +132,47 @@ impl<E, R: SchemaRegistry> SchemaRegistryEncoder<E, R> {
             .await
             .map_err(SchemaEncodeError::Registry)?;
         let framed = if schema.format == DataFormat::Protobuf {
-            let indexed = framing::write_message_index(self.message_index, &payload);
+            let index = match (
+                self.message_index,
+                Encoder::<T>::message_name(&self.encoder),
+            ) {
+                (Some(index), _) => index,
+                (None, Some(name)) => self.derived_index(&schema.definition, name)?,
+                (None, None) => 0,
+            };
+            let indexed = framing::write_message_index(index, &payload);
             framing::write(id, self.compression, &indexed)
         } else {
             framing::write(id, self.compression, &payload)
         };
         framed.map_err(SchemaEncodeError::Framing)
+    }
+
+    /// The message index of `name` in `proto`, computed once per encoder (again only if
+    /// the encoder's writer schema changes).
+    fn derived_index(&self, proto: &Arc<str>, name: &str) -> Result<u32, SchemaEncodeError> {
+        if let Some((cached, index)) = self.derived.get() {
+            if cached == proto {
+                return Ok(*index);
+            }
+        }
+        let not_declared = || SchemaEncodeError::MessageNotInSchema {
+            message: name.to_owned(),
+        };
+        #[cfg(feature = "protobuf")]
+        {
+            let index = crate::codec::protobuf::message_index(proto, name)
+                .ok()
+                .flatten()
+                .ok_or_else(not_declared)?;
+            let _ = self.derived.set((proto.clone(), index));
+            Ok(index)
+        }
+        #[cfg(not(feature = "protobuf"))]
+        {
+            // Without the Protobuf codec there is no `.proto` reader.
+            Err(not_declared())
+        }
     }
 }
 
