@@ -463,3 +463,172 @@ fn hostile_bytes_never_panic_a_decoder() {
         let _ = Format::<Order>::decode(&Json, &bytes);
     }
 }
+
+/// A reading whose Avro encoding starts with the framing's version byte when `delta` is
+/// -2 (zig-zag long -2 is 0x03), and with a valid compression byte when `flags` is 0
+/// (0x00) or -3 (0x05).
+#[derive(
+    Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+)]
+struct Reading {
+    delta: i64,
+    flags: i64,
+    note: String,
+}
+
+/// Plain Avro records labelled `application/avro` (as Spring writes them) that look like
+/// the registry's framing (18 bytes or more, first byte 0x03) are decoded as what was
+/// sent by the registry layer, not unframed into a lookup of a made-up schema version or
+/// a framing error.
+#[tokio::test]
+async fn labelled_plain_avro_that_looks_framed_is_read_as_it_was_sent() {
+    use shardflow_middleware::schema_registry::{framing, MemoryRegistry, SchemaRegistryLayer};
+
+    let layer = SchemaRegistryLayer::<Reading, _, _>::new(
+        Avro::<Reading>::new(),
+        MemoryRegistry::new(),
+    );
+    for (flags, header) in [(0, "no compression"), (-3, "zlib"), (1, "unknown")] {
+        let sent = Reading {
+            delta: -2,
+            flags,
+            note: "north-gate-sensor-17".into(),
+        };
+        let bytes = Encoder::<Reading>::encode(&Avro::<Reading>::new(), &sent).unwrap();
+        assert!(framing::is_framed(&bytes), "{header}: looks framed");
+        let svc = layer
+            .clone()
+            .layer(service_fn(|m: Message<Reading>| async move {
+                Ok::<_, Infallible>(m.payload)
+            }));
+        let msg = message("shardId-0", 1, bytes).with_header(CONTENT_TYPE, "application/avro");
+        let got = svc
+            .oneshot(msg)
+            .await
+            .unwrap_or_else(|e| panic!("{header}: {e}"));
+        assert_eq!(got, sent, "{header}");
+    }
+}
+
+/// Zig-zag varint, Avro's encoding of a long.
+fn avro_long(n: i64) -> Vec<u8> {
+    let mut v = ((n << 1) ^ (n >> 63)) as u64;
+    let mut out = Vec::new();
+    while v >= 0x80 {
+        out.push((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+    out
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Bag {
+    #[allow(dead_code)]
+    counts: std::collections::HashMap<String, i64>,
+}
+
+/// Ten-byte Avro payloads claiming 2^29 - 1 map entries, array items or string bytes are
+/// refused with a typed error before anything is allocated for them (the decoder
+/// reserves what the count claims: about 80 GB for the map, which aborts the process).
+#[test]
+fn avro_counts_and_lengths_past_the_payload_are_refused_before_allocating() {
+    let claim = (1i64 << 29) - 1;
+    let padded = |mut v: Vec<u8>| {
+        v.extend_from_slice(&[0x02, b'a', 0x02, 0x02, b'b']);
+        v.truncate(10);
+        v
+    };
+    let map = Avro::<Bag>::with_schema(
+        apache_avro::Schema::parse_str(
+            r#"{"type":"record","name":"Bag","fields":[{"name":"counts","type":{"type":"map","values":"long"}}]}"#,
+        )
+        .unwrap(),
+    );
+    let payload = Bytes::from(padded(avro_long(claim)));
+    assert_eq!(payload.len(), 10);
+    let err = Format::<Bag>::decode(&map, &payload).unwrap_err();
+    assert!(matches!(err, AvroError::TooManyItems), "{err:?}");
+    assert_eq!(err.kind(), DecodeErrorKind::InvalidPayload);
+
+    let longs = Avro::<Vec<i64>>::with_schema(
+        apache_avro::Schema::parse_str(r#"{"type":"array","items":"long"}"#).unwrap(),
+    );
+    let err = Format::<Vec<i64>>::decode(&longs, &payload).unwrap_err();
+    assert!(matches!(err, AvroError::TooManyItems), "{err:?}");
+
+    let text = Avro::<String>::with_schema(apache_avro::Schema::String);
+    let err = Format::<String>::decode(&text, &payload).unwrap_err();
+    assert!(matches!(err, AvroError::Truncated), "{err:?}");
+
+    // Items of no width (nulls) take no bytes: a bounded number more than the payload
+    // has bytes.
+    let nulls = Avro::<Vec<()>>::with_schema(
+        apache_avro::Schema::parse_str(r#"{"type":"array","items":"null"}"#).unwrap(),
+    );
+    let err = Format::<Vec<()>>::decode(&nulls, &payload).unwrap_err();
+    assert!(matches!(err, AvroError::TooManyItems), "{err:?}");
+    // A real one decodes, through the registry's path too.
+    let thousand: Vec<u8> = [avro_long(1000), vec![0]].concat();
+    assert_eq!(
+        Format::<Vec<()>>::decode(&nulls, &Bytes::from(thousand.clone())).unwrap(),
+        vec![(); 1000]
+    );
+    let writer = WriterSchema::new(
+        shardflow_middleware::DataFormat::Avro,
+        r#"{"type":"array","items":"null"}"#,
+    );
+    assert_eq!(
+        nulls.decode_with_schema(&thousand, &writer).unwrap().len(),
+        1000
+    );
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Node {
+    next: Option<Box<Node>>,
+}
+
+const NODE_SCHEMA: &str =
+    r#"{"type":"record","name":"Node","fields":[{"name":"next","type":["null","Node"]}]}"#;
+
+/// A recursive schema and a payload of one byte per level (union branch 1, "another
+/// node"): 100,000 levels in 100 KB are refused with a typed error instead of
+/// overflowing the stack of the thread decoding them (2 MiB, a tokio worker's), which
+/// aborts the process (in a debug build a list of 30 nodes already does). A list of
+/// 16 nodes, at the limit, still decodes.
+#[test]
+fn avro_values_nested_past_the_limit_are_refused_not_a_stack_overflow() {
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(|| {
+            let format =
+                Avro::<Node>::with_schema(apache_avro::Schema::parse_str(NODE_SCHEMA).unwrap());
+            let writer = WriterSchema::new(shardflow_middleware::DataFormat::Avro, NODE_SCHEMA);
+            let list = |levels: usize| {
+                let mut v = vec![0x02; levels];
+                v.push(0x00);
+                v
+            };
+            let deep = list(100_000);
+            let err = Format::<Node>::decode(&format, &Bytes::from(deep.clone())).unwrap_err();
+            assert!(matches!(err, AvroError::TooDeep), "{err:?}");
+            let err = format.decode_with_schema(&deep, &writer).unwrap_err();
+            assert!(matches!(err, AvroError::TooDeep), "{err:?}");
+
+            // At the limit: 16 nodes (a record and a union each) decode, 17 do not.
+            let mut node = Format::<Node>::decode(&format, &Bytes::from(list(15))).unwrap();
+            let mut length = 1;
+            while let Some(next) = node.next {
+                node = *next;
+                length += 1;
+            }
+            assert_eq!(length, 16);
+            let err = Format::<Node>::decode(&format, &Bytes::from(list(16))).unwrap_err();
+            assert!(matches!(err, AvroError::TooDeep), "{err:?}");
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+

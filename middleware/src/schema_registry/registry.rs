@@ -200,6 +200,13 @@ impl SchemaRegistry for MemoryRegistry {
 pub const DEFAULT_CACHE_CAPACITY: usize = 1_000;
 /// The default deadline of one registry call through a [`CachedRegistry`].
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a [`CachedRegistry`] leaves the registry alone after a transient failure
+/// (the first time; the pause doubles while failures go on, up to
+/// [`MAX_OUTAGE_PAUSE`]).
+pub const MIN_OUTAGE_PAUSE: Duration = Duration::from_secs(1);
+/// The longest pause of a [`CachedRegistry`] between calls to a registry that keeps
+/// failing.
+pub const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(10);
 
 /// A registry behind two bounded caches (versions by id, ids by name and definition),
 /// each call under a deadline.
@@ -207,9 +214,13 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A version is fetched once per cache (concurrent misses of one id make one call), so
 /// share one `CachedRegistry` (it is `Clone`, and the layer's clones share theirs) for
 /// once-per-process lookups. Only answers are cached, never errors: a version that was
-/// unknown or a registry that was down is asked again next time. Schema versions never
-/// change in Glue, so entries do not expire; the least recently used go when the cache
-/// is full.
+/// unknown is asked again next time. A registry that failed transiently (unavailable,
+/// timed out) is not hammered: for a pause after the failure ([`MIN_OUTAGE_PAUSE`],
+/// doubling while failures go on, up to [`MAX_OUTAGE_PAUSE`]; reset by an answer) every
+/// lookup that would call it fails at once with [`RegistryError::Unavailable`], so the
+/// records waiting on one version during an outage make one call, not one each. Schema
+/// versions never change in Glue, so entries do not expire; the least recently used go
+/// when the cache is full.
 ///
 /// Every lookup is counted in [`metrics::SCHEMA_LOOKUPS`](crate::metrics::SCHEMA_LOOKUPS),
 /// and as a hit or a miss.
@@ -222,6 +233,13 @@ struct Cached<R> {
     versions: quick_cache::sync::Cache<Uuid, WriterSchema>,
     ids: quick_cache::sync::Cache<(Arc<str>, WriterSchema), Uuid>,
     timeout: Duration,
+    outage: Mutex<Outage>,
+}
+
+/// The registry's last transient failure: no call before `until`.
+struct Outage {
+    until: Option<tokio::time::Instant>,
+    pauses: shardflow::backoff::Backoff,
 }
 
 impl<R> Clone for CachedRegistry<R> {
@@ -258,6 +276,11 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
                 versions: quick_cache::sync::Cache::new(capacity),
                 ids: quick_cache::sync::Cache::new(capacity),
                 timeout,
+                outage: Mutex::new(Outage {
+                    until: None,
+                    pauses: shardflow::backoff::Backoff::new(MIN_OUTAGE_PAUSE, MAX_OUTAGE_PAUSE, 0)
+                        .without_jitter(),
+                }),
             }),
         }
     }
@@ -267,14 +290,45 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
         &self.shared.inner
     }
 
+    /// Calls the registry under the deadline, unless it failed transiently less than a
+    /// pause ago.
     async fn bounded<T>(
         &self,
         call: impl Future<Output = Result<T, RegistryError>>,
     ) -> Result<T, RegistryError> {
-        match tokio::time::timeout(self.shared.timeout, call).await {
+        if let Some(until) = self.outage().until {
+            let now = tokio::time::Instant::now();
+            if now < until {
+                return Err(RegistryError::Unavailable(
+                    format!(
+                        "the registry failed {:?} ago or less and is left alone until then",
+                        until - now
+                    )
+                    .into(),
+                ));
+            }
+        }
+        let answer = match tokio::time::timeout(self.shared.timeout, call).await {
             Ok(answer) => answer,
             Err(_) => Err(RegistryError::TimedOut(self.shared.timeout)),
+        };
+        let mut outage = self.outage();
+        match &answer {
+            Err(e) if e.is_transient() => {
+                let pause = outage.pauses.next_delay();
+                outage.until = Some(tokio::time::Instant::now() + pause);
+            }
+            _ => {
+                outage.until = None;
+                outage.pauses.reset();
+            }
         }
+        answer
+    }
+
+    fn outage(&self) -> std::sync::MutexGuard<'_, Outage> {
+        // Two plain assignments under the lock: a poisoned lock still holds a valid state.
+        self.shared.outage.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -402,7 +456,7 @@ mod tests {
         ));
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn cache_asks_once_per_version_and_never_caches_errors() {
         let memory = MemoryRegistry::new();
         let id = memory.register("orders", avro("a"));
@@ -413,6 +467,8 @@ mod tests {
         });
         let err = cached.schema_version(id).await.unwrap_err();
         assert!(err.is_transient());
+        // Asked again once the pause after the failure is over.
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
         for _ in 0..100 {
             assert_eq!(cached.schema_version(id).await.unwrap(), avro("a"));
         }
@@ -429,6 +485,79 @@ mod tests {
             4,
             "unknown asked again"
         );
+    }
+
+    /// A registry that answers after `delay`, with an outage while `down` is set.
+    struct Slow {
+        inner: MemoryRegistry,
+        calls: AtomicUsize,
+        down: AtomicBool,
+        delay: Duration,
+    }
+
+    #[async_trait]
+    impl SchemaRegistry for Slow {
+        async fn schema_version(&self, id: Uuid) -> Result<WriterSchema, RegistryError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.delay).await;
+            if self.down.load(Ordering::SeqCst) {
+                return Err(RegistryError::Unavailable("ThrottlingException".into()));
+            }
+            self.inner.schema_version(id).await
+        }
+        async fn version_id(
+            &self,
+            n: &str,
+            s: &WriterSchema,
+            r: bool,
+        ) -> Result<Uuid, RegistryError> {
+            self.inner.version_id(n, s, r).await
+        }
+    }
+
+    /// Many records waiting on one version while the registry is down make one call, not
+    /// one each; lookups of other versions do not call it either until the pause is over;
+    /// the pause doubles while the outage goes on and an answer ends it.
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_is_one_call_for_all_waiters_then_backs_off() {
+        let memory = MemoryRegistry::new();
+        let a = memory.register("orders", avro("a"));
+        let b = memory.register("orders", avro("b"));
+        let cached = CachedRegistry::new(Slow {
+            inner: memory,
+            calls: AtomicUsize::new(0),
+            down: AtomicBool::new(true),
+            delay: Duration::from_millis(100),
+        });
+        let calls = |c: &CachedRegistry<Slow>| c.get_ref().calls.load(Ordering::SeqCst);
+        let waiters: Vec<_> = (0..20)
+            .map(|_| {
+                let cached = cached.clone();
+                tokio::spawn(async move { cached.schema_version(a).await })
+            })
+            .collect();
+        for waiter in waiters {
+            let err = waiter.await.unwrap().unwrap_err();
+            assert!(err.is_transient(), "{err}");
+        }
+        assert_eq!(calls(&cached), 1, "20 waiters, one call");
+        assert!(cached.schema_version(b).await.unwrap_err().is_transient());
+        assert_eq!(calls(&cached), 1, "left alone during the pause");
+
+        // The pause is over: asked again, still down; the next pause is twice as long.
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert!(cached.schema_version(a).await.is_err());
+        assert_eq!(calls(&cached), 2);
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert!(cached.schema_version(a).await.is_err());
+        assert_eq!(calls(&cached), 2, "the second pause is longer");
+
+        // Back up: answered, cached, and a later failure starts from the short pause.
+        cached.get_ref().down.store(false, Ordering::SeqCst);
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
+        assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
+        assert_eq!(calls(&cached), 3);
     }
 
     /// The hit rate's three counters, in the recorder the consumer's metrics use.

@@ -257,7 +257,7 @@ async fn broken_framing_and_unknown_versions_are_typed_and_dead_lettered() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_registry_outage_is_transient_and_never_dead_lettered() {
     let registry = Flaky::default();
     let id = registry
@@ -287,8 +287,10 @@ async fn a_registry_outage_is_transient_and_never_dead_lettered() {
     assert!(err.to_string().contains("registry"), "{err}");
     assert_eq!(sunk.load(Ordering::SeqCst), 0, "not dead-lettered");
 
-    // Delivered again once the registry is back: decoded, the failure was not cached.
+    // Delivered again once the registry is back (and the pause after its failure is
+    // over): decoded, the failure was not cached.
     registry.down.store(false, Ordering::SeqCst);
+    tokio::time::advance(MIN_OUTAGE_PAUSE).await;
     svc.oneshot(msg).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), ["later"]);
     assert_eq!(sunk.load(Ordering::SeqCst), 0);
