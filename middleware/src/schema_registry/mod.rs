@@ -43,7 +43,7 @@ pub use glue::{GlueRegistry, DEFAULT_REGISTRY_NAME};
 pub use layer::{ResponseFuture, SchemaRegistryDecode, SchemaRegistryLayer, WrongDataFormat};
 pub use registry::{
     CachedRegistry, MemoryRegistry, RegistryError, SchemaRegistry, DEFAULT_CACHE_CAPACITY,
-    DEFAULT_CALL_TIMEOUT, MAX_OUTAGE_PAUSE, MIN_OUTAGE_PAUSE,
+    DEFAULT_CALL_TIMEOUT, MAX_OUTAGE_PAUSE, MIN_OUTAGE_PAUSE, UNKNOWN_VERSION_TTL,
 };
 
 #[cfg(test)]

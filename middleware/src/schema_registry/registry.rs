@@ -207,14 +207,18 @@ pub const MIN_OUTAGE_PAUSE: Duration = Duration::from_secs(1);
 /// The longest pause of a [`CachedRegistry`] between calls to a registry that keeps
 /// failing.
 pub const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(10);
+/// How long a [`CachedRegistry`] remembers that a version id is unknown to the registry.
+pub const UNKNOWN_VERSION_TTL: Duration = Duration::from_secs(1);
 
 /// A registry behind two bounded caches (versions by id, ids by name and definition),
 /// each call under a deadline.
 ///
 /// A version is fetched once per cache (concurrent misses of one id make one call), so
 /// share one `CachedRegistry` (it is `Clone`, and the layer's clones share theirs) for
-/// once-per-process lookups. Only answers are cached, never errors: a version that was
-/// unknown is asked again next time. A registry that failed transiently (unavailable,
+/// once-per-process lookups. Answers are cached; a version id the registry does not know
+/// is remembered for [`UNKNOWN_VERSION_TTL`] only (so that the records waiting on it, and
+/// those naming it in the next moment, make one call, and a version registered late is
+/// still found). A registry that failed transiently (unavailable,
 /// timed out) is not hammered: for a pause after the failure ([`MIN_OUTAGE_PAUSE`],
 /// doubling while failures go on, up to [`MAX_OUTAGE_PAUSE`]; reset by an answer) every
 /// lookup that would call it fails at once with [`RegistryError::Unavailable`], so the
@@ -232,6 +236,8 @@ struct Cached<R> {
     inner: R,
     versions: quick_cache::sync::Cache<Uuid, WriterSchema>,
     ids: quick_cache::sync::Cache<(Arc<str>, WriterSchema), Uuid>,
+    /// Version ids the registry said it does not know, and when.
+    unknown: quick_cache::sync::Cache<Uuid, tokio::time::Instant>,
     timeout: Duration,
     outage: Mutex<Outage>,
 }
@@ -275,6 +281,7 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
                 inner,
                 versions: quick_cache::sync::Cache::new(capacity),
                 ids: quick_cache::sync::Cache::new(capacity),
+                unknown: quick_cache::sync::Cache::new(capacity),
                 timeout,
                 outage: Mutex::new(Outage {
                     until: None,
@@ -350,7 +357,17 @@ impl<R: SchemaRegistry> SchemaRegistry for CachedRegistry<R> {
             .versions
             .get_or_insert_async(&id, async {
                 missed.store(true, Ordering::Relaxed);
-                self.bounded(self.shared.inner.schema_version(id)).await
+                let unknown = &self.shared.unknown;
+                if let Some(since) = unknown.get(&id) {
+                    if since.elapsed() < UNKNOWN_VERSION_TTL {
+                        return Err(RegistryError::UnknownVersion(id));
+                    }
+                }
+                let answer = self.bounded(self.shared.inner.schema_version(id)).await;
+                if let Err(RegistryError::UnknownVersion(_)) = &answer {
+                    unknown.insert(id, tokio::time::Instant::now());
+                }
+                answer
             })
             .await;
         count(missed.load(Ordering::Relaxed));
@@ -480,10 +497,13 @@ mod tests {
         let unknown = Uuid::from_u128(1);
         assert!(cached.schema_version(unknown).await.is_err());
         assert!(cached.schema_version(unknown).await.is_err());
+        assert_eq!(cached.get_ref().calls.load(Ordering::SeqCst), 3);
+        tokio::time::advance(UNKNOWN_VERSION_TTL).await;
+        assert!(cached.schema_version(unknown).await.is_err());
         assert_eq!(
             cached.get_ref().calls.load(Ordering::SeqCst),
             4,
-            "unknown asked again"
+            "unknown asked again after a while"
         );
     }
 
@@ -558,6 +578,54 @@ mod tests {
         assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
         assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
         assert_eq!(calls(&cached), 3);
+    }
+
+    /// Records naming a version the registry does not know (a deleted one), handled at the
+    /// same time, make one call, not one each; the version is asked again a while later
+    /// and found if it was registered since.
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_lookups_of_a_missing_version_make_one_call() {
+        let memory = MemoryRegistry::new();
+        let cached = CachedRegistry::new(Slow {
+            inner: memory.clone(),
+            calls: AtomicUsize::new(0),
+            down: AtomicBool::new(false),
+            delay: Duration::from_millis(100),
+        });
+        let missing = Uuid::from_u128(0xdead);
+        let waiters: Vec<_> = (0..20)
+            .map(|_| {
+                let cached = cached.clone();
+                tokio::spawn(async move { cached.schema_version(missing).await })
+            })
+            .collect();
+        for waiter in waiters {
+            let err = waiter.await.unwrap().unwrap_err();
+            assert!(matches!(err, RegistryError::UnknownVersion(id) if id == missing));
+        }
+        let calls = || cached.get_ref().calls.load(Ordering::SeqCst);
+        assert_eq!(calls(), 1, "20 records, one call");
+
+        memory.insert(missing, "orders", avro("late"));
+        tokio::time::advance(UNKNOWN_VERSION_TTL).await;
+        assert_eq!(cached.schema_version(missing).await.unwrap(), avro("late"));
+        assert_eq!(calls(), 2);
+    }
+
+    /// Looking up 10,000 distinct versions keeps at most the capacity in memory.
+    #[tokio::test]
+    async fn ten_thousand_versions_stay_within_the_bound() {
+        let memory = MemoryRegistry::new();
+        let ids: Vec<Uuid> = (0..10_000)
+            .map(|i| memory.register("orders", avro(&format!("v{i}"))))
+            .collect();
+        let cached = CachedRegistry::new(memory);
+        for id in &ids {
+            cached.schema_version(*id).await.unwrap();
+        }
+        let held = cached.shared.versions.len();
+        assert!(held <= DEFAULT_CACHE_CAPACITY, "{held} versions held");
+        assert!(held > 0);
     }
 
     /// The hit rate's three counters, in the recorder the consumer's metrics use.

@@ -391,3 +391,39 @@ async fn the_encoder_writes_what_a_reader_of_the_documented_layout_reads() {
         .unwrap();
     assert_eq!(*seen.lock().unwrap(), ["hello"]);
 }
+
+/// A handler that panics on a decoded record is the dead-letter layer's error like any
+/// other: the record goes to the sink as it was read (the framed bytes, not the decoded
+/// value), with the panic's message.
+#[tokio::test]
+async fn a_handler_panicking_on_a_decoded_record_dead_letters_its_raw_bytes() {
+    let registry = Flaky::default();
+    let id = registry
+        .inner
+        .register("g", schema(DataFormat::Avro, "lower"));
+    let framed = framing::write(id, Compression::Zlib, b"poison").unwrap();
+    let sunk = Arc::new(Mutex::new(Vec::<DeadLetterRecord>::new()));
+    let into = sunk.clone();
+    let sink = service_fn(move |r: DeadLetterRecord| {
+        into.lock().unwrap().push(r);
+        async { Ok::<_, BoxError>(()) }
+    });
+    let panicking = service_fn(|m: Message<String>| async move {
+        if m.payload == "poison" {
+            panic!("handler choked on a decoded record");
+        }
+        Ok::<_, BoxError>(())
+    });
+    let outcome = ServiceBuilder::new()
+        .layer(DeadLetterLayer::new(sink))
+        .layer(SchemaRegistryLayer::new(Text(DataFormat::Avro), registry))
+        .service(panicking)
+        .oneshot(Message::new(message(1, b"").metadata, framed.clone()))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, DeadLetterOutcome::DeadLettered));
+    let sunk = sunk.lock().unwrap();
+    assert_eq!(sunk.len(), 1);
+    assert_eq!(sunk[0].payload, framed, "the framed bytes as they were read");
+    assert!(sunk[0].error.contains("handler choked"), "{}", sunk[0].error);
+}
