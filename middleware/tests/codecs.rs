@@ -632,3 +632,163 @@ fn avro_values_nested_past_the_limit_are_refused_not_a_stack_overflow() {
         .unwrap();
 }
 
+
+/// Records in the registry framing, written by a producer that embeds headers (Spring's
+/// header framing around the registry's), reach the handler as the values sent with
+/// their headers; one naming a version the registry does not know is dead-lettered with
+/// its framed bytes exactly as they were written and its headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_framing_inside_embedded_headers_arrives_as_it_was_sent() {
+    use shardflow_middleware::schema_registry::{
+        framing, CachedRegistry, Compression, MemoryRegistry, SchemaRegistryEncoder,
+    };
+
+    let backend = Memory::new();
+    backend
+        .admin()
+        .unwrap()
+        .create_stream("orders", 1)
+        .await
+        .unwrap();
+    let producer = Producer::builder()
+        .stream("orders")
+        .backend(backend.clone())
+        .embed_headers(true)
+        .build()
+        .unwrap();
+    let registry = MemoryRegistry::new();
+    let cache = CachedRegistry::new(registry.clone());
+    let plain = SchemaRegistryEncoder::new(Avro::<Order>::new(), cache.clone(), "orders")
+        .auto_register(true);
+    let zlib = SchemaRegistryEncoder::new(Avro::<Order>::new(), cache, "orders")
+        .auto_register(true)
+        .compression(Compression::Zlib);
+    let sent = orders(20);
+    for (i, order) in sent.iter().enumerate() {
+        let encoder = if i % 2 == 0 { &plain } else { &zlib };
+        let data = encoder.encode(order).await.unwrap();
+        let record = ProducerRecord::new(data, "customer").with_header("traceId", format!("t-{i}"));
+        producer.send(record).await.unwrap();
+    }
+    let stray = framing::write(
+        uuid::Uuid::from_u128(0x5eed),
+        Compression::None,
+        &Encoder::<Order>::encode(&Avro::<Order>::new(), &sent[0]).unwrap(),
+    )
+    .unwrap();
+    producer
+        .send(ProducerRecord::new(stray.clone(), "customer").with_header("traceId", "stray"))
+        .await
+        .unwrap();
+
+    type Seen = (Vec<(Order, String)>, Vec<DeadLetterRecord>);
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let progress = Arc::new(Notify::new());
+    let handler = service_fn({
+        let (seen, progress) = (seen.clone(), progress.clone());
+        move |m: Message<Order>| {
+            let trace = m.headers.get_str("traceId").unwrap_or_default().to_owned();
+            seen.lock().unwrap().0.push((m.payload, trace));
+            progress.notify_one();
+            async { Ok::<_, Infallible>(()) }
+        }
+    });
+    let sink = service_fn({
+        let (seen, progress) = (seen.clone(), progress.clone());
+        move |record: DeadLetterRecord| {
+            seen.lock().unwrap().1.push(record);
+            progress.notify_one();
+            async { Ok::<_, shardflow_middleware::BoxError>(()) }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .dead_letter(sink)
+        .schema_registry(Avro::<Order>::new(), registry)
+        .service(handler);
+    let consumer = Consumer::builder()
+        .stream("orders")
+        .group("codecs")
+        .backend(backend)
+        .idle_read_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let running = consumer.run(stack).spawn();
+    within("every record handled or dead-lettered", async {
+        loop {
+            {
+                let seen = seen.lock().unwrap();
+                if seen.0.len() + seen.1.len() > sent.len() {
+                    break;
+                }
+            }
+            progress.notified().await;
+        }
+    })
+    .await;
+    within("the consumer stops", running.shutdown())
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap();
+    let expected: Vec<(Order, String)> = sent
+        .iter()
+        .enumerate()
+        .map(|(i, o)| (o.clone(), format!("t-{i}")))
+        .collect();
+    assert_eq!(seen.0, expected);
+    assert_eq!(seen.1.len(), 1);
+    assert_eq!(seen.1[0].payload, stray, "the framed bytes as written");
+    assert_eq!(seen.1[0].headers.get_str("traceId"), Some("stray"));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 64,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(32),
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Any order goes through each codec's encoder and comes back from its decoder, plain
+    /// and inside the registry framing (zlib or not, a Protobuf message index first).
+    #[test]
+    fn each_codec_round_trips_any_value_plain_and_framed(
+        id in 1i64..,
+        customer in "\\PC{1,40}",
+        zlib in proptest::prelude::any::<bool>(),
+        version in proptest::prelude::any::<u128>(),
+    ) {
+        use shardflow_middleware::schema_registry::{framing, Compression};
+        use shardflow_middleware::DataFormat;
+
+        let order = Order { id, customer };
+        let pb = OrderPb { id: order.id, customer: order.customer.clone() };
+        let compression = if zlib { Compression::Zlib } else { Compression::None };
+        let version = uuid::Uuid::from_u128(version);
+        let frame = |bytes: &[u8], index: bool| {
+            let body = if index { framing::write_message_index(0, bytes) } else { bytes.to_vec() };
+            let frame = framing::parse(&framing::write(version, compression, &body).unwrap()).unwrap();
+            assert_eq!(frame.schema_version, version);
+            if index { framing::read_message_index(&frame.payload).unwrap().1 } else { frame.payload }
+        };
+
+        let avro = Avro::<Order>::new();
+        let bytes = Encoder::<Order>::encode(&avro, &order).unwrap();
+        proptest::prop_assert_eq!(&Format::<Order>::decode(&avro, &bytes).unwrap(), &order);
+        let writer = Encoder::<Order>::writer_schema(&avro).unwrap();
+        proptest::prop_assert_eq!(&avro.decode_with_schema(&frame(&bytes, false), &writer).unwrap(), &order);
+
+        let schema = JsonSchema::<Order>::new(ORDER_SCHEMA).unwrap();
+        let bytes = Encoder::<Order>::encode(&schema, &order).unwrap();
+        proptest::prop_assert_eq!(&Format::<Order>::decode(&schema, &bytes).unwrap(), &order);
+        let writer = Encoder::<Order>::writer_schema(&schema).unwrap();
+        proptest::prop_assert_eq!(&schema.decode_with_schema(&frame(&bytes, false), &writer).unwrap(), &order);
+
+        let bytes = Encoder::<Order>::encode(&Json, &order).unwrap();
+        proptest::prop_assert_eq!(&Format::<Order>::decode(&Json, &bytes).unwrap(), &order);
+
+        let protobuf = Protobuf::<OrderPb>::new();
+        let bytes = Encoder::<OrderPb>::encode(&protobuf, &pb).unwrap();
+        proptest::prop_assert_eq!(&Format::<OrderPb>::decode(&protobuf, &bytes).unwrap(), &pb);
+        let writer = WriterSchema::new(DataFormat::Protobuf, "syntax = \"proto3\"; message Order { int64 id = 1; string customer = 2; }");
+        proptest::prop_assert_eq!(&protobuf.decode_with_schema(&frame(&bytes, true), &writer).unwrap(), &pb);
+    }
+}
