@@ -427,3 +427,52 @@ async fn a_handler_panicking_on_a_decoded_record_dead_letters_its_raw_bytes() {
     assert_eq!(sunk[0].payload, framed, "the framed bytes as they were read");
     assert!(sunk[0].error.contains("handler choked"), "{}", sunk[0].error);
 }
+
+/// Records that start with the framing's version byte but are shorter than its header
+/// (1, 2 and 17 bytes), and one of exactly the header: never a panic; a short one is
+/// the plain format's (here not text: dead-lettered with its bytes) or, with framing
+/// required, `InvalidFraming`; the header alone is a framed empty payload.
+#[tokio::test]
+async fn records_around_the_header_length_are_typed_or_decoded() {
+    let registry = Flaky::default();
+    let id = registry
+        .inner
+        .register("g", schema(DataFormat::Avro, "lower"));
+    let header = framing::write(id, Compression::None, b"").unwrap();
+    assert_eq!(header.len(), framing::HEADER_LEN);
+    let layer = SchemaRegistryLayer::new(Text(DataFormat::Avro), registry);
+    for len in [1, 2, 17] {
+        let raw = header.slice(..len);
+        let err = decode_error(layer.clone().require_framing(), raw.clone()).await;
+        assert_eq!(err.kind(), &DecodeErrorKind::InvalidFraming, "{len}");
+        let source = std::error::Error::source(&err).unwrap();
+        assert!(
+            matches!(source.downcast_ref::<FramingError>(), Some(FramingError::Truncated(n)) if *n == len),
+            "{len}: {source}"
+        );
+        assert_eq!(err.raw(), &raw);
+        // Not required: the plain format's. The id's bytes are not UTF-8 past 8 bytes.
+        let seen = Handled::default();
+        let plain = layer
+            .clone()
+            .layer(handler(seen.clone()))
+            .oneshot(Message::new(message(1, b"").metadata, raw.clone()))
+            .await;
+        match plain {
+            Ok(()) => assert_eq!(seen.lock().unwrap()[0].as_bytes(), raw.as_ref()),
+            Err(e) => {
+                let e = e.downcast::<DecodeError>().unwrap();
+                assert_eq!(e.kind(), &DecodeErrorKind::InvalidPayload, "{len}");
+                assert_eq!(e.raw(), &raw);
+            }
+        }
+    }
+    let seen = Handled::default();
+    layer
+        .require_framing()
+        .layer(handler(seen.clone()))
+        .oneshot(Message::new(message(1, b"").metadata, header))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), [""]);
+}
