@@ -484,10 +484,8 @@ struct Reading {
 async fn labelled_plain_avro_that_looks_framed_is_read_as_it_was_sent() {
     use shardflow_middleware::schema_registry::{framing, MemoryRegistry, SchemaRegistryLayer};
 
-    let layer = SchemaRegistryLayer::<Reading, _, _>::new(
-        Avro::<Reading>::new(),
-        MemoryRegistry::new(),
-    );
+    let layer =
+        SchemaRegistryLayer::<Reading, _, _>::new(Avro::<Reading>::new(), MemoryRegistry::new());
     for (flags, header) in [(0, "no compression"), (-3, "zlib"), (1, "unknown")] {
         let sent = Reading {
             delta: -2,
@@ -631,7 +629,6 @@ fn avro_values_nested_past_the_limit_are_refused_not_a_stack_overflow() {
         .join()
         .unwrap();
 }
-
 
 /// Records in the registry framing, written by a producer that embeds headers (Spring's
 /// header framing around the registry's), reach the handler as the values sent with

@@ -288,8 +288,7 @@ mod tests {
     /// more of zeros) is refused as too large, not inflated into memory.
     #[test]
     fn a_zlib_bomb_is_refused_at_the_cap() {
-        let mut encoder =
-            flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        let mut encoder = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
         let zeros = vec![0u8; 1 << 20];
         for _ in 0..(MAX_INFLATED_LEN >> 20) {
             encoder.write_all(&zeros).unwrap();

@@ -424,8 +424,15 @@ async fn a_handler_panicking_on_a_decoded_record_dead_letters_its_raw_bytes() {
     assert!(matches!(outcome, DeadLetterOutcome::DeadLettered));
     let sunk = sunk.lock().unwrap();
     assert_eq!(sunk.len(), 1);
-    assert_eq!(sunk[0].payload, framed, "the framed bytes as they were read");
-    assert!(sunk[0].error.contains("handler choked"), "{}", sunk[0].error);
+    assert_eq!(
+        sunk[0].payload, framed,
+        "the framed bytes as they were read"
+    );
+    assert!(
+        sunk[0].error.contains("handler choked"),
+        "{}",
+        sunk[0].error
+    );
 }
 
 /// Records that start with the framing's version byte but are shorter than its header

@@ -158,10 +158,7 @@ impl<'s> Walk<'s, '_> {
                 self.long()?;
             }
             let count = usize::try_from(count.unsigned_abs()).map_err(|_| Stop::Malformed)?;
-            self.items = self
-                .items
-                .checked_sub(count)
-                .ok_or(Refusal::TooManyItems)?;
+            self.items = self.items.checked_sub(count).ok_or(Refusal::TooManyItems)?;
             for _ in 0..count {
                 if keyed {
                     self.bytes()?;
