@@ -789,3 +789,74 @@ proptest::proptest! {
         proptest::prop_assert_eq!(&protobuf.decode_with_schema(&frame(&bytes, true), &writer).unwrap(), &pb);
     }
 }
+
+/// JSON nested as deep as `serde_json` reads (127 levels) against a recursive JSON Schema,
+/// and deeper: a typed error or a value, never a stack overflow of the 2 MiB thread
+/// (a tokio worker's) decoding it.
+#[test]
+fn deep_json_against_a_recursive_schema_never_overflows_the_stack() {
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(|| {
+            let schema = r##"{"type":"array","items":{"$ref":"#"}}"##;
+            let format = JsonSchema::<serde_json::Value>::new(schema).unwrap();
+            let writer = WriterSchema::new(shardflow_middleware::DataFormat::JsonSchema, schema);
+            for depth in [100usize, 127, 128, 100_000] {
+                let payload = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+                let plain =
+                    Format::<serde_json::Value>::decode(&format, &Bytes::from(payload.clone()));
+                let framed = format.decode_with_schema(payload.as_bytes(), &writer);
+                let json = Format::<serde_json::Value>::decode(&Json, &Bytes::from(payload));
+                let readable = depth <= 127;
+                assert_eq!(plain.is_ok(), readable, "{depth}");
+                assert_eq!(framed.is_ok(), readable, "{depth}");
+                assert_eq!(json.is_ok(), readable, "{depth}");
+                if let Err(e) = plain {
+                    assert_eq!(e.kind(), DecodeErrorKind::InvalidPayload, "{depth}");
+                }
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// A recursive Protobuf message.
+#[derive(Clone, PartialEq, prost::Message)]
+struct NodePb {
+    #[prost(message, optional, boxed, tag = "1")]
+    next: Option<Box<NodePb>>,
+}
+
+/// Protobuf nested past prost's recursion limit (100) is a typed error, and within it a
+/// value, never a stack overflow of a 2 MiB thread, plain or framed.
+#[test]
+fn deep_protobuf_never_overflows_the_stack() {
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(|| {
+            let format = Protobuf::<NodePb>::new();
+            let writer = WriterSchema::new(
+                shardflow_middleware::DataFormat::Protobuf,
+                "syntax = \"proto3\"; message Node { Node next = 1; }",
+            );
+            for depth in [99usize, 100, 10_000] {
+                // Field 1, length-delimited, around the level below, from the inside out.
+                let mut bytes: Vec<u8> = Vec::new();
+                for _ in 0..depth {
+                    let mut outer = vec![0x0a];
+                    prost::encoding::encode_varint(bytes.len() as u64, &mut outer);
+                    outer.extend_from_slice(&bytes);
+                    bytes = outer;
+                }
+                let plain = Format::<NodePb>::decode(&format, &Bytes::from(bytes.clone()));
+                let framed = format.decode_with_schema(&bytes, &writer);
+                let readable = depth <= 100;
+                assert_eq!(plain.is_ok(), readable, "{depth}");
+                assert_eq!(framed.is_ok(), readable, "{depth}");
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
