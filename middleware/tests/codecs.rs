@@ -582,6 +582,22 @@ fn avro_counts_and_lengths_past_the_payload_are_refused_before_allocating() {
     );
 }
 
+/// A writer schema may name a `fixed` of any size (here 2^40 bytes, valid Avro): read
+/// with it, a 4-byte payload is refused as truncated instead of the decoder allocating
+/// the schema's size before reading (which aborts the process).
+#[test]
+fn avro_fixed_larger_than_the_payload_is_refused_before_allocating() {
+    let blob = r#"{"type":"record","name":"Blob","fields":[{"name":"data","type":{"type":"fixed","name":"Data","size":1099511627776}}]}"#;
+    let format = Avro::<Bag>::with_schema(apache_avro::Schema::parse_str(blob).unwrap());
+    let err = Format::<Bag>::decode(&format, &Bytes::from_static(b"\x00\x01\x02\x03")).unwrap_err();
+    assert!(matches!(err, AvroError::Truncated), "{err:?}");
+    let writer = WriterSchema::new(shardflow_middleware::DataFormat::Avro, blob);
+    let err = format
+        .decode_with_schema(b"\x00\x01\x02\x03", &writer)
+        .unwrap_err();
+    assert!(matches!(err, AvroError::Truncated), "{err:?}");
+}
+
 #[derive(Debug, serde::Deserialize)]
 struct Node {
     next: Option<Box<Node>>,

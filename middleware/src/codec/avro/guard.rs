@@ -1,6 +1,7 @@
 //! A walk over an Avro datum before `apache-avro` decodes it, refusing what the decoder
-//! would otherwise trust: a length or item count larger than the payload (the decoder
-//! allocates what the prefix claims before reading a byte of it) and values nested
+//! would otherwise trust: a length, `fixed` size or item count larger than the payload
+//! (the decoder allocates what the prefix or schema claims before reading a byte of it)
+//! and values nested
 //! deeper than [`MAX_DEPTH`] (the decoder recurses once per level, so a recursive schema
 //! and a short payload could overflow the stack). Anything else that is wrong with the
 //! bytes is left to the decoder, which reports it as before.
@@ -20,7 +21,8 @@ pub const ZERO_WIDTH_ITEMS: usize = 65_536;
 /// Why a datum is refused before decoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Refusal {
-    /// A string or bytes length is longer than what is left of the payload.
+    /// A string or bytes length, or a fixed-size value, is longer than what is left of
+    /// the payload.
     Truncated,
     /// Values nest deeper than [`MAX_DEPTH`].
     TooDeep,
@@ -82,8 +84,10 @@ impl<'s> Walk<'s, '_> {
         Err(Stop::Malformed)
     }
 
+    /// A value of a fixed size: the schema's own `fixed` size too, which the decoder
+    /// allocates before reading.
     fn fixed(&mut self, len: usize) -> Result<(), Stop> {
-        self.rest = self.rest.get(len..).ok_or(Stop::Malformed)?;
+        self.rest = self.rest.get(len..).ok_or(Refusal::Truncated)?;
         Ok(())
     }
 
