@@ -308,7 +308,7 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
             if now < until {
                 return Err(RegistryError::Unavailable(
                     format!(
-                        "the registry failed {:?} ago or less and is left alone until then",
+                        "the registry failed a moment ago; not called again for {:?}",
                         until - now
                     )
                     .into(),
