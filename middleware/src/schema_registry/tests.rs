@@ -483,3 +483,68 @@ async fn records_around_the_header_length_are_typed_or_decoded() {
         .unwrap();
     assert_eq!(*seen.lock().unwrap(), [""]);
 }
+
+/// A registry that registers the first definition it is asked for, then loses the
+/// answer (the call fails as if it had timed out).
+#[derive(Clone, Default)]
+struct LosesFirstAnswer {
+    inner: MemoryRegistry,
+    calls: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl SchemaRegistry for LosesFirstAnswer {
+    async fn schema_version(&self, id: Uuid) -> Result<WriterSchema, RegistryError> {
+        self.inner.schema_version(id).await
+    }
+    async fn version_id(
+        &self,
+        name: &str,
+        schema: &WriterSchema,
+        register: bool,
+    ) -> Result<Uuid, RegistryError> {
+        let id = self.inner.version_id(name, schema, register).await?;
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(RegistryError::TimedOut(std::time::Duration::from_secs(10)));
+        }
+        Ok(id)
+    }
+}
+
+/// On the producer side a failed lookup writes nothing and says it is transient; the
+/// retry (after the pause) frames the value with the version registered the first time:
+/// one version in the registry, one framed record, which decodes to what was sent.
+#[tokio::test(start_paused = true)]
+async fn an_encoder_lookup_that_fails_writes_nothing_and_its_retry_registers_no_duplicate() {
+    let registry = LosesFirstAnswer::default();
+    let encoder = SchemaRegistryEncoder::new(
+        Text(DataFormat::Avro),
+        CachedRegistry::new(registry.clone()),
+        "greetings",
+    )
+    .auto_register(true);
+    let value = "hello".to_owned();
+    let err = encoder.encode(&value).await.unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert_eq!(registry.inner.len(), 1, "registered, answer lost");
+
+    tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+    let framed = encoder.encode(&value).await.unwrap();
+    assert_eq!(registry.inner.len(), 1, "no second version");
+    let frame = framing::parse(&framed).unwrap();
+    assert_eq!(
+        registry
+            .inner
+            .schema_version(frame.schema_version)
+            .await
+            .unwrap(),
+        schema(DataFormat::Avro, "lower")
+    );
+    let seen = Handled::default();
+    SchemaRegistryLayer::new(Text(DataFormat::Avro), registry.inner.clone())
+        .layer(handler(seen.clone()))
+        .oneshot(Message::new(message(1, b"").metadata, framed))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), ["hello"]);
+}
