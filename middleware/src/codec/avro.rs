@@ -15,8 +15,8 @@
 //!
 //! # Hostile payloads
 //!
-//! Before decoding, the datum is walked with its writer schema: a string, bytes, array or
-//! map that claims more than the payload holds is refused ([`AvroError::Truncated`],
+//! Before decoding, the datum is walked with its writer schema: a string, bytes, fixed,
+//! array or map that claims more than the payload holds is refused ([`AvroError::Truncated`],
 //! [`AvroError::TooManyItems`]) before anything is allocated for it, and values nested
 //! deeper than [`MAX_DEPTH`] levels are refused ([`AvroError::TooDeep`]) instead of
 //! overflowing the stack. Arrays of zero-width items (nulls, empty records) are allowed
