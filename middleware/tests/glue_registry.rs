@@ -4,7 +4,8 @@
 //!
 //! Runs only when `SHARDFLOW_GLUE_ENDPOINT` names the emulator (e.g.
 //! `moto_server -H 127.0.0.1 -p 5000` and `SHARDFLOW_GLUE_ENDPOINT=http://127.0.0.1:5000`);
-//! otherwise it prints "skipped".
+//! otherwise it prints "skipped". The refusals no emulator gives (access denied,
+//! throttling, a call that never answers) come from a scripted endpoint and always run.
 #![cfg(feature = "glue")]
 
 use std::sync::Arc;
@@ -202,4 +203,85 @@ async fn auto_registration_creates_a_missing_schema_then_adds_versions() {
         v1,
         "a known definition is found, not registered again"
     );
+}
+
+/// A registry on `url` without the SDK's own retries (each scripted answer is one call).
+async fn scripted(url: &str, timeouts: shardflow::AwsTimeouts) -> GlueRegistry {
+    let config = aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .endpoint_url(url)
+        .region(aws_config::Region::new("us-east-1"))
+        .credentials_provider(aws_sdk_glue::config::Credentials::new(
+            "test", "test", None, None, "test",
+        ))
+        .retry_config(aws_config::retry::RetryConfig::disabled())
+        .load()
+        .await;
+    GlueRegistry::from_config_with(&config, timeouts, "orders").expect("valid timeouts")
+}
+
+/// Access denied and throttling say nothing about the record: transient (the record is
+/// delivered again, never dead-lettered), as a missing permission must not send a whole
+/// stream to the dead-letter path; a version Glue does not have is permanent.
+#[tokio::test]
+async fn refusals_are_transient_and_a_missing_version_is_permanent() {
+    use serde_json::json;
+    let fake = shardflow_testkit::fake_endpoint::Fake::start(vec![
+        (
+            400,
+            json!({"__type": "AccessDeniedException", "Message": "not authorized to perform glue:GetSchemaVersion"}),
+        ),
+        (
+            400,
+            json!({"__type": "ThrottlingException", "Message": "Rate exceeded"}),
+        ),
+        (
+            400,
+            json!({"__type": "EntityNotFoundException", "Message": "Schema version is not found."}),
+        ),
+    ]);
+    let registry = scripted(&fake.url, shardflow::AwsTimeouts::default()).await;
+    let id = Uuid::from_u128(0x5eed);
+    let denied = registry.schema_version(id).await.unwrap_err();
+    assert!(
+        matches!(denied, RegistryError::Unavailable(_)) && denied.is_transient(),
+        "{denied:?}"
+    );
+    let throttled = registry.schema_version(id).await.unwrap_err();
+    assert!(throttled.is_transient(), "{throttled:?}");
+    let missing = registry.schema_version(id).await.unwrap_err();
+    assert!(
+        matches!(missing, RegistryError::UnknownVersion(u) if u == id),
+        "{missing:?}"
+    );
+    assert!(!missing.is_transient());
+    assert_eq!(fake.ops(), ["GetSchemaVersion"; 3]);
+}
+
+/// A GetSchemaVersion that never answers ends at the client's deadline, transient.
+#[tokio::test]
+async fn a_call_that_never_answers_ends_at_the_deadline_as_transient() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    // Accepts and holds connections without ever answering.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let timeouts = shardflow::AwsTimeouts {
+        connect: std::time::Duration::from_secs(1),
+        read: std::time::Duration::from_secs(1),
+        attempt: std::time::Duration::from_secs(1),
+        operation: std::time::Duration::from_secs(2),
+    };
+    let registry = scripted(&url, timeouts).await;
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        registry.schema_version(Uuid::from_u128(1)),
+    )
+    .await
+    .expect("the client's own deadline ends the call")
+    .unwrap_err();
+    assert!(err.is_transient(), "{err:?}");
 }

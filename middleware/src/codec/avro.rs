@@ -12,6 +12,19 @@
 //!   fingerprint, the datum) when the fingerprint is the configured writer schema's.
 //!
 //! A schema in a message header (neither Spring nor Glue sends one) is not read.
+//!
+//! # Hostile payloads
+//!
+//! Before decoding, the datum is walked with its writer schema: a string, bytes, fixed,
+//! array or map that claims more than the payload holds is refused ([`AvroError::Truncated`],
+//! [`AvroError::TooManyItems`]) before anything is allocated for it, and values nested
+//! deeper than [`MAX_DEPTH`] levels are refused ([`AvroError::TooDeep`]) instead of
+//! overflowing the stack. Arrays of zero-width items (nulls, empty records) are allowed
+//! [`ZERO_WIDTH_ITEMS`] items more than the payload has bytes.
+
+mod guard;
+
+pub use guard::{MAX_DEPTH, ZERO_WIDTH_ITEMS};
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -105,6 +118,11 @@ impl<T> Avro<T> {
     where
         T: DeserializeOwned,
     {
+        guard::check(writer, payload).map_err(|refusal| match refusal {
+            guard::Refusal::Truncated => AvroError::Truncated,
+            guard::Refusal::TooDeep => AvroError::TooDeep,
+            guard::Refusal::TooManyItems => AvroError::TooManyItems,
+        })?;
         let value =
             apache_avro::from_avro_datum(writer, &mut payload, None).map_err(AvroError::Payload)?;
         if !payload.is_empty() {
@@ -250,8 +268,14 @@ pub enum AvroError {
     Schema(apache_avro::Error),
     /// The datum ended before the payload did: this many bytes were left.
     TrailingBytes(usize),
-    /// The payload ended before the datum did.
+    /// The payload ended before the datum did (or a length in it is longer than the rest
+    /// of the payload).
     Truncated,
+    /// Values nest deeper than [`MAX_DEPTH`] levels.
+    TooDeep,
+    /// Arrays and maps claim more items in all than the payload has bytes (plus
+    /// [`ZERO_WIDTH_ITEMS`] items of no width: nulls, empty records).
+    TooManyItems,
 }
 
 impl AvroError {
@@ -267,7 +291,10 @@ impl AvroError {
     pub fn inner(&self) -> Option<&apache_avro::Error> {
         match self {
             AvroError::Payload(e) | AvroError::Mismatch(e) | AvroError::Schema(e) => Some(e),
-            AvroError::TrailingBytes(_) | AvroError::Truncated => None,
+            AvroError::TrailingBytes(_)
+            | AvroError::Truncated
+            | AvroError::TooDeep
+            | AvroError::TooManyItems => None,
         }
     }
 
@@ -290,6 +317,10 @@ impl fmt::Display for AvroError {
             AvroError::Schema(_) => f.write_str("schema text is not a valid Avro schema"),
             AvroError::TrailingBytes(n) => write!(f, "{n} bytes left after the datum"),
             AvroError::Truncated => f.write_str("payload ends before the datum does"),
+            AvroError::TooDeep => write!(f, "values nest deeper than {MAX_DEPTH} levels"),
+            AvroError::TooManyItems => {
+                f.write_str("arrays and maps claim more items than the payload has bytes")
+            }
         }
     }
 }

@@ -284,6 +284,22 @@ mod tests {
         assert!(read_message_index(&Bytes::from_static(&[0x80; 11])).is_err());
     }
 
+    /// A zlib payload of a few tens of KB that inflates past the cap (64 MiB and one
+    /// more of zeros) is refused as too large, not inflated into memory.
+    #[test]
+    fn a_zlib_bomb_is_refused_at_the_cap() {
+        let mut encoder = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..(MAX_INFLATED_LEN >> 20) {
+            encoder.write_all(&zeros).unwrap();
+        }
+        encoder.write_all(&[0]).unwrap();
+        let bomb = encoder.finish().unwrap();
+        assert!(bomb.len() < 128 * 1024, "{} bytes", bomb.len());
+        let framed = Bytes::from(hand_framed(COMPRESSION_ZLIB, &bomb));
+        assert!(matches!(parse(&framed), Err(FramingError::TooLarge)));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(32), ..ProptestConfig::default() })]
 

@@ -120,8 +120,14 @@ where
     R: SchemaRegistry,
 {
     let format = &*shared.format;
-    if !framing::is_framed(&message.payload) && !shared.require_framing {
-        if let Some(content_type) = message.headers.get_str(CONTENT_TYPE) {
+    let content_type = message.headers.get_str(CONTENT_TYPE);
+    // A record labelled with a type the format reads (Spring's converters label every
+    // record; the registry's framing carries no label) is that format's plain payload,
+    // even when its first bytes look like the framing's header (a plain Avro datum whose
+    // first field is the long -2 starts with 0x03).
+    let labelled_plain = content_type.is_some_and(|ct| format.accepts(ct));
+    if !shared.require_framing && (labelled_plain || !framing::is_framed(&message.payload)) {
+        if let Some(content_type) = content_type {
             if !format.accepts(content_type) {
                 let kind = DecodeErrorKind::UnsupportedContentType {
                     content_type: content_type.to_owned(),

@@ -231,16 +231,31 @@ impl SchemaRegistry for MemoryRegistry {
 pub const DEFAULT_CACHE_CAPACITY: usize = 1_000;
 /// The default deadline of one registry call through a [`CachedRegistry`].
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a [`CachedRegistry`] leaves the registry alone after a transient failure
+/// (the first time; the pause doubles while failures go on, up to
+/// [`MAX_OUTAGE_PAUSE`]).
+pub const MIN_OUTAGE_PAUSE: Duration = Duration::from_secs(1);
+/// The longest pause of a [`CachedRegistry`] between calls to a registry that keeps
+/// failing.
+pub const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(10);
+/// How long a [`CachedRegistry`] remembers that a version id is unknown to the registry.
+pub const UNKNOWN_VERSION_TTL: Duration = Duration::from_secs(1);
 
 /// A registry behind two bounded caches (versions by id, ids by name and definition),
 /// each call under a deadline.
 ///
 /// A version is fetched once per cache (concurrent misses of one id make one call), so
 /// share one `CachedRegistry` (it is `Clone`, and the layer's clones share theirs) for
-/// once-per-process lookups. Only answers are cached, never errors: a version that was
-/// unknown or a registry that was down is asked again next time. Schema versions never
-/// change in Glue, so entries do not expire; the least recently used go when the cache
-/// is full.
+/// once-per-process lookups. Answers are cached; a version id the registry does not know
+/// is remembered for [`UNKNOWN_VERSION_TTL`] only (so that the records waiting on it, and
+/// those naming it in the next moment, make one call, and a version registered late is
+/// still found). A registry that failed transiently (unavailable,
+/// timed out) is not hammered: for a pause after the failure ([`MIN_OUTAGE_PAUSE`],
+/// doubling while failures go on, up to [`MAX_OUTAGE_PAUSE`]; reset by an answer) every
+/// lookup that would call it fails at once with [`RegistryError::Unavailable`], so the
+/// records waiting on one version during an outage make one call, not one each. Schema
+/// versions never change in Glue, so entries do not expire; the least recently used go
+/// when the cache is full.
 ///
 /// Every lookup is counted in [`metrics::SCHEMA_LOOKUPS`](crate::metrics::SCHEMA_LOOKUPS),
 /// and as a hit or a miss.
@@ -252,7 +267,16 @@ struct Cached<R> {
     inner: R,
     versions: quick_cache::sync::Cache<Uuid, WriterSchema>,
     ids: quick_cache::sync::Cache<(Arc<str>, WriterSchema), Uuid>,
+    /// Version ids the registry said it does not know, and when.
+    unknown: quick_cache::sync::Cache<Uuid, tokio::time::Instant>,
     timeout: Duration,
+    outage: Mutex<Outage>,
+}
+
+/// The registry's last transient failure: no call before `until`.
+struct Outage {
+    until: Option<tokio::time::Instant>,
+    pauses: shardflow::backoff::Backoff,
 }
 
 impl<R> Clone for CachedRegistry<R> {
@@ -288,7 +312,13 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
                 inner,
                 versions: quick_cache::sync::Cache::new(capacity),
                 ids: quick_cache::sync::Cache::new(capacity),
+                unknown: quick_cache::sync::Cache::new(capacity),
                 timeout,
+                outage: Mutex::new(Outage {
+                    until: None,
+                    pauses: shardflow::backoff::Backoff::new(MIN_OUTAGE_PAUSE, MAX_OUTAGE_PAUSE, 0)
+                        .without_jitter(),
+                }),
             }),
         }
     }
@@ -298,14 +328,45 @@ impl<R: SchemaRegistry> CachedRegistry<R> {
         &self.shared.inner
     }
 
+    /// Calls the registry under the deadline, unless it failed transiently less than a
+    /// pause ago.
     async fn bounded<T>(
         &self,
         call: impl Future<Output = Result<T, RegistryError>>,
     ) -> Result<T, RegistryError> {
-        match tokio::time::timeout(self.shared.timeout, call).await {
+        if let Some(until) = self.outage().until {
+            let now = tokio::time::Instant::now();
+            if now < until {
+                return Err(RegistryError::Unavailable(
+                    format!(
+                        "the registry failed a moment ago; not called again for {:?}",
+                        until - now
+                    )
+                    .into(),
+                ));
+            }
+        }
+        let answer = match tokio::time::timeout(self.shared.timeout, call).await {
             Ok(answer) => answer,
             Err(_) => Err(RegistryError::TimedOut(self.shared.timeout)),
+        };
+        let mut outage = self.outage();
+        match &answer {
+            Err(e) if e.is_transient() => {
+                let pause = outage.pauses.next_delay();
+                outage.until = Some(tokio::time::Instant::now() + pause);
+            }
+            _ => {
+                outage.until = None;
+                outage.pauses.reset();
+            }
         }
+        answer
+    }
+
+    fn outage(&self) -> std::sync::MutexGuard<'_, Outage> {
+        // Two plain assignments under the lock: a poisoned lock still holds a valid state.
+        self.shared.outage.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -327,7 +388,17 @@ impl<R: SchemaRegistry> SchemaRegistry for CachedRegistry<R> {
             .versions
             .get_or_insert_async(&id, async {
                 missed.store(true, Ordering::Relaxed);
-                self.bounded(self.shared.inner.schema_version(id)).await
+                let unknown = &self.shared.unknown;
+                if let Some(since) = unknown.get(&id) {
+                    if since.elapsed() < UNKNOWN_VERSION_TTL {
+                        return Err(RegistryError::UnknownVersion(id));
+                    }
+                }
+                let answer = self.bounded(self.shared.inner.schema_version(id)).await;
+                if let Err(RegistryError::UnknownVersion(_)) = &answer {
+                    unknown.insert(id, tokio::time::Instant::now());
+                }
+                answer
             })
             .await;
         count(missed.load(Ordering::Relaxed));
@@ -465,7 +536,7 @@ mod tests {
         assert_eq!(registry.data_format("orders"), Some(DataFormat::Avro));
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn cache_asks_once_per_version_and_never_caches_errors() {
         let memory = MemoryRegistry::new();
         let id = memory.register("orders", avro("a"));
@@ -476,6 +547,8 @@ mod tests {
         });
         let err = cached.schema_version(id).await.unwrap_err();
         assert!(err.is_transient());
+        // Asked again once the pause after the failure is over.
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
         for _ in 0..100 {
             assert_eq!(cached.schema_version(id).await.unwrap(), avro("a"));
         }
@@ -487,11 +560,135 @@ mod tests {
         let unknown = Uuid::from_u128(1);
         assert!(cached.schema_version(unknown).await.is_err());
         assert!(cached.schema_version(unknown).await.is_err());
+        assert_eq!(cached.get_ref().calls.load(Ordering::SeqCst), 3);
+        tokio::time::advance(UNKNOWN_VERSION_TTL).await;
+        assert!(cached.schema_version(unknown).await.is_err());
         assert_eq!(
             cached.get_ref().calls.load(Ordering::SeqCst),
             4,
-            "unknown asked again"
+            "unknown asked again after a while"
         );
+    }
+
+    /// A registry that answers after `delay`, with an outage while `down` is set.
+    struct Slow {
+        inner: MemoryRegistry,
+        calls: AtomicUsize,
+        down: AtomicBool,
+        delay: Duration,
+    }
+
+    #[async_trait]
+    impl SchemaRegistry for Slow {
+        async fn schema_version(&self, id: Uuid) -> Result<WriterSchema, RegistryError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.delay).await;
+            if self.down.load(Ordering::SeqCst) {
+                return Err(RegistryError::Unavailable("ThrottlingException".into()));
+            }
+            self.inner.schema_version(id).await
+        }
+        async fn version_id(
+            &self,
+            n: &str,
+            s: &WriterSchema,
+            r: bool,
+        ) -> Result<Uuid, RegistryError> {
+            self.inner.version_id(n, s, r).await
+        }
+    }
+
+    /// Many records waiting on one version while the registry is down make one call, not
+    /// one each; lookups of other versions do not call it either until the pause is over;
+    /// the pause doubles while the outage goes on and an answer ends it.
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_is_one_call_for_all_waiters_then_backs_off() {
+        let memory = MemoryRegistry::new();
+        let a = memory.register("orders", avro("a"));
+        let b = memory.register("orders", avro("b"));
+        let cached = CachedRegistry::new(Slow {
+            inner: memory,
+            calls: AtomicUsize::new(0),
+            down: AtomicBool::new(true),
+            delay: Duration::from_millis(100),
+        });
+        let calls = |c: &CachedRegistry<Slow>| c.get_ref().calls.load(Ordering::SeqCst);
+        let waiters: Vec<_> = (0..20)
+            .map(|_| {
+                let cached = cached.clone();
+                tokio::spawn(async move { cached.schema_version(a).await })
+            })
+            .collect();
+        for waiter in waiters {
+            let err = waiter.await.unwrap().unwrap_err();
+            assert!(err.is_transient(), "{err}");
+        }
+        assert_eq!(calls(&cached), 1, "20 waiters, one call");
+        assert!(cached.schema_version(b).await.unwrap_err().is_transient());
+        assert_eq!(calls(&cached), 1, "left alone during the pause");
+
+        // The pause is over: asked again, still down; the next pause is twice as long.
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert!(cached.schema_version(a).await.is_err());
+        assert_eq!(calls(&cached), 2);
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert!(cached.schema_version(a).await.is_err());
+        assert_eq!(calls(&cached), 2, "the second pause is longer");
+
+        // Back up: answered, cached, and a later failure starts from the short pause.
+        cached.get_ref().down.store(false, Ordering::SeqCst);
+        tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+        assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
+        assert_eq!(cached.schema_version(a).await.unwrap(), avro("a"));
+        assert_eq!(calls(&cached), 3);
+    }
+
+    /// Records naming a version the registry does not know (a deleted one), handled at the
+    /// same time, make one call, not one each; the version is asked again a while later
+    /// and found if it was registered since.
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_lookups_of_a_missing_version_make_one_call() {
+        let memory = MemoryRegistry::new();
+        let cached = CachedRegistry::new(Slow {
+            inner: memory.clone(),
+            calls: AtomicUsize::new(0),
+            down: AtomicBool::new(false),
+            delay: Duration::from_millis(100),
+        });
+        let missing = Uuid::from_u128(0xdead);
+        let waiters: Vec<_> = (0..20)
+            .map(|_| {
+                let cached = cached.clone();
+                tokio::spawn(async move { cached.schema_version(missing).await })
+            })
+            .collect();
+        for waiter in waiters {
+            let err = waiter.await.unwrap().unwrap_err();
+            assert!(matches!(err, RegistryError::UnknownVersion(id) if id == missing));
+        }
+        let calls = || cached.get_ref().calls.load(Ordering::SeqCst);
+        assert_eq!(calls(), 1, "20 records, one call");
+
+        memory.insert(missing, "orders", avro("late"));
+        tokio::time::advance(UNKNOWN_VERSION_TTL).await;
+        assert_eq!(cached.schema_version(missing).await.unwrap(), avro("late"));
+        assert_eq!(calls(), 2);
+    }
+
+    /// Looking up 10,000 distinct versions keeps at most the capacity in memory.
+    #[tokio::test]
+    async fn ten_thousand_versions_stay_within_the_bound() {
+        let memory = MemoryRegistry::new();
+        let ids: Vec<Uuid> = (0..10_000)
+            .map(|i| memory.register("orders", avro(&format!("v{i}"))))
+            .collect();
+        let cached = CachedRegistry::new(memory);
+        for id in &ids {
+            cached.schema_version(*id).await.unwrap();
+        }
+        let held = cached.shared.versions.len();
+        assert!(held <= DEFAULT_CACHE_CAPACITY, "{held} versions held");
+        assert!(held > 0);
     }
 
     /// The hit rate's three counters, in the recorder the consumer's metrics use.

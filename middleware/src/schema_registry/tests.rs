@@ -257,7 +257,7 @@ async fn broken_framing_and_unknown_versions_are_typed_and_dead_lettered() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_registry_outage_is_transient_and_never_dead_lettered() {
     let registry = Flaky::default();
     let id = registry
@@ -287,8 +287,10 @@ async fn a_registry_outage_is_transient_and_never_dead_lettered() {
     assert!(err.to_string().contains("registry"), "{err}");
     assert_eq!(sunk.load(Ordering::SeqCst), 0, "not dead-lettered");
 
-    // Delivered again once the registry is back: decoded, the failure was not cached.
+    // Delivered again once the registry is back (and the pause after its failure is
+    // over): decoded, the failure was not cached.
     registry.down.store(false, Ordering::SeqCst);
+    tokio::time::advance(MIN_OUTAGE_PAUSE).await;
     svc.oneshot(msg).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), ["later"]);
     assert_eq!(sunk.load(Ordering::SeqCst), 0);
@@ -383,6 +385,163 @@ async fn the_encoder_writes_what_a_reader_of_the_documented_layout_reads() {
     // And the layer reads back what the encoder wrote.
     let seen = Handled::default();
     SchemaRegistryLayer::new(Text(DataFormat::Avro), registry)
+        .layer(handler(seen.clone()))
+        .oneshot(Message::new(message(1, b"").metadata, framed))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), ["hello"]);
+}
+
+/// A handler that panics on a decoded record is the dead-letter layer's error like any
+/// other: the record goes to the sink as it was read (the framed bytes, not the decoded
+/// value), with the panic's message.
+#[tokio::test]
+async fn a_handler_panicking_on_a_decoded_record_dead_letters_its_raw_bytes() {
+    let registry = Flaky::default();
+    let id = registry
+        .inner
+        .register("g", schema(DataFormat::Avro, "lower"));
+    let framed = framing::write(id, Compression::Zlib, b"poison").unwrap();
+    let sunk = Arc::new(Mutex::new(Vec::<DeadLetterRecord>::new()));
+    let into = sunk.clone();
+    let sink = service_fn(move |r: DeadLetterRecord| {
+        into.lock().unwrap().push(r);
+        async { Ok::<_, BoxError>(()) }
+    });
+    let panicking = service_fn(|m: Message<String>| async move {
+        if m.payload == "poison" {
+            panic!("handler choked on a decoded record");
+        }
+        Ok::<_, BoxError>(())
+    });
+    let outcome = ServiceBuilder::new()
+        .layer(DeadLetterLayer::new(sink))
+        .layer(SchemaRegistryLayer::new(Text(DataFormat::Avro), registry))
+        .service(panicking)
+        .oneshot(Message::new(message(1, b"").metadata, framed.clone()))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, DeadLetterOutcome::DeadLettered));
+    let sunk = sunk.lock().unwrap();
+    assert_eq!(sunk.len(), 1);
+    assert_eq!(
+        sunk[0].payload, framed,
+        "the framed bytes as they were read"
+    );
+    assert!(
+        sunk[0].error.contains("handler choked"),
+        "{}",
+        sunk[0].error
+    );
+}
+
+/// Records that start with the framing's version byte but are shorter than its header
+/// (1, 2 and 17 bytes), and one of exactly the header: never a panic; a short one is
+/// the plain format's (here not text: dead-lettered with its bytes) or, with framing
+/// required, `InvalidFraming`; the header alone is a framed empty payload.
+#[tokio::test]
+async fn records_around_the_header_length_are_typed_or_decoded() {
+    let registry = Flaky::default();
+    let id = registry
+        .inner
+        .register("g", schema(DataFormat::Avro, "lower"));
+    let header = framing::write(id, Compression::None, b"").unwrap();
+    assert_eq!(header.len(), framing::HEADER_LEN);
+    let layer = SchemaRegistryLayer::new(Text(DataFormat::Avro), registry);
+    for len in [1, 2, 17] {
+        let raw = header.slice(..len);
+        let err = decode_error(layer.clone().require_framing(), raw.clone()).await;
+        assert_eq!(err.kind(), &DecodeErrorKind::InvalidFraming, "{len}");
+        let source = std::error::Error::source(&err).unwrap();
+        assert!(
+            matches!(source.downcast_ref::<FramingError>(), Some(FramingError::Truncated(n)) if *n == len),
+            "{len}: {source}"
+        );
+        assert_eq!(err.raw(), &raw);
+        // Not required: the plain format's. The id's bytes are not UTF-8 past 8 bytes.
+        let seen = Handled::default();
+        let plain = layer
+            .clone()
+            .layer(handler(seen.clone()))
+            .oneshot(Message::new(message(1, b"").metadata, raw.clone()))
+            .await;
+        match plain {
+            Ok(()) => assert_eq!(seen.lock().unwrap()[0].as_bytes(), raw.as_ref()),
+            Err(e) => {
+                let e = e.downcast::<DecodeError>().unwrap();
+                assert_eq!(e.kind(), &DecodeErrorKind::InvalidPayload, "{len}");
+                assert_eq!(e.raw(), &raw);
+            }
+        }
+    }
+    let seen = Handled::default();
+    layer
+        .require_framing()
+        .layer(handler(seen.clone()))
+        .oneshot(Message::new(message(1, b"").metadata, header))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), [""]);
+}
+
+/// A registry that registers the first definition it is asked for, then loses the
+/// answer (the call fails as if it had timed out).
+#[derive(Clone, Default)]
+struct LosesFirstAnswer {
+    inner: MemoryRegistry,
+    calls: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl SchemaRegistry for LosesFirstAnswer {
+    async fn schema_version(&self, id: Uuid) -> Result<WriterSchema, RegistryError> {
+        self.inner.schema_version(id).await
+    }
+    async fn version_id(
+        &self,
+        name: &str,
+        schema: &WriterSchema,
+        register: bool,
+    ) -> Result<Uuid, RegistryError> {
+        let id = self.inner.version_id(name, schema, register).await?;
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(RegistryError::TimedOut(std::time::Duration::from_secs(10)));
+        }
+        Ok(id)
+    }
+}
+
+/// On the producer side a failed lookup writes nothing and says it is transient; the
+/// retry (after the pause) frames the value with the version registered the first time:
+/// one version in the registry, one framed record, which decodes to what was sent.
+#[tokio::test(start_paused = true)]
+async fn an_encoder_lookup_that_fails_writes_nothing_and_its_retry_registers_no_duplicate() {
+    let registry = LosesFirstAnswer::default();
+    let encoder = SchemaRegistryEncoder::new(
+        Text(DataFormat::Avro),
+        CachedRegistry::new(registry.clone()),
+        "greetings",
+    )
+    .auto_register(true);
+    let value = "hello".to_owned();
+    let err = encoder.encode(&value).await.unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert_eq!(registry.inner.len(), 1, "registered, answer lost");
+
+    tokio::time::advance(MIN_OUTAGE_PAUSE).await;
+    let framed = encoder.encode(&value).await.unwrap();
+    assert_eq!(registry.inner.len(), 1, "no second version");
+    let frame = framing::parse(&framed).unwrap();
+    assert_eq!(
+        registry
+            .inner
+            .schema_version(frame.schema_version)
+            .await
+            .unwrap(),
+        schema(DataFormat::Avro, "lower")
+    );
+    let seen = Handled::default();
+    SchemaRegistryLayer::new(Text(DataFormat::Avro), registry.inner.clone())
         .layer(handler(seen.clone()))
         .oneshot(Message::new(message(1, b"").metadata, framed))
         .await
