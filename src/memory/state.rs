@@ -22,6 +22,9 @@ pub(super) struct MemShard {
 
 pub(super) struct MemStream {
     pub(super) shards: Vec<MemShard>,
+    /// How many shards the stream ever had: the next shard's index. Not `shards.len()`,
+    /// which drops when a shard past retention is removed: an id is never reused.
+    pub(super) shards_created: usize,
     pub(super) updating: bool,
     /// Creation time, epoch seconds (see
     /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).

@@ -804,6 +804,47 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn shards_opened_after_old_ones_were_trimmed_get_ids_of_their_own() {
+        let origin = tokio::time::Instant::now();
+        let date = UNIX_EPOCH + Duration::from_secs(1_780_000_000);
+        let memory = Memory::builder()
+            .wall_clock(move || date + origin.elapsed())
+            .build();
+        let table = memory
+            .tables()
+            .create("orders", "id")
+            .partitions(2)
+            .rollover_every(Duration::from_secs(4 * 3600))
+            .build()
+            .unwrap();
+        let arn = table.stream_arn();
+        let mut seen = std::collections::HashSet::new();
+        // Two days of hourly writes: from the second day on, every rollover trims the
+        // shards closed more than a day before and opens new ones.
+        for hour in 0..48u32 {
+            let written = table.put(&order(&format!("o{}", hour % 5), hour));
+            assert!(written.is_ok(), "hour {hour}: {written:?}");
+            for shard in memory.streams().list_shards(&arn).await.unwrap() {
+                seen.insert((shard.shard_id, shard.starting_sequence_number));
+            }
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        let shards = memory.streams().list_shards(&arn).await.unwrap();
+        assert!(
+            shards.len() < 2 * 13,
+            "old shards were trimmed: {}",
+            shards.len()
+        );
+        // A shard id is never given to two shards (a consumer would take the new one
+        // for the old one, finished).
+        let mut ids: Vec<&String> = seen.iter().map(|(id, _)| id).collect();
+        ids.sort();
+        let total = ids.len();
+        ids.dedup();
+        assert_eq!(ids.len(), total, "each id names one shard: {seen:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn iterators_expire_after_15_minutes_records_after_24_hours_and_rollover_runs_on_schedule(
     ) {
         let origin = tokio::time::Instant::now();
