@@ -403,3 +403,149 @@ async fn an_iterator_that_expires_while_the_handler_is_slow_is_renewed_from_the_
         backend.shard_iterators()
     );
 }
+
+fn by_table(memory: &Memory, group: &str) -> shardflow::ConsumerBuilder {
+    testkit::test_timings(
+        Consumer::builder()
+            .table_stream("orders")
+            .group(group)
+            .worker_id("w1")
+            .backend(memory.clone()),
+    )
+}
+
+async fn wait_all(seen: &Seen, items: u64, version: u64) {
+    for i in 0..items {
+        wait_handled(seen, &format!("item-{i}"), version).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_group_started_by_table_name_follows_the_table_to_its_re_enabled_stream() {
+    let memory = memory();
+    let table = memory
+        .tables()
+        .create("orders", "id")
+        .partitions(2)
+        .build()
+        .unwrap();
+    let first = table.stream_arn();
+    let seen = Seen::default();
+    let running = by_table(&memory, "indexer")
+        .build()
+        .unwrap()
+        .run(handler(&seen, None))
+        .spawn();
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 1);
+    }
+    wait_all(&seen, 10, 1).await;
+    // Disabled: the writes meanwhile are in no stream. Enabled again: a new stream,
+    // which the group reads once the old one is finished.
+    table.disable_stream().unwrap();
+    for i in 0..10 {
+        assert!(table
+            .put(&Item {
+                id: format!("item-{i}"),
+                version: 2
+            })
+            .unwrap()
+            .is_none());
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let second = table.enable_stream().unwrap();
+    assert_ne!(second, first);
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 3);
+    }
+    wait_all(&seen, 10, 3).await;
+    within(
+        LIMIT,
+        "caught up",
+        memory.wait_caught_up(&second, "indexer"),
+    )
+    .await;
+    assert!(running.health().is_ready(), "{:?}", running.health());
+    running.shutdown().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    for i in 0..10 {
+        assert_eq!(seen[&format!("item-{i}")], vec![1, 3], "item-{i}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_group_restarted_by_table_name_reads_the_rest_of_the_earlier_stream_then_the_new_one() {
+    let memory = memory();
+    let table = memory
+        .tables()
+        .create("orders", "id")
+        .partitions(2)
+        .build()
+        .unwrap();
+    let first = table.stream_arn();
+    let seen = Seen::default();
+    let running = by_table(&memory, "indexer")
+        .build()
+        .unwrap()
+        .run(handler(&seen, None))
+        .spawn();
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 1);
+    }
+    wait_all(&seen, 10, 1).await;
+    running.shutdown().await.unwrap();
+    // While the group is stopped: changes in the old stream, then a new stream with
+    // more changes.
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 2);
+    }
+    table.disable_stream().unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let second = table.enable_stream().unwrap();
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 3);
+    }
+    let running = by_table(&memory, "indexer")
+        .build()
+        .unwrap()
+        .run(handler(&seen, None))
+        .spawn();
+    wait_all(&seen, 10, 3).await;
+    within(
+        LIMIT,
+        "caught up",
+        memory.wait_caught_up(&second, "indexer"),
+    )
+    .await;
+    running.shutdown().await.unwrap();
+    let handled = seen.lock().unwrap().clone();
+    for i in 0..10 {
+        assert_eq!(
+            handled[&format!("item-{i}")],
+            vec![1, 2, 3],
+            "item-{i}: the old stream's rest, then the new stream, each once"
+        );
+    }
+
+    // A group started by the old stream's ARN stays on it.
+    let by_arn = Seen::default();
+    let running = testkit::test_timings(
+        Consumer::builder()
+            .table_stream_arn(&first)
+            .group("by-arn")
+            .worker_id("w1")
+            .backend(memory.clone()),
+    )
+    .build()
+    .unwrap()
+    .run(handler(&by_arn, None))
+    .spawn();
+    wait_all(&by_arn, 10, 2).await;
+    within(LIMIT, "caught up", memory.wait_caught_up(&first, "by-arn")).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    running.shutdown().await.unwrap();
+    let by_arn = by_arn.lock().unwrap().clone();
+    for i in 0..10 {
+        assert_eq!(by_arn[&format!("item-{i}")], vec![1, 2], "item-{i}");
+    }
+}

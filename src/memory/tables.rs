@@ -112,6 +112,8 @@ struct TableState {
     sort_key: Option<String>,
     view: StreamViewType,
     arn: String,
+    /// Whether the table has a stream now (see [`MemoryTable::disable_stream`]).
+    enabled: bool,
     /// Items by their keys' JSON form.
     items: HashMap<String, Image>,
     open: Vec<OpenShard>,
@@ -241,17 +243,7 @@ impl MemoryTableBuilder<'_> {
             return Err(TableError::Exists(self.name));
         }
         let kinesis = &self.tables.kinesis;
-        let created = kinesis
-            .wall_clock()
-            .now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let arn = format!(
-            "arn:aws:dynamodb:memory:{MEMORY_ACCOUNT}:table/{}/stream/{}.{:03}",
-            self.name,
-            created.as_secs(),
-            created.subsec_millis()
-        );
+        let arn = stream_arn(kinesis, &self.name);
         let shards = kinesis.create_table_stream(
             &self.name,
             &arn,
@@ -285,6 +277,7 @@ impl MemoryTableBuilder<'_> {
             sort_key: self.sort_key,
             view: self.view,
             arn,
+            enabled: true,
             items: HashMap::new(),
             open,
             closed: VecDeque::new(),
@@ -304,6 +297,20 @@ impl MemoryTableBuilder<'_> {
         }
         Ok(table)
     }
+}
+
+/// A new stream ARN for table `name`, labelled with the time of day.
+fn stream_arn(kinesis: &MemoryKinesis, name: &str) -> String {
+    let created = kinesis
+        .wall_clock()
+        .now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    format!(
+        "arn:aws:dynamodb:memory:{MEMORY_ACCOUNT}:table/{name}/stream/{}.{:03}",
+        created.as_secs(),
+        created.subsec_millis()
+    )
 }
 
 /// Rolls a table's stream over every `interval` until the table or the service is gone.
@@ -429,12 +436,73 @@ impl MemoryTable {
         Ok(Some(serde_dynamo::from_item(item)?))
     }
 
+    /// Disables the table's stream (UpdateTable with `StreamEnabled: false`): every open
+    /// shard closes, the table has no stream any more (a consumer started by table name
+    /// finds none), and writes are no longer recorded. The stream's records stay
+    /// readable under its ARN. Nothing happens when the stream is already disabled.
+    pub fn disable_stream(&self) -> Result<(), TableError> {
+        let mut guard = lock(&self.state);
+        let state = &mut *guard;
+        if !state.enabled {
+            return Ok(());
+        }
+        let now = self.kinesis.wall_clock().now();
+        for shard in &state.open {
+            self.kinesis.close_into(&state.arn, &shard.shard_id, 0)?;
+            state.closed.push_back((shard.shard_id.clone(), now));
+        }
+        state.enabled = false;
+        self.kinesis.forget_table_stream(&state.name);
+        Ok(())
+    }
+
+    /// Enables the table's stream again (UpdateTable with `StreamEnabled: true`): as
+    /// DynamoDB does, that is a **new** stream with a new ARN (returned), one open shard
+    /// per partition, and the table's current stream from now on. The old stream stays
+    /// readable under its ARN. An enabled stream is left as it is (its ARN returned).
+    pub fn enable_stream(&self) -> Result<String, TableError> {
+        let mut guard = lock(&self.state);
+        let state = &mut *guard;
+        if state.enabled {
+            return Ok(state.arn.clone());
+        }
+        let arn = stream_arn(&self.kinesis, &state.name);
+        if arn == state.arn {
+            return Err(TableError::Invalid {
+                field: "enable_stream",
+                reason:
+                    "a new stream needs a new ARN: let the clock move past the old one's creation"
+                        .into(),
+            });
+        }
+        let shards = self.kinesis.create_table_stream(
+            &state.name,
+            &arn,
+            state.open.len(),
+            TableStreamSettings {
+                retention: TABLE_STREAM_RETENTION,
+                iterator_ttl: TABLE_STREAM_ITERATOR_TTL,
+                max_records_per_read: TABLE_STREAM_MAX_RECORDS_PER_READ,
+            },
+        )?;
+        for (open, shard_id) in state.open.iter_mut().zip(shards) {
+            open.shard_id = shard_id;
+        }
+        state.closed.clear();
+        state.arn = arn.clone();
+        state.enabled = true;
+        Ok(arn)
+    }
+
     /// Closes every open shard of the stream and opens one child of each in its place,
     /// taking the same items, as DynamoDB Streams does every few hours. The children's
     /// ids. Closed shards past the stream's 24 h retention are removed.
     pub fn rollover(&self) -> Result<Vec<String>, TableError> {
         let mut guard = lock(&self.state);
         let state = &mut *guard;
+        if !state.enabled {
+            return Ok(Vec::new());
+        }
         let now = self.kinesis.wall_clock().now();
         let mut children = Vec::with_capacity(state.open.len());
         let arn = state.arn.clone();
@@ -457,6 +525,9 @@ impl MemoryTable {
     /// DynamoDB partition split. The children's ids.
     pub fn split(&self, shard_id: &str) -> Result<Vec<String>, TableError> {
         let mut state = lock(&self.state);
+        if !state.enabled {
+            return Err(KinesisError::Invalid("the table's stream is disabled".into()).into());
+        }
         let index = state
             .open
             .iter()
@@ -519,6 +590,13 @@ impl MemoryTable {
             (Some(_), Some(_)) => EventName::Modify,
             (Some(_), None) => EventName::Remove,
         };
+        if !state.enabled {
+            match new {
+                Some(new) => state.items.insert(partition_key_of(&keys), new),
+                None => state.items.remove(&partition_key_of(&keys)),
+            };
+            return Ok(None);
+        }
         let hash = partition_hash(
             &keys
                 .get(&state.partition_key)
