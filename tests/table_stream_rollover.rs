@@ -6,6 +6,7 @@
 //! Tokio's paused clock drives the backend's wall clock too.
 
 use std::collections::HashMap;
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
@@ -47,6 +48,19 @@ struct Calls {
 struct Counting {
     inner: Arc<dyn KinesisApi>,
     calls: Calls,
+    /// The call refused with `AccessDenied` (an IAM policy without it), if any.
+    deny: Mutex<Option<&'static str>>,
+}
+
+impl Counting {
+    fn denied(&self, op: &'static str) -> Result<(), KinesisError> {
+        if *self.deny.lock().unwrap() == Some(op) {
+            return Err(KinesisError::AccessDenied(
+                format!("AccessDeniedException: not authorized to perform dynamodb:{op}").into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Counted {
@@ -57,6 +71,7 @@ impl Counted {
             api: Arc::new(Counting {
                 inner,
                 calls: Calls::default(),
+                deny: Mutex::new(None),
             }),
         }
     }
@@ -92,6 +107,7 @@ impl Backend for Counted {
 impl KinesisApi for Counting {
     async fn list_shards(&self, stream: &str) -> Result<Vec<ShardInfo>, KinesisError> {
         self.calls.list_shards.fetch_add(1, Ordering::SeqCst);
+        self.denied("DescribeStream")?;
         self.inner.list_shards(stream).await
     }
 
@@ -119,6 +135,7 @@ impl KinesisApi for Counting {
 
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         self.calls.get_records.fetch_add(1, Ordering::SeqCst);
+        self.denied("GetRecords")?;
         self.inner.get_records(iterator, limit).await
     }
 
@@ -548,4 +565,82 @@ async fn a_group_restarted_by_table_name_reads_the_rest_of_the_earlier_stream_th
     for i in 0..10 {
         assert_eq!(by_arn[&format!("item-{i}")], vec![1, 2], "item-{i}");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn access_denied_on_describe_stream_stops_the_consumer_with_a_typed_error() {
+    let memory = memory();
+    memory.tables().create("orders", "id").build().unwrap();
+    let backend = Counted::new(&memory);
+    *backend.api.deny.lock().unwrap() = Some("DescribeStream");
+    let seen = Seen::default();
+    let result = within(
+        LIMIT,
+        "the consumer stops",
+        testkit::test_timings(
+            Consumer::builder()
+                .table_stream("orders")
+                .group("indexer")
+                .worker_id("w1")
+                .backend(backend.clone()),
+        )
+        .build()
+        .unwrap()
+        .run(handler(&seen, None))
+        .into_future(),
+    )
+    .await;
+    assert!(
+        matches!(
+            result,
+            Err(shardflow::ConsumerError::Kinesis(
+                KinesisError::AccessDenied(_)
+            ))
+        ),
+        "{result:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn access_denied_on_get_records_makes_the_worker_not_ready_and_loses_nothing() {
+    let memory = memory();
+    memory.tables().create("orders", "id").build().unwrap();
+    let backend = Counted::new(&memory);
+    let seen = Seen::default();
+    let running = testkit::test_timings(
+        Consumer::builder()
+            .table_stream("orders")
+            .group("indexer")
+            .worker_id("w1")
+            .backend(backend.clone()),
+    )
+    .build()
+    .unwrap()
+    .run(handler(&seen, None))
+    .spawn();
+    put(&memory, "a", 1);
+    wait_handled(&seen, "a", 1).await;
+    *backend.api.deny.lock().unwrap() = Some("GetRecords");
+    put(&memory, "a", 2);
+    within(LIMIT, "not ready, saying why", async {
+        loop {
+            let health = running.health();
+            if !health.is_ready()
+                && health.shards.iter().any(|s| {
+                    s.last_error
+                        .as_deref()
+                        .is_some_and(|e| e.contains("access denied"))
+                })
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    // Granted again: the change made meanwhile is handled, once.
+    *backend.api.deny.lock().unwrap() = None;
+    wait_handled(&seen, "a", 2).await;
+    running.shutdown().await.unwrap();
+    assert_eq!(seen.lock().unwrap()["a"], vec![1, 2]);
 }
