@@ -3024,25 +3024,22 @@ async fn group_delete_by_table_stream_deletes_only_that_streams_lease_table() {
                 .is_ok()
         }
     };
-    let delete = |given: String, leases: String| {
-        let env = env;
-        async move {
-            run_with(
-                &[
-                    "group",
-                    "delete",
-                    "--table-stream",
-                    &given,
-                    "--table",
-                    &leases,
-                    "--yes",
-                    "--sample-ms",
-                    "0",
-                ],
-                &env,
-            )
-            .await
-        }
+    let delete = |given: String, leases: String| async move {
+        run_with(
+            &[
+                "group",
+                "delete",
+                "--table-stream",
+                &given,
+                "--table",
+                &leases,
+                "--yes",
+                "--sample-ms",
+                "0",
+            ],
+            &env,
+        )
+        .await
     };
 
     // Another stream's lease table, named through this table or its stream's ARN: kept.
