@@ -2,8 +2,12 @@
 //! Streams differs from Kinesis: shards that stay open and empty for hours and roll over
 //! empty, parents trimmed away (24 h) while their children are open, and iterators that
 //! expire after 15 minutes while a handler is slow. Every change handled, none twice,
-//! none skipped; an idle shard is idle (ready, not stuck), read without a busy loop.
-//! Tokio's paused clock drives the backend's wall clock too.
+//! none skipped; an idle shard is idle (ready, not stuck), read without a busy loop. A
+//! group started by table name follows the table when its stream is disabled and
+//! enabled again (a new stream); calls refused by a policy are typed errors that make
+//! the worker stop (at start) or not ready (reads), never a silent stall; items near
+//! the 400 KB limit are handled whole. Tokio's paused clock drives the backend's wall
+//! clock too.
 
 use std::collections::HashMap;
 use std::future::IntoFuture;
@@ -643,4 +647,73 @@ async fn access_denied_on_get_records_makes_the_worker_not_ready_and_loses_nothi
     wait_handled(&seen, "a", 2).await;
     running.shutdown().await.unwrap();
     assert_eq!(seen.lock().unwrap()["a"], vec![1, 2]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn items_of_400_kb_with_both_images_are_handled_whole() {
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    struct Big {
+        id: String,
+        version: u8,
+        plain: String,
+        escaped: String,
+    }
+    let memory = memory();
+    let table = memory.tables().create("orders", "id").build().unwrap();
+    // Near DynamoDB's 400 KB item limit, half of it text that the JSON form escapes
+    // (6 bytes a character): a MODIFY's payload with both images is over 2 MiB.
+    let big = |version: u8| Big {
+        id: "big".into(),
+        version,
+        plain: "x".repeat(190 * 1024),
+        escaped: "\u{1}".repeat(190 * 1024),
+    };
+    table.put(&big(1)).unwrap().expect("an insert");
+    table.put(&big(2)).unwrap().expect("a modify");
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let handler = {
+        let handled = handled.clone();
+        tower::service_fn(move |msg: Message| {
+            let handled = handled.clone();
+            async move {
+                let change = ChangeRecord::from_payload(&msg.payload).expect("a change record");
+                let new: Big = change.new_image_as().unwrap().unwrap();
+                let old: Option<Big> = change.old_image_as().unwrap();
+                handled.lock().unwrap().push((
+                    msg.payload.len(),
+                    new.version,
+                    old.map(|o| o.version),
+                ));
+                assert_eq!(new.escaped.len(), 190 * 1024);
+                Ok::<_, std::io::Error>(())
+            }
+        })
+    };
+    let running = testkit::test_timings(
+        Consumer::builder()
+            .table_stream("orders")
+            .group("indexer")
+            .worker_id("w1")
+            .backend(memory.clone()),
+    )
+    .build()
+    .unwrap()
+    .run(handler)
+    .spawn();
+    within(
+        LIMIT,
+        "caught up",
+        memory.wait_caught_up(&table.stream_arn(), "indexer"),
+    )
+    .await;
+    running.shutdown().await.unwrap();
+    let handled = handled.lock().unwrap().clone();
+    assert_eq!(handled.len(), 2, "{handled:?}");
+    assert_eq!((handled[0].1, handled[0].2), (1, None));
+    assert_eq!((handled[1].1, handled[1].2), (2, Some(1)));
+    assert!(
+        handled[1].0 > 2 * 1024 * 1024,
+        "both images: {} bytes",
+        handled[1].0
+    );
 }
