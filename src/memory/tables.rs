@@ -28,6 +28,9 @@ pub const TABLE_STREAM_ITERATOR_TTL: Duration = Duration::from_secs(15 * 60);
 /// The most records one GetRecords call of a table's stream returns (DynamoDB Streams).
 pub const TABLE_STREAM_MAX_RECORDS_PER_READ: u32 = 1_000;
 
+/// The largest item DynamoDB stores: 400 KB.
+pub const MAX_ITEM_BYTES: usize = 400 * 1024;
+
 /// Why a table operation was refused. Nothing is written when one is returned.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -56,6 +59,15 @@ pub enum TableError {
         attribute: String,
         /// Missing, or of the wrong type.
         reason: &'static str,
+    },
+    /// The item is larger than DynamoDB's 400 KB (409,600 bytes, counted as DynamoDB
+    /// counts: attribute names and values).
+    #[error("an item of table {table} is {size} bytes, over DynamoDB's limit of {MAX_ITEM_BYTES}")]
+    ItemTooLarge {
+        /// The table.
+        table: String,
+        /// The item's size.
+        size: usize,
     },
     /// An update tried to change a key attribute.
     #[error("an update of table {table} cannot change key attribute `{attribute}`")]
@@ -380,6 +392,7 @@ impl MemoryTable {
         let image = image_of(item)?;
         let mut state = lock(&self.state);
         let keys = state.keys_of(&image)?;
+        state.check_size(&image)?;
         let old = state.items.get(&partition_key_of(&keys)).cloned();
         self.write(&mut state, keys, old, Some(image))
     }
@@ -408,6 +421,7 @@ impl MemoryTable {
         let old = state.items.get(&partition_key_of(&keys)).cloned();
         let mut new = old.clone().unwrap_or_else(|| keys.clone());
         new.extend(changes);
+        state.check_size(&new)?;
         self.write(&mut state, keys, old, Some(new))
     }
 
@@ -653,6 +667,18 @@ impl MemoryTable {
 }
 
 impl TableState {
+    /// Refuses an item over DynamoDB's size limit.
+    fn check_size(&self, item: &Image) -> Result<(), TableError> {
+        let size = item_size(item);
+        if size > MAX_ITEM_BYTES {
+            return Err(TableError::ItemTooLarge {
+                table: self.name.clone(),
+                size,
+            });
+        }
+        Ok(())
+    }
+
     /// The key attributes of `image`, checked.
     fn keys_of(&self, image: &Image) -> Result<Image, TableError> {
         let mut keys = Image::new();
@@ -673,6 +699,36 @@ impl TableState {
         }
         Ok(keys)
     }
+}
+
+/// An item's size as DynamoDB counts it: each attribute's name and value; strings and
+/// binary by their bytes, a number by about one byte per two significant digits plus
+/// one, a boolean or null one byte, a list or map 3 bytes plus one per element and its
+/// elements (a map's names included), a set its elements.
+fn item_size(item: &Image) -> usize {
+    fn value(v: &AttributeValue) -> usize {
+        let number = |n: &str| {
+            let digits = n.bytes().filter(u8::is_ascii_digit).count();
+            digits.div_ceil(2) + 1
+        };
+        match v {
+            AttributeValue::S(s) => s.len(),
+            AttributeValue::N(n) => number(n),
+            AttributeValue::B(b) => b.len(),
+            AttributeValue::Bool(_) | AttributeValue::Null(_) => 1,
+            AttributeValue::L(l) => 3 + l.iter().map(|v| 1 + value(v)).sum::<usize>(),
+            AttributeValue::M(m) => {
+                3 + m
+                    .iter()
+                    .map(|(name, v)| 1 + name.len() + value(v))
+                    .sum::<usize>()
+            }
+            AttributeValue::Ss(s) => s.iter().map(String::len).sum(),
+            AttributeValue::Ns(n) => n.iter().map(|n| number(n)).sum(),
+            AttributeValue::Bs(b) => b.iter().map(Vec::len).sum(),
+        }
+    }
+    item.iter().map(|(name, v)| name.len() + value(v)).sum()
 }
 
 /// The text whose MD5 places an item in a partition: its partition key's value.
@@ -879,6 +935,27 @@ mod tests {
             .unwrap();
         assert_eq!(page.next_iterator, None);
         assert_eq!(page.child_shards, vec![children[0].clone()]);
+    }
+
+    #[tokio::test]
+    async fn an_item_over_400_kb_is_refused_and_nothing_is_written() {
+        let memory = Memory::new();
+        let table = memory.tables().create("orders", "id").build().unwrap();
+        let item = |len: usize| serde_json::json!({"id": "big", "text": "x".repeat(len)});
+        // "id" + "big" + "text": 9 bytes besides the text.
+        let err = table.put(&item(MAX_ITEM_BYTES - 8)).unwrap_err();
+        assert!(
+            matches!(err, TableError::ItemTooLarge { size, .. } if size == MAX_ITEM_BYTES + 1),
+            "{err}"
+        );
+        assert!(table.is_empty());
+        assert!(table.put(&item(MAX_ITEM_BYTES - 9)).unwrap().is_some());
+        // An update that would make it too large is refused as well, the item kept.
+        let err = table
+            .update(&Key { id: "big" }, &serde_json::json!({"more": "y"}))
+            .unwrap_err();
+        assert!(matches!(err, TableError::ItemTooLarge { .. }), "{err}");
+        assert_eq!(changes(&memory, &table.stream_arn()).await.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]
