@@ -625,10 +625,33 @@ fn shorten(checkpoint: &str) -> String {
 /// table that also holds rows that are not the group's (a KCL 3.5 application's leader,
 /// worker metrics, migration states), only the lease rows, each deleted on the counter
 /// read, and the table stays with those rows.
-pub async fn delete(cx: &Context, args: DeleteArgs) -> CliResult {
+pub async fn delete(cx: &Context, mut args: DeleteArgs) -> CliResult {
+    // `--table-stream` names the stream the group reads: the table's current stream
+    // must exist, and a lease table holding another stream's rows is not deleted.
+    let stream = if args.group.table_stream.is_some() {
+        let (group, source) = args.group.resolve(&cx.aws).await?;
+        args.group = group;
+        Some(source.stream)
+    } else {
+        None
+    };
     let store = args.group.store(&cx.aws);
     let (rows, others, moved) =
         sample_rows(store.as_ref(), Duration::from_millis(args.sample_ms)).await?;
+    if let Some(stream) = &stream {
+        if let Some(row) = rows
+            .iter()
+            .find(|r| r.stream.as_deref().is_some_and(|s| s != stream))
+        {
+            return Err(format!(
+                "lease table {} holds the leases of stream {} (row {}), not of {stream}: nothing deleted",
+                args.group.table(),
+                row.stream.as_deref().unwrap_or_default(),
+                row.key,
+            )
+            .into());
+        }
+    }
     let live: Vec<&Lease> = rows
         .iter()
         .filter(|r| r.owner.is_some() && moved.as_ref().is_none_or(|m| m.contains(&r.key)))

@@ -2959,3 +2959,117 @@ async fn a_table_stream_is_tailed_described_and_reset() {
     assert_eq!(item["checkpoint"], AttributeValue::S("TRIM_HORIZON".into()));
     assert_eq!(item["endingHashKey"], AttributeValue::S("1".into()));
 }
+
+/// `group delete --table-stream` deletes the lease table of that table's stream only: a
+/// table without a stream, or a lease table whose rows name another stream, is an error
+/// and nothing is deleted; the group's own table (rows naming its stream, or an adapter
+/// application's rows naming none) is deleted.
+#[tokio::test]
+async fn group_delete_by_table_stream_deletes_only_that_streams_lease_table() {
+    use aws_sdk_dynamodb::types::AttributeValue;
+    let table = unique("cli-del-orders");
+    let Some((dynamodb, arn)) = table_with_changes(&table, 1).await else {
+        return;
+    };
+    let endpoint = table_streams_endpoint().unwrap_or_default();
+    let env = [
+        ("AWS_ENDPOINT_URL_DYNAMODB", endpoint.as_str()),
+        ("AWS_ENDPOINT_URL_DYNAMODB_STREAMS", endpoint.as_str()),
+    ];
+    let other =
+        "arn:aws:dynamodb:us-east-1:123456789012:table/other/stream/2026-01-01T00:00:00.000";
+    let lease_table = |stream: Option<&str>| {
+        let dynamodb = dynamodb.clone();
+        let stream = stream.map(str::to_owned);
+        async move {
+            let name = unique("cli-del-leases");
+            let store = shardflow::lease::dynamo::DynamoLeaseStore::new(dynamodb.clone(), &name);
+            store.ensure_table().await.unwrap();
+            let mut row = std::collections::HashMap::from([
+                (
+                    "leaseKey".to_owned(),
+                    AttributeValue::S("shardId-00000001700000000000-0000aaaa".into()),
+                ),
+                ("leaseCounter".to_owned(), AttributeValue::N("3".into())),
+                (
+                    "checkpoint".to_owned(),
+                    AttributeValue::S("TRIM_HORIZON".into()),
+                ),
+                (
+                    "ownerSwitchesSinceCheckpoint".to_owned(),
+                    AttributeValue::N("0".into()),
+                ),
+            ]);
+            if let Some(stream) = stream {
+                row.insert("streamName".to_owned(), AttributeValue::S(stream));
+            }
+            dynamodb
+                .put_item()
+                .table_name(&name)
+                .set_item(Some(row))
+                .send()
+                .await
+                .unwrap();
+            name
+        }
+    };
+    let exists = |name: String| {
+        let dynamodb = dynamodb.clone();
+        async move {
+            dynamodb
+                .describe_table()
+                .table_name(name)
+                .send()
+                .await
+                .is_ok()
+        }
+    };
+    let delete = |given: String, leases: String| async move {
+        run_with(
+            &[
+                "group",
+                "delete",
+                "--table-stream",
+                &given,
+                "--table",
+                &leases,
+                "--yes",
+                "--sample-ms",
+                "0",
+            ],
+            &env,
+        )
+        .await
+    };
+
+    // Another stream's lease table, named through this table or its stream's ARN: kept.
+    let others = lease_table(Some(other)).await;
+    for given in [table.clone(), arn.clone()] {
+        let out = delete(given.clone(), others.clone()).await;
+        assert_eq!(out.code, 1, "{given}: {}{}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(other), "{}", out.stderr);
+        assert!(
+            exists(others.clone()).await,
+            "{given}: the lease table of another stream is kept"
+        );
+    }
+    // A table that has no stream (here: no table at all): kept.
+    let out = delete(unique("cli-del-missing"), others.clone()).await;
+    assert_eq!(out.code, 1, "{}{}", out.stdout, out.stderr);
+    assert!(
+        exists(others).await,
+        "nothing deleted for a table without a stream"
+    );
+
+    // The group's own table (its rows name the stream), and an adapter's (rows name
+    // none): deleted.
+    for rows_name in [Some(arn.as_str()), None] {
+        let own = lease_table(rows_name).await;
+        let out = delete(table.clone(), own.clone()).await;
+        assert_eq!(out.code, 0, "{rows_name:?}: {}{}", out.stdout, out.stderr);
+        assert!(
+            !exists(own).await,
+            "{rows_name:?}: the group's table is deleted"
+        );
+    }
+}

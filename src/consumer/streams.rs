@@ -9,8 +9,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::kinesis::KinesisApi;
-use crate::lease::{LeaseStore, SharedListing};
+use crate::kinesis::{KinesisApi, KinesisError};
+use crate::lease::{Checkpoint, LeaseStore, OneTableStream, SharedListing};
 
 use super::config::{stream_name, Config, StreamList, TableStream};
 use super::context::WorkerContext;
@@ -56,20 +56,10 @@ impl Group {
     /// drained, committed and released.
     pub(crate) async fn run(self, shutdown: CancellationToken) -> Result<(), ConsumerError> {
         let Some(list) = self.config.streams.clone() else {
-            let config = match &self.config.table_stream {
-                // The table's stream is the one it has when the consumer starts.
-                Some(TableStream::Table(table)) => {
-                    let Some(arn) = self.resolve_table_stream(table, &shutdown).await? else {
-                        return Ok(()); // shut down before it started
-                    };
-                    tracing::info!(%table, stream = %arn, "reading the table's stream");
-                    Arc::new(Config {
-                        stream: arn,
-                        ..(*self.config).clone()
-                    })
-                }
-                _ => self.config.clone(),
-            };
+            if let Some(TableStream::Table(table)) = &self.config.table_stream {
+                return self.follow_table(table, shutdown).await;
+            }
+            let config = self.config.clone();
             let coordinator = Coordinator::new(
                 config,
                 self.worker.clone(),
@@ -183,6 +173,125 @@ impl Group {
             }
         }
         failure.map_or(Ok(()), Err)
+    }
+
+    /// Reads the streams of `table` one after the other (a consumer started by table
+    /// name): the table's current stream; but first, an earlier stream of the table
+    /// (disabled before the current one was enabled) whose rows in the lease table are
+    /// not finished, so that what it still holds is read before the changes made since.
+    /// A stream is left once the table has a newer one and every shard of it is
+    /// finished (a disabled stream's shards all close) or the stream is gone (past its
+    /// 24 hours); each coordinator sees only its stream's rows ([`OneTableStream`]).
+    async fn follow_table(
+        &self,
+        table: &str,
+        shutdown: CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        loop {
+            let Some(current) = self.resolve_table_stream(table, &shutdown).await? else {
+                return Ok(()); // shut down before it started
+            };
+            let arn = match self.unfinished_earlier_stream(&current).await {
+                Some(earlier) => {
+                    tracing::info!(%table, stream = %earlier, current = %current, "reading the rest of the table's earlier stream first");
+                    earlier
+                }
+                None => current,
+            };
+            tracing::info!(%table, stream = %arn, "reading the table's stream");
+            let config = Arc::new(Config {
+                stream: arn.clone(),
+                ..(*self.config).clone()
+            });
+            let store: Arc<dyn LeaseStore> =
+                Arc::new(OneTableStream::new(self.store.clone(), &arn));
+            let stop = shutdown.child_token();
+            let coordinator = Coordinator::new(
+                config,
+                self.worker.clone(),
+                self.kinesis.clone(),
+                store,
+                self.sink.clone(),
+                self.health.clone(),
+                false,
+            );
+            let mut run = std::pin::pin!(coordinator.run(stop.clone()));
+            let mut ticks = tokio::time::interval(self.config.shard_sync_interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    result = &mut run => return result,
+                    _ = ticks.tick() => {
+                        if self.moved_on(table, &arn).await {
+                            tracing::info!(%table, stream = %arn, "the table has a newer stream and this one is finished: moving on");
+                            stop.cancel();
+                            run.await?;
+                            break;
+                        }
+                    }
+                }
+            }
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// An earlier stream of the table of `current` (same table, another ARN) whose
+    /// rows are not all finished and that is still readable. Not knowing (a call
+    /// failed) gives `None`: the coordinator of `current` then refuses a table holding
+    /// unfinished rows of another stream rather than skip them.
+    async fn unfinished_earlier_stream(&self, current: &str) -> Option<String> {
+        let view = OneTableStream::new(self.store.clone(), current);
+        let rows = self.store.list().await.ok()?;
+        let mut earlier: Vec<String> = rows
+            .iter()
+            .filter(|r| view.other_stream_of_table(r) && r.checkpoint != Checkpoint::ShardEnd)
+            .filter_map(|r| r.stream.clone())
+            .collect();
+        earlier.sort();
+        earlier.dedup();
+        for stream in earlier {
+            match self.kinesis.list_shards(&stream).await {
+                Err(KinesisError::NotFound(_)) => {
+                    tracing::warn!(%stream, "an earlier stream of the table is gone (past its retention); its unread changes with it");
+                }
+                _ => return Some(stream),
+            }
+        }
+        None
+    }
+
+    /// Whether the group should leave `stream`: the table's stream is another one now
+    /// (a failure to tell, or no stream at all, says no), and every shard of `stream`
+    /// is closed with its row finished, or the stream is gone.
+    async fn moved_on(&self, table: &str, stream: &str) -> bool {
+        match self.kinesis.resolve_table_stream(table).await {
+            Ok(now) if now != stream => {}
+            _ => return false,
+        }
+        let shards = match self.kinesis.list_shards(stream).await {
+            Ok(shards) => shards,
+            Err(KinesisError::NotFound(_)) => return true,
+            Err(_) => return false,
+        };
+        let Ok(rows) = self.store.list().await else {
+            return false;
+        };
+        let ours = |shard: &str| {
+            rows.iter()
+                .find(|r| r.key == shard && r.stream.as_deref().is_none_or(|s| s == stream))
+        };
+        // Every shard closed, every row of them finished, and every last shard of a
+        // lineage (nobody's parent) finished: a shard before it without a row was
+        // left out on purpose (a group started at LATEST).
+        let is_parent = |id: &str| shards.iter().any(|s| s.parents().iter().any(|p| p == id));
+        shards.iter().all(|shard| {
+            let row = ours(&shard.shard_id);
+            shard.is_closed()
+                && row.is_none_or(|r| r.checkpoint == Checkpoint::ShardEnd)
+                && (row.is_some() || is_parent(&shard.shard_id))
+        })
     }
 
     /// The table's current stream ARN; a transient failure (throttling, network) is

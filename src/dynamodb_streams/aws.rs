@@ -23,6 +23,7 @@
 //! | `LimitExceededException`, `ThrottlingException`, `ProvisionedThroughputExceededException`, `RequestLimitExceeded` | [`Throttled`](KinesisError::Throttled) |
 //! | `ExpiredIteratorException`; `TrimmedDataAccessException` on GetRecords | [`ExpiredIterator`](KinesisError::ExpiredIterator) (the reader asks for a new iterator) |
 //! | `ResourceNotFoundException` | [`NotFound`](KinesisError::NotFound) |
+//! | `AccessDeniedException` | [`AccessDenied`](KinesisError::AccessDenied) (not retried) |
 //! | `ValidationException` saying an `AT_TIMESTAMP` is in the future | [`FutureTimestamp`](KinesisError::FutureTimestamp) |
 //! | `ValidationException`, `InvalidArgumentException` | [`Invalid`](KinesisError::Invalid) |
 //! | anything else | [`Other`](KinesisError::Other) |
@@ -117,6 +118,7 @@ fn classify_code(op: &str, code: &str, message: &str, detail: ErrorDetail) -> Ki
         // delivered, which then starts at the horizon) is the way on.
         "TrimmedDataAccessException" if op == "GetRecords" => KinesisError::ExpiredIterator(detail),
         "ResourceNotFoundException" => KinesisError::NotFound(detail),
+        "AccessDeniedException" => KinesisError::AccessDenied(detail),
         "ValidationException" if message.to_ascii_lowercase().contains("future") => {
             KinesisError::FutureTimestamp(detail)
         }
@@ -478,6 +480,23 @@ mod tests {
             kind("GetRecords", "InternalServerError", ""),
             KinesisError::Other(_)
         ));
+    }
+
+    #[test]
+    fn access_denied_is_typed_and_not_retried() {
+        for op in [
+            "DescribeStream",
+            "GetShardIterator",
+            "GetRecords",
+            "DescribeTable",
+        ] {
+            let error = kind(op, "AccessDeniedException", "User is not authorized");
+            assert!(!error.is_transient(), "{op}: {error}");
+            assert!(
+                matches!(error, KinesisError::AccessDenied(_)),
+                "{op}: {error}"
+            );
+        }
     }
 
     #[test]

@@ -237,9 +237,80 @@ impl ChangeRecord {
 /// The partition key of a change: the item's key attributes in DynamoDB's JSON form,
 /// attribute names in order, e.g. `{"pk":{"S":"order-7"},"sk":{"N":"3"}}`. Two changes of
 /// the same item have the same key, whatever their shard.
+///
+/// A number is written in its canonical form (see [`canonical_number`]), as DynamoDB
+/// stores it: `{"N":"1.0"}` and `{"N":"1"}` are the same key, so they are the same
+/// partition key.
 pub fn partition_key_of(keys: &Image) -> String {
+    let canonical: Image = keys
+        .iter()
+        .map(|(name, value)| {
+            let value = match value {
+                AttributeValue::N(n) => AttributeValue::N(canonical_number(n)),
+                other => other.clone(),
+            };
+            (name.clone(), value)
+        })
+        .collect();
     // A map of strings to plain values always serializes.
-    serde_json::to_string(keys).expect("keys always serialize")
+    serde_json::to_string(&canonical).expect("keys always serialize")
+}
+
+/// A DynamoDB number in the form DynamoDB stores and returns it: no sign for a positive
+/// value, no leading zeros, no trailing zeros after the decimal point, no exponent
+/// (`"+01.50"`, `"1.5E0"` and `"15e-1"` are all `"1.5"`; `"-0.0"` is `"0"`). Text that is
+/// not a number is returned as it is.
+pub fn canonical_number(text: &str) -> String {
+    canonical(text.trim()).unwrap_or_else(|| text.to_owned())
+}
+
+fn canonical(text: &str) -> Option<String> {
+    let (negative, unsigned) = match text.as_bytes().first()? {
+        b'-' => (true, &text[1..]),
+        b'+' => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i64>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if (whole.is_empty() && fraction.is_empty())
+        || !whole.bytes().chain(fraction.bytes()).all(|b| b.is_ascii_digit())
+        // DynamoDB's numbers stay within 10^-130..10^126: anything far beyond is not one.
+        || exponent.unsigned_abs() > 1_000
+    {
+        return None;
+    }
+    // All the digits, and where the decimal point goes among them.
+    let digits: String = format!("{whole}{fraction}");
+    let point = whole.len() as i64 + exponent;
+    let first = digits.find(|c| c != '0');
+    let Some(first) = first else {
+        return Some("0".to_owned());
+    };
+    let last = digits.rfind(|c| c != '0').unwrap_or(first);
+    let significant = &digits[first..=last];
+    // The position of the point relative to the first significant digit.
+    let point = point - first as i64;
+    let len = significant.len() as i64;
+    let mut out = String::with_capacity(significant.len() + 8);
+    if negative {
+        out.push('-');
+    }
+    if point <= 0 {
+        out.push_str("0.");
+        out.extend(std::iter::repeat_n('0', point.unsigned_abs() as usize));
+        out.push_str(significant);
+    } else if point >= len {
+        out.push_str(significant);
+        out.extend(std::iter::repeat_n('0', (point - len) as usize));
+    } else {
+        out.push_str(&significant[..point as usize]);
+        out.push('.');
+        out.push_str(&significant[point as usize..]);
+    }
+    Some(out)
 }
 
 /// `value` as an image, through `serde_dynamo` (for writing items in tests and the
@@ -419,6 +490,48 @@ mod tests {
         assert_ne!(reordered, MODIFY);
         let other = ChangeRecord::from_payload(reordered.as_bytes()).unwrap();
         assert_eq!(other.partition_key(), record.partition_key());
+    }
+
+    #[test]
+    fn a_number_key_written_in_two_forms_is_one_partition_key() {
+        let key = |n: &str| {
+            let mut keys = Image::new();
+            keys.insert("Id".to_owned(), AttributeValue::N(n.to_owned()));
+            keys.insert("Sort".to_owned(), AttributeValue::S("a".to_owned()));
+            partition_key_of(&keys)
+        };
+        for same in ["1.0", "01", "+1", "1E0", "10e-1", "1.000", "0.1e1"] {
+            assert_eq!(key(same), key("1"), "{same} is the number 1");
+        }
+        assert_eq!(key("1"), r#"{"Id":{"N":"1"},"Sort":{"S":"a"}}"#);
+        assert_ne!(key("1.5"), key("1"));
+        assert_ne!(key("-1"), key("1"));
+        assert_eq!(key("-0.0"), key("0"));
+    }
+
+    #[test]
+    fn numbers_take_the_form_dynamodb_stores() {
+        for (given, stored) in [
+            ("1", "1"),
+            ("-12.50", "-12.5"),
+            ("0.000", "0"),
+            ("1.5e3", "1500"),
+            ("1.5E-3", "0.0015"),
+            (
+                "00012345678901234567890123456789012345678",
+                "12345678901234567890123456789012345678",
+            ),
+            ("0.0100", "0.01"),
+            ("100", "100"),
+            ("-0", "0"),
+            ("abc", "abc"),
+            ("1e99999999999", "1e99999999999"),
+            ("", ""),
+            (".", "."),
+            (".5", "0.5"),
+        ] {
+            assert_eq!(canonical_number(given), stored, "{given}");
+        }
     }
 
     #[test]

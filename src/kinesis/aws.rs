@@ -9,6 +9,7 @@
 //! | on SubscribeToShard: `ResourceInUseException` (another subscription of the same consumer to the shard is still open, e.g. during a hand-off) | [`Throttled`](KinesisError::Throttled) |
 //! | `ExpiredIteratorException`; on GetRecords also `InvalidArgumentException` whose message names the iterator | [`ExpiredIterator`](KinesisError::ExpiredIterator) |
 //! | `ResourceNotFoundException` | [`NotFound`](KinesisError::NotFound) |
+//! | `AccessDeniedException` | [`AccessDenied`](KinesisError::AccessDenied) (not retried) |
 //! | `InvalidArgumentException` saying an `AT_TIMESTAMP` "cannot be greater than the currentTimestampInMillis" (a time later than the service's clock) | [`FutureTimestamp`](KinesisError::FutureTimestamp) |
 //! | `InvalidArgumentException`, `ValidationException` | [`Invalid`](KinesisError::Invalid) |
 //! | anything else: other service errors, HTTP 5xx, dispatch failures, timeouts | [`Other`](KinesisError::Other) |
@@ -243,6 +244,7 @@ fn classify_code(op: &str, code: &str, message: &str, text: ErrorDetail) -> Kine
             KinesisError::ExpiredIterator(text)
         }
         "ResourceNotFoundException" => KinesisError::NotFound(text),
+        "AccessDeniedException" => KinesisError::AccessDenied(text),
         // An AT_TIMESTAMP later than the service's clock ("The timestampInMillis
         // parameter cannot be greater than the currentTimestampInMillis", from Kinesis
         // and kinesalite alike).

@@ -265,6 +265,10 @@ pub enum KinesisError {
     FutureTimestamp(ErrorDetail),
     /// The backend does not offer this call (for example enhanced fan-out on an emulator).
     Unsupported(String),
+    /// The caller is not allowed to make the call (`AccessDeniedException`: an IAM
+    /// policy without it on that stream). Not transient: the consumer stops with it at
+    /// start; a shard whose reads are refused fails and makes the worker not ready.
+    AccessDenied(ErrorDetail),
     /// A network, service or other transient failure: retry with backoff.
     Other(ErrorDetail),
 }
@@ -281,6 +285,7 @@ impl std::fmt::Display for KinesisError {
             }
             KinesisError::Unsupported(what) => write!(f, "not supported: {what}"),
             KinesisError::Other(d) => write!(f, "kinesis call failed: {d}"),
+            KinesisError::AccessDenied(d) => write!(f, "access denied: {d}"),
         }
     }
 }
@@ -293,7 +298,8 @@ impl std::error::Error for KinesisError {
             | KinesisError::NotFound(d)
             | KinesisError::Invalid(d)
             | KinesisError::FutureTimestamp(d)
-            | KinesisError::Other(d) => d.source(),
+            | KinesisError::Other(d)
+            | KinesisError::AccessDenied(d) => d.source(),
             KinesisError::Unsupported(_) => None,
         }
     }

@@ -18,7 +18,7 @@ mod scoped;
 pub use entity::{EntityKind, EntityRow, RowKind};
 pub(crate) use held::{with_retries, HeldLease};
 pub use leader::{CoordinatorState, LeaderItem, LEADER_KEY};
-pub(crate) use scoped::{SharedListing, StreamScopedStore};
+pub(crate) use scoped::{OneTableStream, SharedListing, StreamScopedStore};
 
 use crate::error::ErrorDetail;
 use std::cmp::Ordering;

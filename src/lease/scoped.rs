@@ -381,3 +381,124 @@ impl LeaseStore for StreamScopedStore {
         self.ours(row)
     }
 }
+
+/// The view of a lease table that the coordinator of one stream of a DynamoDB table
+/// gets when the group follows the table ([`ConsumerBuilder::table_stream`]): rows of
+/// the table's other streams (the one disabled before this one was enabled, or the one
+/// enabled since) are hidden, so that it never takes, reads or cleans up another
+/// stream's shards while the group moves from one to the next. Rows of anything else
+/// show, so a table of another table's stream is still refused.
+///
+/// [`ConsumerBuilder::table_stream`]: crate::ConsumerBuilder::table_stream
+pub(crate) struct OneTableStream {
+    inner: Arc<dyn LeaseStore>,
+    stream: String,
+    /// `arn:...:table/<name>/stream/`: what every stream ARN of the table starts with.
+    prefix: String,
+}
+
+impl OneTableStream {
+    /// `stream` is one stream ARN of the table.
+    pub(crate) fn new(inner: Arc<dyn LeaseStore>, stream: &str) -> Self {
+        let prefix = stream
+            .rfind("/stream/")
+            .map_or(stream, |at| &stream[..at + "/stream/".len()]);
+        OneTableStream {
+            prefix: prefix.to_owned(),
+            stream: stream.to_owned(),
+            inner,
+        }
+    }
+
+    /// Whether `row` is the row of another stream of the same table.
+    pub(crate) fn other_stream_of_table(&self, row: &Lease) -> bool {
+        row.stream
+            .as_deref()
+            .is_some_and(|s| s != self.stream && s.starts_with(&self.prefix))
+    }
+}
+
+#[async_trait]
+impl LeaseStore for OneTableStream {
+    async fn ensure_table(&self) -> Result<(), LeaseError> {
+        self.inner.ensure_table().await
+    }
+
+    async fn list(&self) -> Result<Vec<Lease>, LeaseError> {
+        let mut rows = self.inner.list().await?;
+        rows.retain(|row| !self.other_stream_of_table(row));
+        Ok(rows)
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Lease>, LeaseError> {
+        Ok(self
+            .inner
+            .get(key)
+            .await?
+            .filter(|row| !self.other_stream_of_table(row)))
+    }
+
+    async fn owned_keys(&self, owner: &str) -> Result<Vec<String>, LeaseError> {
+        self.inner.owned_keys(owner).await
+    }
+
+    async fn create(&self, lease: &Lease) -> Result<bool, LeaseError> {
+        self.inner.create(lease).await
+    }
+
+    async fn take(&self, expected: &Lease, new_owner: &str) -> Result<Lease, LeaseError> {
+        self.inner.take(expected, new_owner).await
+    }
+
+    async fn renew(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.inner.renew(expected).await
+    }
+
+    async fn checkpoint(
+        &self,
+        expected: &Lease,
+        checkpoint: &Checkpoint,
+    ) -> Result<Lease, LeaseError> {
+        self.inner.checkpoint(expected, checkpoint).await
+    }
+
+    async fn release(&self, expected: &Lease) -> Result<Lease, LeaseError> {
+        self.inner.release(expected).await
+    }
+
+    async fn request_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.inner.request_handoff(expected, worker).await
+    }
+
+    async fn withdraw_handoff(&self, expected: &Lease, worker: &str) -> Result<Lease, LeaseError> {
+        self.inner.withdraw_handoff(expected, worker).await
+    }
+
+    async fn request_reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.inner.request_reset(expected, to).await
+    }
+
+    async fn reset(&self, expected: &Lease, to: &Checkpoint) -> Result<Lease, LeaseError> {
+        self.inner.reset(expected, to).await
+    }
+
+    async fn delete(&self, expected: &Lease) -> Result<(), LeaseError> {
+        self.inner.delete(expected).await
+    }
+
+    async fn claim_for_stream(&self, expected: &Lease, stream: &str) -> Result<Lease, LeaseError> {
+        self.inner.claim_for_stream(expected, stream).await
+    }
+
+    async fn record_children(
+        &self,
+        expected: &Lease,
+        children: &[String],
+    ) -> Result<Lease, LeaseError> {
+        self.inner.record_children(expected, children).await
+    }
+
+    fn coordinator_state(&self) -> Option<Arc<dyn super::CoordinatorState>> {
+        self.inner.coordinator_state()
+    }
+}

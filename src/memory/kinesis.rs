@@ -349,6 +349,8 @@ impl MemoryKinesis {
             arn.to_owned(),
             MemStream {
                 shards: Vec::new(),
+                shards_created: 0,
+                table_stream: true,
                 updating: false,
                 created,
                 max_record_bytes: MAX_RECORD_BYTES,
@@ -363,6 +365,12 @@ impl MemoryKinesis {
         (0..shards)
             .map(|_| Self::add_shard(&mut s, arn, (None, None), (0, MAX_HASH)))
             .collect()
+    }
+
+    /// Table `table` has no stream any more (its stream was disabled): resolving it
+    /// finds none. The stream itself stays readable.
+    pub(super) fn forget_table_stream(&self, table: &str) {
+        lock(&self.state).table_streams.remove(table);
     }
 
     /// Appends one record to the open shard `shard_id` of `stream`: `build` makes its
@@ -465,7 +473,17 @@ impl MemoryKinesis {
             .streams
             .get_mut(stream)
             .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
-        let shard_id = format!("shardId-{:012}", st.shards.len());
+        let shard_id = if st.table_stream {
+            // The service-wide sequence number where the shard starts: unique across
+            // every stream; the suffix from the stream's ARN, as the service's differ.
+            let digits = start.as_str();
+            let tail = &digits[digits.len().saturating_sub(20)..];
+            let suffix = (crate::kinesis::partition_hash(stream) >> 96) as u32;
+            format!("shardId-{tail:0>20}-{suffix:08x}")
+        } else {
+            format!("shardId-{:012}", st.shards_created)
+        };
+        st.shards_created += 1;
         st.shards.push(MemShard {
             info: ShardInfo {
                 shard_id: shard_id.clone(),
@@ -891,6 +909,8 @@ impl StreamAdmin for MemoryKinesis {
             stream.to_owned(),
             MemStream {
                 shards: Vec::new(),
+                shards_created: 0,
+                table_stream: false,
                 updating: false,
                 created,
                 max_record_bytes: MAX_RECORD_BYTES,

@@ -93,8 +93,8 @@ pub use leader::MemoryCoordinatorState;
 pub use leases::{MemoryLeaseStore, RowsRead};
 pub use limits::KinesisLimits;
 pub use tables::{
-    MemoryTable, MemoryTableBuilder, MemoryTables, TableError, TABLE_STREAM_ITERATOR_TTL,
-    TABLE_STREAM_MAX_RECORDS_PER_READ, TABLE_STREAM_RETENTION,
+    MemoryTable, MemoryTableBuilder, MemoryTables, TableError, MAX_ITEM_BYTES,
+    TABLE_STREAM_ITERATOR_TTL, TABLE_STREAM_MAX_RECORDS_PER_READ, TABLE_STREAM_RETENTION,
 };
 
 use std::collections::HashMap;

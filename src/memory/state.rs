@@ -22,6 +22,13 @@ pub(super) struct MemShard {
 
 pub(super) struct MemStream {
     pub(super) shards: Vec<MemShard>,
+    /// How many shards the stream ever had: the next shard's index. Not `shards.len()`,
+    /// which drops when a shard past retention is removed: an id is never reused.
+    pub(super) shards_created: usize,
+    /// A table's change stream: shard ids in DynamoDB Streams' form
+    /// (`shardId-<20 digits>-<8 hex>`), unique across the table's streams as the
+    /// service's are, so the rows of a disabled stream and of the next one never clash.
+    pub(super) table_stream: bool,
     pub(super) updating: bool,
     /// Creation time, epoch seconds (see
     /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).

@@ -28,6 +28,9 @@ pub const TABLE_STREAM_ITERATOR_TTL: Duration = Duration::from_secs(15 * 60);
 /// The most records one GetRecords call of a table's stream returns (DynamoDB Streams).
 pub const TABLE_STREAM_MAX_RECORDS_PER_READ: u32 = 1_000;
 
+/// The largest item DynamoDB stores: 400 KB.
+pub const MAX_ITEM_BYTES: usize = 400 * 1024;
+
 /// Why a table operation was refused. Nothing is written when one is returned.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -56,6 +59,15 @@ pub enum TableError {
         attribute: String,
         /// Missing, or of the wrong type.
         reason: &'static str,
+    },
+    /// The item is larger than DynamoDB's 400 KB (409,600 bytes, counted as DynamoDB
+    /// counts: attribute names and values).
+    #[error("an item of table {table} is {size} bytes, over DynamoDB's limit of {MAX_ITEM_BYTES}")]
+    ItemTooLarge {
+        /// The table.
+        table: String,
+        /// The item's size.
+        size: usize,
     },
     /// An update tried to change a key attribute.
     #[error("an update of table {table} cannot change key attribute `{attribute}`")]
@@ -112,6 +124,8 @@ struct TableState {
     sort_key: Option<String>,
     view: StreamViewType,
     arn: String,
+    /// Whether the table has a stream now (see [`MemoryTable::disable_stream`]).
+    enabled: bool,
     /// Items by their keys' JSON form.
     items: HashMap<String, Image>,
     open: Vec<OpenShard>,
@@ -241,17 +255,7 @@ impl MemoryTableBuilder<'_> {
             return Err(TableError::Exists(self.name));
         }
         let kinesis = &self.tables.kinesis;
-        let created = kinesis
-            .wall_clock()
-            .now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let arn = format!(
-            "arn:aws:dynamodb:memory:{MEMORY_ACCOUNT}:table/{}/stream/{}.{:03}",
-            self.name,
-            created.as_secs(),
-            created.subsec_millis()
-        );
+        let arn = stream_arn(kinesis, &self.name);
         let shards = kinesis.create_table_stream(
             &self.name,
             &arn,
@@ -285,6 +289,7 @@ impl MemoryTableBuilder<'_> {
             sort_key: self.sort_key,
             view: self.view,
             arn,
+            enabled: true,
             items: HashMap::new(),
             open,
             closed: VecDeque::new(),
@@ -304,6 +309,20 @@ impl MemoryTableBuilder<'_> {
         }
         Ok(table)
     }
+}
+
+/// A new stream ARN for table `name`, labelled with the time of day.
+fn stream_arn(kinesis: &MemoryKinesis, name: &str) -> String {
+    let created = kinesis
+        .wall_clock()
+        .now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    format!(
+        "arn:aws:dynamodb:memory:{MEMORY_ACCOUNT}:table/{name}/stream/{}.{:03}",
+        created.as_secs(),
+        created.subsec_millis()
+    )
 }
 
 /// Rolls a table's stream over every `interval` until the table or the service is gone.
@@ -373,6 +392,7 @@ impl MemoryTable {
         let image = image_of(item)?;
         let mut state = lock(&self.state);
         let keys = state.keys_of(&image)?;
+        state.check_size(&image)?;
         let old = state.items.get(&partition_key_of(&keys)).cloned();
         self.write(&mut state, keys, old, Some(image))
     }
@@ -401,6 +421,7 @@ impl MemoryTable {
         let old = state.items.get(&partition_key_of(&keys)).cloned();
         let mut new = old.clone().unwrap_or_else(|| keys.clone());
         new.extend(changes);
+        state.check_size(&new)?;
         self.write(&mut state, keys, old, Some(new))
     }
 
@@ -429,12 +450,73 @@ impl MemoryTable {
         Ok(Some(serde_dynamo::from_item(item)?))
     }
 
+    /// Disables the table's stream (UpdateTable with `StreamEnabled: false`): every open
+    /// shard closes, the table has no stream any more (a consumer started by table name
+    /// finds none), and writes are no longer recorded. The stream's records stay
+    /// readable under its ARN. Nothing happens when the stream is already disabled.
+    pub fn disable_stream(&self) -> Result<(), TableError> {
+        let mut guard = lock(&self.state);
+        let state = &mut *guard;
+        if !state.enabled {
+            return Ok(());
+        }
+        let now = self.kinesis.wall_clock().now();
+        for shard in &state.open {
+            self.kinesis.close_into(&state.arn, &shard.shard_id, 0)?;
+            state.closed.push_back((shard.shard_id.clone(), now));
+        }
+        state.enabled = false;
+        self.kinesis.forget_table_stream(&state.name);
+        Ok(())
+    }
+
+    /// Enables the table's stream again (UpdateTable with `StreamEnabled: true`): as
+    /// DynamoDB does, that is a **new** stream with a new ARN (returned), one open shard
+    /// per partition, and the table's current stream from now on. The old stream stays
+    /// readable under its ARN. An enabled stream is left as it is (its ARN returned).
+    pub fn enable_stream(&self) -> Result<String, TableError> {
+        let mut guard = lock(&self.state);
+        let state = &mut *guard;
+        if state.enabled {
+            return Ok(state.arn.clone());
+        }
+        let arn = stream_arn(&self.kinesis, &state.name);
+        if arn == state.arn {
+            return Err(TableError::Invalid {
+                field: "enable_stream",
+                reason:
+                    "a new stream needs a new ARN: let the clock move past the old one's creation"
+                        .into(),
+            });
+        }
+        let shards = self.kinesis.create_table_stream(
+            &state.name,
+            &arn,
+            state.open.len(),
+            TableStreamSettings {
+                retention: TABLE_STREAM_RETENTION,
+                iterator_ttl: TABLE_STREAM_ITERATOR_TTL,
+                max_records_per_read: TABLE_STREAM_MAX_RECORDS_PER_READ,
+            },
+        )?;
+        for (open, shard_id) in state.open.iter_mut().zip(shards) {
+            open.shard_id = shard_id;
+        }
+        state.closed.clear();
+        state.arn = arn.clone();
+        state.enabled = true;
+        Ok(arn)
+    }
+
     /// Closes every open shard of the stream and opens one child of each in its place,
     /// taking the same items, as DynamoDB Streams does every few hours. The children's
     /// ids. Closed shards past the stream's 24 h retention are removed.
     pub fn rollover(&self) -> Result<Vec<String>, TableError> {
         let mut guard = lock(&self.state);
         let state = &mut *guard;
+        if !state.enabled {
+            return Ok(Vec::new());
+        }
         let now = self.kinesis.wall_clock().now();
         let mut children = Vec::with_capacity(state.open.len());
         let arn = state.arn.clone();
@@ -457,6 +539,9 @@ impl MemoryTable {
     /// DynamoDB partition split. The children's ids.
     pub fn split(&self, shard_id: &str) -> Result<Vec<String>, TableError> {
         let mut state = lock(&self.state);
+        if !state.enabled {
+            return Err(KinesisError::Invalid("the table's stream is disabled".into()).into());
+        }
         let index = state
             .open
             .iter()
@@ -519,6 +604,13 @@ impl MemoryTable {
             (Some(_), Some(_)) => EventName::Modify,
             (Some(_), None) => EventName::Remove,
         };
+        if !state.enabled {
+            match new {
+                Some(new) => state.items.insert(partition_key_of(&keys), new),
+                None => state.items.remove(&partition_key_of(&keys)),
+            };
+            return Ok(None);
+        }
         let hash = partition_hash(
             &keys
                 .get(&state.partition_key)
@@ -575,6 +667,18 @@ impl MemoryTable {
 }
 
 impl TableState {
+    /// Refuses an item over DynamoDB's size limit.
+    fn check_size(&self, item: &Image) -> Result<(), TableError> {
+        let size = item_size(item);
+        if size > MAX_ITEM_BYTES {
+            return Err(TableError::ItemTooLarge {
+                table: self.name.clone(),
+                size,
+            });
+        }
+        Ok(())
+    }
+
     /// The key attributes of `image`, checked.
     fn keys_of(&self, image: &Image) -> Result<Image, TableError> {
         let mut keys = Image::new();
@@ -595,6 +699,36 @@ impl TableState {
         }
         Ok(keys)
     }
+}
+
+/// An item's size as DynamoDB counts it: each attribute's name and value; strings and
+/// binary by their bytes, a number by about one byte per two significant digits plus
+/// one, a boolean or null one byte, a list or map 3 bytes plus one per element and its
+/// elements (a map's names included), a set its elements.
+fn item_size(item: &Image) -> usize {
+    fn value(v: &AttributeValue) -> usize {
+        let number = |n: &str| {
+            let digits = n.bytes().filter(u8::is_ascii_digit).count();
+            digits.div_ceil(2) + 1
+        };
+        match v {
+            AttributeValue::S(s) => s.len(),
+            AttributeValue::N(n) => number(n),
+            AttributeValue::B(b) => b.len(),
+            AttributeValue::Bool(_) | AttributeValue::Null(_) => 1,
+            AttributeValue::L(l) => 3 + l.iter().map(|v| 1 + value(v)).sum::<usize>(),
+            AttributeValue::M(m) => {
+                3 + m
+                    .iter()
+                    .map(|(name, v)| 1 + name.len() + value(v))
+                    .sum::<usize>()
+            }
+            AttributeValue::Ss(s) => s.iter().map(String::len).sum(),
+            AttributeValue::Ns(n) => n.iter().map(|n| number(n)).sum(),
+            AttributeValue::Bs(b) => b.iter().map(Vec::len).sum(),
+        }
+    }
+    item.iter().map(|(name, v)| name.len() + value(v)).sum()
 }
 
 /// The text whose MD5 places an item in a partition: its partition key's value.
@@ -801,6 +935,68 @@ mod tests {
             .unwrap();
         assert_eq!(page.next_iterator, None);
         assert_eq!(page.child_shards, vec![children[0].clone()]);
+    }
+
+    #[tokio::test]
+    async fn an_item_over_400_kb_is_refused_and_nothing_is_written() {
+        let memory = Memory::new();
+        let table = memory.tables().create("orders", "id").build().unwrap();
+        let item = |len: usize| serde_json::json!({"id": "big", "text": "x".repeat(len)});
+        // "id" + "big" + "text": 9 bytes besides the text.
+        let err = table.put(&item(MAX_ITEM_BYTES - 8)).unwrap_err();
+        assert!(
+            matches!(err, TableError::ItemTooLarge { size, .. } if size == MAX_ITEM_BYTES + 1),
+            "{err}"
+        );
+        assert!(table.is_empty());
+        assert!(table.put(&item(MAX_ITEM_BYTES - 9)).unwrap().is_some());
+        // An update that would make it too large is refused as well, the item kept.
+        let err = table
+            .update(&Key { id: "big" }, &serde_json::json!({"more": "y"}))
+            .unwrap_err();
+        assert!(matches!(err, TableError::ItemTooLarge { .. }), "{err}");
+        assert_eq!(changes(&memory, &table.stream_arn()).await.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shards_opened_after_old_ones_were_trimmed_get_ids_of_their_own() {
+        let origin = tokio::time::Instant::now();
+        let date = UNIX_EPOCH + Duration::from_secs(1_780_000_000);
+        let memory = Memory::builder()
+            .wall_clock(move || date + origin.elapsed())
+            .build();
+        let table = memory
+            .tables()
+            .create("orders", "id")
+            .partitions(2)
+            .rollover_every(Duration::from_secs(4 * 3600))
+            .build()
+            .unwrap();
+        let arn = table.stream_arn();
+        let mut seen = std::collections::HashSet::new();
+        // Two days of hourly writes: from the second day on, every rollover trims the
+        // shards closed more than a day before and opens new ones.
+        for hour in 0..48u32 {
+            let written = table.put(&order(&format!("o{}", hour % 5), hour));
+            assert!(written.is_ok(), "hour {hour}: {written:?}");
+            for shard in memory.streams().list_shards(&arn).await.unwrap() {
+                seen.insert((shard.shard_id, shard.starting_sequence_number));
+            }
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        let shards = memory.streams().list_shards(&arn).await.unwrap();
+        assert!(
+            shards.len() < 2 * 13,
+            "old shards were trimmed: {}",
+            shards.len()
+        );
+        // A shard id is never given to two shards (a consumer would take the new one
+        // for the old one, finished).
+        let mut ids: Vec<&String> = seen.iter().map(|(id, _)| id).collect();
+        ids.sort();
+        let total = ids.len();
+        ids.dedup();
+        assert_eq!(ids.len(), total, "each id names one shard: {seen:?}");
     }
 
     #[tokio::test(start_paused = true)]

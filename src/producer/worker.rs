@@ -1268,6 +1268,7 @@ pub(super) fn call_error_code(error: &KinesisError) -> &'static str {
         KinesisError::FutureTimestamp(_) => "FutureTimestamp",
         KinesisError::Unsupported(_) => "Unsupported",
         KinesisError::Other(_) => "ServiceError",
+        KinesisError::AccessDenied(_) => "AccessDenied",
     }
 }
 

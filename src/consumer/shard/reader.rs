@@ -370,6 +370,14 @@ impl ShardReader {
         strikes: &mut u32,
         backoff: &mut Backoff,
     ) -> Result<bool, KinesisError> {
+        // Refused by a policy: the shard is kept and retried (a policy may be fixed
+        // while the worker runs), each refusal a failure of the shard, so the worker
+        // is not ready and says why, instead of giving the shard up and taking it
+        // again unseen.
+        if matches!(error, KinesisError::AccessDenied(_)) {
+            self.pause(&error, backoff).await;
+            return Ok(false);
+        }
         if !matches!(error, KinesisError::NotFound(_)) {
             return Err(error);
         }
