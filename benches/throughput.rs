@@ -313,6 +313,28 @@ fn fill_table(memory: &Memory, records: u64) -> String {
     table.stream_arn()
 }
 
+/// The CPU time of every thread of this process so far: the sum of the scheduler's
+/// count of each thread's time on a CPU (Linux's `/proc/self/task/*/schedstat`, in ns);
+/// `None` where there is no such count.
+fn cpu_time() -> Option<Duration> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        // A thread may end between the listing and the read: it is skipped.
+        if let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) {
+            ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+    }
+    Some(Duration::from_nanos(ns))
+}
+
+/// `run`'s output, and the CPU time the whole process spent while it ran.
+async fn on_cpu<T>(run: impl std::future::Future<Output = T>) -> (T, Option<Duration>) {
+    let before = cpu_time();
+    let out = run.await;
+    let spent = cpu_time().zip(before).map(|(after, before)| after.saturating_sub(before));
+    (out, spent)
+}
+
 fn rate(records: u64, d: Duration) -> f64 {
     records as f64 / d.as_secs_f64()
 }
@@ -414,21 +436,29 @@ fn main() {
             }
         }
         let (mut tlp, mut tab, mut tab_sd) = (vec![], vec![], vec![]);
+        // CPU time of each iteration of the compared modes: loop, run, run_1000,
+        // table_loop, table.
+        let mut cpu: [Vec<Duration>; 5] = Default::default();
 
         let (mut lp, mut run, mut run_sd, mut bat, mut bat_sd) = (vec![], vec![], vec![], vec![], vec![]);
         let (mut raw, mut raw_sd, mut r1k, mut r1k_sd) = (vec![], vec![], vec![], vec![]);
         for i in 0..iters {
             // Interleaved so that drift on the shared machine hits every mode alike.
             if want("loop") {
-                lp.push(hand_loop(kinesis.clone(), STREAM, records).await);
+                let (t, c) = on_cpu(hand_loop(kinesis.clone(), STREAM, records)).await;
+                lp.push(t);
+                cpu[0].extend(c);
             }
             if want("run") {
-                let t = kinesis_records(format!("run-{i}"), HeaderFormat::Auto, None).await;
+                let (t, c) = on_cpu(kinesis_records(format!("run-{i}"), HeaderFormat::Auto, None)).await;
+                cpu[1].extend(c);
                 run.push(t.handled);
                 run_sd.push(t.shutdown);
             }
             if want("run_1000") {
-                let t = kinesis_records(format!("run-1000-{i}"), HeaderFormat::Auto, Some(TABLE_READ_LIMIT)).await;
+                let (t, c) =
+                    on_cpu(kinesis_records(format!("run-1000-{i}"), HeaderFormat::Auto, Some(TABLE_READ_LIMIT))).await;
+                cpu[2].extend(c);
                 r1k.push(t.handled);
                 r1k_sd.push(t.shutdown);
             }
@@ -444,10 +474,13 @@ fn main() {
             }
             if let Some(arn) = &table_arn {
                 if want("table_loop") {
-                    tlp.push(hand_loop(kinesis.clone(), arn, records).await);
+                    let (t, c) = on_cpu(hand_loop(kinesis.clone(), arn, records)).await;
+                    tlp.push(t);
+                    cpu[3].extend(c);
                 }
                 if want("table_run") {
-                    let t = table_records(format!("table-{i}")).await;
+                    let (t, c) = on_cpu(table_records(format!("table-{i}"))).await;
+                    cpu[4].extend(c);
                     tab.push(t.handled);
                     tab_sd.push(t.shutdown);
                 }
@@ -523,6 +556,29 @@ fn main() {
                             if own_buffers { "" } else { "\n    (not like for like: the Kinesis records share one buffer; BENCH_MODE=table gives each its own)" }
                         );
                     }
+                }
+            }
+        }
+        // The same comparison in CPU time (every thread's time on a CPU): on a loaded
+        // machine it moves less than the wall clock, which also counts the waits for a CPU.
+        let [c_lp, c_run, c_r1k, c_tlp, c_tab] = cpu.each_mut().map(|v| (!v.is_empty()).then(|| median(v)));
+        if let (Some(tl), Some(tr)) = (c_tlp, c_tab) {
+            let table_cpu = overhead_ns(records, tr, tl);
+            println!(
+                "  CPU time per record: table_loop {:.0} ns, table {:.0} ns: overhead {table_cpu:+.0} ns/record",
+                tl.as_secs_f64() * 1e9 / records as f64,
+                tr.as_secs_f64() * 1e9 / records as f64,
+            );
+            for (name, framework) in [("run", c_run), ("run_1000", c_r1k)] {
+                if let (Some(l), Some(f)) = (c_lp, framework) {
+                    let k = overhead_ns(records, f, l);
+                    println!(
+                        "  CPU time per record: loop {:.0} ns, {name} {:.0} ns: overhead {k:+.0} ns/record; \
+                         the table's {table_cpu:+.0} is {:+.1} %",
+                        l.as_secs_f64() * 1e9 / records as f64,
+                        f.as_secs_f64() * 1e9 / records as f64,
+                        (table_cpu - k) * 100.0 / k
+                    );
                 }
             }
         }
