@@ -331,7 +331,9 @@ fn cpu_time() -> Option<Duration> {
 async fn on_cpu<T>(run: impl std::future::Future<Output = T>) -> (T, Option<Duration>) {
     let before = cpu_time();
     let out = run.await;
-    let spent = cpu_time().zip(before).map(|(after, before)| after.saturating_sub(before));
+    let spent = cpu_time()
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before));
     (out, spent)
 }
 
@@ -360,7 +362,8 @@ fn main() {
     let want = |m: &str| {
         mode == "all"
             || mode == m
-            || (mode == "table" && matches!(m, "loop" | "run" | "run_1000" | "table_loop" | "table_run"))
+            || (mode == "table"
+                && matches!(m, "loop" | "run" | "run_1000" | "table_loop" | "table_run"))
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
