@@ -26,15 +26,34 @@
 //!   `None.read` over a mix of payloads that are not envelopes (the bench's 100-byte
 //!   records, JSON documents, binary data starting with `0xff`), 20 passes.
 //!
-//! * `table`: `run` over a DynamoDB table's change stream instead (an embedded table of
-//!   4 partitions holding as many items, one put each, so as many INSERT records of
-//!   about 300 bytes), against `table_loop`, the hand-written loop over the same stream
-//!   (GetRecords of at most 1,000 records, as DynamoDB Streams answers): the table
-//!   stream's per-record overhead next to the Kinesis stream's.
+//! * `table_run`: `run` over a DynamoDB table's change stream instead (an embedded table
+//!   of 4 partitions holding as many items, one put each, so as many INSERT records of
+//!   about 300 bytes, each a change record's JSON form with a partition key derived from
+//!   the item's keys), against `table_loop`, the hand-written loop over the same stream
+//!   (GetRecords of at most 1,000 records, as DynamoDB Streams answers).
+//! * `run_1000`: `run` over the Kinesis stream with `max_records_per_read(1000)`: the
+//!   Kinesis stream read in pages of a table stream's size, which tells what of the
+//!   table's overhead is the smaller pages (a cost per read, spread over 10 times fewer
+//!   records) and what is the table source itself.
+//! * `table`: the comparison: `loop`, `run`, `run_1000`, `table_loop` and `table_run`,
+//!   interleaved in one process; prints each per-record overhead and the table's next to
+//!   the Kinesis stream's. In this mode every Kinesis record has a buffer of its own
+//!   (`BENCH_OWN_BUFFERS`), as each table record has and as records read from a service
+//!   have; in the other modes every record's data is the same shared buffer (as the
+//!   section's figures have been taken since the first).
+//!
+//! "Overhead" is `(t_framework - t_loop) / records`, each against its own loop: what the
+//! consumer adds to reading the same records itself (leases, shard discovery, messages,
+//! channels, watermark, checkpoints, the per-read work). Both loops pay the memory
+//! backend's copy of the records (a table record's larger payload is a shared `Bytes`, its
+//! longer partition key a longer `String` to clone), so that cost is not in the overhead.
 //!
 //! Environment knobs: `BENCH_ITERS` (default 7), `BENCH_RECORDS` (default 400000),
-//! `BENCH_MODE` (`all`, `run`, `run_raw`, `batches`, `loop`, `table`, `detect`: one
-//! mode only, e.g. under `perf`; `table` runs `table_loop` too).
+//! `BENCH_MODE` (`all`, `run`, `run_1000`, `run_raw`, `batches`, `loop`, `table`,
+//! `table_loop`, `table_run`, `detect`: one mode only, e.g. under `perf` or callgrind;
+//! `table` runs the five modes it compares), `BENCH_OWN_BUFFERS` (`true` or `false`:
+//! whether every Kinesis record has a buffer of its own; default `true` in mode `table`
+//! only).
 //!
 //! Without `--bench` among its arguments (`cargo bench` passes it; `cargo test
 //! --all-targets` runs this binary without), it makes a smoke run instead: every mode
@@ -57,6 +76,9 @@ use tokio::sync::Notify;
 const STREAM: &str = "bench";
 const TABLE: &str = "bench-table";
 const READ_LIMIT: u32 = 10_000;
+/// The most records a read of a table's stream returns (DynamoDB Streams' limit, which
+/// the embedded table's stream applies too): `run_1000` reads the Kinesis stream so.
+const TABLE_READ_LIMIT: u32 = 1_000;
 
 /// The "work" every mode does per record: count it (and touch the payload so the
 /// compiler cannot drop the access). The same function is called by every mode.
@@ -110,14 +132,18 @@ async fn framework_records(
     records: u64,
     headers: HeaderFormat,
     table: bool,
+    read_limit: Option<u32>,
 ) -> Timing {
     let done = Done::new(records);
     let start = Instant::now();
-    let builder = if table {
+    let mut builder = if table {
         Consumer::builder().table_stream(TABLE)
     } else {
         Consumer::builder().stream(STREAM)
     };
+    if let Some(n) = read_limit {
+        builder = builder.max_records_per_read(n);
+    }
     let consumer = builder
         .group(group)
         .backend(memory.clone())
@@ -287,6 +313,30 @@ fn fill_table(memory: &Memory, records: u64) -> String {
     table.stream_arn()
 }
 
+/// The CPU time of every thread of this process so far: the sum of the scheduler's
+/// count of each thread's time on a CPU (Linux's `/proc/self/task/*/schedstat`, in ns);
+/// `None` where there is no such count.
+fn cpu_time() -> Option<Duration> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        // A thread may end between the listing and the read: it is skipped.
+        if let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) {
+            ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+    }
+    Some(Duration::from_nanos(ns))
+}
+
+/// `run`'s output, and the CPU time the whole process spent while it ran.
+async fn on_cpu<T>(run: impl std::future::Future<Output = T>) -> (T, Option<Duration>) {
+    let before = cpu_time();
+    let out = run.await;
+    let spent = cpu_time()
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before));
+    (out, spent)
+}
+
 fn rate(records: u64, d: Duration) -> f64 {
     records as f64 / d.as_secs_f64()
 }
@@ -307,7 +357,14 @@ fn main() {
         println!("throughput: smoke run (not a measurement: run `cargo bench --bench throughput`)");
         (1, 400, "all".to_string())
     };
-    let want = |m: &str| mode == "all" || mode == m;
+    // `table` compares the table stream with the Kinesis stream in one process, the
+    // modes interleaved: it runs `loop`, `run` and `run_1000` too.
+    let want = |m: &str| {
+        mode == "all"
+            || mode == m
+            || (mode == "table"
+                && matches!(m, "loop" | "run" | "run_1000" | "table_loop" | "table_run"))
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -319,14 +376,28 @@ fn main() {
     runtime.block_on(async {
         let memory = Memory::new();
         let t = Instant::now();
-        fill(memory.streams().as_ref(), STREAM, records as usize).await;
+        // Records read from a service each have a buffer of their own, as the table's
+        // records (each its own JSON) do; the Kinesis records of the other modes share
+        // one (their figures since the first are taken so). Sharing changes where the
+        // time goes (one reference count, hot in cache, instead of one per record), so
+        // the table comparison gives every Kinesis record its own buffer too.
+        let own_buffers = env_or("BENCH_OWN_BUFFERS", mode == "table");
+        if own_buffers {
+            fill_with(memory.streams().as_ref(), STREAM, records as usize, |_| {
+                Bytes::from(vec![b'x'; RECORD_BYTES])
+            })
+            .await;
+        } else {
+            fill(memory.streams().as_ref(), STREAM, records as usize).await;
+        }
         println!(
-            "throughput: {records} records x {RECORD_BYTES} B on {SHARDS} shards (memory backend), \
+            "throughput: {records} records x {RECORD_BYTES} B on {SHARDS} shards (memory backend, {}), \
              put in {:.2?}; {threads} CPUs, tokio multi-thread runtime; {iters} iterations, medians",
+            if own_buffers { "a buffer per record" } else { "one buffer shared by every record" },
             t.elapsed()
         );
         let kinesis = Backend::kinesis(&memory);
-        let table_arn = if want("table") {
+        let table_arn = if want("table_loop") || want("table_run") {
             let t = Instant::now();
             let arn = fill_table(&memory, records);
             println!("  table: {records} items put in {:.2?}", t.elapsed());
@@ -334,40 +405,68 @@ fn main() {
         } else {
             None
         };
+        let table_records = |name: String| {
+            let memory = memory.clone();
+            async move { framework_records(&memory, &name, records, HeaderFormat::Auto, true, None).await }
+        };
+        let kinesis_records = |name: String, headers: HeaderFormat, read_limit: Option<u32>| {
+            let memory = memory.clone();
+            async move { framework_records(&memory, &name, records, headers, false, read_limit).await }
+        };
 
         // One untimed warm-up of each mode (allocator, page faults, lazy statics).
         if measure && want("loop") {
             hand_loop(kinesis.clone(), STREAM, records).await;
         }
         if measure && want("run") {
-            framework_records(&memory, "warmup-run", records, HeaderFormat::Auto, false).await;
+            kinesis_records("warmup-run".into(), HeaderFormat::Auto, None).await;
+        }
+        if measure && want("run_1000") {
+            kinesis_records("warmup-run-1000".into(), HeaderFormat::Auto, Some(TABLE_READ_LIMIT)).await;
         }
         if measure && want("run_raw") {
-            framework_records(&memory, "warmup-raw", records, HeaderFormat::None, false).await;
+            kinesis_records("warmup-raw".into(), HeaderFormat::None, None).await;
         }
         if measure && want("batches") {
             framework_batches(&memory, "warmup-batches", records).await;
         }
         if let (true, Some(arn)) = (measure, &table_arn) {
-            hand_loop(kinesis.clone(), arn, records).await;
-            framework_records(&memory, "warmup-table", records, HeaderFormat::Auto, true).await;
+            if want("table_loop") {
+                hand_loop(kinesis.clone(), arn, records).await;
+            }
+            if want("table_run") {
+                table_records("warmup-table".into()).await;
+            }
         }
         let (mut tlp, mut tab, mut tab_sd) = (vec![], vec![], vec![]);
+        // CPU time of each iteration of the compared modes: loop, run, run_1000,
+        // table_loop, table.
+        let mut cpu: [Vec<Duration>; 5] = Default::default();
 
         let (mut lp, mut run, mut run_sd, mut bat, mut bat_sd) = (vec![], vec![], vec![], vec![], vec![]);
-        let (mut raw, mut raw_sd) = (vec![], vec![]);
+        let (mut raw, mut raw_sd, mut r1k, mut r1k_sd) = (vec![], vec![], vec![], vec![]);
         for i in 0..iters {
             // Interleaved so that drift on the shared machine hits every mode alike.
             if want("loop") {
-                lp.push(hand_loop(kinesis.clone(), STREAM, records).await);
+                let (t, c) = on_cpu(hand_loop(kinesis.clone(), STREAM, records)).await;
+                lp.push(t);
+                cpu[0].extend(c);
             }
             if want("run") {
-                let t = framework_records(&memory, &format!("run-{i}"), records, HeaderFormat::Auto, false).await;
+                let (t, c) = on_cpu(kinesis_records(format!("run-{i}"), HeaderFormat::Auto, None)).await;
+                cpu[1].extend(c);
                 run.push(t.handled);
                 run_sd.push(t.shutdown);
             }
+            if want("run_1000") {
+                let (t, c) =
+                    on_cpu(kinesis_records(format!("run-1000-{i}"), HeaderFormat::Auto, Some(TABLE_READ_LIMIT))).await;
+                cpu[2].extend(c);
+                r1k.push(t.handled);
+                r1k_sd.push(t.shutdown);
+            }
             if want("run_raw") {
-                let t = framework_records(&memory, &format!("raw-{i}"), records, HeaderFormat::None, false).await;
+                let t = kinesis_records(format!("raw-{i}"), HeaderFormat::None, None).await;
                 raw.push(t.handled);
                 raw_sd.push(t.shutdown);
             }
@@ -377,10 +476,17 @@ fn main() {
                 bat_sd.push(t.shutdown);
             }
             if let Some(arn) = &table_arn {
-                tlp.push(hand_loop(kinesis.clone(), arn, records).await);
-                let t = framework_records(&memory, &format!("table-{i}"), records, HeaderFormat::Auto, true).await;
-                tab.push(t.handled);
-                tab_sd.push(t.shutdown);
+                if want("table_loop") {
+                    let (t, c) = on_cpu(hand_loop(kinesis.clone(), arn, records)).await;
+                    tlp.push(t);
+                    cpu[3].extend(c);
+                }
+                if want("table_run") {
+                    let (t, c) = on_cpu(table_records(format!("table-{i}"))).await;
+                    cpu[4].extend(c);
+                    tab.push(t.handled);
+                    tab_sd.push(t.shutdown);
+                }
             }
         }
         let show = |name: &str, all: &mut Vec<Duration>| {
@@ -395,8 +501,10 @@ fn main() {
             m
         };
         let base = (!lp.is_empty()).then(|| show("loop", &mut lp));
+        let mut kinesis_overhead = [None, None];
         for (name, times, shutdowns) in [
             ("run", &mut run, &mut run_sd),
+            ("run_1000", &mut r1k, &mut r1k_sd),
             ("run_raw", &mut raw, &mut raw_sd),
             ("run_batches", &mut bat, &mut bat_sd),
         ] {
@@ -407,31 +515,74 @@ fn main() {
             let sd = median(shutdowns);
             print!("               graceful shutdown after the last record: {:.1} ms", sd.as_secs_f64() * 1e3);
             match base {
-                Some(b) => println!(
-                    "\n               overhead vs loop: {:+.0} ns/record, ratio {:.2}x  (target: < 1000 ns/record)",
-                    overhead_ns(records, m, b),
-                    m.as_secs_f64() / b.as_secs_f64()
-                ),
+                Some(b) => {
+                    let overhead = overhead_ns(records, m, b);
+                    match name {
+                        "run" => kinesis_overhead[0] = Some(overhead),
+                        "run_1000" => kinesis_overhead[1] = Some(overhead),
+                        _ => {}
+                    }
+                    println!(
+                        "\n               overhead vs loop: {overhead:+.0} ns/record, ratio {:.2}x  (target: < 1000 ns/record)",
+                        m.as_secs_f64() / b.as_secs_f64()
+                    )
+                }
                 None => println!(),
             }
         }
+        let table_base = (!tlp.is_empty()).then(|| show("table_loop", &mut tlp));
         if !tab.is_empty() {
-            let tb = show("table_loop", &mut tlp);
             let tm = show("table", &mut tab);
-            let table_overhead = overhead_ns(records, tm, tb);
-            println!(
-                "               graceful shutdown after the last record: {:.1} ms\n               \
-                 overhead vs table_loop: {table_overhead:+.0} ns/record, ratio {:.2}x",
+            print!(
+                "               graceful shutdown after the last record: {:.1} ms",
                 median(&mut tab_sd).as_secs_f64() * 1e3,
-                tm.as_secs_f64() / tb.as_secs_f64()
             );
-            if let (false, Some(b)) = (run.is_empty(), base) {
-                let kinesis_overhead = overhead_ns(records, median(&mut run), b);
-                println!(
-                    "  table stream vs Kinesis stream, per-record overhead: {table_overhead:+.0} vs \
-                     {kinesis_overhead:+.0} ns/record ({:+.1} %)  (target: within 10 %)",
-                    (table_overhead - kinesis_overhead) * 100.0 / kinesis_overhead
-                );
+            match table_base {
+                Some(tb) => println!(
+                    "\n               overhead vs table_loop: {:+.0} ns/record, ratio {:.2}x",
+                    overhead_ns(records, tm, tb),
+                    tm.as_secs_f64() / tb.as_secs_f64()
+                ),
+                None => println!(),
+            }
+            if let Some(tb) = table_base {
+                let table_overhead = overhead_ns(records, tm, tb);
+                for (against, kinesis_overhead) in [
+                    ("`run` (reads of up to 10,000)", kinesis_overhead[0]),
+                    ("`run_1000` (reads of up to 1,000, as the table's)", kinesis_overhead[1]),
+                ] {
+                    if let Some(k) = kinesis_overhead {
+                        println!(
+                            "  table stream vs Kinesis stream {against}, per-record overhead: \
+                             {table_overhead:+.0} vs {k:+.0} ns/record ({:+.1} %)  (target: within 10 % of `run`){}",
+                            (table_overhead - k) * 100.0 / k,
+                            if own_buffers { "" } else { "\n    (not like for like: the Kinesis records share one buffer; BENCH_MODE=table gives each its own)" }
+                        );
+                    }
+                }
+            }
+        }
+        // The same comparison in CPU time (every thread's time on a CPU): on a loaded
+        // machine it moves less than the wall clock, which also counts the waits for a CPU.
+        let [c_lp, c_run, c_r1k, c_tlp, c_tab] = cpu.each_mut().map(|v| (!v.is_empty()).then(|| median(v)));
+        if let (Some(tl), Some(tr)) = (c_tlp, c_tab) {
+            let table_cpu = overhead_ns(records, tr, tl);
+            println!(
+                "  CPU time per record: table_loop {:.0} ns, table {:.0} ns: overhead {table_cpu:+.0} ns/record",
+                tl.as_secs_f64() * 1e9 / records as f64,
+                tr.as_secs_f64() * 1e9 / records as f64,
+            );
+            for (name, framework) in [("run", c_run), ("run_1000", c_r1k)] {
+                if let (Some(l), Some(f)) = (c_lp, framework) {
+                    let k = overhead_ns(records, f, l);
+                    println!(
+                        "  CPU time per record: loop {:.0} ns, {name} {:.0} ns: overhead {k:+.0} ns/record; \
+                         the table's {table_cpu:+.0} is {:+.1} %",
+                        l.as_secs_f64() * 1e9 / records as f64,
+                        f.as_secs_f64() * 1e9 / records as f64,
+                        (table_cpu - k) * 100.0 / k
+                    );
+                }
             }
         }
         if !run.is_empty() && !raw.is_empty() {

@@ -33,18 +33,31 @@ pub fn median(v: &mut [Duration]) -> Duration {
 
 /// Creates `stream` with [`SHARDS`] shards and writes `records` records of
 /// [`RECORD_BYTES`], retrying the entries a backend refused (kinesalite can throttle).
+/// On the memory backend every record's data is the same buffer (see [`fill_with`]).
 pub async fn fill(kinesis: &dyn StreamAdmin, stream: &str, records: usize) {
+    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
+    fill_with(kinesis, stream, records, |_| data.clone()).await
+}
+
+/// [`fill`] with the data of record `k` made by `payload(k)`: e.g. a buffer of its own
+/// per record, as records read from a real service have (the memory backend keeps the
+/// `Bytes` it was given, so records made from one buffer share it when read).
+pub async fn fill_with(
+    kinesis: &dyn StreamAdmin,
+    stream: &str,
+    records: usize,
+    payload: impl Fn(usize) -> Bytes,
+) {
     kinesis
         .create_stream(stream, SHARDS)
         .await
         .expect("create stream");
-    let data = Bytes::from(vec![b'x'; RECORD_BYTES]);
     let mut i = 0usize;
     while i < records {
         let n = 500.min(records - i);
         let mut chunk: Vec<PutRecord> = (i..i + n)
             .map(|k| PutRecord {
-                data: data.clone(),
+                data: payload(k),
                 partition_key: format!("pk-{k}"),
                 explicit_hash_key: None,
             })
