@@ -349,6 +349,7 @@ impl MemoryKinesis {
             arn.to_owned(),
             MemStream {
                 shards: Vec::new(),
+                shards_created: 0,
                 updating: false,
                 created,
                 max_record_bytes: MAX_RECORD_BYTES,
@@ -465,7 +466,8 @@ impl MemoryKinesis {
             .streams
             .get_mut(stream)
             .ok_or_else(|| KinesisError::NotFound(format!("stream {stream}").into()))?;
-        let shard_id = format!("shardId-{:012}", st.shards.len());
+        let shard_id = format!("shardId-{:012}", st.shards_created);
+        st.shards_created += 1;
         st.shards.push(MemShard {
             info: ShardInfo {
                 shard_id: shard_id.clone(),
@@ -891,6 +893,7 @@ impl StreamAdmin for MemoryKinesis {
             stream.to_owned(),
             MemStream {
                 shards: Vec::new(),
+                shards_created: 0,
                 updating: false,
                 created,
                 max_record_bytes: MAX_RECORD_BYTES,

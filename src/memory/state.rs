@@ -22,6 +22,10 @@ pub(super) struct MemShard {
 
 pub(super) struct MemStream {
     pub(super) shards: Vec<MemShard>,
+    /// How many shards the stream ever had: the next shard's id number. Not
+    /// `shards.len()`, which shrinks when a shard past retention is removed: a shard id is
+    /// never given twice.
+    pub(super) shards_created: usize,
     pub(super) updating: bool,
     /// Creation time, epoch seconds (see
     /// [`MemoryKinesis::delete_stream`](super::MemoryKinesis::delete_stream)).

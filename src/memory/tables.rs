@@ -803,6 +803,42 @@ mod tests {
         assert_eq!(page.child_shards, vec![children[0].clone()]);
     }
 
+    /// A shard id is never given twice: once the trim drops shards that closed more than
+    /// a day ago, the next rollovers' children get new ids, not those of the dropped
+    /// shards (whose finished lease rows a group may still hold at SHARD_END).
+    #[tokio::test(start_paused = true)]
+    async fn shard_ids_stay_unique_after_the_trim_drops_shards() {
+        let origin = tokio::time::Instant::now();
+        let date = UNIX_EPOCH + Duration::from_secs(1_780_000_000);
+        let memory = Memory::builder()
+            .wall_clock(move || date + origin.elapsed())
+            .build();
+        let table = memory
+            .tables()
+            .create("orders", "id")
+            .partitions(2)
+            .build()
+            .unwrap();
+        let arn = table.stream_arn();
+        let mut given: Vec<String> = table.open_shards();
+        for _ in 0..3 {
+            given.extend(table.rollover().unwrap());
+        }
+        tokio::time::sleep(TABLE_STREAM_RETENTION + Duration::from_secs(60)).await;
+        // This rollover drops the six shards that closed a day ago.
+        given.extend(table.rollover().unwrap());
+        given.extend(table.split(&table.open_shards()[0]).unwrap());
+        given.extend(table.rollover().unwrap());
+        let listed = memory.streams().list_shards(&arn).await.unwrap();
+        assert_eq!(listed.len(), given.len() - 6, "{listed:?}");
+        let unique: std::collections::HashSet<&String> = given.iter().collect();
+        assert_eq!(unique.len(), given.len(), "a shard id given twice: {given:?}");
+        table.put(&order("a", 1)).unwrap();
+        let changes = changes(&memory, &arn).await;
+        assert_eq!(changes.len(), 1);
+        assert!(!given[..6].contains(&changes[0].0), "{changes:?}");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn iterators_expire_after_15_minutes_records_after_24_hours_and_rollover_runs_on_schedule(
     ) {
