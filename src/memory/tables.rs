@@ -832,7 +832,11 @@ mod tests {
         let listed = memory.streams().list_shards(&arn).await.unwrap();
         assert_eq!(listed.len(), given.len() - 6, "{listed:?}");
         let unique: std::collections::HashSet<&String> = given.iter().collect();
-        assert_eq!(unique.len(), given.len(), "a shard id given twice: {given:?}");
+        assert_eq!(
+            unique.len(),
+            given.len(),
+            "a shard id given twice: {given:?}"
+        );
         table.put(&order("a", 1)).unwrap();
         let changes = changes(&memory, &arn).await;
         assert_eq!(changes.len(), 1);
