@@ -21,7 +21,7 @@
 //! every shard, shards the stream dropped after the trim included, is. And two more
 //! ([`check_table_stream`]):
 //! - parent-first: no record of a child shard is handled before every required record
-//!   of each of its parents was;
+//!   of each of its parents (and their parents, up the lineage) was;
 //! - per-item order: each incarnation receives the changes of one item (its partition
 //!   key, the item's keys) in the order they were written, across shards and rollovers
 //!   (a change received again is fine, a new one behind a later one is not).
@@ -453,12 +453,21 @@ pub fn check_table_stream(memory: &Memory, log: &Log, start: &Start) -> Result<(
         }
     }
     for (child, (started, first, by)) in &shard_started {
-        for parent in parents.get(*child).into_iter().flatten() {
+        // Every ancestor, not only the parents: a parent without records between them
+        // says nothing about its own parents.
+        let mut ancestors: Vec<&String> = parents.get(*child).into_iter().flatten().collect();
+        let mut i = 0;
+        while i < ancestors.len() {
+            let next = parents.get(ancestors[i].as_str()).into_iter().flatten();
+            ancestors.extend(next);
+            i += 1;
+        }
+        for parent in ancestors {
             if let Some((done, last)) = finished.get(parent) {
                 if done > started {
                     return Err(format!(
                         "invariant parent-first: {by} handled record {first} of {child} at tick {started}, \
-                         before record {} of its parent {parent} was handled (tick {})",
+                         before record {} of its ancestor {parent} was handled (tick {})",
                         last.as_ref().map_or("?".to_owned(), |s| s.to_string()),
                         if *done == u64::MAX { "never".to_owned() } else { done.to_string() }
                     ));
