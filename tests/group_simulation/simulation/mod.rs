@@ -1132,7 +1132,13 @@ impl Sim {
             events.extend(std::iter::repeat_n(0, n));
             events.push(14);
         }
-        let others = self.rng.gen_range(6..=12);
+        // A table-stream history spends its time in rollovers and the suspension: fewer
+        // other events keep it about as cheap as the others.
+        let others = if self.features.has(Feature::TableStream) {
+            self.rng.gen_range(4..=8)
+        } else {
+            self.rng.gen_range(6..=12)
+        };
         for _ in 0..others {
             events.push(self.rng.gen_range(1..=6));
         }
