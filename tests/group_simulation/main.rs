@@ -26,6 +26,11 @@
 //! `SHARDFLOW_SIM_SEEDS` there), `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `simulation/history.rs`).
 //!
+//! `generated_histories_of_a_table_stream_keep_the_invariants` runs the generator on a
+//! DynamoDB table's change stream instead (feature `table-stream`: rollovers, partition
+//! splits, empty shards, iterators outliving their 15 minutes, the 24 h trim), checking
+//! beside the invariants above parent-first and per-item order.
+//!
 //! A seed replays exactly: every history runs on tokio's paused clock in a runtime of
 //! its own, its workers' owner nonces come from a generator seeded by the seed, the
 //! embedded backend and the workers read a wall clock on simulated time, every

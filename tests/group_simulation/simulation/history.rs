@@ -118,10 +118,6 @@ pub const NOT_WITH_TABLE_STREAM: &[(Feature, &str)] = &[
     (Feature::DeepReshard, "the same: no Kinesis reshards"),
     (Feature::MergeBack, "DynamoDB Streams never merges shards"),
     (
-        Feature::AtTimestamp,
-        "DynamoDB Streams' GetShardIterator has no AT_TIMESTAMP",
-    ),
-    (
         Feature::AmbiguousPut,
         "items are written to the table, not put through PutRecords",
     ),
