@@ -24,7 +24,8 @@
 //!   of each of its parents (and their parents, up the lineage) was;
 //! - per-item order: each incarnation receives the changes of one item (its partition
 //!   key, the item's keys) in the order they were written, across shards and rollovers
-//!   (a change received again is fine, a new one behind a later one is not).
+//!   (a change received again is fine, a new one behind a later one is not; after a
+//!   checkpoint reset, behind one received since).
 
 use std::collections::{HashMap, HashSet};
 
@@ -208,10 +209,11 @@ fn check_order(log: &Log) -> Result<(), String> {
     type Seen = (SequenceNumber, HashSet<SequenceNumber>);
     let mut seen: HashMap<(String, String, usize, String), Seen> = HashMap::new();
     for e in log.delivered.lock().unwrap().iter() {
+        // The tenure in which the library handed the record over.
         let key = (
             e.incarnation.clone(),
             e.shard.clone(),
-            tenure(&e.shard, e.at),
+            tenure(&e.shard, e.handed),
             e.partition_key.clone(),
         );
         match seen.get_mut(&key) {
@@ -500,34 +502,36 @@ pub fn check_table_stream(memory: &Memory, log: &Log, start: &Start) -> Result<(
             }
         }
     }
-    // Per incarnation and item: the newest change received, and the changes received.
-    type Seen = (SequenceNumber, String, HashSet<SequenceNumber>);
-    let mut seen: HashMap<(String, String), Seen> = HashMap::new();
-    for e in log.delivered.lock().unwrap().iter() {
-        let key = (e.incarnation.clone(), e.partition_key.clone());
-        match seen.get_mut(&key) {
-            None => {
-                seen.insert(
-                    key,
-                    (
-                        e.sequence.clone(),
-                        e.shard.clone(),
-                        HashSet::from([e.sequence.clone()]),
-                    ),
-                );
+    // Per incarnation and item: the changes received, and the newest one since the
+    // last checkpoint reset that landed (an operator's request to read again, which
+    // may bring back changes another worker handled). Only required changes: a reset
+    // also brings those from before the group's start.
+    let resets: Vec<u64> = log.resets.lock().unwrap().iter().map(|r| r.0).collect();
+    let required: HashSet<(String, SequenceNumber)> =
+        required(memory, log, start).into_iter().collect();
+    let mut received: HashMap<(&str, &str), HashSet<&SequenceNumber>> = HashMap::new();
+    let mut newest: HashMap<(&str, &str, usize), (&SequenceNumber, &str)> = HashMap::new();
+    let delivered = log.delivered.lock().unwrap().clone();
+    for e in &delivered {
+        if !required.contains(&(e.shard.clone(), e.sequence.clone())) {
+            continue;
+        }
+        let item = (e.incarnation.as_str(), e.partition_key.as_str());
+        if !received.entry(item).or_default().insert(&e.sequence) {
+            continue; // received again
+        }
+        let epoch = resets.iter().filter(|at| **at < e.handed).count();
+        match newest.get_mut(&(item.0, item.1, epoch)) {
+            Some((max, max_shard)) if e.sequence < **max => {
+                return Err(format!(
+                    "invariant per-item-order: {} received change {} of {} (item {}) after \
+                     the later change {max} of {max_shard}",
+                    e.incarnation, e.sequence, e.shard, e.partition_key
+                ));
             }
-            Some((max, max_shard, set)) => {
-                if set.insert(e.sequence.clone()) {
-                    if e.sequence < *max {
-                        return Err(format!(
-                            "invariant per-item-order: {} received change {} of {} (item {}) after \
-                             the later change {max} of {max_shard}",
-                            e.incarnation, e.sequence, e.shard, e.partition_key
-                        ));
-                    }
-                    *max = e.sequence.clone();
-                    *max_shard = e.shard.clone();
-                }
+            Some(newest) => *newest = (&e.sequence, e.shard.as_str()),
+            None => {
+                newest.insert((item.0, item.1, epoch), (&e.sequence, e.shard.as_str()));
             }
         }
     }

@@ -17,6 +17,10 @@ use shardflow::{Message, SequenceNumber};
 #[derive(Clone, Debug)]
 pub struct Event {
     pub at: u64,
+    /// When the library handed the record over: the tick of the handler call that
+    /// received it (run mode: a call held at a frozen gate receives it when it started),
+    /// else `at`.
+    pub handed: u64,
     pub incarnation: String,
     pub shard: String,
     pub sequence: SequenceNumber,
@@ -203,8 +207,10 @@ impl Log {
     }
 
     fn event(&self, incarnation: &str, msg: &Message) -> Event {
+        let at = self.tick();
         Event {
-            at: self.tick(),
+            at,
+            handed: at,
             incarnation: incarnation.to_owned(),
             shard: msg.metadata.shard_id.to_string(),
             sequence: msg.metadata.sequence_number.clone(),
@@ -220,10 +226,20 @@ impl Log {
     }
 
     /// The library starts a handler call on `msg` (the first record of a batch).
-    pub fn call(&self, incarnation: &str, msg: &Message) {
+    pub fn call(&self, incarnation: &str, msg: &Message) -> u64 {
         let e = self.event(incarnation, msg);
         self.trace_event("call", &e);
+        let at = e.at;
         self.calls.lock().unwrap().push(e);
+        at
+    }
+
+    /// [`Log::deliver`] of a record whose handler call started at tick `called`.
+    pub fn deliver_called(&self, incarnation: &str, msg: &Message, called: u64) {
+        let mut e = self.event(incarnation, msg);
+        e.handed = called;
+        self.trace_event("deliver", &e);
+        self.delivered.lock().unwrap().push(e);
     }
 
     pub fn deliver(&self, incarnation: &str, msg: &Message) {

@@ -579,11 +579,11 @@ impl Sim {
     /// network down) for [`SUSPENSION`], past the 15-minute lifetime of the iterators it
     /// holds; or, with `outage`, only the handlers' downstream is down that long: the
     /// workers keep their leases and the iterators their readers hold for the next
-    /// page expire meanwhile. Items are written meanwhile. With `day`, the simulated wall clock also
-    /// jumps a day ahead as it begins: every record written before is past the 24 h
-    /// retention (those no handler finished are the only ones the history may leave
-    /// unhandled, see [`log::Trim`]), and the next rollover drops the shards that
-    /// closed before.
+    /// page expire meanwhile. Items are written and the stream rolls over meanwhile.
+    /// With `day`, a day passes during it ([`Sim::pass_a_day`]): every record written
+    /// before is past the 24 h retention (those no handler finished are the only ones
+    /// the history may leave unhandled, see [`log::Trim`]), and the next rollover drops
+    /// the shards that closed before.
     async fn suspend_the_group(&mut self, day: bool, outage: bool) {
         // Records arrive, and the group stops before it reads them all (suspended); or
         // the downstream goes down, and a burst arrives that the readers read ahead until
@@ -1751,7 +1751,7 @@ fn handler(
     let panicked: Arc<std::sync::Mutex<Panicked>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         // The library starts the call now, whether or not the process is frozen.
-        log.call(&incarnation, &msg);
+        let called = log.call(&incarnation, &msg);
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
@@ -1763,7 +1763,7 @@ fn handler(
             if let Some(pace) = pace {
                 tokio::time::sleep(pace).await;
             }
-            log.deliver(&incarnation, &msg);
+            log.deliver_called(&incarnation, &msg, called);
             let n = received.fetch_add(1, Ordering::SeqCst) + 1;
             if let Some((_, pause)) = hang.filter(|(at, _)| *at == n) {
                 log.hung_handlers.fetch_add(1, Ordering::SeqCst);
