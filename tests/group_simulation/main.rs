@@ -26,6 +26,11 @@
 //! `SHARDFLOW_SIM_SEEDS` there), `SHARDFLOW_SIM_FEATURES` picks the features (`all`, or a list such
 //! as `+latest,+hung-calls`; see `simulation/history.rs`).
 //!
+//! `generated_histories_of_a_table_stream_keep_the_invariants` runs the generator on a
+//! DynamoDB table's change stream instead (feature `table-stream`: rollovers, partition
+//! splits, empty shards, iterators outliving their 15 minutes, the 24 h trim), checking
+//! beside the invariants above parent-first and per-item order.
+//!
 //! A seed replays exactly: every history runs on tokio's paused clock in a runtime of
 //! its own, its workers' owner nonces come from a generator seeded by the seed, the
 //! embedded backend and the workers read a wall clock on simulated time, every
@@ -339,17 +344,49 @@ fn generated_histories_with_skewed_load_keep_the_invariants() {
     run_generated(features, DEFAULT_GENERATED_SEEDS / 6);
 }
 
+/// A table's change stream instead of a Kinesis stream (feature `table-stream`, with
+/// per-key concurrency: per-key order is per-item order): item writes, rollovers and
+/// partition splits throughout, shards left open and empty for long stretches, the
+/// whole group suspended past the 15-minute iterator lifetime and, in about half the
+/// histories, the 24 h trim meanwhile; under the default features that make sense for
+/// a table's stream (kills, freezes, restarts, stream mode, ambiguous lease writes,
+/// hung calls...). Beside the invariants of every history (no loss but the records
+/// trimmed before any handler finished them, no silent stall, checkpoints), children
+/// start only after their parents finished and each item's changes arrive in order.
+#[test]
+fn generated_histories_of_a_table_stream_keep_the_invariants() {
+    let features =
+        simulation::history::Features::parse("+table-stream,+per-key-concurrency").unwrap();
+    run_generated(features, TABLE_STREAM_SEEDS);
+}
+
+/// Seeds of `generated_histories_of_a_table_stream_keep_the_invariants`.
+const TABLE_STREAM_SEEDS: u64 = 300;
+
 /// Seeds replayed twice by `a_seed_replays_the_same_history`.
 const REPLAYED_SEEDS: &[u64] = &[3, 29, 151];
 
+/// The seed replayed twice with feature `table-stream` (and every feature that goes
+/// with it) by `a_seed_replays_the_same_history`.
+const REPLAYED_TABLE_STREAM_SEED: u64 = 7;
+
 /// A failing seed replays exactly: the same seed, run twice with every feature on (every
-/// fault kind, freezes, kills, clock skew, stream mode, per-key concurrency), gives the
+/// fault kind, freezes, kills, clock skew, stream mode, per-key concurrency; the
+/// Kinesis stream's histories, and one of a table's stream), gives the
 /// same history, event by event and at the same simulated times: handler calls, lease
 /// takes, renewals, checkpoints and refusals, and the generator's own steps.
 #[test]
 fn a_seed_replays_the_same_history() {
-    let features = simulation::history::Features::of(&simulation::history::Feature::ALL);
-    for &seed in REPLAYED_SEEDS {
+    use simulation::history::{Feature, Features};
+    let kinesis: Vec<Feature> = Feature::ALL
+        .into_iter()
+        .filter(|f| *f != Feature::TableStream)
+        .collect();
+    let runs = REPLAYED_SEEDS
+        .iter()
+        .map(|&seed| (seed, Features::of(&kinesis)))
+        .chain([(REPLAYED_TABLE_STREAM_SEED, Features::of(&Feature::ALL))]);
+    for (seed, features) in runs {
         let (first, second) = std::thread::scope(|scope| {
             let a = scope.spawn(|| traced_history(seed, features));
             let b = scope.spawn(|| traced_history(seed, features));

@@ -19,6 +19,7 @@ use shardflow::kinesis::{
     StreamIdentity,
 };
 use shardflow::lease::{Checkpoint, Lease, LeaseError, LeaseStore};
+use shardflow::memory::TABLE_STREAM_ITERATOR_TTL;
 use shardflow::{Backend, Memory};
 use testkit::hooks::{Forward, ForwardKinesis, ForwardStore, Hooked, Hooks};
 use tokio::sync::Notify;
@@ -44,6 +45,12 @@ fn was_cut<T>(result: &Result<T, LeaseError>) -> bool {
 /// wakes them in the order they came.
 pub struct Control {
     frozen: AtomicBool,
+    /// Suspended with the whole group (feature `table-stream`): apart from `frozen`, so
+    /// a freeze's own wake-up does not end the suspension.
+    suspended: AtomicBool,
+    /// The handlers' downstream is down (feature `table-stream`): handler calls wait,
+    /// the worker itself goes on (renews, takes, reads ahead).
+    outage: AtomicBool,
     thawed: Notify,
     dead: AtomicBool,
 }
@@ -52,6 +59,8 @@ impl Control {
     pub fn new() -> Arc<Self> {
         Arc::new(Control {
             frozen: AtomicBool::new(false),
+            suspended: AtomicBool::new(false),
+            outage: AtomicBool::new(false),
             thawed: Notify::new(),
             dead: AtomicBool::new(false),
         })
@@ -64,8 +73,38 @@ impl Control {
         }
     }
 
+    /// Suspends the process (or resumes it) with the whole group.
+    pub fn suspend(&self, suspended: bool) {
+        self.suspended.store(suspended, Ordering::SeqCst);
+        if !suspended {
+            self.thawed.notify_waiters();
+        }
+    }
+
+    /// The handlers' downstream goes down (or comes back): see [`Control::handler_gate`].
+    pub fn set_outage(&self, down: bool) {
+        self.outage.store(down, Ordering::SeqCst);
+        if !down {
+            self.thawed.notify_waiters();
+        }
+    }
+
+    /// [`Control::gate`] for the handlers: they also wait while their downstream is down.
+    pub async fn handler_gate(&self) {
+        loop {
+            let thawed = self.thawed.notified();
+            tokio::pin!(thawed);
+            thawed.as_mut().enable();
+            if !self.outage.load(Ordering::SeqCst) {
+                break;
+            }
+            thawed.await;
+        }
+        self.gate().await;
+    }
+
     pub fn is_frozen(&self) -> bool {
-        self.frozen.load(Ordering::SeqCst)
+        self.frozen.load(Ordering::SeqCst) || self.suspended.load(Ordering::SeqCst)
     }
 
     /// The process is gone: none of its calls ever lands again.
@@ -236,7 +275,7 @@ impl SimBackend {
         };
         self.memory
             .streams()
-            .list_shards(super::STREAM)
+            .list_shards(self.log.stream())
             .now_or_never()
             .and_then(Result::ok)
             .is_some_and(|all| all.iter().any(|s| s.shard_id == shard && s.is_closed()))
@@ -270,6 +309,10 @@ impl Backend for SimBackend {
             backend: self.clone(),
             gated: self.hooked().lease_store(table),
         }))
+    }
+    /// A table's stream is served by the same wrapped stream service, under its ARN.
+    fn table_streams(&self) -> Option<Arc<dyn KinesisApi>> {
+        Some(self.kinesis())
     }
 }
 
@@ -337,7 +380,22 @@ impl ForwardKinesis for SimKinesis {
     }
     async fn get_records(&self, iterator: &str, limit: u32) -> Result<RecordsPage, KinesisError> {
         let backend = &self.backend;
-        let mut page = self.gated.get_records(iterator, limit).await?;
+        let mut page = match self.gated.get_records(iterator, limit).await {
+            Err(KinesisError::ExpiredIterator(detail)) => {
+                // A memory iterator is `stream|shard|index|issued`, issued in milliseconds
+                // of tokio's clock since the backend was built (with the history's log).
+                let issued = iterator
+                    .rsplit('|')
+                    .next()
+                    .and_then(|t| t.parse::<u128>().ok());
+                let age = issued.map(|t| backend.log.elapsed().as_millis().saturating_sub(t));
+                if age.is_some_and(|age| age > TABLE_STREAM_ITERATOR_TTL.as_millis()) {
+                    backend.log.expired_iterators.fetch_add(1, Ordering::SeqCst);
+                }
+                return Err(KinesisError::ExpiredIterator(detail));
+            }
+            other => other?,
+        };
         // Pages without a next iterator (an emulator bug), on open shards and on closed
         // ones before their end. Only with the feature: even on an open shard, a reshard
         // between the page and the reader's ListShards makes today's reader end the

@@ -15,6 +15,17 @@
 //!   shard's lease that landed before a call was by the calling incarnation;
 //! - in batch mode with a poison record, each delivery's records are each handled or
 //!   dead-lettered exactly once (a failed delivery: a prefix of them), none skipped.
+//!
+//! With feature `table-stream`, the records the 24 h trim removed before any handler
+//! finished them (see [`Trim`]) are the only ones not required; every other record of
+//! every shard, shards the stream dropped after the trim included, is. And two more
+//! ([`check_table_stream`]):
+//! - parent-first: no record of a child shard is handled before every required record
+//!   of each of its parents (and their parents, up the lineage) was;
+//! - per-item order: each incarnation receives the changes of one item (its partition
+//!   key, the item's keys) in the order they were written, across shards and rollovers
+//!   (a change received again is fine, a new one behind a later one is not; after a
+//!   checkpoint reset, behind one received since).
 
 use std::collections::{HashMap, HashSet};
 
@@ -23,15 +34,15 @@ use shardflow::kinesis::{KinesisApi, Record};
 use shardflow::lease::Checkpoint;
 use shardflow::{Memory, SequenceNumber};
 
-use super::log::Log;
-use super::{Start, STREAM};
+use super::log::{Log, Trim};
+use super::Start;
 
-/// Every record of every shard, in shard then sequence order.
-pub fn all_records(memory: &Memory) -> Vec<(String, Record)> {
+/// Every record of every shard of `stream`, in shard then sequence order.
+pub fn all_records(memory: &Memory, stream: &str) -> Vec<(String, Record)> {
     // The memory backend answers ListShards without faults and without awaiting.
     let shards = memory
         .streams()
-        .list_shards(STREAM)
+        .list_shards(stream)
         .now_or_never()
         .and_then(Result::ok)
         .unwrap_or_default();
@@ -40,11 +51,39 @@ pub fn all_records(memory: &Memory) -> Vec<(String, Record)> {
         .flat_map(|s| {
             memory
                 .streams()
-                .records(STREAM, &s.shard_id)
+                .records(stream, &s.shard_id)
                 .into_iter()
                 .map(move |r| (s.shard_id.clone(), r))
         })
         .collect()
+}
+
+/// Every record the history wrote: those of the stream's shards now, and those of
+/// shards it dropped since the trim (from the trim's snapshot). (shard, sequence,
+/// arrival).
+pub fn written(
+    memory: &Memory,
+    log: &Log,
+) -> Vec<(String, SequenceNumber, Option<std::time::SystemTime>)> {
+    let mut records: Vec<_> = all_records(memory, log.stream())
+        .into_iter()
+        .map(|(shard, r)| (shard, r.sequence_number, r.approximate_arrival))
+        .collect();
+    if let Some(trim) = log.trim.lock().unwrap().as_ref() {
+        let present: HashSet<String> = records.iter().map(|r| r.0.clone()).collect();
+        records.extend(
+            trim.records
+                .iter()
+                .filter(|r| !present.contains(&r.0))
+                .cloned(),
+        );
+    }
+    records
+}
+
+/// Whether the trim removed the record before any handler finished it.
+fn trimmed_unread(trim: Option<&Trim>, shard: &str, sequence: &SequenceNumber) -> bool {
+    trim.is_some_and(|t| t.unread.contains(&(shard.to_owned(), sequence.clone())))
 }
 
 /// The records the group must handle, given where it started.
@@ -58,10 +97,12 @@ fn required(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, SequenceN
                 m.entry(t.key.clone()).or_insert(t.time);
                 m
             });
-    all_records(memory)
+    let trim = log.trim.lock().unwrap().clone();
+    written(memory, log)
         .into_iter()
-        .filter(|(shard, r)| {
-            let arrival = r.approximate_arrival;
+        .filter(|(shard, sequence, _)| !trimmed_unread(trim.as_ref(), shard, sequence))
+        .filter(|(shard, _, arrival)| {
+            let arrival = *arrival;
             match start {
                 Start::TrimHorizon => true,
                 Start::AtTimestamp(t) => arrival.is_some_and(|a| a >= *t),
@@ -72,7 +113,7 @@ fn required(memory: &Memory, log: &Log, start: &Start) -> Vec<(String, SequenceN
                 },
             }
         })
-        .map(|(shard, r)| (shard, r.sequence_number))
+        .map(|(shard, sequence, _)| (shard, sequence))
         .collect()
 }
 
@@ -168,10 +209,11 @@ fn check_order(log: &Log) -> Result<(), String> {
     type Seen = (SequenceNumber, HashSet<SequenceNumber>);
     let mut seen: HashMap<(String, String, usize, String), Seen> = HashMap::new();
     for e in log.delivered.lock().unwrap().iter() {
+        // The tenure in which the library handed the record over.
         let key = (
             e.incarnation.clone(),
             e.shard.clone(),
-            tenure(&e.shard, e.at),
+            tenure(&e.shard, e.handed),
             e.partition_key.clone(),
         );
         match seen.get_mut(&key) {
@@ -378,6 +420,119 @@ pub fn check_planned_moves(log: &Log) -> Result<(), String> {
                 "invariant no-duplicate-from-a-planned-move: record {} of {} handled by {from} at tick {first} and again by {to} at tick {}, after {from} handed the lease over to {to} at tick {} (a planned hand-off)",
                 e.sequence, t.key, e.at, t.at
             ));
+        }
+    }
+    Ok(())
+}
+
+/// The invariants of a table's stream (feature `table-stream`), after [`check`]:
+/// parent-first on the handled log, per-item order on the delivered log.
+pub fn check_table_stream(memory: &Memory, log: &Log, start: &Start) -> Result<(), String> {
+    // The records excused as trimmed unread are exactly those: past retention at the
+    // trim, and handled by nobody before it.
+    if let Some(trim) = log.trim.lock().unwrap().as_ref() {
+        for (shard, sequence, arrival) in &trim.records {
+            if !trim.unread.contains(&(shard.clone(), sequence.clone())) {
+                continue;
+            }
+            let early = log
+                .handled
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|e| e.at < trim.at && e.shard == *shard && e.sequence == *sequence);
+            if early || !arrival.is_some_and(|a| a < trim.cutoff) {
+                return Err(format!(
+                    "the trim excused record {sequence} of {shard}, which {}",
+                    if early {
+                        "was handled before it"
+                    } else {
+                        "arrived after its cutoff"
+                    }
+                ));
+            }
+        }
+    }
+    let parents = log.parents.lock().unwrap().clone();
+    let mut first_handled: HashMap<(&str, &SequenceNumber), u64> = HashMap::new();
+    let mut shard_started: HashMap<&str, (u64, &SequenceNumber, &str)> = HashMap::new();
+    let handled = log.handled.lock().unwrap().clone();
+    for e in &handled {
+        first_handled
+            .entry((e.shard.as_str(), &e.sequence))
+            .or_insert(e.at);
+        shard_started.entry(e.shard.as_str()).or_insert((
+            e.at,
+            &e.sequence,
+            e.incarnation.as_str(),
+        ));
+    }
+    // Per shard, when its last required record was first handled.
+    let mut finished: HashMap<String, (u64, Option<SequenceNumber>)> = HashMap::new();
+    for (shard, sequence) in required(memory, log, start) {
+        let at = first_handled
+            .get(&(shard.as_str(), &sequence))
+            .copied()
+            .unwrap_or(u64::MAX);
+        let entry = finished.entry(shard).or_insert((0, None));
+        if at >= entry.0 {
+            *entry = (at, Some(sequence));
+        }
+    }
+    for (child, (started, first, by)) in &shard_started {
+        // Every ancestor, not only the parents: a parent without records between them
+        // says nothing about its own parents.
+        let mut ancestors: Vec<&String> = parents.get(*child).into_iter().flatten().collect();
+        let mut i = 0;
+        while i < ancestors.len() {
+            let next = parents.get(ancestors[i].as_str()).into_iter().flatten();
+            ancestors.extend(next);
+            i += 1;
+        }
+        for parent in ancestors {
+            if let Some((done, last)) = finished.get(parent) {
+                if done > started {
+                    return Err(format!(
+                        "invariant parent-first: {by} handled record {first} of {child} at tick {started}, \
+                         before record {} of its ancestor {parent} was handled (tick {})",
+                        last.as_ref().map_or("?".to_owned(), |s| s.to_string()),
+                        if *done == u64::MAX { "never".to_owned() } else { done.to_string() }
+                    ));
+                }
+            }
+        }
+    }
+    // Per incarnation and item: the changes received, and the newest one since the
+    // last checkpoint reset that landed (an operator's request to read again, which
+    // may bring back changes another worker handled). Only required changes: a reset
+    // also brings those from before the group's start.
+    let resets: Vec<u64> = log.resets.lock().unwrap().iter().map(|r| r.0).collect();
+    let required: HashSet<(String, SequenceNumber)> =
+        required(memory, log, start).into_iter().collect();
+    let mut received: HashMap<(&str, &str), HashSet<&SequenceNumber>> = HashMap::new();
+    let mut newest: HashMap<(&str, &str, usize), (&SequenceNumber, &str)> = HashMap::new();
+    let delivered = log.delivered.lock().unwrap().clone();
+    for e in &delivered {
+        if !required.contains(&(e.shard.clone(), e.sequence.clone())) {
+            continue;
+        }
+        let item = (e.incarnation.as_str(), e.partition_key.as_str());
+        if !received.entry(item).or_default().insert(&e.sequence) {
+            continue; // received again
+        }
+        let epoch = resets.iter().filter(|at| **at < e.handed).count();
+        match newest.get_mut(&(item.0, item.1, epoch)) {
+            Some((max, max_shard)) if e.sequence < **max => {
+                return Err(format!(
+                    "invariant per-item-order: {} received change {} of {} (item {}) after \
+                     the later change {max} of {max_shard}",
+                    e.incarnation, e.sequence, e.shard, e.partition_key
+                ));
+            }
+            Some(newest) => *newest = (&e.sequence, e.shard.as_str()),
+            None => {
+                newest.insert((item.0, item.1, epoch), (&e.sequence, e.shard.as_str()));
+            }
         }
     }
     Ok(())

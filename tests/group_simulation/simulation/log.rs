@@ -17,6 +17,10 @@ use shardflow::{Message, SequenceNumber};
 #[derive(Clone, Debug)]
 pub struct Event {
     pub at: u64,
+    /// When the library handed the record over: the tick of the handler call that
+    /// received it (run mode: a call held at a frozen gate receives it when it started),
+    /// else `at`.
+    pub handed: u64,
     pub incarnation: String,
     pub shard: String,
     pub sequence: SequenceNumber,
@@ -56,9 +60,40 @@ pub struct Commit {
 /// seconds after the Unix epoch (a day in 2026).
 pub const SIM_EPOCH_SECS: u64 = 1_780_000_000;
 
+/// What the 24 h trim of a table's stream (feature `table-stream`) removed: every record
+/// that arrived before `cutoff`, and the shards and records there were then (rollovers
+/// afterwards drop the shards that closed before the cutoff).
+#[derive(Clone, Debug)]
+pub struct Trim {
+    /// Records that arrived before it are past retention.
+    pub cutoff: SystemTime,
+    /// The tick of the trim: a record no handler finished by then is gone.
+    pub at: u64,
+    /// Every record of every shard at the trim: (shard, sequence number, arrival).
+    pub records: Vec<(String, SequenceNumber, Option<SystemTime>)>,
+    /// The records past retention that no handler had finished: the only records a
+    /// history may leave unhandled (they were trimmed before anyone handled them).
+    pub unread: HashSet<(String, SequenceNumber)>,
+}
+
 #[derive(Default)]
 pub struct Log {
     ticks: AtomicU64,
+    /// The stream the group reads (a table's stream ARN with feature `table-stream`);
+    /// unset: the Kinesis stream [`super::STREAM`].
+    stream: OnceLock<String>,
+    /// How far the simulated wall clock was moved ahead (a day passing while the group
+    /// is suspended, feature `table-stream`), in milliseconds.
+    wall_jump: AtomicU64,
+    /// The trim of a table's stream, once it happened.
+    pub trim: Mutex<Option<Trim>>,
+    /// The parents of every shard the history saw, removed ones too.
+    pub parents: Mutex<HashMap<String, Vec<String>>>,
+    /// GetRecords calls refused because their iterator was older than the stream's
+    /// iterator lifetime (not the injected expiries).
+    pub expired_iterators: AtomicU64,
+    /// The handlers' downstream is down (feature `table-stream`): no progress is due.
+    pub outage: std::sync::atomic::AtomicBool,
     /// When the history started on tokio's clock (set by [`Log::start`]): the trace's
     /// timestamps are simulated time since then.
     origin: OnceLock<Instant>,
@@ -134,7 +169,27 @@ impl Log {
     /// and the workers read it (shifted by their skew), so no time of day comes from the
     /// host and a seed replays exactly.
     pub fn wall_time(&self) -> SystemTime {
-        SystemTime::UNIX_EPOCH + Duration::from_secs(SIM_EPOCH_SECS) + self.elapsed()
+        SystemTime::UNIX_EPOCH
+            + Duration::from_secs(SIM_EPOCH_SECS)
+            + self.elapsed()
+            + Duration::from_millis(self.wall_jump.load(Ordering::SeqCst))
+    }
+
+    /// Moves the simulated wall clock `by` ahead (for everyone: the service and the
+    /// workers), as after a day passed.
+    pub fn jump_wall_clock(&self, by: Duration) {
+        self.wall_jump
+            .fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// The stream the group reads.
+    pub fn stream(&self) -> &str {
+        self.stream.get().map_or(super::STREAM, String::as_str)
+    }
+
+    /// Sets the stream the group reads (once, before any worker starts).
+    pub fn set_stream(&self, stream: String) {
+        let _ = self.stream.set(stream);
     }
 
     /// Appends one event to the trace, stamped with the simulated time.
@@ -152,8 +207,10 @@ impl Log {
     }
 
     fn event(&self, incarnation: &str, msg: &Message) -> Event {
+        let at = self.tick();
         Event {
-            at: self.tick(),
+            at,
+            handed: at,
             incarnation: incarnation.to_owned(),
             shard: msg.metadata.shard_id.to_string(),
             sequence: msg.metadata.sequence_number.clone(),
@@ -169,10 +226,20 @@ impl Log {
     }
 
     /// The library starts a handler call on `msg` (the first record of a batch).
-    pub fn call(&self, incarnation: &str, msg: &Message) {
+    pub fn call(&self, incarnation: &str, msg: &Message) -> u64 {
         let e = self.event(incarnation, msg);
         self.trace_event("call", &e);
+        let at = e.at;
         self.calls.lock().unwrap().push(e);
+        at
+    }
+
+    /// [`Log::deliver`] of a record whose handler call started at tick `called`.
+    pub fn deliver_called(&self, incarnation: &str, msg: &Message, called: u64) {
+        let mut e = self.event(incarnation, msg);
+        e.handed = called;
+        self.trace_event("deliver", &e);
+        self.delivered.lock().unwrap().push(e);
     }
 
     pub fn deliver(&self, incarnation: &str, msg: &Message) {

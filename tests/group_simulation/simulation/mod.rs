@@ -8,7 +8,10 @@
 //! (a process freeze), restarted under the same id;
 //! faults on both services (see [`backend`]); workers in multi-stream mode (the KCL's
 //! multi-stream keys); handlers that hang on a record. Each part is a
-//! [`history::Feature`].
+//! [`history::Feature`]. With `table-stream` the workers read a DynamoDB table's change
+//! stream on the embedded backend instead: item writes, frequent rollovers and
+//! partition splits, the group suspended past the 15-minute iterator lifetime, and the
+//! 24 h trim (see [`Sim::suspend_the_group`]).
 //!
 //! Beside the invariants checked at the end ([`invariants`]), one is watched while the
 //! history runs: no shard stalls in silence (see [`watch_progress`]).
@@ -43,6 +46,14 @@ use history::{Feature, Features};
 use log::Log;
 
 pub const STREAM: &str = "sim";
+/// The table whose stream the group reads with feature `table-stream`.
+pub const TABLE: &str = "sim-items";
+/// How long the whole group is suspended (feature `table-stream`): past the
+/// 15-minute lifetime of a table stream's iterators.
+const SUSPENSION: Duration = Duration::from_secs(16 * 60);
+/// How far the wall clock jumps when a day passes during a suspension: the stream's
+/// retention.
+const A_DAY: Duration = shardflow::memory::TABLE_STREAM_RETENTION;
 pub const GROUP: &str = "sim-group";
 pub const LEASE: Duration = Duration::from_secs(4);
 /// Simulated time within which every required record must be handled.
@@ -106,6 +117,24 @@ pub struct Stats {
     pub planned_handoffs: usize,
     /// Shifts of the per-shard load (feature `skewed-load`).
     pub load_shifts: usize,
+    /// Rollovers of a table's stream (every open shard closes, one child each).
+    pub rollovers: usize,
+    /// Partition splits of a table's stream.
+    pub splits: usize,
+    /// Shards of the stream over the history (the most in one history, in `add`).
+    pub shards: usize,
+    /// Shards over all histories.
+    pub total_shards: usize,
+    /// Suspensions of the whole group past the iterator lifetime.
+    pub suspensions: usize,
+    /// Outages of the handlers' downstream past the iterator lifetime.
+    pub outages: usize,
+    /// GetRecords refused because the iterator outlived the stream's lifetime.
+    pub expired_iterators: u64,
+    /// Trims (a day passed): histories whose older records went past retention.
+    pub trims: usize,
+    /// Records the trim removed before any handler finished them.
+    pub trimmed_unread: usize,
 }
 
 impl Stats {
@@ -137,6 +166,15 @@ impl Stats {
         self.bisected_batches += o.bisected_batches;
         self.planned_handoffs += o.planned_handoffs;
         self.load_shifts += o.load_shifts;
+        self.rollovers += o.rollovers;
+        self.splits += o.splits;
+        self.shards = self.shards.max(o.shards);
+        self.total_shards += o.shards;
+        self.suspensions += o.suspensions;
+        self.outages += o.outages;
+        self.expired_iterators += o.expired_iterators;
+        self.trims += o.trims;
+        self.trimmed_unread += o.trimmed_unread;
     }
 }
 
@@ -227,6 +265,10 @@ struct Sim {
     skew: Option<Arc<Mutex<Skew>>>,
     /// The task feeding the shards at their loads (feature `skewed-load`).
     feed: Option<JoinHandle<()>>,
+    /// The items the history writes (feature `table-stream`).
+    items: usize,
+    /// The lease store's faults.
+    lease_faults: LeaseFaults,
 }
 
 /// How often the feed of feature `skewed-load` writes a record into every open shard.
@@ -308,7 +350,13 @@ impl Sim {
             sim.decided_start.clone(),
             done.clone(),
         ));
-        let outcome = tokio::time::timeout(HISTORY_BOUND, sim.run()).await;
+        // A table-stream history spends a suspension more.
+        let bound = if sim.features.has(Feature::TableStream) {
+            HISTORY_BOUND + SUSPENSION
+        } else {
+            HISTORY_BOUND
+        };
+        let outcome = tokio::time::timeout(bound, sim.run()).await;
         done.store(true, Ordering::SeqCst);
         let stalled = watch
             .await
@@ -316,13 +364,17 @@ impl Sim {
         let history = sim.log.history.lock().unwrap().join("\n  ");
         match outcome {
             Err(_) => Err(format!(
-            "history did not end within {HISTORY_BOUND:?} of simulated time (a hang)\n  {history}"
-        )),
+                "history did not end within {bound:?} of simulated time (a hang)\n  {history}"
+            )),
             Ok(Err(e)) => Err(format!("{e}\n  {history}")),
             Ok(Ok(())) => {
                 stalled.map_err(|e| format!("{e}\n  {history}"))?;
                 invariants::check(&sim.memory, &sim.log, &sim.start)
                     .map_err(|e| format!("{e}\n  {history}"))?;
+                if sim.features.has(Feature::TableStream) {
+                    invariants::check_table_stream(&sim.memory, &sim.log, &sim.start)
+                        .map_err(|e| format!("{e}\n  {history}"))?;
+                }
                 if sim.features.has(Feature::SkewedLoad) {
                     invariants::check_planned_moves(&sim.log)
                         .map_err(|e| format!("{e}\n  {history}"))?;
@@ -335,6 +387,7 @@ impl Sim {
 
 impl Sim {
     async fn new(seed: u64, features: Features) -> Sim {
+        let features = features.effective();
         let log = Arc::new(Log::default());
         log.start();
         // The service's time of day is the simulated one (see `Log::wall_time`).
@@ -354,7 +407,7 @@ impl Sim {
             missing_next_iterator: 0.0,
             seed,
         });
-        memory.table(GROUP).set_faults(LeaseFaults {
+        let lease_faults = LeaseFaults {
             fail_before_write: 0.03,
             fail_after_write: if features.has(Feature::AmbiguousLease) {
                 0.03
@@ -364,7 +417,8 @@ impl Sim {
             throttle: 0.02,
             latency: Duration::from_millis(rng.gen_range(1..20)),
             seed: seed ^ 0x5eed,
-        });
+        };
+        memory.table(GROUP).set_faults(lease_faults.clone());
         let producer = SimBackend::new(
             memory.clone(),
             GROUP,
@@ -400,6 +454,8 @@ impl Sim {
                 }))
             }),
             feed: None,
+            items: 0,
+            lease_faults,
             last_split: None,
             generation: Default::default(),
             stats: Stats::default(),
@@ -413,10 +469,202 @@ impl Sim {
     }
 
     async fn produce(&mut self, n: usize) {
+        if self.features.has(Feature::TableStream) {
+            return self.write_items(n);
+        }
         let range = self.next_value..self.next_value + n;
         self.next_value += n;
         self.note(format!("produce {n}"));
         testkit::produce(self.producer.kinesis().as_ref(), STREAM, range).await;
+    }
+
+    /// Feature `table-stream`: a third of `n` writes to the table's items (the histories
+    /// have many more shards: fewer records keep them as cheap), each a put of the item's
+    /// next version, an update or a delete (nothing is written to the stream when a
+    /// delete finds no item). Half the time only one to three hot items are written, so
+    /// the other partitions' shards stay open and empty.
+    fn write_items(&mut self, n: usize) {
+        let n = n / 3;
+        let table = self
+            .memory
+            .tables()
+            .table(TABLE)
+            .expect("the history created the table");
+        let hot: Vec<usize> = if self.rng.gen_bool(0.5) {
+            let k = self.rng.gen_range(1..=3);
+            (0..k).map(|_| self.rng.gen_range(0..self.items)).collect()
+        } else {
+            (0..self.items).collect()
+        };
+        let mut changes = 0;
+        for _ in 0..n {
+            let id = format!("k{}", hot[self.rng.gen_range(0..hot.len())]);
+            self.next_value += 1;
+            let version = self.next_value;
+            let written = match self.rng.gen_range(0..10) {
+                0 => table.delete(&serde_json::json!({ "id": id })),
+                1 | 2 => table.update(
+                    &serde_json::json!({ "id": id }),
+                    &serde_json::json!({ "v": version, "by": "update" }),
+                ),
+                _ => table.put(&serde_json::json!({ "id": id, "v": version })),
+            };
+            changes += usize::from(written.expect("a valid item write").is_some());
+        }
+        self.note(format!("write {n} items ({changes} changes)"));
+    }
+
+    /// Feature `table-stream`: the table's stream rolls over (every open shard closes
+    /// and one child opens in its place), or a partition splits (its shard closes into
+    /// two children), up to four partitions.
+    fn roll_over(&mut self) {
+        let table = self
+            .memory
+            .tables()
+            .table(TABLE)
+            .expect("the history created the table");
+        let open = table.open_shards();
+        if open.len() < 4 && self.rng.gen_bool(0.25) {
+            let shard = open[self.rng.gen_range(0..open.len())].clone();
+            let children = table.split(&shard).expect("an open shard splits");
+            self.note(format!("split partition {shard} into {children:?}"));
+            self.stats.splits += 1;
+        } else {
+            let children = table.rollover().expect("the stream rolls over");
+            self.note(format!("rollover {open:?} into {children:?}"));
+            self.stats.rollovers += 1;
+        }
+    }
+
+    /// Feature `table-stream`: a day passes (the simulated wall clock jumps 24 hours
+    /// ahead): every record written so far is past the stream's retention. Those no
+    /// handler finished are noted as trimmed unread (see [`log::Trim`]).
+    async fn pass_a_day(&mut self) {
+        // Arrivals are on the wall clock in milliseconds: a second later, every
+        // record so far arrived before the cutoff.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let cutoff = self.log.wall_time();
+        let handled: std::collections::HashSet<(String, SequenceNumber)> = self
+            .log
+            .handled
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|e| (e.shard.clone(), e.sequence.clone()))
+            .collect();
+        let records = invariants::written(&self.memory, &self.log);
+        let unread = records
+            .iter()
+            .filter(|(_, _, arrival)| arrival.is_some_and(|a| a < cutoff))
+            .map(|(shard, sequence, _)| (shard.clone(), sequence.clone()))
+            .filter(|r| !handled.contains(r))
+            .collect::<std::collections::HashSet<_>>();
+        self.stats.trims += 1;
+        self.stats.trimmed_unread += unread.len();
+        self.note(format!(
+            "a day passes: {} records trimmed, {} of them never handled",
+            records.len(),
+            unread.len()
+        ));
+        *self.log.trim.lock().unwrap() = Some(log::Trim {
+            cutoff,
+            at: self.log.tick(),
+            records,
+            unread,
+        });
+        self.log.jump_wall_clock(A_DAY);
+    }
+
+    /// Feature `table-stream`: the whole group is suspended (a host paused, a region's
+    /// network down) for [`SUSPENSION`], past the 15-minute lifetime of the iterators it
+    /// holds; or, with `outage`, only the handlers' downstream is down that long: the
+    /// workers keep their leases and the iterators their readers hold for the next
+    /// page expire meanwhile. Items are written and the stream rolls over meanwhile.
+    /// With `day`, a day passes during it ([`Sim::pass_a_day`]): every record written
+    /// before is past the 24 h retention (those no handler finished are the only ones
+    /// the history may leave unhandled, see [`log::Trim`]), and the next rollover drops
+    /// the shards that closed before.
+    async fn suspend_the_group(&mut self, day: bool, outage: bool) {
+        // Records arrive, and the group stops before it reads them all (suspended); or
+        // the downstream goes down, and a burst arrives that the readers read ahead until
+        // their shards' prefetch is full: they then hold the next page's iterator
+        // until the handlers take records again.
+        if !outage {
+            let n = self.rng.gen_range(20..100);
+            self.produce(n).await;
+        }
+        let suspended: Vec<Arc<Control>> = self
+            .workers
+            .iter()
+            .filter(|w| !w.control.is_dead())
+            .map(|w| w.control.clone())
+            .collect();
+        for c in &suspended {
+            if outage {
+                c.set_outage(true);
+            } else {
+                c.suspend(true);
+            }
+        }
+        self.log.outage.store(outage, Ordering::SeqCst);
+        if outage {
+            // Without lease writes that land unseen meanwhile: over the outage's 700-odd
+            // renewals one would almost surely cost a lease (its owner then takes it
+            // again, with a fresh iterator), and the held iterators are under test.
+            self.memory.table(GROUP).set_faults(LeaseFaults {
+                fail_after_write: 0.0,
+                seed: self.lease_faults.seed ^ 0x0_7a9e,
+                ..self.lease_faults.clone()
+            });
+            // 150 to 450 item writes (`produce` writes a third of its count).
+            let n = self.rng.gen_range(450..1350);
+            self.produce(n).await;
+        }
+        self.note(format!(
+            "{} for {SUSPENSION:?}{}",
+            if outage {
+                "the handlers' downstream is down"
+            } else {
+                "the group is suspended"
+            },
+            if day { ", and a day passes" } else { "" }
+        ));
+        if outage {
+            self.stats.outages += 1;
+        } else {
+            self.stats.suspensions += 1;
+        }
+        // A day passes at once while the group is suspended; while only the downstream
+        // is down, after the readers filled their prefetch (so that they hold iterators
+        // past their lifetime, and the trim then removes records they did not read).
+        if day && !outage {
+            self.pass_a_day().await;
+        }
+        let resume_at = tokio::time::Instant::now() + SUSPENSION;
+        for _ in 0..self.rng.gen_range(1..=3) {
+            let pause = Duration::from_secs(self.rng.gen_range(10..240));
+            tokio::time::sleep(pause).await;
+            if day && outage && self.log.trim.lock().unwrap().is_none() {
+                self.pass_a_day().await;
+            }
+            self.roll_over();
+            self.record_generations().await;
+            let n = self.rng.gen_range(0..60);
+            self.produce(n).await;
+        }
+        tokio::time::sleep_until(resume_at).await;
+        for c in &suspended {
+            c.suspend(false);
+            c.set_outage(false);
+        }
+        self.log.outage.store(false, Ordering::SeqCst);
+        if outage {
+            self.memory.table(GROUP).set_faults(LeaseFaults {
+                seed: self.lease_faults.seed ^ 0x0_7e5d,
+                ..self.lease_faults.clone()
+            });
+        }
+        self.note("the group resumes".into());
     }
 
     /// Feature `skewed-load`: while the history runs, a record into each open shard
@@ -470,7 +718,7 @@ impl Sim {
         let mut open: Vec<ShardInfo> = self
             .memory
             .streams()
-            .list_shards(STREAM)
+            .list_shards(self.log.stream())
             .await
             .unwrap_or_default()
             .into_iter()
@@ -484,9 +732,17 @@ impl Sim {
         let all = self
             .memory
             .streams()
-            .list_shards(STREAM)
+            .list_shards(self.log.stream())
             .await
             .unwrap_or_default();
+        {
+            let mut parents = self.log.parents.lock().unwrap();
+            for s in &all {
+                parents
+                    .entry(s.shard_id.clone())
+                    .or_insert_with(|| s.parents());
+            }
+        }
         for s in all {
             if self.generation.contains_key(&s.shard_id) {
                 continue;
@@ -505,6 +761,10 @@ impl Sim {
     /// One reshard: a merge back of the last split's children, a merge of two adjacent
     /// open shards, or a split (preferring the newest shards, to grow generations).
     async fn reshard(&mut self) {
+        if self.features.has(Feature::TableStream) {
+            self.roll_over();
+            return;
+        }
         let open = self.open_shards().await;
         let kinesis = self.memory.streams().clone();
         if self.features.has(Feature::MergeBack) {
@@ -576,7 +836,12 @@ impl Sim {
             Start::Latest => InitialPosition::Latest,
             Start::AtTimestamp(t) => InitialPosition::AtTimestamp(*t),
         };
-        let builder = if self.features.has(Feature::MultiStreamKeys) {
+        let builder = if self.features.has(Feature::TableStream) {
+            // DynamoDB Streams readers poll about once a second.
+            Consumer::builder()
+                .table_stream(TABLE)
+                .idle_read_interval(Duration::from_secs(1))
+        } else if self.features.has(Feature::MultiStreamKeys) {
             Consumer::builder().streams([STREAM])
         } else {
             Consumer::builder().stream(STREAM)
@@ -612,7 +877,6 @@ impl Sim {
             .lease_duration(LEASE)
             .take_interval(TAKE_INTERVAL)
             .shard_sync_interval(Duration::from_secs(2))
-            .idle_read_interval(Duration::from_millis(100))
             .max_records_per_read(self.rng.gen_range(5..60))
             .retry_backoff(Duration::from_millis(50), Duration::from_secs(1))
             .checkpoint(self.checkpoint.clone())
@@ -621,6 +885,11 @@ impl Sim {
             .on_event(stuck_hook(self.log.clone(), incarnation.to_owned()))
             .seed(self.rng.gen())
             .concurrency(concurrency);
+        let builder = if self.features.has(Feature::TableStream) {
+            builder
+        } else {
+            builder.idle_read_interval(Duration::from_millis(100))
+        };
         // With process freezes, lease calls get the longest deadline the configuration
         // allows (just under the renewal margin): a frozen worker's renewals, waiting at
         // its gate, are cut later, so it notices a lost lease later than another worker
@@ -791,10 +1060,22 @@ impl Sim {
         } else {
             self.rng.gen_range(1..=3)
         };
-        kinesis
-            .create_stream(STREAM, shards)
-            .await
-            .map_err(|e| e.to_string())?;
+        if self.features.has(Feature::TableStream) {
+            let table = self
+                .memory
+                .tables()
+                .create(TABLE, "id")
+                .partitions(shards as usize)
+                .build()
+                .map_err(|e| e.to_string())?;
+            self.log.set_stream(table.stream_arn());
+            self.items = self.rng.gen_range(8..40);
+        } else {
+            kinesis
+                .create_stream(STREAM, shards)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
         self.record_generations().await;
         let mut positions = vec![0];
         if self.features.has(Feature::Latest) {
@@ -844,7 +1125,20 @@ impl Sim {
             let n = self.rng.gen_range(3..=5);
             events.extend(std::iter::repeat_n(0, n));
         }
-        let others = self.rng.gen_range(6..=12);
+        if self.features.has(Feature::TableStream) {
+            // Rollovers and splits, and the group suspended once (with a day passing
+            // in about half the histories).
+            let n = self.rng.gen_range(4..=7);
+            events.extend(std::iter::repeat_n(0, n));
+            events.push(14);
+        }
+        // A table-stream history spends its time in rollovers and the suspension: fewer
+        // other events keep it about as cheap as the others.
+        let others = if self.features.has(Feature::TableStream) {
+            self.rng.gen_range(4..=8)
+        } else {
+            self.rng.gen_range(6..=12)
+        };
         for _ in 0..others {
             events.push(self.rng.gen_range(1..=6));
         }
@@ -951,7 +1245,10 @@ impl Sim {
     async fn step(&mut self, event: u8) {
         match event {
             0 => {
-                if self.features.has(Feature::Reshard) || self.features.has(Feature::MergeBack) {
+                if self.features.has(Feature::Reshard)
+                    || self.features.has(Feature::MergeBack)
+                    || self.features.has(Feature::TableStream)
+                {
                     self.reshard().await;
                     self.record_generations().await;
                     let n = self.rng.gen_range(20..150);
@@ -1059,6 +1356,11 @@ impl Sim {
                 let n = self.rng.gen_range(50..200);
                 self.produce(n).await;
             }
+            14 => {
+                let day = self.rng.gen_bool(0.5);
+                let outage = self.rng.gen_bool(0.3);
+                self.suspend_the_group(day, outage).await;
+            }
             _ => {
                 // A quiet period longer than a lease.
                 tokio::time::sleep(LEASE).await;
@@ -1089,7 +1391,10 @@ impl Sim {
     /// A reshard, and at once a reset (to TRIM_HORIZON) requested on the row of a shard
     /// it closed, which its owner is still reading to its end.
     async fn reset_as_a_shard_ends(&mut self) {
-        if !self.features.has(Feature::Reshard) && !self.features.has(Feature::MergeBack) {
+        if !self.features.has(Feature::Reshard)
+            && !self.features.has(Feature::MergeBack)
+            && !self.features.has(Feature::TableStream)
+        {
             return;
         }
         self.reshard().await;
@@ -1097,7 +1402,7 @@ impl Sim {
         let closed: Vec<String> = self
             .memory
             .streams()
-            .list_shards(STREAM)
+            .list_shards(self.log.stream())
             .await
             .unwrap_or_default()
             .into_iter()
@@ -1228,7 +1533,9 @@ impl Sim {
     fn finish_stats(&mut self) -> Stats {
         let log = &self.log;
         let mut s = self.stats.clone();
-        s.records = invariants::all_records(&self.memory).len();
+        s.records = invariants::written(&self.memory, &self.log).len();
+        s.shards = self.log.parents.lock().unwrap().len();
+        s.expired_iterators = log.expired_iterators.load(Ordering::SeqCst);
         s.handled = log.handled.lock().unwrap().len();
         s.handoffs_before_first_checkpoint = log
             .takes
@@ -1316,9 +1623,18 @@ async fn watch_progress(
             continue;
         };
         let now = tokio::time::Instant::now();
+        // Nobody can read (every worker frozen, suspended or gone), or no handler can
+        // finish (their downstream is down): no shard stalls in silence meanwhile, and
+        // the look below (over every record) is spared.
+        if log.outage.load(Ordering::SeqCst) || !probes.lock().unwrap().iter().any(Probe::acts) {
+            for clock in since.values_mut() {
+                *clock = now;
+            }
+            continue;
+        }
         let shards = memory
             .streams()
-            .list_shards(STREAM)
+            .list_shards(log.stream())
             .now_or_never()
             .and_then(Result::ok)
             .unwrap_or_default();
@@ -1435,7 +1751,7 @@ fn handler(
     let panicked: Arc<std::sync::Mutex<Panicked>> = Arc::default();
     tower::service_fn(move |msg: Message| {
         // The library starts the call now, whether or not the process is frozen.
-        log.call(&incarnation, &msg);
+        let called = log.call(&incarnation, &msg);
         let log = log.clone();
         let incarnation = incarnation.clone();
         let control = control.clone();
@@ -1443,11 +1759,11 @@ fn handler(
         let received = received.clone();
         let panicked = panicked.clone();
         async move {
-            control.gate().await;
+            control.handler_gate().await;
             if let Some(pace) = pace {
                 tokio::time::sleep(pace).await;
             }
-            log.deliver(&incarnation, &msg);
+            log.deliver_called(&incarnation, &msg, called);
             let n = received.fetch_add(1, Ordering::SeqCst) + 1;
             if let Some((_, pause)) = hang.filter(|(at, _)| *at == n) {
                 log.hung_handlers.fetch_add(1, Ordering::SeqCst);
@@ -1575,7 +1891,7 @@ fn batch_handler(
                 finished.clone(),
             );
             async move {
-                control.gate().await;
+                control.handler_gate().await;
                 for m in &batch.messages {
                     log.deliver(&incarnation, m);
                 }
@@ -1610,7 +1926,7 @@ fn batch_handler(
                 refused.clone(),
             );
             async move {
-                control.gate().await;
+                control.handler_gate().await;
                 let msg = Message::new(record.metadata, record.payload);
                 if refused.lock().unwrap().insert(record_id(&msg)) {
                     return Err::<(), &'static str>("the dead-letter stream is down");
@@ -1687,7 +2003,7 @@ async fn stream_worker(
                     if let Some(first) = batch.messages.first() {
                         log.call(&incarnation, first);
                     }
-                    control.gate().await;
+                    control.handler_gate().await;
                     for m in &batch.messages {
                         log.deliver(&incarnation, m);
                     }
@@ -1703,7 +2019,7 @@ async fn stream_worker(
         } else {
             tick = true;
         }
-        control.gate().await;
+        control.handler_gate().await;
         while !held.is_empty() && (held.len() > hold || tick) {
             tick = false;
             let (batch, ack) = held.swap_remove(rng.gen_range(0..held.len()));
