@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::future::IntoFuture;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -47,6 +47,8 @@ struct Calls {
     get_records: AtomicU64,
     shard_iterator: AtomicU64,
     list_shards: AtomicU64,
+    /// DescribeTable calls left unanswered (see [`Counting::hang_describe_table`]).
+    hung_describe_table: AtomicU64,
 }
 
 struct Counting {
@@ -54,6 +56,8 @@ struct Counting {
     calls: Calls,
     /// The call refused with `AccessDenied` (an IAM policy without it), if any.
     deny: Mutex<Option<&'static str>>,
+    /// DescribeTable never answers (a hung connection without a client timeout).
+    hang_describe_table: AtomicBool,
 }
 
 impl Counting {
@@ -76,6 +80,7 @@ impl Counted {
                 inner,
                 calls: Calls::default(),
                 deny: Mutex::new(None),
+                hang_describe_table: AtomicBool::new(false),
             }),
         }
     }
@@ -120,6 +125,12 @@ impl KinesisApi for Counting {
     }
 
     async fn resolve_table_stream(&self, table: &str) -> Result<String, KinesisError> {
+        if self.hang_describe_table.load(Ordering::SeqCst) {
+            self.calls
+                .hung_describe_table
+                .fetch_add(1, Ordering::SeqCst);
+            return std::future::pending().await;
+        }
         self.inner.resolve_table_stream(table).await
     }
 
@@ -568,6 +579,63 @@ async fn a_group_restarted_by_table_name_reads_the_rest_of_the_earlier_stream_th
     let by_arn = by_arn.lock().unwrap().clone();
     for i in 0..10 {
         assert_eq!(by_arn[&format!("item-{i}")], vec![1, 2], "item-{i}");
+    }
+}
+
+/// A group following a table by name checks now and then whether the table has a newer
+/// stream; a check whose call never answers leaves the group reading its stream: the
+/// shards a rollover opens meanwhile are taken and their changes handled.
+#[tokio::test(start_paused = true)]
+async fn a_table_check_that_never_answers_does_not_stop_the_group_taking_new_shards() {
+    let memory = memory();
+    let table = memory
+        .tables()
+        .create("orders", "id")
+        .partitions(2)
+        .build()
+        .unwrap();
+    let backend = Counted::new(&memory);
+    let seen = Seen::default();
+    let running = testkit::test_timings(
+        Consumer::builder()
+            .table_stream("orders")
+            .group("indexer")
+            .worker_id("w1")
+            .backend(backend.clone()),
+    )
+    .build()
+    .unwrap()
+    .run(handler(&seen, None))
+    .spawn();
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 1);
+    }
+    wait_all(&seen, 10, 1).await;
+    // From now on DescribeTable hangs; the table rolls over to new shards, written to.
+    backend
+        .api
+        .hang_describe_table
+        .store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    table.rollover().unwrap();
+    for i in 0..10 {
+        put(&memory, &format!("item-{i}"), 2);
+    }
+    wait_all(&seen, 10, 2).await;
+    assert!(
+        backend.api.calls.hung_describe_table.load(Ordering::SeqCst) >= 1,
+        "a check hung while the new shards were waiting"
+    );
+    within(
+        LIMIT,
+        "caught up",
+        memory.wait_caught_up(&table.stream_arn(), "indexer"),
+    )
+    .await;
+    running.shutdown().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    for i in 0..10 {
+        assert_eq!(seen[&format!("item-{i}")], vec![1, 2], "item-{i}");
     }
 }
 

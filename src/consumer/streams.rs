@@ -15,9 +15,18 @@ use crate::lease::{Checkpoint, LeaseStore, OneTableStream, SharedListing};
 use super::config::{stream_name, Config, StreamList, TableStream};
 use super::context::WorkerContext;
 use super::coordinator::Coordinator;
+use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::health::HealthState;
 use super::shard::dispatch::Sink;
 use super::ConsumerError;
+
+/// The calls a group following a table makes to decide which of the table's streams to
+/// read, each with the coordinator's deadline: a call that never answers is a failed
+/// check (the group stays where it is and checks again), not a group waiting for ever.
+struct Checks {
+    kinesis: BoundedKinesis,
+    store: BoundedLeaseStore,
+}
 
 /// A consumer's worker: its coordinators and their shared health.
 pub(crate) struct Group {
@@ -187,11 +196,23 @@ impl Group {
         table: &str,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
+        let calls = Checks {
+            kinesis: BoundedKinesis::new(
+                self.kinesis.clone(),
+                self.config.read_call_timeout,
+                self.config.labels(),
+            ),
+            store: BoundedLeaseStore::new(
+                self.store.clone(),
+                self.config.lease_call_timeout,
+                self.config.labels(),
+            ),
+        };
         loop {
-            let Some(current) = self.resolve_table_stream(table, &shutdown).await? else {
+            let Some(current) = self.resolve_table_stream(table, &calls, &shutdown).await? else {
                 return Ok(()); // shut down before it started
             };
-            let arn = match self.unfinished_earlier_stream(&current).await {
+            let arn = match self.unfinished_earlier_stream(&current, &calls).await {
                 Some(earlier) => {
                     tracing::info!(%table, stream = %earlier, current = %current, "reading the rest of the table's earlier stream first");
                     earlier
@@ -219,16 +240,25 @@ impl Group {
             let mut ticks = tokio::time::interval(self.config.shard_sync_interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tokio::select! {
+                // The check runs beside the coordinator, never instead of it: while its
+                // calls wait (a slow or unanswered DescribeTable, DescribeStream or
+                // Scan), the coordinator goes on taking, syncing and handing over
+                // shards; polled only between checks, it stood still for as long as a
+                // call hung, and the shards nobody held yet stayed unread.
+                let check = async {
+                    ticks.tick().await;
+                    self.moved_on(table, &arn, &calls).await
+                };
+                let moved = tokio::select! {
+                    biased;
                     result = &mut run => return result,
-                    _ = ticks.tick() => {
-                        if self.moved_on(table, &arn).await {
-                            tracing::info!(%table, stream = %arn, "the table has a newer stream and this one is finished: moving on");
-                            stop.cancel();
-                            run.await?;
-                            break;
-                        }
-                    }
+                    moved = check => moved,
+                };
+                if moved {
+                    tracing::info!(%table, stream = %arn, "the table has a newer stream and this one is finished: moving on");
+                    stop.cancel();
+                    run.await?;
+                    break;
                 }
             }
             if shutdown.is_cancelled() {
@@ -241,9 +271,9 @@ impl Group {
     /// rows are not all finished and that is still readable. Not knowing (a call
     /// failed) gives `None`: the coordinator of `current` then refuses a table holding
     /// unfinished rows of another stream rather than skip them.
-    async fn unfinished_earlier_stream(&self, current: &str) -> Option<String> {
+    async fn unfinished_earlier_stream(&self, current: &str, calls: &Checks) -> Option<String> {
         let view = OneTableStream::new(self.store.clone(), current);
-        let rows = self.store.list().await.ok()?;
+        let rows = calls.store.list().await.ok()?;
         let mut earlier: Vec<String> = rows
             .iter()
             .filter(|r| view.other_stream_of_table(r) && r.checkpoint != Checkpoint::ShardEnd)
@@ -252,7 +282,7 @@ impl Group {
         earlier.sort();
         earlier.dedup();
         for stream in earlier {
-            match self.kinesis.list_shards(&stream).await {
+            match calls.kinesis.list_shards(&stream).await {
                 Err(KinesisError::NotFound(_)) => {
                     tracing::warn!(%stream, "an earlier stream of the table is gone (past its retention); its unread changes with it");
                 }
@@ -265,17 +295,17 @@ impl Group {
     /// Whether the group should leave `stream`: the table's stream is another one now
     /// (a failure to tell, or no stream at all, says no), and every shard of `stream`
     /// is closed with its row finished, or the stream is gone.
-    async fn moved_on(&self, table: &str, stream: &str) -> bool {
-        match self.kinesis.resolve_table_stream(table).await {
+    async fn moved_on(&self, table: &str, stream: &str, calls: &Checks) -> bool {
+        match calls.kinesis.resolve_table_stream(table).await {
             Ok(now) if now != stream => {}
             _ => return false,
         }
-        let shards = match self.kinesis.list_shards(stream).await {
+        let shards = match calls.kinesis.list_shards(stream).await {
             Ok(shards) => shards,
             Err(KinesisError::NotFound(_)) => return true,
             Err(_) => return false,
         };
-        let Ok(rows) = self.store.list().await else {
+        let Ok(rows) = calls.store.list().await else {
             return false;
         };
         let ours = |shard: &str| {
@@ -300,11 +330,12 @@ impl Group {
     async fn resolve_table_stream(
         &self,
         table: &str,
+        calls: &Checks,
         shutdown: &CancellationToken,
     ) -> Result<Option<String>, ConsumerError> {
         let mut delay = self.config.retry_min;
         loop {
-            match self.kinesis.resolve_table_stream(table).await {
+            match calls.kinesis.resolve_table_stream(table).await {
                 Ok(arn) => return Ok(Some(arn)),
                 Err(e) if e.is_transient() => {
                     tracing::warn!(%table, error = %e, "resolving the table's stream failed; retrying");
