@@ -19,6 +19,7 @@ use super::deadline::{BoundedKinesis, BoundedLeaseStore};
 use super::health::HealthState;
 use super::shard::dispatch::Sink;
 use super::ConsumerError;
+use crate::backoff::Backoff;
 
 /// The calls a group following a table makes to decide which of the table's streams to
 /// read, each with the coordinator's deadline: a call that never answers is a failed
@@ -68,9 +69,8 @@ impl Group {
             if let Some(TableStream::Table(table)) = &self.config.table_stream {
                 return self.follow_table(table, shutdown).await;
             }
-            let config = self.config.clone();
             let coordinator = Coordinator::new(
-                config,
+                self.config.clone(),
                 self.worker.clone(),
                 self.kinesis.clone(),
                 self.store.clone(),
@@ -333,7 +333,11 @@ impl Group {
         calls: &Checks,
         shutdown: &CancellationToken,
     ) -> Result<Option<String>, ConsumerError> {
-        let mut delay = self.config.retry_min;
+        let mut backoff = Backoff::new(
+            self.config.retry_min,
+            self.config.retry_max,
+            self.config.seed,
+        );
         loop {
             match calls.kinesis.resolve_table_stream(table).await {
                 Ok(arn) => return Ok(Some(arn)),
@@ -344,9 +348,8 @@ impl Group {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(None),
-                _ = tokio::time::sleep(delay) => {}
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
             }
-            delay = (delay * 2).min(self.config.retry_max);
         }
     }
 
